@@ -1,0 +1,30 @@
+# Two set-up commands (see README): `make demo` runs the main job, `make test` runs the tests.
+# Each creates and fills its own virtual environment on first use.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# DeepSpeed JIT-compiles C++ ops once per machine; keep them inside the project (git-ignored).
+export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
+export WANDB_MODE ?= offline
+export PYTHONUNBUFFERED := 1
+
+.PHONY: venv demo test clean
+
+venv: $(VENV)/.installed
+
+# torch 2.13.0 first: on CPU machines it resolves to the CPU wheel; a bare `torch` pulls CUDA.
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "torch==$${TORCH_VERSION:-2.13.0}"
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@
+
+demo: venv
+	bash scripts/demo.sh
+
+test: venv
+	$(PY) -m pytest -q tests
+
+clean:
+	rm -rf $(VENV) .cache

@@ -1,0 +1,85 @@
+"""Run a test function in N gloo processes on this CPU machine.
+
+Usage in a test:
+
+    def _body(rank, world_size, tmp):      # module-level, picklable
+        info = init_distributed(tensor_parallel_size=2)
+        ...
+        return some_picklable_value        # collected per rank
+
+    results = run_distributed(_body, world_size=4, args=(tmp_path,))   # list indexed by rank
+
+A failure in any rank raises in the test with that rank's traceback.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world_size, port, fn, args, queue):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size), DS_ACCELERATOR="cpu",
+                      OMP_NUM_THREADS="1")
+    import torch
+    torch.set_num_threads(1)
+    try:
+        result = fn(rank, world_size, *args)
+        queue.put((rank, True, result))
+    except BaseException:  # report every failure to the parent
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        from pipeline.parallel import destroy_distributed
+        try:
+            destroy_distributed()
+        except Exception:
+            pass
+
+
+def run_distributed(fn, world_size: int, args: tuple = (), timeout_s: float = 600.0) -> list:
+    """Run `fn(rank, world_size, *args)` in `world_size` spawned processes.
+
+    Returns:
+        The per-rank return values, indexed by rank.
+
+    Raises:
+        RuntimeError: a rank raised (its traceback is in the message), or timed out.
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results: dict[int, object] = {}
+    errors = []
+    try:
+        for _ in range(world_size):
+            rank, ok, value = queue.get(timeout=timeout_s)
+            if ok:
+                results[rank] = value
+            else:
+                errors.append(f"rank {rank} failed:\n{value}")
+                break
+    except Exception as e:  # queue.Empty on timeout
+        errors.append(f"timed out after {timeout_s} s waiting for ranks: {e!r}")
+    finally:
+        for p in procs:
+            p.join(timeout=5 if errors else 60)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        raise RuntimeError("\n".join(errors))
+    return [results[r] for r in range(world_size)]
