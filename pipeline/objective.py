@@ -1,0 +1,407 @@
+"""The ReFusion training objective: per-sample reorganization and the hybrid AR + MDM loss.
+
+Owns: turning one prepared sample (natural-order tokens, segments, slot boundaries) into the
+reorganized sequence the model is fed (REFUSION.md "Training example", steps 1-5), packing
+reorganized samples into fixed-shape micro-batch tensors, and the loss (step 6).
+Must not touch: the model, process groups (it only *reads* megatron-core's `parallel_state`
+to pick the vocab-parallel cross-entropy), shard I/O (see `pipeline.data`).
+
+Everything here is a pure function of its arguments: the randomness of a sample (its `t`,
+slot masks and clean-slot order) comes from `sample_rng(seed, key, epoch)`, so a resumed run
+and every tensor-parallel rank of a data-parallel group build bit-identical batches.
+
+Random draws, in this order, from `sample_rng(seed, key, epoch)` (numpy PCG64 seeded by
+`SeedSequence([seed, epoch, blake2b-128(key)])`; stable across processes and Python runs,
+unlike the salted builtin `hash`):
+  1. only when `ObjectiveConfig.slot_sizes` is set: one index per segment,
+     `rng.integers(len(slot_sizes), size=S)`, choosing that segment's slot size k;
+  2. `t = rng.random(S)`, one per segment; `p = (1 - eps) * t + eps`;
+  3. `u = rng.random(N)`, one per slot (all segments, natural order); slot masked iff `u < p`;
+  4. `o = rng.random(N)`, one per slot; the clean slots of a segment are fed in increasing `o`
+     (a uniformly random order).
+Mode "ar" draws nothing.
+
+Plain AR baseline (`mode="ar"`): every segment is fed in natural order, nothing is masked,
+and the response is one slot, so the loss is the ordinary next-token cross-entropy of the
+response: the last prompt token predicts the first response token (when the prompt is
+non-empty), each response token predicts the next, and the last token of the segment has no
+label (nothing follows it inside the segment; data_prep ends responses with EOS, so EOS is a
+target). MDM is 0. This is what an SFT/pretraining run of the same network on the same
+segments would optimize, so it is the like-for-like baseline.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+IGNORE_INDEX = -100
+
+__all__ = ["IGNORE_INDEX", "ObjectiveConfig", "Reorganized", "sample_rng", "slot_layout",
+           "reorganize_sample", "collate", "token_cross_entropy", "hybrid_loss"]
+
+
+@dataclass
+class ObjectiveConfig:
+    """Options of the objective. Defaults are the paper's.
+
+    Attributes:
+        mode: "refusion" (hybrid AR + MDM, the method) or "ar" (plain next-token baseline,
+            see the module docstring).
+        eps: lower bound of the mask probability, `p = (1 - eps) * t + eps` (REFUSION.md step 1).
+        slot_sizes: None = use the slot boundaries stored in the shards (data_prep drew k per
+            sample from {4, 8, 16, 32}); a list of sizes = ignore them and re-slice each
+            segment's response into slots of a size drawn per (segment, epoch) from this list.
+        ar_weight / mdm_weight: loss = ar_weight * AR + mdm_weight * MDM.
+    """
+
+    mode: str = "refusion"
+    eps: float = 1e-3
+    slot_sizes: list[int] | None = None
+    ar_weight: float = 1.0
+    mdm_weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("refusion", "ar"):
+            raise ValueError(f"objective.mode must be 'refusion' or 'ar', got {self.mode!r}")
+        if not 0.0 <= self.eps < 1.0:
+            raise ValueError(f"objective.eps must be in [0, 1), got {self.eps}")
+        if self.slot_sizes is not None:
+            self.slot_sizes = [int(k) for k in self.slot_sizes]
+            if not self.slot_sizes or min(self.slot_sizes) < 1:
+                raise ValueError(f"objective.slot_sizes must be positive sizes, got {self.slot_sizes}")
+        if self.ar_weight < 0 or self.mdm_weight < 0:
+            raise ValueError("objective.ar_weight and objective.mdm_weight must be >= 0")
+
+
+def _key_hash(key: str) -> int:
+    return int.from_bytes(hashlib.blake2b(key.encode("utf-8"), digest_size=16).digest(), "little")
+
+
+def sample_rng(seed: int, key: str, epoch: int) -> np.random.Generator:
+    """The random generator of one sample: a pure function of (seed, sample key, epoch).
+
+    Args:
+        seed: run seed (non-negative int). key: the sample's `__key__`. epoch: 0-based epoch.
+
+    Returns:
+        numpy Generator (PCG64) seeded by SeedSequence([seed, epoch, blake2b-128(key)]).
+    """
+    if seed < 0 or epoch < 0:
+        raise ValueError(f"seed and epoch must be >= 0, got seed={seed} epoch={epoch}")
+    return np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, epoch, _key_hash(key)])))
+
+
+def slot_layout(segments: Sequence[dict], rng: np.random.Generator | None,
+                cfg: ObjectiveConfig) -> tuple[np.ndarray, np.ndarray]:
+    """Slot boundaries of a sample: the stored ones, or re-sliced per `cfg`.
+
+    Args:
+        segments: the shard sample's `json["segments"]` (absolute offsets into `tokens`).
+        rng: the sample's generator (draw 1 of the module docstring happens here when
+            `cfg.slot_sizes` is set); may be None otherwise.
+        cfg: objective options.
+
+    Returns:
+        (slot_start, slot_segment): `int64[N]` absolute start offset of every slot, in natural
+        order, and the index of the segment each slot belongs to.
+    """
+    starts = np.array([s["start"] + s["prompt_length"] for s in segments], dtype=np.int64)
+    ends = np.array([s["end"] for s in segments], dtype=np.int64)
+    n_seg = len(segments)
+    if cfg.mode == "ar":
+        return starts, np.arange(n_seg, dtype=np.int64)
+    if cfg.slot_sizes is None:
+        counts = np.array([len(s["slot_starts"]) for s in segments], dtype=np.int64)
+        slot_start = np.fromiter((x for s in segments for x in s["slot_starts"]), dtype=np.int64,
+                                 count=int(counts.sum()))
+        return slot_start, np.repeat(np.arange(n_seg, dtype=np.int64), counts)
+    sizes = np.asarray(cfg.slot_sizes, dtype=np.int64)
+    k = sizes[rng.integers(len(sizes), size=n_seg)]
+    counts = -(-(ends - starts) // k)  # ceil
+    slot_seg = np.repeat(np.arange(n_seg, dtype=np.int64), counts)
+    first = np.cumsum(counts) - counts
+    within = np.arange(int(counts.sum()), dtype=np.int64) - first[slot_seg]
+    return starts[slot_seg] + within * k[slot_seg], slot_seg
+
+
+@dataclass
+class Reorganized:
+    """One shard sample after reorganization; arrays are in *fed* order, length L.
+
+    Attributes:
+        key: the sample key.
+        input_ids: int64[L] fed tokens (mask id at masked positions).
+        position_ids: int64[L] original position ids, restarting at 0 per segment.
+        labels: int64[L] target token or IGNORE_INDEX (-100).
+        is_masked: bool[L] token belongs to a masked slot (its label is the MDM target).
+        loss_weight: float32[L] 1/(p * n_r) at masked tokens, 1 at AR-labelled tokens, else 0.
+        segment: int64[L] 0-based index of the token's segment within this sample.
+        p: float64[S] mask probability of each segment (0 in mode "ar").
+        response_tokens: int, number of response tokens over all segments.
+    """
+
+    key: str
+    input_ids: np.ndarray
+    position_ids: np.ndarray
+    labels: np.ndarray
+    is_masked: np.ndarray
+    loss_weight: np.ndarray
+    segment: np.ndarray
+    p: np.ndarray
+    response_tokens: int
+
+    @property
+    def length(self) -> int:
+        """Number of tokens L."""
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_segments(self) -> int:
+        """Number of segments S."""
+        return int(self.p.shape[0])
+
+
+def reorganize_sample(tokens: np.ndarray, segments: Sequence[dict], key: str, *, seed: int,
+                      epoch: int, mask_id: int, cfg: ObjectiveConfig) -> Reorganized:
+    """Reorganize one shard sample (REFUSION.md "Training example", steps 1-5), vectorized.
+
+    Each segment is handled inside its own span: prompt first (natural order), then the clean
+    slots as whole slots in a random order, then the masked slots in natural order with every
+    token replaced by `mask_id`. Position ids are original offsets from the segment start.
+
+    Args:
+        tokens: uint32/int[L] natural-order token ids.
+        segments: `json["segments"]` of the shard sample (see ARCHITECTURE.md "Shard format").
+        key: the sample key (seeds the randomness with `seed` and `epoch`).
+        seed, epoch: see `sample_rng`.
+        mask_id: id of the mask token.
+        cfg: objective options.
+
+    Returns:
+        A `Reorganized` (arrays in fed order).
+
+    Raises:
+        ValueError: the segments do not cover `tokens` contiguously, or a response is empty.
+    """
+    x = np.asarray(tokens).astype(np.int64, copy=False)
+    L = int(x.shape[0])
+    n_seg = len(segments)
+    seg_start = np.array([s["start"] for s in segments], dtype=np.int64)
+    seg_end = np.array([s["end"] for s in segments], dtype=np.int64)
+    resp_start = seg_start + np.array([s["prompt_length"] for s in segments], dtype=np.int64)
+    if (n_seg == 0 or seg_start[0] != 0 or seg_end[-1] != L or np.any(seg_start[1:] != seg_end[:-1])
+            or np.any(resp_start >= seg_end) or np.any(resp_start < seg_start)):
+        raise ValueError(f"sample {key}: segments must be contiguous, cover the {L} tokens and "
+                         f"each have a non-empty response")
+    rng = None if cfg.mode == "ar" else sample_rng(seed, key, epoch)
+    slot_start, slot_seg = slot_layout(segments, rng, cfg)
+    n_slot = int(slot_start.shape[0])
+    slot_end = np.empty(n_slot, dtype=np.int64)
+    slot_end[:-1] = slot_start[1:]
+    last_of_seg = np.ones(n_slot, dtype=bool)
+    last_of_seg[:-1] = slot_seg[1:] != slot_seg[:-1]
+    slot_end[last_of_seg] = seg_end[slot_seg[last_of_seg]]
+    first_of_seg = np.ones(n_slot, dtype=bool)
+    first_of_seg[1:] = slot_seg[1:] != slot_seg[:-1]
+    if (np.any(slot_end <= slot_start) or np.any(slot_start[first_of_seg] != resp_start)
+            or np.bincount(slot_seg, minlength=n_seg).min() < 1):
+        raise ValueError(f"sample {key}: slot_starts must be increasing and start at each "
+                         f"segment's response start")
+
+    if cfg.mode == "ar":
+        p = np.zeros(n_seg, dtype=np.float64)
+        slot_masked = np.zeros(n_slot, dtype=bool)
+        order = np.zeros(n_slot, dtype=np.float64)
+    else:
+        t = rng.random(n_seg)
+        p = (1.0 - cfg.eps) * t + cfg.eps
+        slot_masked = rng.random(n_slot) < p[slot_seg]
+        order = rng.random(n_slot)
+
+    pos = np.arange(L, dtype=np.int64)
+    tok_seg = np.repeat(np.arange(n_seg, dtype=np.int64), seg_end - seg_start)
+    in_resp = pos >= resp_start[tok_seg]
+    tok_slot = np.full(L, -1, dtype=np.int64)
+    tok_slot[in_resp] = np.repeat(np.arange(n_slot, dtype=np.int64), slot_end - slot_start)
+    tok_masked = np.zeros(L, dtype=bool)
+    tok_masked[in_resp] = slot_masked[tok_slot[in_resp]]
+
+    # Group within a segment: 0 prompt, 1 clean slot, 2 masked slot; then the slot's rank key.
+    group = np.where(in_resp, np.where(tok_masked, 2, 1), 0)
+    rank_key = np.zeros(L, dtype=np.float64)
+    rank_key[in_resp] = np.where(slot_masked, slot_start.astype(np.float64), order)[tok_slot[in_resp]]
+    perm = np.lexsort((pos, rank_key, group, tok_seg))
+
+    nxt = np.empty(L, dtype=np.int64)
+    nxt[:-1] = x[1:]
+    nxt[-1] = IGNORE_INDEX
+    labels = np.full(L, IGNORE_INDEX, dtype=np.int64)
+    clean = in_resp & ~tok_masked
+    slot_end_tok = np.zeros(L, dtype=np.int64)
+    slot_end_tok[in_resp] = slot_end[tok_slot[in_resp]]
+    ar_lab = clean & (pos + 1 < slot_end_tok)
+    if cfg.mode == "ar":  # the last prompt token predicts the first response token
+        ar_lab |= (pos + 1 == resp_start[tok_seg]) & (pos + 1 > seg_start[tok_seg])
+    labels[ar_lab] = nxt[ar_lab]
+    labels[tok_masked] = x[tok_masked]
+    n_r = (seg_end - resp_start).astype(np.float64)
+    weight = np.zeros(L, dtype=np.float64)
+    weight[ar_lab] = 1.0
+    weight[tok_masked] = 1.0 / (p[tok_seg[tok_masked]] * n_r[tok_seg[tok_masked]])
+    input_ids = np.where(tok_masked, np.int64(mask_id), x)
+    return Reorganized(
+        key=key, input_ids=input_ids[perm], position_ids=(pos - seg_start[tok_seg])[perm],
+        labels=labels[perm], is_masked=tok_masked[perm], loss_weight=weight[perm].astype(np.float32),
+        segment=tok_seg[perm], p=p, response_tokens=int((seg_end - resp_start).sum()))
+
+
+def collate(rows: Sequence[Sequence[Reorganized]], max_length: int, pad_id: int) -> dict:
+    """Lay reorganized samples into a fixed-shape micro-batch.
+
+    Row b holds the samples `rows[b]` one after another, then padding up to `max_length`.
+    Segment ids number the segments of a row 1, 2, ... (0 = padding); padding position ids
+    continue after the row's last segment (REFUSION.md step 4) and padding is never labelled.
+
+    Args:
+        rows: B lists of `Reorganized` (an empty list gives an all-padding row).
+        max_length: T, tokens per row.
+        pad_id: id of the padding token.
+
+    Returns:
+        dict with `input_ids, position_ids, labels, segment_ids: LongTensor[B, T]`,
+        `loss_weight: FloatTensor[B, T]`, `is_masked: BoolTensor[B, T]`,
+        `num_segments: LongTensor[]` (B of the MDM term), `segment_p: FloatTensor[S]` (p of each
+        segment, row-major; S = num_segments), `response_tokens, real_tokens: LongTensor[]`,
+        `keys: list[str]` (row-major).
+
+    Raises:
+        ValueError: a row's samples are longer than `max_length`.
+    """
+    B, T = len(rows), int(max_length)
+    input_ids = np.full((B, T), pad_id, dtype=np.int64)
+    position_ids = np.zeros((B, T), dtype=np.int64)
+    labels = np.full((B, T), IGNORE_INDEX, dtype=np.int64)
+    segment_ids = np.zeros((B, T), dtype=np.int64)
+    loss_weight = np.zeros((B, T), dtype=np.float32)
+    is_masked = np.zeros((B, T), dtype=bool)
+    keys, ps, response_tokens = [], [], 0
+    for b, samples in enumerate(rows):
+        used, seg_base = 0, 0
+        for s in samples:
+            end = used + s.length
+            if end > T:
+                raise ValueError(f"row {b}: samples need {end} tokens > max_length {T}")
+            input_ids[b, used:end] = s.input_ids
+            position_ids[b, used:end] = s.position_ids
+            labels[b, used:end] = s.labels
+            segment_ids[b, used:end] = s.segment + seg_base + 1
+            loss_weight[b, used:end] = s.loss_weight
+            is_masked[b, used:end] = s.is_masked
+            seg_base += s.num_segments
+            used = end
+            keys.append(s.key)
+            ps.append(s.p)
+            response_tokens += s.response_tokens
+        if used < T:
+            last = position_ids[b, used - 1] + 1 if used else 0
+            position_ids[b, used:] = np.arange(last, last + T - used)
+    segment_p = np.concatenate(ps) if ps else np.zeros(0)
+    return {
+        "input_ids": torch.from_numpy(input_ids), "position_ids": torch.from_numpy(position_ids),
+        "labels": torch.from_numpy(labels), "segment_ids": torch.from_numpy(segment_ids),
+        "loss_weight": torch.from_numpy(loss_weight), "is_masked": torch.from_numpy(is_masked),
+        "num_segments": torch.tensor(int(segment_p.shape[0]), dtype=torch.long),
+        "segment_p": torch.from_numpy(segment_p.astype(np.float32)),
+        "response_tokens": torch.tensor(response_tokens, dtype=torch.long),
+        "real_tokens": torch.from_numpy(segment_ids > 0).sum(),
+        "keys": keys,
+    }
+
+
+def _tp_initialized() -> bool:
+    import sys
+    if "megatron.core" not in sys.modules or not torch.distributed.is_initialized():
+        return False
+    from megatron.core import parallel_state
+    return parallel_state.model_parallel_is_initialized()
+
+
+def token_cross_entropy(logits_shard: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Per-token cross-entropy in fp32, 0 where `labels == IGNORE_INDEX`.
+
+    With megatron-core's `parallel_state` initialized, `logits_shard` is this rank's vocab
+    partition and the loss goes through `tensor_parallel.vocab_parallel_cross_entropy` (no
+    gather of the full logits). NOTE: that function overwrites fp32 logits in place (it keeps
+    the softmax there for backward); pass a clone if you still need them. Without a process
+    group, `logits_shard` must be the full logits and plain `F.cross_entropy` is used.
+
+    Args:
+        logits_shard: FloatTensor[B, T, V / tp] (any float dtype; computed in fp32).
+        labels: LongTensor[B, T], -100 = ignore.
+
+    Returns:
+        FloatTensor[B, T] cross-entropy in nats.
+    """
+    valid = labels != IGNORE_INDEX
+    target = torch.where(valid, labels, torch.zeros_like(labels))
+    if _tp_initialized():
+        from megatron.core import tensor_parallel
+        ce = tensor_parallel.vocab_parallel_cross_entropy(logits_shard.float(), target)
+    else:
+        V = logits_shard.shape[-1]
+        ce = F.cross_entropy(logits_shard.float().reshape(-1, V), target.reshape(-1),
+                             reduction="none").view_as(labels)
+    return torch.where(valid, ce, torch.zeros_like(ce))
+
+
+def hybrid_loss(logits_shard: torch.Tensor, batch: dict, cfg: ObjectiveConfig | None = None
+                ) -> tuple[torch.Tensor, dict]:
+    """The ReFusion loss of a micro-batch (REFUSION.md step 6).
+
+    AR  = mean CE over clean-slot tokens that have a label (all rows of the micro-batch);
+    MDM = (1 / num_segments) * sum over masked tokens of CE * loss_weight, where
+          loss_weight = 1 / (p * n_r) of the token's segment;
+    loss = ar_weight * AR + mdm_weight * MDM. An empty term is 0 (never NaN).
+
+    Args:
+        logits_shard: FloatTensor[B, T, V / tp], vocab-parallel logits in fed order (see
+            `token_cross_entropy` for the in-place caveat).
+        batch: a dict from `collate` (tensors are moved to the logits' device).
+        cfg: objective options (weights); default `ObjectiveConfig()`.
+
+    Returns:
+        (loss: FloatTensor[] with grad, stats: dict of detached 0-dim tensors `ar_loss,
+        mdm_loss, ar_tokens, mdm_tokens, mask_ratio` (mean p over segments), `masked_fraction`
+        (masked / response tokens), `num_segments, real_tokens, response_tokens`).
+    """
+    cfg = cfg or ObjectiveConfig()
+    dev = logits_shard.device
+    labels = batch["labels"].to(dev, non_blocking=True)
+    is_masked = batch["is_masked"].to(dev, non_blocking=True)
+    weight = batch["loss_weight"].to(dev, non_blocking=True)
+    n_seg = batch["num_segments"].to(dev)
+    ce = token_cross_entropy(logits_shard, labels)
+    labelled = labels != IGNORE_INDEX
+    ar_mask = labelled & ~is_masked
+    mdm_mask = labelled & is_masked
+    ar_tokens = ar_mask.sum()
+    mdm_tokens = mdm_mask.sum()
+    ar = torch.where(ar_mask, ce, torch.zeros_like(ce)).sum() / ar_tokens.clamp(min=1)
+    mdm = torch.where(mdm_mask, ce * weight, torch.zeros_like(ce)).sum() / n_seg.clamp(min=1)
+    loss = cfg.ar_weight * ar + cfg.mdm_weight * mdm
+    seg_p = batch["segment_p"]
+    resp = batch["response_tokens"]
+    stats = {
+        "ar_loss": ar.detach(), "mdm_loss": mdm.detach(),
+        "ar_tokens": ar_tokens.detach(), "mdm_tokens": mdm_tokens.detach(),
+        "mask_ratio": seg_p.float().mean() if seg_p.numel() else torch.zeros(()),
+        "masked_fraction": mdm_tokens.detach().float() / resp.to(dev).clamp(min=1),
+        "num_segments": batch["num_segments"], "real_tokens": batch["real_tokens"],
+        "response_tokens": resp,
+    }
+    return loss, stats
