@@ -1,0 +1,512 @@
+"""Shard reading, data-parallel / worker split, shuffling, batching and exact resumption.
+
+Owns: reading the shard folder written by `data_prep/shard.py` (ARCHITECTURE.md "Shard
+format", local path or fsspec URL), checking it against the model, cutting it into one
+*stream* per (data-parallel rank, loader worker), shuffling, packing or padding samples into
+fixed-shape micro-batches reorganized by `pipeline.objective`, and the loader state.
+Must not touch: the model, the loss, process groups (the caller passes dp_rank / dp_size).
+
+How the data is cut and ordered (everything is computed from the manifest, no data is read):
+- Split samples are numbered 0..N-1 in manifest order (shard by shard). With S = dp_size x
+  max(1, num_workers) streams, stream g = dp_rank * max(1, num_workers) + worker owns the
+  contiguous range [g*N//S, (g+1)*N//S): balanced to one sample, never empty (N >= S is
+  checked), whatever the number of shards, and each stream reads only the shards its range
+  touches. The assignment does not change across epochs.
+- Epoch e of a stream: its pieces (its range cut at shard borders) in an order drawn from
+  (seed, e, g), then a window shuffle: consecutive windows of `shuffle_buffer` samples are
+  each emitted in an order drawn from (seed, e, g, window). A stream loops over epochs on its
+  own (the loader is infinite by default, so data-parallel ranks never wait for each other at
+  an epoch end); the reorganization of a sample uses its own stream's epoch.
+- Worker w of a torch DataLoader yields whole micro-batches of its stream; the DataLoader
+  returns them round-robin (batch i from worker i % num_workers).
+State: for each stream, (epoch, number of samples already placed in yielded batches), plus the
+number of batches yielded. Resuming re-opens each stream's current window (reading at most one
+window plus skipping tar headers inside one shard), never replays the epoch.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import posixpath
+import tarfile
+from dataclasses import dataclass
+from typing import Iterator
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from pipeline.objective import ObjectiveConfig, collate, reorganize_sample
+
+__all__ = ["DataError", "read_manifest", "check_tokenizer", "ShardLoader", "build_loader"]
+
+STATE_VERSION = 1
+_SALT_PIECES = 0x5EED01
+_SALT_WINDOW = 0x5EED02
+
+
+class DataError(ValueError):
+    """A user-facing data problem (bad folder, manifest, shard, state); the message is one line
+    naming the file/field. CLIs catch it and exit with code 2."""
+
+
+def _fs(data_dir: str):
+    import fsspec
+    fs, root = fsspec.core.url_to_fs(data_dir)
+    return fs, root.rstrip("/")
+
+
+def read_manifest(data_dir: str) -> dict:
+    """Read and check `<data_dir>/manifest.json`.
+
+    Args:
+        data_dir: local folder or fsspec URL (e.g. `memory://shards`, `s3://bucket/shards`).
+
+    Returns:
+        The manifest dict.
+
+    Raises:
+        DataError: missing/unreadable manifest, unknown format_version, missing fields.
+    """
+    fs, root = _fs(data_dir)
+    path = f"{root}/manifest.json"
+    try:
+        with fs.open(path, "rb") as f:
+            manifest = json.loads(f.read().decode("utf-8"))
+    except FileNotFoundError:
+        raise DataError(f"{data_dir}: no manifest.json (not a shard folder written by data_prep.shard)") from None
+    except (OSError, ValueError) as e:
+        raise DataError(f"{path}: unreadable manifest ({e})") from None
+    if manifest.get("format_version") != 1:
+        raise DataError(f"{path}: format_version {manifest.get('format_version')!r} is not supported (expected 1)")
+    for field in ("tokenizer", "max_length", "splits"):
+        if field not in manifest:
+            raise DataError(f"{path}: missing field {field!r}")
+    for field in ("vocab_size", "pad_id", "mask_id", "eos_id"):
+        if manifest["tokenizer"].get(field) is None:
+            raise DataError(f"{path}: tokenizer.{field} is missing")
+    return manifest
+
+
+def check_tokenizer(manifest: dict, vocab_size: int | None, tokenizer_hash: str | None = None,
+                    where: str = "manifest.json") -> None:
+    """Refuse shards that do not fit the model.
+
+    Args:
+        manifest: from `read_manifest`.
+        vocab_size: the model's embedding rows (`ModelConfig.vocab_size`); None skips the check.
+        tokenizer_hash: if given, the manifest's `tokenizer.hash` must equal it.
+        where: name used in messages.
+
+    Raises:
+        DataError: vocab too small, a special id outside the embedding, or another tokenizer.
+    """
+    tok = manifest["tokenizer"]
+    if tokenizer_hash is not None and tok.get("hash") != tokenizer_hash:
+        raise DataError(f"{where}: shards were tokenized with {tok.get('name')!r} (hash {tok.get('hash')}), "
+                        f"the model expects tokenizer hash {tokenizer_hash}")
+    if vocab_size is None:
+        return
+    if tok["vocab_size"] > vocab_size:
+        raise DataError(f"{where}: tokenizer.vocab_size {tok['vocab_size']} > model vocab_size {vocab_size}")
+    for name in ("pad_id", "mask_id", "eos_id", "bos_id"):
+        v = tok.get(name)
+        if v is not None and not 0 <= v < vocab_size:
+            raise DataError(f"{where}: tokenizer.{name} {v} is outside the model vocab [0, {vocab_size})")
+
+
+@dataclass(frozen=True)
+class _Piece:
+    shard: int   # index into the split's shard list
+    start: int   # first sample (0-based, within the shard)
+    stop: int    # one past the last sample
+
+    @property
+    def count(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass(frozen=True)
+class _Spec:
+    """Everything a worker needs (picklable)."""
+    fs: object
+    root: str
+    split: str
+    shards: tuple        # ((name, samples), ...)
+    pieces: tuple        # per local stream: tuple[_Piece, ...]
+    stream_ids: tuple    # global stream id of each local stream
+    seed: int
+    micro_batch_size: int
+    max_length: int
+    pack: bool
+    window: int
+    shuffle: bool
+    infinite: bool
+    mask_id: int
+    pad_id: int
+    vocab_limit: int
+    objective: ObjectiveConfig
+
+
+def _tar_samples(fs, path: str, skip: int, count: int) -> Iterator[tuple[str, np.ndarray, list]]:
+    """Samples `skip .. skip+count-1` of one tar, in file order: (key, tokens, segments).
+
+    Skipped samples cost a tar header read each (seek past their data).
+
+    Raises:
+        DataError: unreadable/corrupt/truncated tar, or fewer samples than expected.
+    """
+    def bad(msg):
+        return DataError(f"shard {path}: {msg}")
+
+    try:
+        f = fs.open(path, "rb")
+    except (FileNotFoundError, OSError) as e:
+        raise bad(f"cannot open ({e})") from None
+    with f:
+        try:
+            tf = tarfile.open(fileobj=f, mode="r:")
+        except tarfile.TarError as e:
+            raise bad(f"not a readable tar ({e})") from None
+        index, key, files, done = -1, None, {}, 0
+
+        def finish():
+            if "tokens.npy" not in files or "json" not in files:
+                raise bad(f"sample {key} lacks tokens.npy or json (has {sorted(files)})")
+            try:
+                tokens = np.load(io.BytesIO(files["tokens.npy"]), allow_pickle=False)
+                meta = json.loads(files["json"].decode("utf-8"))
+            except (ValueError, OSError, UnicodeDecodeError) as e:
+                raise bad(f"sample {key}: undecodable ({e})") from None
+            if tokens.ndim != 1 or tokens.dtype.kind not in "ui" or "segments" not in meta:
+                raise bad(f"sample {key}: tokens.npy must be a 1-D integer array and json must have segments")
+            return key, tokens, meta["segments"]
+
+        try:
+            while done < count:
+                member = tf.next()
+                if member is None:
+                    break
+                if not member.isfile():
+                    continue
+                d, base = posixpath.split(member.name)
+                mkey, _, ext = base.partition(".")
+                mkey = posixpath.join(d, mkey) if d else mkey
+                if mkey != key:
+                    if key is not None and index >= skip:
+                        yield finish()
+                        done += 1
+                        if done >= count:
+                            return
+                    index, key, files = index + 1, mkey, {}
+                if index >= skip:
+                    data = tf.extractfile(member).read()
+                    if len(data) != member.size:
+                        raise bad(f"sample {mkey}: truncated member {member.name}")
+                    files[ext] = data
+                tf.members.clear()  # do not keep every header of a large shard in memory
+            if key is not None and index >= skip and done < count:
+                yield finish()
+                done += 1
+        except tarfile.TarError as e:
+            raise bad(f"corrupt or truncated tar ({e})") from None
+        except (EOFError, OSError) as e:
+            raise bad(f"truncated or unreadable ({e})") from None
+        if done < count:
+            raise bad(f"has {index + 1} samples, the manifest says at least {skip + count} (truncated?)")
+
+
+class _SampleStream:
+    """One stream's samples in emission order, from a position; `peek()` / `advance()`."""
+
+    def __init__(self, spec: _Spec, local: int, epoch: int, n: int):
+        self.spec, self.local, self.gid = spec, local, spec.stream_ids[local]
+        self.pieces = spec.pieces[local]
+        self.size = sum(p.count for p in self.pieces)
+        self.epoch, self.n = epoch, n
+        self._window_id = None
+        self._window: list = []
+        self._perm = None
+        self._reader = None
+        self._start_epoch = epoch
+
+    @property
+    def position(self) -> tuple[int, int]:
+        return self.epoch, self.n
+
+    def _order(self) -> list[_Piece]:
+        pieces = list(self.pieces)
+        if self.spec.shuffle:
+            rng = np.random.default_rng([self.spec.seed, self.epoch, self.gid, _SALT_PIECES])
+            pieces = [pieces[i] for i in rng.permutation(len(pieces))]
+        return pieces
+
+    def _read_from(self, position: int) -> Iterator:
+        spec = self.spec
+        for piece in self._order():
+            if position >= piece.count:
+                position -= piece.count
+                continue
+            name = spec.shards[piece.shard][0]
+            path = f"{spec.root}/{name}"
+            for key, tokens, segments in _tar_samples(spec.fs, path, piece.start + position,
+                                                      piece.count - position):
+                yield path, key, tokens, segments
+            position = 0
+
+    def _load_window(self) -> None:
+        W = self.spec.window
+        w = self.n // W
+        if self._window_id == (self.epoch, w):
+            return
+        if self._window_id != (self.epoch, w - 1) or self._reader is None:
+            self._reader = self._read_from(w * W)
+        size = min(W, self.size - w * W)
+        self._window = [next(self._reader) for _ in range(size)]
+        if self.spec.shuffle:
+            rng = np.random.default_rng([self.spec.seed, self.epoch, self.gid, w, _SALT_WINDOW])
+            self._perm = rng.permutation(size)
+        else:
+            self._perm = np.arange(size)
+        self._window_id = (self.epoch, w)
+
+    def peek(self):
+        """(shard path, key, tokens, segments, epoch) of the next sample, or None at the end."""
+        if self.n >= self.size:
+            if not self.spec.infinite:
+                return None
+            self.epoch, self.n, self._reader = self.epoch + 1, 0, None
+        self._load_window()
+        W = self.spec.window
+        return (*self._window[self._perm[self.n % W]], self.epoch)
+
+    def advance(self) -> None:
+        self.n += 1
+
+
+def _reorganize(spec: _Spec, item):
+    path, key, tokens, segments, epoch = item
+    L = int(tokens.shape[0])
+    if L > spec.max_length:
+        raise DataError(f"shard {path}: sample {key} has {L} tokens > max_length {spec.max_length}")
+    if L and int(tokens.max()) >= spec.vocab_limit:
+        raise DataError(f"shard {path}: sample {key} has token id {int(tokens.max())} >= "
+                        f"tokenizer.vocab_size {spec.vocab_limit}")
+    try:
+        return reorganize_sample(tokens, segments, key, seed=spec.seed, epoch=epoch,
+                                 mask_id=spec.mask_id, cfg=spec.objective)
+    except (ValueError, KeyError, TypeError) as e:
+        raise DataError(f"shard {path}: bad segments in sample {key} ({e})") from None
+
+
+def _stream_batches(spec: _Spec, local: int, epoch: int, n: int) -> Iterator[dict]:
+    """Micro-batches of one stream; each carries `_stream` and `_pos` (position after it)."""
+    stream = _SampleStream(spec, local, epoch, n)
+    B, T = spec.micro_batch_size, spec.max_length
+    while True:
+        rows: list[list] = []
+        if not spec.pack:
+            while len(rows) < B and (item := stream.peek()) is not None:
+                rows.append([_reorganize(spec, item)])
+                stream.advance()
+        else:
+            row, used = [], 0
+            while len(rows) < B and (item := stream.peek()) is not None:
+                L = int(item[2].shape[0])
+                if used + L <= T:
+                    row.append(_reorganize(spec, item))
+                    used += L
+                    stream.advance()
+                else:
+                    rows.append(row)
+                    row, used = [], 0
+            if row and len(rows) < B:
+                rows.append(row)
+        if not rows:
+            return
+        rows += [[] for _ in range(B - len(rows))]
+        batch = collate(rows, T, spec.pad_id)
+        batch["_stream"] = local
+        batch["_pos"] = stream.position
+        yield batch
+
+
+class _StreamDataset(IterableDataset):
+    def __init__(self, spec: _Spec, positions: list, rotate: int):
+        self.spec, self.positions, self.rotate = spec, positions, rotate
+
+    def __iter__(self):
+        info = get_worker_info()
+        n_local = len(self.spec.stream_ids)
+        wid = info.id if info is not None else 0
+        local = (wid + self.rotate) % n_local
+        epoch, n = self.positions[local]
+        return _stream_batches(self.spec, local, epoch, n)
+
+
+class ShardLoader:
+    """Iterable of micro-batches for one data-parallel rank, with exact resumption.
+
+    Build it with `build_loader`. Iterating yields `objective.collate` dicts
+    (`LongTensor[B, T]` etc., see ARCHITECTURE.md "Batch"). Breaking out of the loop and
+    iterating again continues where the last yielded batch left off.
+
+    Attributes:
+        manifest: the folder's manifest. mask_id / pad_id: from it.
+        samples_per_epoch: shard samples this rank sees per epoch (all its streams).
+        consumed_samples: shard samples in the batches yielded so far (this rank).
+        batches: micro-batches yielded so far.
+    """
+
+    def __init__(self, spec: _Spec, manifest: dict, fingerprint: str, dp_rank: int, dp_size: int,
+                 num_workers: int, prefetch_factor: int):
+        self.spec, self.manifest, self.fingerprint = spec, manifest, fingerprint
+        self.dp_rank, self.dp_size, self.num_workers = dp_rank, dp_size, num_workers
+        self.prefetch_factor = prefetch_factor
+        self.mask_id, self.pad_id = spec.mask_id, spec.pad_id
+        self.samples_per_epoch = sum(p.count for ps in spec.pieces for p in ps)
+        self._positions = [(0, 0) for _ in spec.pieces]
+        self.batches = 0
+        self.consumed_samples = 0
+
+    @property
+    def epoch(self) -> int:
+        """The lowest epoch any of this rank's streams is in (0-based)."""
+        return min(e for e, _ in self._positions)
+
+    def __iter__(self) -> Iterator[dict]:
+        n_local = len(self.spec.stream_ids)
+        ds = _StreamDataset(self.spec, list(self._positions), self.batches % n_local)
+        if self.num_workers > 0:
+            it = iter(DataLoader(ds, batch_size=None, num_workers=self.num_workers,
+                                 prefetch_factor=self.prefetch_factor, persistent_workers=False))
+        else:
+            it = iter(ds)
+        while True:
+            try:
+                batch = next(it)
+            except StopIteration:
+                return
+            except DataError as e:  # a worker's error arrives with its traceback: keep one line
+                lines = [ln for ln in str(e).splitlines() if ln.strip()]
+                msg = lines[-1].split("DataError: ", 1)[-1] if lines else str(e)
+                raise DataError(msg) from None
+            local, pos = int(batch.pop("_stream")), tuple(int(v) for v in batch.pop("_pos"))
+            self._positions[local] = pos
+            self.batches += 1
+            self.consumed_samples += len(batch["keys"])
+            yield batch
+
+    def _config(self) -> dict:
+        s = self.spec
+        return {"split": s.split, "seed": s.seed, "dp_size": self.dp_size, "dp_rank": self.dp_rank,
+                "num_workers": self.num_workers, "micro_batch_size": s.micro_batch_size,
+                "max_length": s.max_length, "pack": s.pack, "shuffle_buffer": s.window,
+                "shuffle": s.shuffle, "objective": dict(vars(s.objective)), "data": self.fingerprint}
+
+    def state_dict(self) -> dict:
+        """Picklable/JSON-able state after the last yielded batch (one per data-parallel rank;
+        the TP ranks of a DP group have equal states)."""
+        return {"version": STATE_VERSION, "config": self._config(),
+                "positions": [list(p) for p in self._positions], "batches": self.batches,
+                "consumed_samples": self.consumed_samples}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue exactly after the batch the state was taken at.
+
+        Raises:
+            DataError: the state comes from a different data-parallel size, worker count,
+                seed, batch shape, objective or shard set (named in the message).
+        """
+        if state.get("version") != STATE_VERSION:
+            raise DataError(f"loader state: version {state.get('version')!r} is not {STATE_VERSION}")
+        saved, now = state["config"], self._config()
+        if saved["dp_size"] != now["dp_size"]:
+            raise DataError(f"loader state: saved with data-parallel size {saved['dp_size']}, this run has "
+                            f"{now['dp_size']}; changing the DP size on resume is not supported")
+        for k in now:
+            if saved.get(k) != now[k]:
+                raise DataError(f"loader state: {k} was {saved.get(k)!r} when saved, is {now[k]!r} now; "
+                                f"resume with the same data settings")
+        self._positions = [tuple(p) for p in state["positions"]]
+        self.batches = int(state["batches"])
+        self.consumed_samples = int(state["consumed_samples"])
+
+
+def build_loader(data_dir: str, split: str, micro_batch_size: int, max_length: int, *,
+                 dp_rank: int = 0, dp_size: int = 1, seed: int = 0, num_workers: int = 2,
+                 objective_cfg: ObjectiveConfig | None = None, pack: bool = False,
+                 shuffle_buffer: int = 1000, shuffle: bool = True, infinite: bool = True,
+                 vocab_size: int | None = None, tokenizer_hash: str | None = None,
+                 prefetch_factor: int = 4) -> ShardLoader:
+    """The training/eval loader of one data-parallel rank (the same on every TP rank).
+
+    Args:
+        data_dir: shard folder, local path or fsspec URL.
+        split: "train", "val", ... (a key of manifest["splits"]).
+        micro_batch_size: rows per micro-batch (B).
+        max_length: tokens per row (T); must be >= the manifest's max_length.
+        dp_rank, dp_size: data-parallel rank and size.
+        seed: run seed; shuffling and the objective's randomness derive from it.
+        num_workers: DataLoader worker processes (0 = in this process). Part of the state.
+        objective_cfg: objective options (default: the paper's).
+        pack: greedily pack several shard samples into a row (in stream order; a sample that
+            does not fit starts the next row); otherwise one sample per row, padded.
+        shuffle_buffer: window size of the shuffle, in samples (memory: that many samples per
+            worker).
+        shuffle: False = manifest order (eval).
+        infinite: True = loop over epochs forever (training); False = one pass, the last
+            micro-batch filled with all-padding rows.
+        vocab_size: model embedding rows, checked against the manifest (None = no check).
+        tokenizer_hash: if given, must equal manifest tokenizer.hash.
+        prefetch_factor: micro-batches each worker prepares ahead.
+
+    Returns:
+        A `ShardLoader`.
+
+    Raises:
+        DataError: bad folder/manifest/split, tokenizer mismatch, too few samples for
+            dp_size x num_workers streams, max_length smaller than the shards'.
+    """
+    if not 0 <= dp_rank < dp_size:
+        raise DataError(f"dp_rank {dp_rank} is not in [0, dp_size={dp_size})")
+    if micro_batch_size < 1 or num_workers < 0 or shuffle_buffer < 1:
+        raise DataError("micro_batch_size and shuffle_buffer must be >= 1, num_workers >= 0")
+    manifest = read_manifest(data_dir)
+    where = f"{data_dir}/manifest.json"
+    check_tokenizer(manifest, vocab_size, tokenizer_hash, where)
+    if split not in manifest["splits"]:
+        raise DataError(f"{where}: no split {split!r} (has {sorted(manifest['splits'])})")
+    if manifest["max_length"] > max_length:
+        raise DataError(f"{where}: shards hold samples up to max_length {manifest['max_length']} tokens, "
+                        f"the loader's max_length is {max_length}")
+    shards = tuple((s["name"], int(s["samples"])) for s in manifest["splits"][split])
+    total = sum(n for _, n in shards)
+    nw = max(1, num_workers)
+    S = dp_size * nw
+    if total < S:
+        raise DataError(f"{where}: split {split!r} has {total} samples, fewer than dp_size x workers = {S} "
+                        f"streams; use fewer loader workers")
+    starts = np.cumsum([0] + [n for _, n in shards])
+    stream_ids = tuple(dp_rank * nw + w for w in range(nw))
+    pieces = []
+    for g in stream_ids:
+        a, b = g * total // S, (g + 1) * total // S
+        mine = []
+        for i, (_, n) in enumerate(shards):
+            lo, hi = max(a, starts[i]), min(b, starts[i + 1])
+            if lo < hi:
+                mine.append(_Piece(i, int(lo - starts[i]), int(hi - starts[i])))
+        pieces.append(tuple(mine))
+    fs, root = _fs(data_dir)
+    tok = manifest["tokenizer"]
+    spec = _Spec(fs=fs, root=root, split=split, shards=shards, pieces=tuple(pieces),
+                 stream_ids=stream_ids, seed=int(seed), micro_batch_size=int(micro_batch_size),
+                 max_length=int(max_length), pack=bool(pack), window=int(shuffle_buffer),
+                 shuffle=bool(shuffle), infinite=bool(infinite), mask_id=int(tok["mask_id"]),
+                 pad_id=int(tok["pad_id"]), vocab_limit=int(tok["vocab_size"]),
+                 objective=objective_cfg or ObjectiveConfig())
+    fingerprint = hashlib.sha256(json.dumps([manifest["tokenizer"], manifest["splits"][split]],
+                                            sort_keys=True).encode()).hexdigest()[:16]
+    return ShardLoader(spec, manifest, fingerprint, dp_rank, dp_size, num_workers, prefetch_factor)
