@@ -1,0 +1,484 @@
+"""Hugging Face Qwen3 folders <-> our native tensor-parallel parameters.
+
+Owns: reading config.json into `ModelConfig`; the name/slice mapping between Hugging Face
+`Qwen3ForCausalLM` tensors and `pipeline.model.Qwen3` parameters on each tensor-parallel rank;
+per-rank loading that reads only the slices a rank needs (safetensors `safe_open` +
+`get_slice`, single file or sharded with `model.safetensors.index.json`); merging per-rank native
+state dicts back into full Hugging Face tensors; writing a Hugging Face folder (config.json,
+safetensors, tokenizer files). Must not touch: the network definition, training checkpoints
+(their layout belongs to `pipeline.checkpoint`), process groups.
+
+Mapping (HF name -> native name, partition dim over the TP group):
+    model.embed_tokens.weight                      -> embed_tokens.weight            dim 0
+    model.layers.{i}.self_attn.{q,k,v}_proj.weight -> layers.{i}.self_attn.qkv_proj.weight
+                                                      dim 0, rank r holds [q_r; k_r; v_r]
+    model.layers.{i}.self_attn.o_proj.weight       -> layers.{i}.self_attn.o_proj.weight dim 1
+    model.layers.{i}.mlp.{gate,up}_proj.weight     -> layers.{i}.mlp.gate_up_proj.weight
+                                                      dim 0, rank r holds [gate_r; up_r]
+    model.layers.{i}.mlp.down_proj.weight          -> layers.{i}.mlp.down_proj.weight   dim 1
+    lm_head.weight                                 -> lm_head.weight                 dim 0
+    norms (input/post_attention layernorm, q_norm, k_norm, model.norm) -> same name, replicated
+
+Vocabulary: the checkpoint's embedding rows are kept (151936 for Qwen3; 151671 for the authors'
+ReFusion release) and padded with zero rows up to a multiple of the TP size when needed
+(`padded_vocab_size`). The ReFusion tokens `<|beginoftext|>` / `<|mask|>` then take ids 151669 /
+151670, which are existing rows of a Qwen3 checkpoint.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+
+from pipeline.model import ModelConfig
+
+QWEN3_ARCHITECTURES = ("Qwen3ForCausalLM",)
+REFUSION_TOKENS = ("<|beginoftext|>", "<|mask|>")
+DEFAULT_MAX_SHARD_BYTES = 5 * 1024 ** 3
+
+
+# --------------------------------------------------------------------------------------------
+# config.json
+# --------------------------------------------------------------------------------------------
+
+def padded_vocab_size(rows: int, tp_size: int) -> int:
+    """Smallest multiple of `tp_size` that is >= `rows` (embedding rows, tokens)."""
+    return -(-rows // tp_size) * tp_size
+
+
+def read_hf_config(src) -> dict:
+    """The parsed `config.json` of a Hugging Face folder.
+
+    Raises:
+        FileNotFoundError: `src/config.json` missing.
+        ValueError: not valid JSON (names the file).
+    """
+    path = Path(src) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: not found (expected a Hugging Face model folder)")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+
+
+def config_from_hf(src, tp_size: int = 1) -> ModelConfig:
+    """`ModelConfig` from a Hugging Face Qwen3 `config.json` (folder path or parsed dict).
+
+    The vocab is the checkpoint's embedding rows padded to a multiple of `tp_size`. Accepts the
+    authors' ReFusion folders (Qwen3 with extra keys such as `mask_token_id`).
+
+    Raises:
+        ValueError: not a Qwen3 config, or a feature we do not implement (attention bias,
+            sliding window, RoPE scaling); the message names the file and key.
+    """
+    if isinstance(src, dict):
+        hc, where = src, "config.json"
+    else:
+        hc, where = read_hf_config(src), str(Path(src) / "config.json")
+    if hc.get("model_type") not in ("qwen3", None):
+        raise ValueError(f"{where}: model_type is {hc.get('model_type')!r}, expected 'qwen3'")
+    archs = hc.get("architectures") or list(QWEN3_ARCHITECTURES)
+    if not any(a in QWEN3_ARCHITECTURES for a in archs):
+        raise ValueError(f"{where}: architectures {archs} is not Qwen3ForCausalLM")
+    if hc.get("attention_bias"):
+        raise ValueError(f"{where}: attention_bias=true is not supported (Qwen3 has none)")
+    if hc.get("use_sliding_window"):
+        raise ValueError(f"{where}: use_sliding_window=true is not supported")
+    rope = hc.get("rope_parameters") or hc.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", None):
+        raise ValueError(f"{where}: RoPE type {rope_type!r} is not supported (only default)")
+    theta = rope.get("rope_theta", hc.get("rope_theta", 10000.0))
+    missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size",
+                           "num_hidden_layers", "num_attention_heads") if k not in hc]
+    if missing:
+        raise ValueError(f"{where}: missing key(s) {missing}")
+    heads = hc["num_attention_heads"]
+    cfg = ModelConfig(
+        vocab_size=padded_vocab_size(int(hc["vocab_size"]), tp_size),
+        hidden_size=int(hc["hidden_size"]),
+        intermediate_size=int(hc["intermediate_size"]),
+        num_layers=int(hc["num_hidden_layers"]),
+        num_attention_heads=int(heads),
+        num_key_value_heads=int(hc.get("num_key_value_heads") or heads),
+        head_dim=int(hc.get("head_dim") or hc["hidden_size"] // heads),
+        rope_theta=float(theta),
+        rms_norm_eps=float(hc.get("rms_norm_eps", 1e-6)),
+        tie_word_embeddings=bool(hc.get("tie_word_embeddings", False)),
+        max_position_embeddings=int(hc.get("max_position_embeddings", 40960)),
+        init_std=float(hc.get("initializer_range", 0.02)),
+    )
+    cfg.validate(tp_size, source=where)
+    return cfg
+
+
+def hf_config_dict(cfg: ModelConfig, vocab_size: int | None = None, **extra) -> dict:
+    """A Qwen3 `config.json` dict (via `transformers.Qwen3Config`) for `cfg`.
+
+    Args:
+        vocab_size: rows to declare (default `cfg.vocab_size`).
+        **extra: more keys (e.g. `bos_token_id`, `eos_token_id`, `mask_token_id`).
+    """
+    from transformers import Qwen3Config
+    hc = Qwen3Config(
+        vocab_size=vocab_size or cfg.vocab_size, hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+        rope_theta=cfg.rope_theta, rms_norm_eps=cfg.rms_norm_eps,
+        tie_word_embeddings=cfg.tie_word_embeddings,
+        max_position_embeddings=cfg.max_position_embeddings,
+        initializer_range=cfg.init_std, attention_bias=False, use_sliding_window=False,
+        architectures=list(QWEN3_ARCHITECTURES))
+    d = hc.to_dict()
+    d.update(extra)
+    return d
+
+
+# --------------------------------------------------------------------------------------------
+# Name / slice mapping
+# --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """How one native parameter is made of Hugging Face tensors.
+
+    Attributes:
+        native: native parameter name.
+        hf: HF tensor names whose per-rank slices are concatenated along `dim` (fused layers
+            list several: q, k, v or gate, up); one name otherwise.
+        dim: partition dim over the TP group (0 = rows/output, 1 = columns/input), None when
+            replicated.
+    """
+
+    native: str
+    hf: tuple[str, ...]
+    dim: int | None
+
+
+def param_specs(cfg: ModelConfig) -> list[ParamSpec]:
+    """Every native parameter of `Qwen3(cfg)` with its HF sources and partition dim."""
+    specs = [ParamSpec("embed_tokens.weight", ("model.embed_tokens.weight",), 0)]
+    for i in range(cfg.num_layers):
+        h, n = f"model.layers.{i}.", f"layers.{i}."
+        specs += [
+            ParamSpec(n + "input_layernorm.weight", (h + "input_layernorm.weight",), None),
+            ParamSpec(n + "self_attn.qkv_proj.weight",
+                      tuple(h + f"self_attn.{x}_proj.weight" for x in "qkv"), 0),
+            ParamSpec(n + "self_attn.o_proj.weight", (h + "self_attn.o_proj.weight",), 1),
+            ParamSpec(n + "self_attn.q_norm.weight", (h + "self_attn.q_norm.weight",), None),
+            ParamSpec(n + "self_attn.k_norm.weight", (h + "self_attn.k_norm.weight",), None),
+            ParamSpec(n + "post_attention_layernorm.weight",
+                      (h + "post_attention_layernorm.weight",), None),
+            ParamSpec(n + "mlp.gate_up_proj.weight",
+                      (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"), 0),
+            ParamSpec(n + "mlp.down_proj.weight", (h + "mlp.down_proj.weight",), 1),
+        ]
+    specs.append(ParamSpec("norm.weight", ("model.norm.weight",), None))
+    if not cfg.tie_word_embeddings:
+        specs.append(ParamSpec("lm_head.weight", ("lm_head.weight",), 0))
+    return specs
+
+
+_PARTITION_RULES = ((re.compile(r"(^|\.)(embed_tokens|lm_head|qkv_proj|gate_up_proj)\.weight$"), 0),
+                    (re.compile(r"(^|\.)(o_proj|down_proj)\.weight$"), 1))
+
+
+def partition_dim(native_name: str) -> int | None:
+    """TP partition dim of a native parameter (0, 1, or None when replicated)."""
+    for rule, dim in _PARTITION_RULES:
+        if rule.search(native_name):
+            return dim
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# Reading a Hugging Face folder, per TP rank
+# --------------------------------------------------------------------------------------------
+
+class SafetensorsFolder:
+    """Lazy read access to the tensors of a HF folder (`model.safetensors` or a sharded set with
+    `model.safetensors.index.json`); nothing is read until `get_slice(...)[...]`.
+
+    Raises:
+        FileNotFoundError: no safetensors weights in the folder (names the folder).
+    """
+
+    def __init__(self, src):
+        self.root = Path(src)
+        index = self.root / "model.safetensors.index.json"
+        single = self.root / "model.safetensors"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            self.file_of = {k: self.root / v for k, v in weight_map.items()}
+        elif single.is_file():
+            from safetensors import safe_open
+            with safe_open(str(single), framework="pt") as f:
+                self.file_of = {k: single for k in f.keys()}
+        else:
+            raise FileNotFoundError(f"{self.root}: no model.safetensors or "
+                                    f"model.safetensors.index.json")
+        self._handles: dict[Path, object] = {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.file_of
+
+    def get_slice(self, name: str):
+        """A safetensors slice object (index it, e.g. `[a:b]` or `[:, a:b]`, to read)."""
+        from safetensors import safe_open
+        path = self.file_of[name]
+        if path not in self._handles:
+            self._handles[path] = safe_open(str(path), framework="pt")
+        return self._handles[path].get_slice(name)
+
+    def close(self) -> None:
+        self._handles.clear()
+
+
+def _rows_slice(sl, start: int, stop: int, dim: int) -> torch.Tensor:
+    """Read `[start, stop)` along `dim` of a safetensors slice; rows past its end become zeros."""
+    shape = sl.get_shape()
+    have = min(stop, shape[dim])
+    if dim == 0:
+        t = sl[start:have] if have > start else None
+    else:
+        t = sl[:, start:have] if have > start else None
+    want = list(shape)
+    want[dim] = stop - start
+    if t is None or t.shape[dim] < stop - start:
+        out_dtype = t.dtype if t is not None else torch.float32
+        out = torch.zeros(want, dtype=out_dtype)
+        if t is not None:
+            out.narrow(dim, 0, t.shape[dim]).copy_(t)
+        t = out
+    return t
+
+
+def iter_tp_shard(src, cfg: ModelConfig, tp_rank: int, tp_size: int,
+                  dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield `(native_name, tensor)` for this TP rank, reading only the needed slices.
+
+    Every tensor has exactly the shape of the matching parameter of `Qwen3(cfg)` on rank
+    `tp_rank` of a TP group of `tp_size` (so the trainer can copy it into a ZeRO-3 partitioned
+    parameter under `deepspeed.zero.GatheredParameters`). Embedding/head rows beyond the
+    checkpoint's rows (vocab padding) are zeros.
+
+    Args:
+        src: Hugging Face folder (config.json + safetensors).
+        cfg: the model config (e.g. `config_from_hf(src, tp_size)`).
+        dtype: cast to this dtype (default: as stored).
+    Raises:
+        KeyError: a tensor the model needs is missing from the checkpoint (names it).
+    """
+    st = SafetensorsFolder(src)
+    d = cfg.head_dim
+    # Per-HF-tensor full length along the partition dim (before splitting over ranks).
+    full_len = {"q": cfg.num_attention_heads * d, "k": cfg.num_key_value_heads * d,
+                "v": cfg.num_key_value_heads * d}
+    try:
+        for spec in param_specs(cfg):
+            parts = []
+            for name in spec.hf:
+                if name not in st:
+                    raise KeyError(f"{src}: tensor {name} missing from the checkpoint")
+                sl = st.get_slice(name)
+                if spec.dim is None:
+                    parts.append(sl[:])
+                    continue
+                if spec.native.endswith("embed_tokens.weight") or \
+                        spec.native.endswith("lm_head.weight"):
+                    length = cfg.vocab_size
+                elif spec.native.endswith("qkv_proj.weight"):
+                    length = full_len[name.split(".")[-2][0]]
+                elif spec.native.endswith("gate_up_proj.weight"):
+                    length = cfg.intermediate_size
+                elif spec.native.endswith("o_proj.weight"):
+                    length = cfg.num_attention_heads * d
+                else:  # down_proj
+                    length = cfg.intermediate_size
+                per = length // tp_size
+                parts.append(_rows_slice(sl, tp_rank * per, (tp_rank + 1) * per, spec.dim))
+            t = parts[0] if len(parts) == 1 else torch.cat(parts, dim=spec.dim or 0)
+            if dtype is not None:
+                t = t.to(dtype)
+            yield spec.native, t.contiguous()
+    finally:
+        st.close()
+
+
+def load_hf_into_model(model, src) -> None:
+    """Copy this rank's slices of a HF folder into a (non-ZeRO) `Qwen3` model in place.
+
+    Uses megatron-core's TP rank/size. Raises KeyError for a missing tensor and ValueError for
+    a shape mismatch (names the parameter).
+    """
+    from megatron.core import parallel_state
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    size = parallel_state.get_tensor_model_parallel_world_size()
+    params = dict(model.named_parameters())
+    seen = set()
+    with torch.no_grad():
+        for name, t in iter_tp_shard(src, model.cfg, rank, size):
+            p = params[name]
+            if p.shape != t.shape:
+                raise ValueError(f"{src}: {name} has shape {tuple(t.shape)} on TP rank {rank}, "
+                                 f"model expects {tuple(p.shape)}")
+            p.copy_(t.to(p.dtype))
+            seen.add(name)
+    missing = set(params) - seen
+    if missing:
+        raise KeyError(f"{src}: no source for parameters {sorted(missing)}")
+
+
+# --------------------------------------------------------------------------------------------
+# Per-rank native state dicts -> full HF tensors
+# --------------------------------------------------------------------------------------------
+
+def native_state_dict(model) -> dict[str, torch.Tensor]:
+    """This rank's native tensors of `model` (parameters only, detached, on CPU)."""
+    return {k: v.detach().cpu() for k, v in model.named_parameters()}
+
+
+def merge_tp_state_dicts(shards: list[dict[str, torch.Tensor]], cfg: ModelConfig,
+                         vocab_rows: int | None = None) -> dict[str, torch.Tensor]:
+    """Merge per-TP-rank native state dicts (index = TP rank) into full HF tensors.
+
+    Partitioned params are concatenated along their partition dim (`partition_dim`); fused
+    qkv / gate_up shards are split back per rank before concatenation; replicated params are
+    taken from rank 0.
+
+    Args:
+        shards: native state dicts of TP ranks 0..tp-1 (names as `Qwen3.named_parameters`).
+        vocab_rows: keep only the first `vocab_rows` embedding/head rows (drop TP padding);
+            default keeps `cfg.vocab_size`.
+    Returns:
+        `{hf_name: tensor}` as `Qwen3ForCausalLM.state_dict()` names them (no `lm_head.weight`
+        when tied).
+    Raises:
+        KeyError: a parameter is missing from a shard.
+    """
+    tp = len(shards)
+    d = cfg.head_dim
+    split_of = {
+        "qkv": (cfg.num_attention_heads * d // tp, cfg.num_key_value_heads * d // tp,
+                cfg.num_key_value_heads * d // tp),
+        "gate_up": (cfg.intermediate_size // tp, cfg.intermediate_size // tp),
+    }
+    out: dict[str, torch.Tensor] = {}
+    for spec in param_specs(cfg):
+        local = [s[spec.native] for s in shards]
+        if spec.dim is None:
+            out[spec.hf[0]] = local[0].clone()
+            continue
+        if len(spec.hf) == 1:
+            full = torch.cat(local, dim=spec.dim)
+            if spec.native in ("embed_tokens.weight", "lm_head.weight") and vocab_rows:
+                full = full[:vocab_rows]
+            out[spec.hf[0]] = full.contiguous()
+            continue
+        sizes = split_of["qkv" if "qkv_proj" in spec.native else "gate_up"]
+        pieces = [t.split(sizes, dim=0) for t in local]  # per rank: (q_r, k_r, v_r) etc.
+        for j, name in enumerate(spec.hf):
+            out[name] = torch.cat([p[j] for p in pieces], dim=0).contiguous()
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Writing a HF folder
+# --------------------------------------------------------------------------------------------
+
+def _atomic_dir(out: Path, overwrite: bool):
+    """Temporary sibling folder of `out`; `finish(tmp)` renames it into place."""
+    out = Path(out)
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise FileExistsError(f"{out}: exists and is not empty (pass overwrite)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+
+    def finish():
+        if out.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+            os.replace(out, old / out.name)
+            os.replace(tmp, out)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, out)
+    return tmp, finish
+
+
+def save_tokenizer(tokenizer_src, out, added_tokens=REFUSION_TOKENS) -> int:
+    """Write tokenizer files of `tokenizer_src` (a folder `AutoTokenizer` loads) into `out`,
+    adding `added_tokens` as special tokens when absent.
+
+    Returns:
+        the tokenizer's length (tokens, including added ones).
+    """
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_src))
+    missing = [t for t in added_tokens if t not in tok.get_vocab()]
+    if missing:
+        tok.add_special_tokens({"additional_special_tokens": missing})
+    tok.save_pretrained(str(out))
+    return len(tok)
+
+
+def save_hf_folder(state: dict[str, torch.Tensor], cfg: ModelConfig, out, *,
+                   tokenizer_src=None, added_tokens=REFUSION_TOKENS,
+                   max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+                   dtype: torch.dtype | None = None, config_extra: dict | None = None,
+                   overwrite: bool = False) -> Path:
+    """Write a Hugging Face Qwen3 folder atomically (temp folder, then rename).
+
+    Writes `config.json`, `model.safetensors` (or `model-0000k-of-0000n.safetensors` shards plus
+    `model.safetensors.index.json` when larger than `max_shard_bytes` bytes), and, with
+    `tokenizer_src`, the tokenizer files with `added_tokens`.
+
+    Args:
+        state: full HF tensors (`merge_tp_state_dicts`).
+        dtype: cast floating tensors to this dtype (default: as given); recorded as
+            `torch_dtype` in config.json.
+        config_extra: extra config.json keys (e.g. `mask_token_id`).
+    Raises:
+        FileExistsError: `out` is a non-empty folder and not `overwrite`.
+        ValueError: the tokenizer is longer than the embedding rows.
+    """
+    from huggingface_hub import split_torch_state_dict_into_shards
+    from safetensors.torch import save_file
+
+    if dtype is not None:
+        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+    rows = state["model.embed_tokens.weight"].shape[0]
+    tmp, finish = _atomic_dir(Path(out), overwrite)
+    try:
+        extra = dict(config_extra or {})
+        if tokenizer_src is not None:
+            n = save_tokenizer(tokenizer_src, tmp, added_tokens)
+            if n > rows:
+                raise ValueError(f"{tokenizer_src}: tokenizer has {n} tokens but the model has "
+                                 f"only {rows} embedding rows")
+        some = next(iter(state.values()))
+        extra.setdefault("torch_dtype", str(some.dtype).replace("torch.", ""))
+        (tmp / "config.json").write_text(
+            json.dumps(hf_config_dict(cfg, vocab_size=rows, **extra), indent=2) + "\n")
+        split = split_torch_state_dict_into_shards(state, max_shard_size=max_shard_bytes)
+        for filename, names in split.filename_to_tensors.items():
+            save_file({n: state[n].contiguous() for n in names}, str(tmp / filename),
+                      metadata={"format": "pt"})
+        if split.is_sharded:
+            index = {"metadata": {"total_size": sum(v.numel() * v.element_size()
+                                                    for v in state.values())},
+                     "weight_map": split.tensor_to_filename}
+            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        finish()
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return Path(out)

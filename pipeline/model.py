@@ -1,0 +1,603 @@
+"""Qwen3 as ReFusion trains it: megatron-core tensor-parallel layers, explicit position ids,
+packed-sequence masks, a reorderable KV cache, and FLOPs per token.
+
+Owns: the network definition (`ModelConfig`, `Qwen3`), attention-mask building, the KV cache used
+by decoding, parameter counts and FLOPs per token. Must not touch: the ReFusion objective (lives in
+`pipeline.objective`), checkpoint formats and Hugging Face names (`pipeline.hf_io`), process-group
+creation (`pipeline.parallel`), optimizers.
+
+The definition reads like a single-device Qwen3 (Qwen3 technical report; transformers'
+`Qwen3ForCausalLM` is the reference it is tested against): token embedding -> N x [RMSNorm ->
+GQA attention with per-head RMSNorm on q and k and RoPE -> residual -> RMSNorm -> SwiGLU MLP ->
+residual] -> RMSNorm -> LM head. Only the linear layers and the embedding are megatron-core
+tensor-parallel layers, so TP=1 and TP>1 share one code path:
+- `qkv_proj`: ColumnParallelLinear; rank r holds its q heads, then its k heads, then its v heads
+  (`[q_r; k_r; v_r]` along the output dim), so each rank attends over its own heads;
+- `o_proj`, `down_proj`: RowParallelLinear (input is parallel, output all-reduced);
+- `gate_up_proj`: ColumnParallelLinear holding `[gate_r; up_r]`;
+- `embed_tokens`: VocabParallelEmbedding; `lm_head`: ColumnParallelLinear over the vocab (or the
+  embedding weight when tied); logits stay vocab-parallel (`[B, T, V / tp]`), see `gather_logits`.
+CPU-safe megatron flags (../shared/FINDINGS.md): use_cpu_initialization=True,
+gradient_accumulation_fusion=False, gather_output=False, no sequence parallelism.
+
+Tensors are batch-first: `[B, T, hidden]`.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+# --------------------------------------------------------------------------------------------
+# Configuration
+# --------------------------------------------------------------------------------------------
+
+@dataclass
+class ModelConfig:
+    """Shape of a Qwen3 network (field names as in Qwen3's config.json where they exist).
+
+    Attributes:
+        vocab_size: embedding rows (tokens); must be a multiple of the tensor-parallel size.
+        hidden_size: model width.
+        intermediate_size: SwiGLU inner width.
+        num_layers: transformer blocks (`num_hidden_layers` in config.json).
+        num_attention_heads / num_key_value_heads: query heads / key-value heads (GQA); both
+            must be multiples of the tensor-parallel size.
+        head_dim: width of one head (Qwen3: 128, not hidden/heads).
+        rope_theta: RoPE base.
+        rms_norm_eps: epsilon of every RMSNorm.
+        tie_word_embeddings: LM head shares the embedding weight.
+        max_position_embeddings: largest position id + 1 the model is meant for (informational:
+            RoPE is computed on the fly).
+        recompute: activation checkpointing of every block during training.
+        init_std: std of the normal init of linear/embedding weights (residual output
+            projections use init_std / sqrt(2 * num_layers), GPT-2 style).
+    """
+
+    vocab_size: int = 151936
+    hidden_size: int = 4096
+    intermediate_size: int = 12288
+    num_layers: int = 36
+    num_attention_heads: int = 32
+    num_key_value_heads: int = 8
+    head_dim: int = 128
+    rope_theta: float = 1_000_000.0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 40960
+    recompute: bool = False
+    init_std: float = 0.02
+
+    def validate(self, tp_size: int = 1, source: str = "model config") -> None:
+        """Check sizes against each other and the tensor-parallel size.
+
+        Raises:
+            ValueError: one line naming `source` and the offending field.
+        """
+        for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                  "num_attention_heads", "num_key_value_heads", "head_dim"):
+            if int(getattr(self, f)) <= 0:
+                raise ValueError(f"{source}: {f} must be > 0, got {getattr(self, f)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"{source}: num_attention_heads {self.num_attention_heads} is not a "
+                             f"multiple of num_key_value_heads {self.num_key_value_heads}")
+        for f in ("vocab_size", "num_attention_heads", "num_key_value_heads",
+                  "intermediate_size"):
+            if getattr(self, f) % tp_size:
+                raise ValueError(f"{source}: {f} {getattr(self, f)} is not a multiple of the "
+                                 f"tensor-parallel size {tp_size}")
+
+    @classmethod
+    def from_dict(cls, d: dict, source: str = "model config") -> "ModelConfig":
+        """Build from a plain dict; unknown keys raise ValueError naming `source` and the key."""
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"{source}: unknown model config key(s) {unknown}; "
+                             f"known: {sorted(names)}")
+        cfg = cls(**d)
+        cfg.validate(source=source)
+        return cfg
+
+    @classmethod
+    def from_yaml(cls, path) -> "ModelConfig":
+        """Read a preset (`configs/model/*.yaml`, a flat mapping of the fields above).
+
+        Raises:
+            ValueError: the file is not a mapping, or has an unknown key / bad value.
+            FileNotFoundError: no such file.
+        """
+        import yaml
+        path = Path(path)
+        data = yaml.safe_load(path.read_text())
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: expected a mapping of model config fields")
+        return cls.from_dict(data, source=str(path))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def num_parameters(cfg: ModelConfig, include_embedding: bool = True) -> int:
+    """Parameter count of the full (unsharded) model.
+
+    Args:
+        include_embedding: count the input embedding (and, when tied, the shared head) too.
+    Returns:
+        number of parameters (Qwen3-8B: 8,190,735,360).
+    """
+    h, d = cfg.hidden_size, cfg.head_dim
+    attn = h * d * (cfg.num_attention_heads * 2 + cfg.num_key_value_heads * 2) + 2 * d
+    mlp = 3 * h * cfg.intermediate_size
+    per_layer = attn + mlp + 2 * h
+    n = cfg.num_layers * per_layer + h  # + final norm
+    if include_embedding:
+        n += cfg.vocab_size * h
+    if not cfg.tie_word_embeddings:
+        n += cfg.vocab_size * h
+    return n
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward), PaLM appendix B / nanoGPT `estimate_mfu`.
+
+    `6 * N + 12 * L * H_q * D * seq_len`, where N counts the weights that take part in matrix
+    multiplies (all blocks' linear layers and the LM head; not the embedding lookup or norms)
+    and the second term is attention scores and values (QK^T and AV: 2 matmuls x 2 FLOPs per
+    multiply-add x 3 for forward + backward), counted over the full `seq_len` window (no causal
+    halving, as PaLM and nanoGPT do). Activation recompute is not counted (model FLOPs, for MFU).
+
+    Args:
+        seq_len: tokens per sequence (the attention window), e.g. the packed row length.
+    Returns:
+        FLOPs per token (float).
+    """
+    h, d = cfg.hidden_size, cfg.head_dim
+    matmul_params = cfg.num_layers * (
+        h * d * (cfg.num_attention_heads * 2 + cfg.num_key_value_heads * 2)
+        + 3 * h * cfg.intermediate_size) + cfg.vocab_size * h
+    attention = 12 * cfg.num_layers * cfg.num_attention_heads * d * seq_len
+    return float(6 * matmul_params + attention)
+
+
+# --------------------------------------------------------------------------------------------
+# Building blocks
+# --------------------------------------------------------------------------------------------
+
+def _tp_size() -> int:
+    from megatron.core import parallel_state
+    return parallel_state.get_tensor_model_parallel_world_size()
+
+
+def _megatron_config(dtype: torch.dtype, init_weights: bool):
+    from megatron.core import ModelParallelConfig
+    return ModelParallelConfig(
+        tensor_model_parallel_size=_tp_size(),
+        params_dtype=dtype,
+        use_cpu_initialization=True,
+        perform_initialization=init_weights,
+        gradient_accumulation_fusion=False,
+        sequence_parallel=False,
+    )
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm (Zhang & Sennrich 2019) as Qwen3 computes it: in fp32, then cast back, then scale.
+
+    `y = weight * (x / sqrt(mean(x^2, -1) + eps)).to(x.dtype)`; x: `[..., dim]`.
+
+    With `reduce_grad_over_tp=True` (q/k norms: each TP rank normalizes only its own heads) the
+    weight enters through megatron's `copy_to_tensor_model_parallel_region`, so its gradient is
+    all-reduced over the TP group and every rank holds the full gradient of this replicated
+    weight (Megatron does the same for QK-layernorm grads).
+    """
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype = torch.float32,
+                 reduce_grad_over_tp: bool = False):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
+        self.reduce_grad_over_tp = reduce_grad_over_tp and _tp_size() > 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight
+        if self.reduce_grad_over_tp:
+            from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
+            weight = copy_to_tensor_model_parallel_region(weight)
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return weight * xf.to(x.dtype)
+
+
+def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE tables (Su et al. 2021, "rotate half" layout as in Qwen/Llama) for explicit positions.
+
+    Args:
+        position_ids: LongTensor[B, T], original (natural-order) position of each fed token.
+    Returns:
+        cos, sin: `[B, 1, T, head_dim]` in `dtype` (computed in fp32).
+    """
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64,
+                                             device=position_ids.device).float() / head_dim))
+    freqs = position_ids.float()[..., None] * inv_freq  # [B, T, D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate `x: [B, H, T, D]` by the tables from `rope_cos_sin`."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def build_attention_mask(segment_ids: torch.Tensor | None, batch: int, q_len: int,
+                         past_len: int = 0, past_valid: torch.Tensor | None = None,
+                         device=None) -> torch.Tensor:
+    """Vectorized boolean mask, True = may attend: `BoolTensor[B, 1, T, past_len + T]`.
+
+    New tokens attend causally over the fed order. With `segment_ids: LongTensor[B, T]` a token
+    attends only within its own segment; segment 0 is padding and attends only to itself (so no
+    row is empty). Cached positions (the first `past_len` columns) are visible to every
+    non-padding new token where `past_valid: BoolTensor[B, past_len]` is True.
+    """
+    if device is None:
+        device = segment_ids.device if segment_ids is not None else None
+    idx = torch.arange(q_len, device=device)
+    new = (idx[None, :] <= idx[:, None])[None].expand(batch, q_len, q_len)  # [B, T, T]
+    if segment_ids is not None:
+        same = segment_ids[:, :, None] == segment_ids[:, None, :]
+        pad = segment_ids == 0
+        eye = torch.eye(q_len, dtype=torch.bool, device=device)[None]
+        new = torch.where(pad[:, :, None], eye, new & same)
+    if past_len:
+        if past_valid is None:
+            past = torch.ones(batch, q_len, past_len, dtype=torch.bool, device=device)
+        else:
+            past = past_valid[:, None, :].expand(batch, q_len, past_len)
+        if segment_ids is not None:
+            past = past & (segment_ids != 0)[:, :, None]
+        new = torch.cat((past, new), dim=-1)
+    return new[:, None]
+
+
+class Attention(nn.Module):
+    """GQA self-attention with QK-norm and RoPE; heads split over the tensor-parallel group."""
+
+    def __init__(self, cfg: ModelConfig, mcfg, init_method, out_init_method):
+        from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+        super().__init__()
+        tp = _tp_size()
+        self.head_dim = cfg.head_dim
+        self.n_q = cfg.num_attention_heads // tp      # local query heads
+        self.n_kv = cfg.num_key_value_heads // tp     # local key/value heads
+        d = cfg.head_dim
+        self.qkv_proj = ColumnParallelLinear(
+            cfg.hidden_size, (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * d,
+            config=mcfg, init_method=init_method, bias=False, gather_output=False)
+        self.o_proj = RowParallelLinear(
+            cfg.num_attention_heads * d, cfg.hidden_size, config=mcfg,
+            init_method=out_init_method, bias=False, input_is_parallel=True, skip_bias_add=False)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps, mcfg.params_dtype, reduce_grad_over_tp=True)
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps, mcfg.params_dtype, reduce_grad_over_tp=True)
+
+    def forward(self, x, cos, sin, mask, cache_layer=None):
+        """x: `[B, T, hidden]`; mask: `BoolTensor[B, 1, T, S]` or None (plain causal, no cache);
+        cache_layer: `(past_k, past_v, store)` where past_*: `[B, H_kv/tp, S - T, D]` and
+        `store(k, v)` keeps the new keys/values as the cache's pending entries."""
+        b, t, _ = x.shape
+        d = self.head_dim
+        qkv, _ = self.qkv_proj(x)
+        q, k, v = qkv.split((self.n_q * d, self.n_kv * d, self.n_kv * d), dim=-1)
+        q = self.q_norm(q.view(b, t, self.n_q, d)).transpose(1, 2)
+        k = self.k_norm(k.view(b, t, self.n_kv, d)).transpose(1, 2)
+        v = v.view(b, t, self.n_kv, d).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache_layer is not None:
+            past_k, past_v, store = cache_layer
+            store(k, v)
+            k = torch.cat((past_k, k), dim=2)
+            v = torch.cat((past_v, v), dim=2)
+        if mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        out = out.transpose(1, 2).reshape(b, t, self.n_q * d)
+        out, _ = self.o_proj(out)
+        return out
+
+
+class MLP(nn.Module):
+    """SwiGLU MLP (Shazeer 2020): `down(silu(gate(x)) * up(x))`, inner dim split over TP."""
+
+    def __init__(self, cfg: ModelConfig, mcfg, init_method, out_init_method):
+        from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+        super().__init__()
+        self.inner = cfg.intermediate_size // _tp_size()
+        self.gate_up_proj = ColumnParallelLinear(
+            cfg.hidden_size, 2 * cfg.intermediate_size, config=mcfg, init_method=init_method,
+            bias=False, gather_output=False)
+        self.down_proj = RowParallelLinear(
+            cfg.intermediate_size, cfg.hidden_size, config=mcfg, init_method=out_init_method,
+            bias=False, input_is_parallel=True, skip_bias_add=False)
+
+    def forward(self, x):
+        gate_up, _ = self.gate_up_proj(x)
+        gate, up = gate_up.split(self.inner, dim=-1)
+        out, _ = self.down_proj(F.silu(gate) * up)
+        return out
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: `x + attn(norm(x))`, then `x + mlp(norm(x))`."""
+
+    def __init__(self, cfg: ModelConfig, mcfg, init_method, out_init_method):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, mcfg.params_dtype)
+        self.self_attn = Attention(cfg, mcfg, init_method, out_init_method)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps,
+                                                mcfg.params_dtype)
+        self.mlp = MLP(cfg, mcfg, init_method, out_init_method)
+
+    def forward(self, x, cos, sin, mask, cache_layer=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache_layer)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+# --------------------------------------------------------------------------------------------
+# KV cache
+# --------------------------------------------------------------------------------------------
+
+class KVCache:
+    """Per-layer keys/values of committed tokens, with room to append reordered entries.
+
+    Layout: `keys[l], values[l]: [B, H_kv/tp, capacity, D]`; row b holds `length[b]` valid
+    entries at the front (entries past `length[b]` are masked out of attention). Keys are stored
+    after RoPE, so an entry carries its own original position and entries may sit in any order.
+
+    Protocol (plan-and-infill): a forward with `kv_cache=cache` attends over the committed
+    entries plus the new tokens and leaves the new keys/values *pending* (`[B, H, T, D]` per
+    layer), without committing them. Then `commit(index)` appends the chosen pending entries
+    (e.g. finished slots, ahead of remaining masks) in the given order; `discard_pending()` drops
+    them; a second forward replaces them. `truncate(length)` shortens rows.
+
+    Attributes:
+        length: LongTensor[B], valid entries per row.
+        width: int, the number of leading cache columns a forward attends over
+            (= max(length) after commit/truncate); an explicit `attention_mask` passed to
+            `Qwen3.forward` must have `S = width + T` columns.
+    """
+
+    def __init__(self, num_layers: int, batch_size: int, num_kv_heads: int, head_dim: int,
+                 capacity: int, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu"):
+        """Allocate an empty cache.
+
+        Args:
+            num_kv_heads: key/value heads on this tensor-parallel rank (H_kv / tp).
+            capacity: most entries a row can hold (tokens).
+        """
+        shape = (batch_size, num_kv_heads, capacity, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.length = torch.zeros(batch_size, dtype=torch.long, device=device)
+        self.width = 0
+        self.capacity = capacity
+        self.pending_keys: list[torch.Tensor | None] = [None] * num_layers
+        self.pending_values: list[torch.Tensor | None] = [None] * num_layers
+
+    @classmethod
+    def for_model(cls, model: "Qwen3", batch_size: int, capacity: int) -> "KVCache":
+        """A cache shaped for `model` on this TP rank, in the model's dtype and device."""
+        p = next(model.parameters())
+        return cls(model.cfg.num_layers, batch_size, model.cfg.num_key_value_heads // model.tp,
+                   model.cfg.head_dim, capacity, p.dtype, p.device)
+
+    @property
+    def batch_size(self) -> int:
+        return self.length.shape[0]
+
+    @property
+    def num_pending(self) -> int:
+        """New tokens from the last forward that are neither committed nor discarded (T or 0)."""
+        pk = self.pending_keys[0]
+        return 0 if pk is None else pk.shape[2]
+
+    def valid_mask(self) -> torch.Tensor:
+        """BoolTensor[B, width]: which of the leading `width` columns hold a valid entry."""
+        return torch.arange(self.width, device=self.length.device)[None] < self.length[:, None]
+
+    def layer_view(self, layer: int):
+        """`(past_k, past_v, store)` for `Attention.forward`; past_*: `[B, H, width, D]`."""
+        def store(k, v):
+            self.pending_keys[layer] = k
+            self.pending_values[layer] = v
+        return (self.keys[layer][:, :, :self.width], self.values[layer][:, :, :self.width],
+                store)
+
+    def commit(self, index: torch.Tensor | None = None) -> None:
+        """Append pending entries to the cache, then drop the rest of the pending entries.
+
+        Args:
+            index: LongTensor[B, N] of pending positions (0..T-1) to append to each row, in
+                this order; entries < 0 are skipped (rows may append different counts).
+                None appends all T pending entries in fed order.
+        Raises:
+            RuntimeError: nothing pending. ValueError: a row would exceed `capacity`.
+        """
+        if self.pending_keys[0] is None:
+            raise RuntimeError("KVCache.commit: no pending entries (run a forward first)")
+        b, h, t, d = self.pending_keys[0].shape
+        dev = self.length.device
+        if index is None:
+            index = torch.arange(t, device=dev)[None].expand(b, t)
+        index = index.to(dev)
+        valid = index >= 0
+        counts = valid.sum(1)
+        new_len = self.length + counts
+        max_len = int(new_len.max()) if b else 0
+        if max_len > self.capacity:
+            raise ValueError(f"KVCache.commit: {max_len} entries exceed capacity "
+                             f"{self.capacity}")
+        # Destination column of each kept entry: after the row's valid entries, in index order.
+        dest = self.length[:, None] + valid.cumsum(1) - 1                    # [B, N]
+        rows = torch.arange(b, device=dev)[:, None].expand_as(index)
+        src = index.clamp(min=0)
+        rows, dest, src = rows[valid], dest[valid], src[valid]              # [K]
+        for layer in range(len(self.keys)):
+            for store, pend in ((self.keys, self.pending_keys),
+                                (self.values, self.pending_values)):
+                # store[layer][rows, :, dest] has shape [K, H, D]
+                store[layer][rows, :, dest] = pend[layer][rows, :, src].to(store[layer].dtype)
+        self.length = new_len
+        self.width = max_len
+        self.discard_pending()
+
+    def truncate(self, length: torch.Tensor | int) -> None:
+        """Keep only the first `length` entries of each row (LongTensor[B] or int); never grows."""
+        if not torch.is_tensor(length):
+            length = torch.full_like(self.length, int(length))
+        self.length = torch.minimum(self.length, length.to(self.length.device))
+        self.width = int(self.length.max()) if self.batch_size else 0
+
+    def discard_pending(self) -> None:
+        """Forget the keys/values of the last forward's new tokens."""
+        n = len(self.keys)
+        self.pending_keys = [None] * n
+        self.pending_values = [None] * n
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep (and reorder) batch rows: `rows: LongTensor[B']` (e.g. drop finished requests)."""
+        rows = rows.to(self.length.device)
+        self.keys = [k[rows] for k in self.keys]
+        self.values = [v[rows] for v in self.values]
+        self.length = self.length[rows]
+        self.width = int(self.length.max()) if len(rows) else 0
+        self.discard_pending()
+
+
+# --------------------------------------------------------------------------------------------
+# The model
+# --------------------------------------------------------------------------------------------
+
+class Qwen3(nn.Module):
+    """Qwen3 causal LM with megatron-core tensor-parallel layers.
+
+    Needs megatron-core `parallel_state` initialized (`pipeline.parallel.init_distributed`;
+    TP=1 is fine). Parameter names (native): `embed_tokens.weight`,
+    `layers.{i}.{input_layernorm,post_attention_layernorm}.weight`,
+    `layers.{i}.self_attn.{qkv_proj,o_proj,q_norm,k_norm}.weight`,
+    `layers.{i}.mlp.{gate_up_proj,down_proj}.weight`, `norm.weight`, `lm_head.weight` (absent
+    when tied). `pipeline.hf_io` maps them to and from Hugging Face names.
+
+    Args:
+        cfg: network shape; validated against the TP size (ValueError).
+        dtype: parameter dtype.
+        init_weights: random init (normal, std `cfg.init_std`); False leaves weights
+            uninitialized (fast; for loading a checkpoint or building on the meta device).
+    """
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32,
+                 init_weights: bool = True):
+        from megatron.core.tensor_parallel import ColumnParallelLinear, VocabParallelEmbedding
+        super().__init__()
+        self.tp = _tp_size()
+        cfg.validate(self.tp)
+        self.cfg = cfg
+        mcfg = _megatron_config(dtype, init_weights)
+        init = partial(nn.init.normal_, mean=0.0, std=cfg.init_std)
+        out_init = partial(nn.init.normal_, mean=0.0,
+                           std=cfg.init_std / math.sqrt(2.0 * cfg.num_layers))
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size,
+                                                   init_method=init, config=mcfg)
+        self.layers = nn.ModuleList(Block(cfg, mcfg, init, out_init)
+                                    for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.lm_head = ColumnParallelLinear(
+            cfg.hidden_size, cfg.vocab_size, config=mcfg, init_method=init, bias=False,
+            gather_output=False, skip_weight_param_allocation=cfg.tie_word_embeddings)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                segment_ids: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None,
+                kv_cache: KVCache | None = None) -> torch.Tensor:
+        """Vocab-parallel logits of the fed tokens.
+
+        Args:
+            input_ids: LongTensor[B, T], tokens in fed order.
+            position_ids: LongTensor[B, T], original position of each token (drives RoPE).
+            segment_ids: LongTensor[B, T] or None; packed segments (attend causally within the
+                own segment only; 0 = padding, attends only to itself).
+            attention_mask: BoolTensor[B, 1, T, S] or None, True = may attend, with
+                `S = kv_cache.width + T` (`T` without a cache). Takes precedence over
+                `segment_ids`. Cache columns past a row's `length` are masked out regardless.
+                A query row with no True entry is allowed to attend to itself (no NaN).
+            kv_cache: KVCache or None. With a cache, attention covers the valid cached entries
+                plus the new tokens, and the new keys/values become the cache's pending entries
+                (see `KVCache.commit`). Without a mask the new tokens are causal among
+                themselves and see all valid cached entries.
+        Returns:
+            FloatTensor[B, T, V / tp] in the parameter dtype: this rank's vocab slice of the
+            logits (`gather_logits` for all of them).
+        """
+        b, t = input_ids.shape
+        x = self.embed_tokens(input_ids)
+        cos, sin = rope_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
+        past = kv_cache.width if kv_cache is not None else 0
+        mask = None
+        if attention_mask is not None:
+            if attention_mask.shape[-2:] != (t, past + t):
+                raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, "
+                                 f"expected [B, 1, {t}, {past + t}]")
+            mask = attention_mask.to(torch.bool)
+            if past:
+                mask = mask & torch.cat(
+                    (kv_cache.valid_mask()[:, None, None, :],
+                     mask.new_ones(kv_cache.batch_size, 1, 1, t)), dim=-1)
+            # A row with nothing to attend to would give NaN: let it see itself.
+            empty = ~mask.any(-1, keepdim=True)                                # [B, 1, T, 1]
+            diag = _eye_offset(t, past + t, past, mask.device)
+            mask = mask | (empty & diag)
+        elif segment_ids is not None or past:
+            mask = build_attention_mask(segment_ids, b, t, past,
+                                        kv_cache.valid_mask() if past else None,
+                                        device=input_ids.device)
+        for i, layer in enumerate(self.layers):
+            cache_layer = kv_cache.layer_view(i) if kv_cache is not None else None
+            if self.cfg.recompute and self.training and kv_cache is None:
+                x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, mask,
+                                                      use_reentrant=False)
+            else:
+                x = layer(x, cos, sin, mask, cache_layer)
+        x = self.norm(x)
+        weight = self.embed_tokens.weight if self.cfg.tie_word_embeddings else None
+        logits, _ = self.lm_head(x, weight=weight)
+        return logits
+
+
+def _eye_offset(t: int, s: int, offset: int, device) -> torch.Tensor:
+    idx = torch.arange(t, device=device)
+    out = torch.zeros(t, s, dtype=torch.bool, device=device)
+    out[idx, idx + offset] = True
+    return out
+
+
+def gather_logits(shard: torch.Tensor) -> torch.Tensor:
+    """All-gather vocab-parallel logits over the tensor-parallel group (differentiable).
+
+    Args:
+        shard: FloatTensor[B, T, V / tp] from `Qwen3.forward`.
+    Returns:
+        FloatTensor[B, T, V], vocab slices concatenated in TP-rank order.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+    if parallel_state.get_tensor_model_parallel_world_size() == 1:
+        return shard
+    return gather_from_tensor_model_parallel_region(shard)
