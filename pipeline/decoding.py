@@ -1,0 +1,691 @@
+"""Plan-and-infill (ReFusion) decoding and plain autoregressive decoding, batched, with a KV cache.
+
+Owns: the decoding algorithms (`refusion_generate`, `ar_generate`), their statistics (tokens,
+forwards by kind, TPF), and `reference_generate`, a cache-free decoder that recomputes the whole
+reorganized sequence at every forward (the oracle the tests compare the cached decoder with).
+Must not touch: model weights, tokenizers, files, process groups (a caller with tensor
+parallelism > 1 runs the same call on every rank of the TP group; logits are all-gathered).
+
+The contract is "Decoding" in ../shared/REFUSION.md (ReFusion, arXiv 2512.13586). One decode
+step of a prompt ("row"):
+
+1. plan: feed the block's still-masked slots (mask ids at their original positions) after the
+   cache; argmax tokens (Gumbel-max sampling when temperature > 0) and their softmax
+   probabilities; a slot's score is the probability of its first token; select the slots with
+   score > slot_threshold, or the single best one.
+2. verify (fast path): feed the selected slots' drafts concatenated in slot order (plain causal);
+   token j is accepted when P(token j | everything before it) > token_threshold, the first token
+   of every slot always; the accepted prefix of the concatenation is computed. If it contains an
+   EOS, the tokens through that EOS are committed; else if it covers >= 1 whole slot, the leading
+   whole slots are committed (their keys/values from this forward are exact) and the rest is
+   planned again; else go to 3 with the per-slot acceptance found here.
+3. draft/verify rounds (the selected slots in parallel, each seeing only the committed prefix and
+   itself): draft = argmax at the masked (not yet accepted) positions; verify = causal
+   probabilities; a token is accepted when its probability > token_threshold or the token before
+   it was accepted before this round (so every round accepts at least one more token per slot);
+   acceptance is a prefix per slot. An accepted EOS in slot e drops the selected slots after e and
+   completes slot e. When every selected slot is complete, the slots' tokens, cut after the first
+   EOS, are committed in slot order with the keys/values of the last verify forward (each slot's
+   k/v computed against the prefix only: the reference code's cache, default) or re-encoded in
+   commit order (`exact_cache=True`: the re-encode rides along with the row's next forward, so
+   it costs tokens, not forwards).
+4. Once an EOS is committed at position q, masked slots after q are discarded; slots before q are
+   still decoded; the output is the committed tokens sorted by original position, ending at the
+   first EOS (inclusive).
+
+Where this differs from the reference code (ML-GSAI/ReFusion `generate.py`): prompts are batched
+(each row keeps its own state; each model forward serves every row's current phase, so rows at
+different progress share forwards); parallel slots share one batch row with a block-diagonal
+attention mask instead of copying the cache per slot; EOS handling as in 4; TPF is generated
+tokens / forwards (the reference's per-step average is reported as `tpf_reference_style`).
+
+Batch layout of a forward: row b feeds `carry_b + request_b` (carry = tokens to be encoded and
+committed ahead of the request: the prompt at the first forward, re-encoded slots in exact
+mode), right-padded to the longest row; the attention mask is built explicitly.
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Generator, Sequence
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["GenerationOutput", "refusion_generate", "ar_generate", "reference_generate",
+           "split_prompts"]
+
+FORWARD_KINDS = ("prefill", "plan", "verify", "draft", "ar")
+
+
+@dataclass
+class GenerationOutput:
+    """Result of a batched decode.
+
+    Attributes:
+        tokens: per prompt, the generated ids (`list[int]`, natural order, prompt excluded, ending
+            at the first EOS inclusive when one was generated).
+        forwards: per prompt, `Counter` of model forwards that row took part in, by kind
+            ("plan", "verify", "draft", "ar"; the prompt prefill rides along with the first plan
+            in refusion mode and is its own "prefill" forward in ar mode).
+        batch_forwards: number of model forward calls for the whole batch.
+        seconds: wall-clock seconds of the whole call.
+        tpf_reference_style: per prompt, the reference code's "TPF" (per-step average of
+            slot_size x slots committed / forwards of that step); None in ar mode.
+    """
+
+    tokens: list[list[int]]
+    forwards: list[Counter]
+    batch_forwards: int
+    seconds: float
+    tpf_reference_style: list[float | None] = field(default_factory=list)
+
+    def num_forwards(self, i: int) -> int:
+        """Forwards of prompt i (all kinds)."""
+        return sum(self.forwards[i].values())
+
+    def tpf(self, i: int) -> float:
+        """Tokens per forward of prompt i: generated tokens (through EOS) / its forwards."""
+        n = self.num_forwards(i)
+        return len(self.tokens[i]) / n if n else 0.0
+
+    def tps(self, i: int | None = None) -> float:
+        """Tokens per second: prompt i's tokens (or all prompts' when i is None) / wall seconds
+        of the whole batched call."""
+        n = sum(len(t) for t in self.tokens) if i is None else len(self.tokens[i])
+        return n / self.seconds if self.seconds > 0 else 0.0
+
+    def stats(self, i: int) -> dict:
+        """JSON-ready per-prompt figures: tokens, forwards (total and by kind), TPF, TPS."""
+        return {"tokens": len(self.tokens[i]), "forwards": self.num_forwards(i),
+                "forwards_by_kind": dict(self.forwards[i]), "tpf": self.tpf(i),
+                "tps": self.tps(i),
+                "tpf_reference_style": (self.tpf_reference_style[i]
+                                        if self.tpf_reference_style else None)}
+
+
+# --------------------------------------------------------------------------------------------
+# Inputs
+
+
+def split_prompts(prompt_ids, attention_mask=None) -> list[list[int]]:
+    """Normalize prompts to a list of id lists.
+
+    Args:
+        prompt_ids: `LongTensor[B, T]` (left or right padded, with `attention_mask`), or a
+            sequence of 1-D `LongTensor[P_b]` / `list[int]`.
+        attention_mask: `Tensor[B, T]`, 1/True on real tokens (required to drop padding from a
+            padded 2-D tensor; without it every position is a prompt token).
+
+    Returns:
+        `list[list[int]]`, one list of prompt ids per row (padding removed).
+
+    Raises:
+        ValueError: a prompt is empty.
+    """
+    rows: list[list[int]] = []
+    if isinstance(prompt_ids, torch.Tensor):
+        if prompt_ids.dim() == 1:
+            prompt_ids = prompt_ids.unsqueeze(0)
+        for b in range(prompt_ids.shape[0]):
+            ids = prompt_ids[b]
+            if attention_mask is not None:
+                ids = ids[attention_mask[b].bool()]
+            rows.append([int(x) for x in ids.tolist()])
+    else:
+        for p in prompt_ids:
+            rows.append([int(x) for x in (p.tolist() if isinstance(p, torch.Tensor) else p)])
+    for b, r in enumerate(rows):
+        if not r:
+            raise ValueError(f"prompt {b} is empty")
+    return rows
+
+
+def _model_device(model) -> torch.device:
+    p = next(model.parameters(), None)
+    return p.device if p is not None else torch.device("cpu")
+
+
+def _gather(logits: torch.Tensor) -> torch.Tensor:
+    from pipeline.model import gather_logits
+    return gather_logits(logits)
+
+
+def _sample(logits: torch.Tensor, temperature: float, generator) -> torch.Tensor:
+    """Argmax of `logits / temperature + Gumbel noise` (= a sample from softmax(logits / T)),
+    computed in float64 (low-precision Gumbel-max hurts quality: arXiv 2409.02908); plain argmax
+    when temperature == 0. `logits: FloatTensor[..., V]` -> `LongTensor[...]`."""
+    if temperature <= 0:
+        return logits.argmax(-1)
+    u = torch.rand(logits.shape, dtype=torch.float64, generator=generator,
+                   device=logits.device).clamp_(min=1e-300)
+    return (logits.double() / temperature - torch.log(-torch.log(u))).argmax(-1)
+
+
+# --------------------------------------------------------------------------------------------
+# Row programs: each yields a request (tokens to feed after the row's cache) and receives the
+# logits of those tokens; it records what to commit from that forward in `row.commit`.
+
+
+@dataclass
+class _Request:
+    kind: str
+    tokens: list[int]
+    positions: list[int]
+    # BoolTensor[T, T], True = may attend (within the request); None = causal.
+    mask: torch.Tensor | None = None
+
+
+@dataclass
+class _Row:
+    prompt: list[int]
+    # Logical committed sequence in commit order (prompt first).
+    tokens: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    # Tokens to encode and commit ahead of the next request (prompt / exact-mode re-encode).
+    carry: list[int] = field(default_factory=list)
+    carry_positions: list[int] = field(default_factory=list)
+    # Indices into the last request's tokens to commit to the cache, in this order.
+    commit: list[int] = field(default_factory=list)
+    forwards: Counter = field(default_factory=Counter)
+    eos_pos: int | None = None
+    ref_tpf_sum: float = 0.0
+    ref_tpf_steps: int = 0
+
+    def output(self, eos_id: int | None) -> list[int]:
+        """Generated ids sorted by position, ending at the first EOS (inclusive)."""
+        p = len(self.prompt)
+        gen = sorted((pos, tok) for pos, tok in zip(self.positions, self.tokens) if pos >= p)
+        out = []
+        for expect, (pos, tok) in enumerate(gen, start=p):
+            if pos != expect:
+                raise AssertionError(f"generated positions are not contiguous at {expect}")
+            out.append(tok)
+            if eos_id is not None and tok == eos_id:
+                break
+        return out
+
+
+def _block_causal(lengths: Sequence[int]) -> torch.Tensor:
+    """BoolTensor[T, T] (T = sum of lengths): causal inside each consecutive group, no attention
+    across groups. Used to infill parallel slots in one row, each seeing only the prefix."""
+    t = sum(lengths)
+    m = torch.zeros(t, t, dtype=torch.bool)
+    o = 0
+    for n in lengths:
+        m[o:o + n, o:o + n] = torch.ones(n, n, dtype=torch.bool).tril()
+        o += n
+    return m
+
+
+def _refusion_program(row: _Row, *, gen_length: int, slot_size: int, num_blocks: int,
+                      slot_threshold: float, token_threshold: float, temperature: float,
+                      mask_id: int, eos_id: int | None, exact_cache: bool,
+                      generator) -> Generator[_Request, torch.Tensor, None]:
+    k = slot_size
+    p0 = len(row.prompt)
+    n_slots = gen_length // k
+    per_block = n_slots // num_blocks
+    status = ["masked"] * n_slots  # masked | committed | discarded
+
+    def start(s: int) -> int:
+        return p0 + s * k
+
+    def commit_tokens(toks: list[int], poss: list[int]) -> None:
+        row.tokens.extend(toks)
+        row.positions.extend(poss)
+        for t, q in zip(toks, poss):
+            if eos_id is not None and t == eos_id and (row.eos_pos is None or q < row.eos_pos):
+                row.eos_pos = q
+        if row.eos_pos is not None:
+            for s in range(n_slots):
+                if status[s] == "masked" and start(s) > row.eos_pos:
+                    status[s] = "discarded"
+
+    for b in range(num_blocks):
+        block = range(b * per_block, (b + 1) * per_block)
+        while True:
+            masked = [s for s in block if status[s] == "masked"]
+            if not masked:
+                break
+            # 1. plan
+            positions = [start(s) + j for s in masked for j in range(k)]
+            logits = yield _Request("plan", [mask_id] * len(positions), positions)
+            row.commit = []
+            x0 = _sample(logits, temperature, generator).view(len(masked), k)
+            probs = torch.softmax(logits.double(), -1).gather(
+                -1, x0.view(-1, 1)).view(len(masked), k)
+            score = probs[:, 0]
+            chosen = [i for i in range(len(masked)) if score[i] > slot_threshold]
+            if not chosen:
+                chosen = [int(score.argmax())]
+            sel = [masked[i] for i in chosen]
+            drafts = x0[chosen].clone()  # LongTensor[n, k]
+            n = len(sel)
+            sel_pos = [start(s) + j for s in sel for j in range(k)]
+            # 2. verify the concatenation (fast path)
+            flat = drafts.view(-1)
+            logits = yield _Request("verify", flat.tolist(), sel_pos)
+            row.commit = []
+            q = torch.ones(n * k, dtype=torch.float64)
+            q[1:] = torch.softmax(logits[:-1].double(), -1).gather(-1, flat[1:, None])[:, 0]
+            acc = q > token_threshold
+            acc.view(n, k)[:, 0] = True
+            prefix = int(torch.cumprod(acc.long(), 0).sum())
+            eos_hits = ([i for i in range(prefix) if int(flat[i]) == eos_id]
+                        if eos_id is not None else [])
+            if eos_hits or prefix >= k:
+                m = eos_hits[0] + 1 if eos_hits else (prefix // k) * k
+                row.commit = list(range(m))
+                for s in sel[:math.ceil(m / k)]:
+                    status[s] = "committed"
+                commit_tokens(flat[:m].tolist(), sel_pos[:m])
+                row.ref_tpf_sum += k * math.ceil(m / k) / 2
+                row.ref_tpf_steps += 1
+                continue
+            # 3. parallel draft/verify rounds, each slot against the prefix only
+            tags = torch.cumprod(acc.view(n, k).long(), 1).bool()
+            toks = drafts
+            n_chosen = n
+            rounds = 0
+            while not bool(tags.all()):
+                rounds += 1
+                n = len(sel)
+                mask = _block_causal([k] * n)
+                pos = [start(s) + j for s in sel for j in range(k)]
+                fed = torch.where(tags, toks, torch.full_like(toks, mask_id))
+                logits = yield _Request("draft", fed.view(-1).tolist(), pos, mask)
+                row.commit = []
+                proposed = logits.argmax(-1).view(n, k)
+                toks = torch.where(tags, toks, proposed)
+                logits = yield _Request("verify", toks.view(-1).tolist(), pos, mask)
+                row.commit = []
+                lp = logits.view(n, k, -1)
+                q = torch.ones(n, k, dtype=torch.float64)
+                q[:, 1:] = torch.softmax(lp[:, :-1].double(), -1).gather(
+                    -1, toks[:, 1:, None])[..., 0]
+                force = torch.ones(n, k, dtype=torch.bool)
+                force[:, 1:] = tags[:, :-1]
+                tags = torch.cumprod(((q > token_threshold) | force).long(), 1).bool()
+                if eos_id is not None:
+                    hit = ((toks == eos_id) & tags).any(1).nonzero()
+                    if len(hit):
+                        e = int(hit[0])
+                        sel, toks, tags = sel[:e + 1], toks[:e + 1], tags[:e + 1]
+                        tags[e] = True
+                if rounds > k:
+                    raise AssertionError("draft/verify did not converge")
+            flat = toks.reshape(-1).tolist()
+            pos = [start(s) + j for s in sel for j in range(k)]
+            m = len(flat)
+            if eos_id is not None and eos_id in flat:
+                m = flat.index(eos_id) + 1
+            if exact_cache and len(sel) > 1:
+                row.carry.extend(flat[:m])
+                row.carry_positions.extend(pos[:m])
+            else:
+                row.commit = list(range(m))
+            for s in sel:
+                status[s] = "committed"
+            commit_tokens(flat[:m], pos[:m])
+            row.ref_tpf_sum += k * n_chosen / (2 * rounds + 2)
+            row.ref_tpf_steps += 1
+        if all(st != "masked" for st in status):
+            break
+
+
+def _ar_program(row: _Row, *, gen_length: int, temperature: float, eos_id: int | None,
+                generator) -> Generator[_Request, torch.Tensor, None]:
+    p0 = len(row.prompt)
+    logits = yield _Request("prefill", list(row.prompt), list(range(p0)))
+    row.commit = list(range(p0))
+    row.tokens.extend(row.prompt)
+    row.positions.extend(range(p0))
+    for i in range(gen_length):
+        tok = int(_sample(logits[-1], temperature, generator))
+        row.tokens.append(tok)
+        row.positions.append(p0 + i)
+        if (eos_id is not None and tok == eos_id) or i == gen_length - 1:
+            return
+        logits = yield _Request("ar", [tok], [p0 + i])
+        row.commit = [0]
+
+
+# --------------------------------------------------------------------------------------------
+# The batched driver: one forward per step serving every active row.
+
+
+def _run(model, rows: list[_Row], programs: list, max_len: int) -> int:
+    """Drive the row programs to completion; returns the number of forward calls."""
+    from pipeline.model import KVCache
+
+    device = _model_device(model)
+    cache = KVCache.for_model(model, batch_size=len(rows), capacity=max_len)
+    reqs: dict[int, _Request] = {}
+    for b, prog in enumerate(programs):
+        try:
+            reqs[b] = next(prog)
+        except StopIteration:
+            pass
+    calls = 0
+    B = len(rows)
+    while reqs:
+        feeds = {}
+        for b, req in reqs.items():
+            row = rows[b]
+            nc = len(row.carry)
+            toks = row.carry + req.tokens
+            pos = row.carry_positions + req.positions
+            t = len(toks)
+            m = torch.ones(t, t, dtype=torch.bool).tril()
+            if req.mask is not None:
+                m[nc:, nc:] = req.mask
+            feeds[b] = (nc, toks, pos, m)
+        T = max(len(f[1]) for f in feeds.values())
+        input_ids = torch.zeros(B, T, dtype=torch.long)
+        position_ids = torch.zeros(B, T, dtype=torch.long)
+        intra = torch.eye(T, dtype=torch.bool).expand(B, T, T).clone()
+        for b, (nc, toks, pos, m) in feeds.items():
+            t = len(toks)
+            input_ids[b, :t] = torch.tensor(toks)
+            position_ids[b, :t] = torch.tensor(pos)
+            intra[b, :t, :t] = m
+            position_ids[b, t:] = pos[-1]
+        # Every fed token may see all of its row's cache (the model masks columns past a row's
+        # length); padding query positions see only themselves among the new tokens.
+        attn = torch.cat((torch.ones(B, T, cache.width, dtype=torch.bool), intra), -1)[:, None]
+        with torch.no_grad():
+            logits = _gather(model(input_ids.to(device), position_ids.to(device),
+                                   attention_mask=attn.to(device), kv_cache=cache)).cpu()
+        calls += 1
+        index = [[] for _ in range(B)]
+        nxt: dict[int, _Request] = {}
+        for b, req in reqs.items():
+            row = rows[b]
+            nc, toks, _, _ = feeds[b]
+            row.forwards[req.kind] += 1
+            row.carry, row.carry_positions = [], []
+            lg = logits[b, nc:nc + len(req.tokens)]
+            try:
+                nxt[b] = programs[b].send(lg)
+            except StopIteration:
+                pass
+            index[b] = list(range(nc)) + [nc + i for i in row.commit]
+            row.commit = []
+        n = max(len(i) for i in index)
+        if n:
+            cache.commit(torch.tensor([i + [-1] * (n - len(i)) for i in index], dtype=torch.long))
+        else:
+            cache.discard_pending()
+        reqs = nxt
+    return calls
+
+
+def _check(gen_length: int, slot_size: int, num_blocks: int) -> int:
+    if slot_size < 1 or gen_length < 1 or num_blocks < 1:
+        raise ValueError("gen_length, slot_size and num_blocks must be >= 1")
+    g = math.ceil(gen_length / slot_size) * slot_size
+    if (g // slot_size) % num_blocks:
+        raise ValueError(f"{g // slot_size} slots (gen_length {gen_length} rounded up to a "
+                         f"multiple of slot_size {slot_size}) are not a multiple of "
+                         f"num_blocks {num_blocks}")
+    return g
+
+
+@torch.no_grad()
+def refusion_generate(model, prompt_ids, gen_length: int, slot_size: int, num_blocks: int,
+                      slot_threshold: float, token_threshold: float, temperature: float,
+                      mask_id: int, eos_id: int | None, exact_cache: bool = False,
+                      attention_mask: torch.Tensor | None = None,
+                      seed: int = 0) -> GenerationOutput:
+    """Plan-and-infill decoding of a batch of prompts with a KV cache (module docstring).
+
+    Args:
+        model: `pipeline.model.Qwen3` in eval mode (any TP size; every TP rank calls this).
+        prompt_ids: `LongTensor[B, T]` (left or right padded; give `attention_mask`) or a list
+            of 1-D `LongTensor[P_b]` / `list[int]`.
+        gen_length: tokens to generate at most; rounded up to a multiple of `slot_size`.
+        slot_size: k, tokens per slot.
+        num_blocks: the generation region is decoded in this many left-to-right blocks; the
+            number of slots must be a multiple of it.
+        slot_threshold: a slot is selected when its first token's probability exceeds this
+            (> 1: exactly one slot per step).
+        token_threshold: a drafted token is accepted when its causal probability exceeds this
+            (0 (< every probability): whole slots accepted at once).
+        temperature: Gumbel-max sampling temperature of the plan step (0 = argmax).
+        mask_id / eos_id: the mask token id; the end-of-sequence id (None: never stop early).
+        exact_cache: re-encode slots infilled in parallel in commit order (exact KV cache)
+            instead of keeping each slot's prefix-only keys/values (the reference's choice).
+        attention_mask: `Tensor[B, T]` marking real prompt tokens of a padded `prompt_ids`.
+        seed: seed of the sampling generator (used only when temperature > 0).
+
+    Returns:
+        `GenerationOutput` (generated ids per prompt, forwards by kind, TPF, TPS).
+
+    Raises:
+        ValueError: inconsistent sizes, or the prompt + generation exceeds the model's
+            `max_position_embeddings`.
+    """
+    g = _check(gen_length, slot_size, num_blocks)
+    prompts = split_prompts(prompt_ids, attention_mask)
+    _check_positions(model, prompts, g)
+    gen = torch.Generator().manual_seed(seed)
+    t0 = time.perf_counter()
+    rows = [_Row(prompt=p, carry=list(p), carry_positions=list(range(len(p))))
+            for p in prompts]
+    for r in rows:
+        r.tokens.extend(r.prompt)
+        r.positions.extend(range(len(r.prompt)))
+    programs = [_refusion_program(r, gen_length=g, slot_size=slot_size, num_blocks=num_blocks,
+                                  slot_threshold=slot_threshold, token_threshold=token_threshold,
+                                  temperature=temperature, mask_id=mask_id, eos_id=eos_id,
+                                  exact_cache=exact_cache, generator=gen) for r in rows]
+    max_len = max(len(p) for p in prompts) + g
+    calls = _run(model, rows, programs, max_len)
+    return GenerationOutput(
+        tokens=[r.output(eos_id) for r in rows], forwards=[r.forwards for r in rows],
+        batch_forwards=calls, seconds=time.perf_counter() - t0,
+        tpf_reference_style=[r.ref_tpf_sum / r.ref_tpf_steps if r.ref_tpf_steps else 0.0
+                             for r in rows])
+
+
+@torch.no_grad()
+def ar_generate(model, prompt_ids, gen_length: int, temperature: float, eos_id: int | None,
+                attention_mask: torch.Tensor | None = None, seed: int = 0) -> GenerationOutput:
+    """Plain autoregressive decoding (one token per forward after a prefill) with the same model
+    and KV cache: the baseline for TPF/TPS/accuracy.
+
+    Args:
+        model, prompt_ids, attention_mask, seed: as `refusion_generate`.
+        gen_length: tokens to generate at most (stops earlier at EOS, which is kept).
+        temperature: sampling temperature (0 = greedy).
+        eos_id: end-of-sequence id, or None.
+
+    Returns:
+        `GenerationOutput` (forwards by kind: "prefill", "ar").
+
+    Raises:
+        ValueError: gen_length < 1, or prompt + generation exceeds `max_position_embeddings`.
+    """
+    if gen_length < 1:
+        raise ValueError("gen_length must be >= 1")
+    prompts = split_prompts(prompt_ids, attention_mask)
+    _check_positions(model, prompts, gen_length)
+    gen = torch.Generator().manual_seed(seed)
+    t0 = time.perf_counter()
+    rows = [_Row(prompt=p) for p in prompts]
+    programs = [_ar_program(r, gen_length=gen_length, temperature=temperature, eos_id=eos_id,
+                            generator=gen) for r in rows]
+    calls = _run(model, rows, programs, max(len(p) for p in prompts) + gen_length)
+    return GenerationOutput(tokens=[r.output(eos_id) for r in rows],
+                            forwards=[r.forwards for r in rows], batch_forwards=calls,
+                            seconds=time.perf_counter() - t0,
+                            tpf_reference_style=[None] * len(rows))
+
+
+def _check_positions(model, prompts: list[list[int]], g: int) -> None:
+    cfg = getattr(model, "cfg", None) or getattr(model, "config", None)
+    limit = getattr(cfg, "max_position_embeddings", None)
+    need = max(len(p) for p in prompts) + g
+    if limit is not None and need > limit:
+        raise ValueError(f"prompt + generation needs {need} positions, the model has "
+                         f"max_position_embeddings {limit}")
+
+
+# --------------------------------------------------------------------------------------------
+# Cache-free reference decoder (the tests' oracle)
+
+
+@torch.no_grad()
+def reference_generate(model, prompt: Sequence[int], gen_length: int, slot_size: int,
+                       num_blocks: int, slot_threshold: float, token_threshold: float,
+                       mask_id: int, eos_id: int | None, exact_cache: bool = False
+                       ) -> tuple[list[int], Counter]:
+    """Plan-and-infill for one prompt, greedy, without a KV cache: every forward recomputes the
+    whole committed sequence (in commit order) followed by the step's tokens.
+
+    The cache choice is modelled by the attention mask over the committed sequence: with
+    `exact_cache` it is plain causal; otherwise tokens of slots committed together after parallel
+    infill see the prefix before their group and their own slot only (not the sibling slots),
+    as their cached keys/values would. Written straight from REFUSION.md, independently of
+    `refusion_generate`, which it must match token for token (and forward for forward).
+
+    Args:
+        model: `pipeline.model.Qwen3`. prompt: the prompt ids. Other args: `refusion_generate`.
+
+    Returns:
+        (generated ids sorted by position ending at the first EOS inclusive, Counter of forwards
+        by kind).
+    """
+    k = slot_size
+    P = len(prompt)
+    G = _check(gen_length, k, num_blocks)
+    device = _model_device(model)
+    # committed entries: (token, position, group, slot); group/slot None = sequential.
+    seq: list[tuple[int, int, object, object]] = [(t, i, None, None) for i, t in enumerate(prompt)]
+    forwards: Counter = Counter()
+    n_groups = 0
+
+    def forward(kind, toks, poss, groups=None):
+        """Logits of toks fed after the committed sequence; groups[i] = index of the parallel
+        slot of toks[i] (tokens of different slots do not see each other) or None (causal)."""
+        forwards[kind] += 1
+        allt = [e[0] for e in seq] + list(toks)
+        allp = [e[1] for e in seq] + list(poss)
+        n, c = len(allt), len(seq)
+        m = torch.zeros(n, n, dtype=torch.bool)
+        for i in range(n):
+            for j in range(i + 1):
+                if i < c:
+                    gi, gj = seq[i][2], seq[j][2]
+                    ok = gi is None or gi != gj or seq[i][3] == seq[j][3]
+                else:
+                    ok = j < c or groups is None or groups[i - c] == groups[j - c]
+                m[i, j] = ok
+        ids = torch.tensor([allt], device=device)
+        pos = torch.tensor([allp], device=device)
+        out = _gather(model(ids, pos, attention_mask=m[None, None].to(device)))
+        return out[0, c:].cpu().double()
+
+    slot_state = {s: "masked" for s in range(G // k)}
+    per_block = (G // k) // num_blocks
+
+    def first_eos():
+        qs = [e[1] for e in seq if e[0] == eos_id and e[1] >= P] if eos_id is not None else []
+        return min(qs) if qs else None
+
+    def drop_after_eos():
+        q = first_eos()
+        if q is not None:
+            for s in slot_state:
+                if slot_state[s] == "masked" and P + s * k > q:
+                    slot_state[s] = "dropped"
+
+    for blk in range(num_blocks):
+        while True:
+            todo = [s for s in range(blk * per_block, (blk + 1) * per_block)
+                    if slot_state[s] == "masked"]
+            if not todo:
+                break
+            # plan
+            lg = forward("plan", [mask_id] * (k * len(todo)),
+                         [P + s * k + j for s in todo for j in range(k)])
+            pr = torch.softmax(lg, -1)
+            best = pr.argmax(-1)
+            first_prob = [float(pr[i * k, best[i * k]]) for i in range(len(todo))]
+            pick = [i for i in range(len(todo)) if first_prob[i] > slot_threshold]
+            if not pick:
+                pick = [max(range(len(todo)), key=lambda i: first_prob[i])]
+            chosen = [todo[i] for i in pick]
+            draft = {s: [int(best[i * k + j]) for j in range(k)] for i, s in zip(pick, chosen)}
+            # verify all chosen slots in one causal sequence
+            flat = [t for s in chosen for t in draft[s]]
+            fpos = [P + s * k + j for s in chosen for j in range(k)]
+            lg = forward("verify", flat, fpos)
+            pr = torch.softmax(lg, -1)
+            ok = []
+            for i in range(len(flat)):
+                ok.append(i % k == 0 or float(pr[i - 1, flat[i]]) > token_threshold)
+            prefix = 0
+            while prefix < len(flat) and ok[prefix]:
+                prefix += 1
+            eos_at = next((i for i in range(prefix) if flat[i] == eos_id), None)
+            if eos_at is not None or prefix >= k:
+                cut = eos_at + 1 if eos_at is not None else (prefix // k) * k
+                for i in range(cut):
+                    seq.append((flat[i], fpos[i], None, None))
+                for s in chosen[:(cut + k - 1) // k]:
+                    slot_state[s] = "done"
+                drop_after_eos()
+                continue
+            # parallel draft / verify, each slot sees the committed prefix and itself
+            acc = {}
+            for s in chosen:
+                i0 = chosen.index(s) * k
+                a = 0
+                while a < k and ok[i0 + a]:
+                    a += 1
+                acc[s] = a
+            while any(acc[s] < k for s in chosen):
+                groups = [gi for gi in range(len(chosen)) for _ in range(k)]
+                pos = [P + s * k + j for s in chosen for j in range(k)]
+                fed = [draft[s][j] if j < acc[s] else mask_id for s in chosen for j in range(k)]
+                lg = forward("draft", fed, pos, groups)
+                for gi, s in enumerate(chosen):
+                    for j in range(acc[s], k):
+                        draft[s][j] = int(lg[gi * k + j].argmax())
+                lg = forward("verify", [draft[s][j] for s in chosen for j in range(k)], pos,
+                             groups)
+                pr = torch.softmax(lg, -1)
+                for gi, s in enumerate(chosen):
+                    a = acc[s]
+                    j = a + 1 if a < k else k  # tokens up to index a are accepted regardless
+                    j = min(j, k)
+                    while j < k and float(pr[gi * k + j - 1, draft[s][j]]) > token_threshold:
+                        j += 1
+                    acc[s] = j
+                hit = [gi for gi, s in enumerate(chosen)
+                       if eos_id is not None and eos_id in draft[s][:acc[s]]]
+                if hit:
+                    chosen = chosen[:hit[0] + 1]
+                    acc[chosen[-1]] = k
+            tokens = [draft[s][j] for s in chosen for j in range(k)]
+            poss = [P + s * k + j for s in chosen for j in range(k)]
+            if eos_id is not None and eos_id in tokens:
+                cut = tokens.index(eos_id) + 1
+                tokens, poss = tokens[:cut], poss[:cut]
+            parallel = not exact_cache and len(chosen) > 1
+            n_groups += 1
+            for i, (t, q) in enumerate(zip(tokens, poss)):
+                seq.append((t, q, n_groups if parallel else None, i // k))
+            for s in chosen:
+                slot_state[s] = "done"
+            drop_after_eos()
+        if all(v != "masked" for v in slot_state.values()):
+            break
+    q = first_eos()
+    out = sorted((e[1], e[0]) for e in seq if e[1] >= P and (q is None or e[1] <= q))
+    assert [p for p, _ in out] == list(range(P, P + len(out))), "gaps in the output"
+    return [t for _, t in out], forwards
