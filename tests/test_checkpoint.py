@@ -1,0 +1,269 @@
+"""pipeline.checkpoint: crash-safe save, keep-K, resume equal to an uninterrupted run, and TP=2 x
+DP=2 ZeRO-3 consolidation equal to the gathered weights and to a plain single-process network.
+
+The model is a tiny stand-in built from the same megatron-core TP layers the real model uses
+(VocabParallelEmbedding, ColumnParallelLinear, RowParallelLinear), so the test does not
+depend on pipeline.model.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from distributed import run_distributed
+from pipeline import checkpoint as ckpt
+
+V, H, F = 16, 8, 12          # vocab, hidden, feed-forward sizes (all divisible by TP=2)
+TP, WORLD = 2, 4
+SEQ, MICRO = 6, 2
+
+
+class Crash(Exception):
+    """Raised at a checkpoint crash point to simulate a process dying mid-save."""
+
+
+def _build(seed: int):
+    """Tiny TP model inside zero.Init + a DeepSpeed ZeRO-3 engine over the DP group."""
+    import deepspeed
+    from megatron.core import parallel_state
+    from megatron.core.model_parallel_config import ModelParallelConfig
+    from megatron.core.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
+                                               VocabParallelEmbedding)
+
+    from pipeline.parallel import MegatronMPU
+
+    mcfg = ModelParallelConfig(tensor_model_parallel_size=TP, use_cpu_initialization=True,
+                               gradient_accumulation_fusion=False, params_dtype=torch.float32)
+    init = torch.nn.init.normal_
+
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.cfg = {"vocab_size": V, "hidden_size": H, "ffn": F}
+            self.emb = VocabParallelEmbedding(V, H, init_method=init, config=mcfg)
+            self.fc1 = ColumnParallelLinear(H, F, config=mcfg, init_method=init, bias=True,
+                                            gather_output=False)
+            self.fc2 = RowParallelLinear(F, H, config=mcfg, init_method=init, bias=True,
+                                         input_is_parallel=True, skip_bias_add=False)
+            self.norm = torch.nn.LayerNorm(H)
+            self.head = ColumnParallelLinear(H, V, config=mcfg, init_method=init, bias=False,
+                                             gather_output=False)
+
+        def forward(self, ids):                      # LongTensor[B, T] -> FloatTensor[B, T, V/tp]
+            x = self.emb(ids)
+            h, _ = self.fc1(x)
+            y, _ = self.fc2(torch.nn.functional.gelu(h))
+            logits, _ = self.head(self.norm(x + y))
+            return logits
+
+    ds_config = {
+        "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0, "zero_allow_untested_optimizer": True,
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        "scheduler": {"type": "WarmupCosineLR",
+                      "params": {"total_num_steps": 20, "warmup_num_steps": 3}},
+        "steps_per_print": 10 ** 9, "wall_clock_breakdown": False,
+    }
+    torch.manual_seed(seed)
+    with deepspeed.zero.Init(data_parallel_group=parallel_state.get_data_parallel_group(),
+                             mpu=MegatronMPU(), config_dict_or_path=ds_config):
+        model = Tiny()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config,
+                                      mpu=MegatronMPU())
+    return engine
+
+
+def _train_step(engine):
+    """One step on a batch drawn from the global RNGs (torch, numpy, python): the batch, and so
+    the loss, only repeat after a resume if the RNG states were restored."""
+    import random
+
+    import numpy as np
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    ids = torch.randint(0, V, (MICRO, SEQ))
+    ids[:, int(np.random.randint(0, SEQ))] = random.randrange(V)
+    logits = engine(ids[:, :-1])
+    loss = vocab_parallel_cross_entropy(logits.clone(), ids[:, 1:]).mean()
+    engine.backward(loss)
+    engine.step()
+    return loss.item()
+
+
+def _gathered_local_weights(engine) -> dict:
+    """Each parameter's full TP-local tensor on this rank (ZeRO-3 gathered over DP)."""
+    import deepspeed
+    out = {}
+    for name, p in engine.module.named_parameters():
+        with deepspeed.zero.GatheredParameters([p]):
+            out[name] = p.detach().clone()
+    return out
+
+
+def _tp_logits(engine, ids) -> torch.Tensor:
+    """Full-vocab logits: the TP shards all-gathered and concatenated (independent of export)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    with torch.no_grad():
+        shard = engine(ids)
+    group = parallel_state.get_tensor_model_parallel_group()
+    parts = [torch.empty_like(shard) for _ in range(TP)]
+    dist.all_gather(parts, shard.contiguous(), group=group)
+    return torch.cat(parts, dim=-1)
+
+
+def _seed_rngs(dp_rank: int):
+    import random
+
+    import numpy as np
+    # the same on both TP ranks of a DP group (they must see the same batch)
+    random.seed(100 + dp_rank)
+    np.random.seed(200 + dp_rank)
+    torch.manual_seed(300 + dp_rank)
+
+
+def _phase1(rank, world_size, root):
+    """Uninterrupted run of 6 steps; checkpoints at 2, 3, 4 (keep 2); a crashed save at 5."""
+    from pipeline.parallel import init_distributed
+    info = init_distributed(tensor_parallel_size=TP)
+    engine = _build(seed=0)
+    _seed_rngs(info.dp_rank)
+    losses, probe = {}, torch.arange(10).reshape(2, 5) % V
+    result = {}
+    for step in range(1, 7):
+        losses[step] = _train_step(engine)
+        if step in (2, 3, 4):
+            ckpt.save_checkpoint(engine, root, step, {"consumed_samples": step * 4,
+                                                      "loader": {"offset": step, "rank": rank},
+                                                      "wandb_run_id": "run-abc"}, keep_last=2)
+        if step == 4:
+            result["weights_4"] = _gathered_local_weights(engine)
+            result["logits_4"] = _tp_logits(engine, probe)
+            result["latest_after_4"] = (Path(root) / "latest").read_text()
+        if step == 5:  # every rank "dies" after its files are written, before publication
+            def crash(name):
+                if name == "before_publish":
+                    raise Crash(name)
+            ckpt._crash_point = crash
+            try:
+                ckpt.save_checkpoint(engine, root, step, {"consumed_samples": 20}, keep_last=2)
+                raise AssertionError("the simulated crash did not happen")
+            except Crash:
+                pass
+            finally:
+                ckpt._crash_point = lambda name: None
+            result["dirs_after_crash"] = sorted(os.listdir(root))
+    result["losses"] = losses
+    result["tp_rank"], result["dp_rank"] = info.tp_rank, info.dp_rank
+    return result
+
+
+def _phase2(rank, world_size, root):
+    """Restart the same job: resume from the latest complete checkpoint, train steps 5 and 6."""
+    from pipeline.parallel import init_distributed
+    info = init_distributed(tensor_parallel_size=TP)
+    engine = _build(seed=12345)          # different init: the weights must come from the file
+    _seed_rngs(info.dp_rank + 50)        # different RNG: it must come from the file
+    state = ckpt.load_latest(engine, root)
+    losses = {step: _train_step(engine) for step in range(state["step"] + 1, 7)}
+    ckpt.save_checkpoint(engine, root, 6, {"consumed_samples": 24}, keep_last=2)
+    return {"state": state, "losses": losses, "dirs": sorted(os.listdir(root))}
+
+
+def _reference_logits(sd: dict, ids: torch.Tensor) -> torch.Tensor:
+    """The stand-in network written with plain torch ops on full (unsharded) weights."""
+    F_ = torch.nn.functional
+    x = F_.embedding(ids, sd["emb.weight"])
+    h = F_.linear(x, sd["fc1.weight"], sd["fc1.bias"])
+    y = F_.linear(F_.gelu(h), sd["fc2.weight"], sd["fc2.bias"])
+    z = F_.layer_norm(x + y, (H,), sd["norm.weight"], sd["norm.bias"])
+    return F_.linear(z, sd["head.weight"])
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    p1 = run_distributed(_phase1, WORLD, (str(root),))
+    p2 = run_distributed(_phase2, WORLD, (str(root),))
+    return root, p1, p2
+
+
+def test_keep_last_and_crash_leaves_previous_latest(runs):
+    root, p1, p2 = runs
+    r0 = p1[0]
+    assert r0["latest_after_4"] == "step_000000004"
+    # keep_last=2 removed step 2; the crashed save at 5 left only a .partial folder
+    assert [d for d in r0["dirs_after_crash"] if d.startswith("step_")] == [
+        "step_000000003", "step_000000004", "step_000000005.partial"]
+    assert "latest" in r0["dirs_after_crash"]
+    # after the restart: the next save removed the .partial leftover and step 3 (keep 2)
+    assert [d for d in p2[0]["dirs"] if d.startswith("step_")] == [
+        "step_000000004", "step_000000006"]
+    assert (root / "latest").read_text() == "step_000000006"
+    assert ckpt.find_latest(root) == root / "step_000000006"
+
+
+def test_resume_restores_state_and_equals_uninterrupted_run(runs):
+    root, p1, p2 = runs
+    for rank in range(WORLD):
+        state = p2[rank]["state"]
+        assert state["step"] == 4
+        assert state["consumed_samples"] == 16
+        assert state["loader"] == {"offset": 4, "rank": rank}   # this rank's own state
+        assert state["wandb_run_id"] == "run-abc"
+        # losses of steps 5 and 6 after resume == the uninterrupted run, exactly (fp32, CPU)
+        assert p2[rank]["losses"] == {5: p1[rank]["losses"][5], 6: p1[rank]["losses"][6]}
+    # the two DP groups saw different batches (else the RNG check above proves little)
+    assert p1[0]["losses"][5] != p1[2]["losses"][5]
+
+
+def test_consolidation_equals_gathered_weights_and_plain_forward(runs):
+    root, p1, _ = runs
+    full, layout = ckpt.consolidate_state_dict(root / "step_000000004")
+    assert layout["step"] == 4 and layout["tp_size"] == TP and layout["dp_size"] == 2
+    assert layout["model_config"] == {"vocab_size": V, "hidden_size": H, "ffn": F}
+    assert full["emb.weight"].shape == (V, H) and full["fc2.weight"].shape == (H, F)
+    assert full["fc1.weight"].shape == (F, H) and full["head.weight"].shape == (V, H)
+    for res in p1:  # every rank's gathered TP-local tensor is its slice of the merged one
+        tp_rank = res["tp_rank"]
+        for name, local in res["weights_4"].items():
+            dim = layout["params"][name]["partition_dim"]
+            expect = full[name] if dim is None else full[name].chunk(TP, dim=dim)[tp_rank]
+            torch.testing.assert_close(local, expect, rtol=0, atol=0, msg=name)
+    probe = torch.arange(10).reshape(2, 5) % V
+    torch.testing.assert_close(_reference_logits(full, probe), p1[0]["logits_4"],
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_merge_tp_shards_inverts_megatron_strided_split():
+    # megatron-core's CPU init: cut the master weight into stride*tp chunks along dim, rank r
+    # keeps chunks r, r+tp, ... concatenated (layers._initialize_affine_weight_cpu)
+    full = torch.arange(8 * 3 * 2, dtype=torch.float32).reshape(8 * 2, 3)
+    for tp, stride in [(2, 1), (2, 2), (4, 2)]:
+        chunks = full.split(full.shape[0] // (tp * stride), dim=0)
+        shards = [torch.cat(chunks[r::tp], dim=0) for r in range(tp)]
+        assert torch.equal(ckpt._merge_tp_shards(shards, 0, stride), full)
+    assert torch.equal(ckpt._merge_tp_shards([full, full + 1], None, 1), full)
+
+
+def test_find_latest_ignores_incomplete_and_falls_back(tmp_path):
+    assert ckpt.find_latest(tmp_path) is None
+    for step in (1, 2):
+        d = tmp_path / ckpt.tag_for_step(step)
+        d.mkdir()
+        (d / ckpt.META).write_text(json.dumps({"step": step}))
+    (tmp_path / "step_000000003").mkdir()                    # no meta: incomplete
+    (tmp_path / "step_000000004.partial").mkdir()
+    (tmp_path / "step_000000004.partial" / ckpt.META).write_text("{}")
+    assert ckpt.find_latest(tmp_path) == tmp_path / "step_000000002"  # no pointer: scan
+    (tmp_path / "latest").write_text("step_000000001")
+    assert ckpt.find_latest(tmp_path) == tmp_path / "step_000000001"  # pointer wins
+    (tmp_path / "latest").write_text("step_000000003")                # names incomplete
+    assert ckpt.find_latest(tmp_path) == tmp_path / "step_000000002"
+    with pytest.raises(ckpt.CheckpointError, match="no complete checkpoint"):
+        ckpt.resolve_checkpoint_dir(tmp_path / "step_000000003")
