@@ -588,16 +588,40 @@ def _eye_offset(t: int, s: int, offset: int, device) -> torch.Tensor:
     return out
 
 
+class _GatherLastDim(torch.autograd.Function):
+    """All-gather along the last dim over the TP group; backward keeps this rank's slice.
+
+    (megatron-core's `gather_from_tensor_model_parallel_region` allocates on CUDA, so it cannot
+    run on CPU; this is the same operation with torch.distributed directly.) The backward
+    assumes, as Megatron's does, that every TP rank computes the same function of the gathered
+    tensor.
+    """
+
+    @staticmethod
+    def forward(ctx, x, group):
+        import torch.distributed as dist
+        ctx.group = group
+        ctx.rank = dist.get_rank(group)
+        ctx.size = x.shape[-1]
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.narrow(-1, ctx.rank * ctx.size, ctx.size).contiguous(), None
+
+
 def gather_logits(shard: torch.Tensor) -> torch.Tensor:
     """All-gather vocab-parallel logits over the tensor-parallel group (differentiable).
 
     Args:
         shard: FloatTensor[B, T, V / tp] from `Qwen3.forward`.
     Returns:
-        FloatTensor[B, T, V], vocab slices concatenated in TP-rank order.
+        FloatTensor[B, T, V], vocab slices concatenated in TP-rank order. The backward gives
+        each rank the gradient of its own slice (every TP rank must compute the same loss).
     """
     from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
     if parallel_state.get_tensor_model_parallel_world_size() == 1:
         return shard
-    return gather_from_tensor_model_parallel_region(shard)
+    return _GatherLastDim.apply(shard, parallel_state.get_tensor_model_parallel_group())
