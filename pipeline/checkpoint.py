@@ -454,76 +454,120 @@ def _per_tp_rank_state_dict(step_dir: Path, tp_rank: int) -> dict[str, torch.Ten
     return dict(sd)
 
 
-def consolidate_state_dict(checkpoint_dir: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict]:
-    """One full fp32 state dict from a ZeRO (2 or 3) + TP checkpoint.
-
-    Consolidates each TP rank over its DP ranks (DeepSpeed's zero_to_fp32), then merges the
-    TP ranks along each parameter's recorded partition dim (`refusion_layout.json`).
+def read_checkpoint_info(checkpoint_dir: str | os.PathLike) -> dict:
+    """What a complete checkpoint records about itself.
 
     Args:
         checkpoint_dir: a complete step folder, or a checkpoint root (its latest is used).
 
     Returns:
-        (state_dict: {native name: FloatTensor at full, unsharded shape}, layout: the
-        recorded `refusion_layout.json` plus "model_config" (dict or None) and "step").
+        `refusion_layout.json` ({"tp_size", "dp_size", "params": {name: {"shape",
+        "partition_dim", "partition_stride"}}}) plus "model_config" (dict or None), "step" and
+        "checkpoint_dir" (str).
 
     Raises:
-        CheckpointError: no complete checkpoint, or shapes that do not match the layout.
+        CheckpointError: no complete checkpoint there.
     """
     step_dir = resolve_checkpoint_dir(checkpoint_dir)
-    layout = json.loads((step_dir / LAYOUT).read_text())
+    info = json.loads((step_dir / LAYOUT).read_text())
     meta = json.loads((step_dir / META).read_text())
-    tp = int(layout["tp_size"])
-    per_rank = [_per_tp_rank_state_dict(step_dir, r) for r in range(tp)]
-    params = layout["params"]
-    full: dict[str, torch.Tensor] = {}
-    for name in per_rank[0]:
-        shards = [sd[name] for sd in per_rank]
-        info = params.get(name)
-        if info is None:  # a buffer: replicated
-            full[name] = shards[0]
-            continue
-        for r, s in enumerate(shards):
-            if list(s.shape) != info["shape"]:
-                raise CheckpointError(f"{step_dir}: {name} on TP rank {r} has shape "
-                                      f"{list(s.shape)}, layout says {info['shape']}")
-        full[name] = _merge_tp_shards(shards, info["partition_dim"], info["partition_stride"])
-    missing = sorted(set(params) - set(full))
-    if missing:
-        raise CheckpointError(f"{step_dir}: parameters missing from the DeepSpeed files: "
-                              f"{missing[:5]}")
     mcfg_path = step_dir / MODEL_CONFIG
-    layout["model_config"] = json.loads(mcfg_path.read_text()) if mcfg_path.is_file() else None
-    layout["step"] = meta["step"]
-    return full, layout
+    info["model_config"] = json.loads(mcfg_path.read_text()) if mcfg_path.is_file() else None
+    info["step"] = meta["step"]
+    info["checkpoint_dir"] = str(step_dir)
+    return info
 
 
-def consolidate_to_hf(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike,
-                      dtype: torch.dtype = torch.bfloat16) -> Path:
+def consolidate_tp_ranks(checkpoint_dir: str | os.PathLike
+                         ) -> tuple[list[dict[str, torch.Tensor]], dict]:
+    """Per-TP-rank fp32 state dicts of a ZeRO (2 or 3) + TP checkpoint, each merged over its DP
+    ranks by DeepSpeed's zero_to_fp32.
+
+    Args:
+        checkpoint_dir: a complete step folder, or a checkpoint root (its latest is used).
+
+    Returns:
+        (shards: list indexed by TP rank of {native name: FloatTensor at the per-rank shape},
+        info: `read_checkpoint_info`).
+
+    Raises:
+        CheckpointError: no complete checkpoint, missing files, or shapes that do not match
+            the recorded layout.
+    """
+    info = read_checkpoint_info(checkpoint_dir)
+    step_dir = Path(info["checkpoint_dir"])
+    shards = [_per_tp_rank_state_dict(step_dir, r) for r in range(int(info["tp_size"]))]
+    params = info["params"]
+    for r, sd in enumerate(shards):
+        missing = sorted(set(params) - set(sd))
+        if missing:
+            raise CheckpointError(f"{step_dir}: parameters missing from the DeepSpeed files of TP "
+                                  f"rank {r}: {missing[:5]}")
+        for name, p in params.items():
+            if list(sd[name].shape) != p["shape"]:
+                raise CheckpointError(f"{step_dir}: {name} on TP rank {r} has shape "
+                                      f"{list(sd[name].shape)}, the layout says {p['shape']}")
+    return shards, info
+
+
+def consolidate_state_dict(checkpoint_dir: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict]:
+    """One full fp32 state dict (native names) from a ZeRO (2 or 3) + TP checkpoint.
+
+    `consolidate_tp_ranks`, then each parameter's TP shards merged along its recorded
+    partition dim and stride (`refusion_layout.json`, from megatron-core's attributes).
+    Correct for layers whose full weight is the plain (strided) concatenation of the rank
+    shards. Fused layers whose rank shard is itself a concatenation of parts (the Qwen3
+    model's `qkv_proj` = [q_r; k_r; v_r] and `gate_up_proj` = [gate_r; up_r]) need a
+    model-aware merge: `consolidate_to_hf` uses `pipeline.hf_io.merge_tp_state_dicts`.
+
+    Returns:
+        (state_dict: {native name: FloatTensor at the full shape}, info: `read_checkpoint_info`).
+
+    Raises:
+        CheckpointError: as `consolidate_tp_ranks`.
+    """
+    shards, info = consolidate_tp_ranks(checkpoint_dir)
+    full: dict[str, torch.Tensor] = {}
+    for name in shards[0]:
+        p = info["params"].get(name)
+        parts = [sd[name] for sd in shards]
+        full[name] = parts[0] if p is None else _merge_tp_shards(parts, p["partition_dim"],
+                                                                 p["partition_stride"])
+    return full, info
+
+
+def consolidate_to_hf(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
+                      dtype: torch.dtype | None = torch.bfloat16, tokenizer_src=None,
+                      overwrite: bool = False) -> Path:
     """Write a Hugging Face Qwen3 folder from a ZeRO-3 + TP training checkpoint.
 
-    `consolidate_state_dict`, then the native -> HF name map and folder writer of
-    `pipeline.hf_io` (config.json + safetensors, loadable by
-    `transformers.AutoModelForCausalLM.from_pretrained(out_dir)`).
+    `consolidate_tp_ranks` (DeepSpeed's zero_to_fp32 per TP rank), then
+    `pipeline.hf_io.merge_tp_state_dicts` (TP merge + native -> HF names, fused qkv/gate_up
+    split) and `pipeline.hf_io.save_hf_folder` (config.json + safetensors, written atomically),
+    loadable by `transformers.AutoModelForCausalLM.from_pretrained(out_dir)`.
 
     Args:
         checkpoint_dir: a complete step folder or a checkpoint root.
-        out_dir: the folder to create (written atomically by `hf_io`).
-        dtype: dtype of the written weights (training master weights are fp32).
+        out_dir: the folder to write.
+        dtype: dtype of the written weights (None: the fp32 master weights as they are).
+        tokenizer_src: a tokenizer folder to copy in (with the ReFusion tokens added).
+        overwrite: replace a non-empty `out_dir`.
 
     Returns:
         Path(out_dir).
 
     Raises:
         CheckpointError: no complete checkpoint, or no model config recorded with it.
+        FileExistsError: `out_dir` is not empty and not `overwrite`.
     """
     from pipeline import hf_io
     from pipeline.model import ModelConfig
 
-    state, layout = consolidate_state_dict(checkpoint_dir)
-    if layout["model_config"] is None:
-        raise CheckpointError(f"{checkpoint_dir}: no {MODEL_CONFIG} recorded with the checkpoint")
-    cfg = ModelConfig(**layout["model_config"])
-    state = {k: v.to(dtype) for k, v in state.items()}
-    hf_io.save_hf_folder(state, cfg, out_dir)
-    return Path(out_dir)
+    shards, info = consolidate_tp_ranks(checkpoint_dir)
+    if info["model_config"] is None:
+        raise CheckpointError(f"{info['checkpoint_dir']}: no {MODEL_CONFIG} recorded with the "
+                              f"checkpoint")
+    cfg = ModelConfig.from_dict(info["model_config"], source=f"{info['checkpoint_dir']}/{MODEL_CONFIG}")
+    state = hf_io.merge_tp_state_dicts(shards, cfg)
+    return hf_io.save_hf_folder(state, cfg, out_dir, dtype=dtype, tokenizer_src=tokenizer_src,
+                                overwrite=overwrite)
