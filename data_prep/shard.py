@@ -485,6 +485,17 @@ def _save_tokenizer(out: Output, tok: Tokenizer) -> None:
                 out.write_bytes(f"{TOKENIZER_DIR}/{name}", f.read())
 
 
+def summary(where: str, manifest: dict) -> str:
+    """One line: location, samples / tokens / shards per split, skip counts by reason."""
+    parts = []
+    for split in SPLITS:
+        es = manifest["splits"][split]
+        parts.append(f"{split} {sum(e['samples'] for e in es)} samples / "
+                     f"{sum(e['tokens'] for e in es)} tokens in {len(es)} shard(s)")
+    skipped = ", ".join(f"{k} {v}" for k, v in manifest["skipped"].items()) or "none"
+    return f"{where}: {'; '.join(parts)}; skipped: {skipped}"
+
+
 def run(args) -> dict:
     """Run the pipeline for parsed `args`; returns the manifest (also written to the output).
 
@@ -501,7 +512,7 @@ def run(args) -> dict:
     out = Output(args.output)
     done, kept = _resume_state(out, fingerprint, args.overwrite)
     if done is not None:
-        print(f"shard.py: {args.output} is already complete (same options); nothing to do",
+        print(f"shard.py: already complete (same options), kept {summary(args.output, done)}",
               file=sys.stderr)
         return done
     out.remove_stale_temps()
@@ -557,14 +568,8 @@ def run(args) -> dict:
     }
     out.write_json(MANIFEST, manifest)
     out.remove(PARTIAL)
-    parts = []
-    for s in SPLITS:
-        es = manifest["splits"][s]
-        parts.append(f"{s} {sum(e['samples'] for e in es)} samples / "
-                     f"{sum(e['tokens'] for e in es)} tokens in {len(es)} shard(s)")
-    skip_txt = ", ".join(f"{k} {v}" for k, v in manifest["skipped"].items()) or "none"
-    print(f"shard.py: wrote {args.output}: {'; '.join(parts)}; skipped: {skip_txt} "
-          f"({time.time() - t0:.1f} s)", file=sys.stderr)
+    print(f"shard.py: wrote {summary(args.output, manifest)} ({time.time() - t0:.1f} s)",
+          file=sys.stderr)
     return manifest
 
 
