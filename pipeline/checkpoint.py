@@ -216,26 +216,55 @@ def resolve_checkpoint_dir(path: str | os.PathLike) -> Path:
 
 # --------------------------------------------------------------------------- layout
 
+def _module_partition_dims(module: torch.nn.Module) -> dict[str, int]:
+    """TP partition dim of every parameter owned by a megatron-core parallel layer, from the
+    layer's type (its parameters carry `partition_dim` attributes only when megatron itself
+    initialized them, not with `perform_initialization=False`)."""
+    try:
+        from megatron.core.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
+                                                   VocabParallelEmbedding)
+    except ImportError:  # megatron-core absent: attributes only
+        return {}
+    dims = {}
+    for mod_name, mod in module.named_modules():
+        prefix = mod_name + "." if mod_name else ""
+        if isinstance(mod, (ColumnParallelLinear, VocabParallelEmbedding)):
+            rules = {"weight": 0, "bias": 0}      # output rows (vocab rows) split
+        elif isinstance(mod, RowParallelLinear):
+            rules = {"weight": 1}                 # input columns split; bias replicated
+        else:
+            continue
+        for pname, _ in mod.named_parameters(recurse=False):
+            if pname in rules:
+                dims[prefix + pname] = rules[pname]
+    return dims
+
+
 def parameter_layout(module: torch.nn.Module) -> dict[str, dict]:
     """Per-parameter TP layout of `module` as seen on this rank.
 
     Returns:
         {name: {"shape": [...] per-TP-rank shape (the ZeRO-3 unpartitioned `ds_shape` when
         present), "partition_dim": int | None (None = replicated on every TP rank),
-        "partition_stride": int}}, names as in `module.named_parameters()`. Partition
-        attributes are megatron-core's (`tensor_model_parallel`, `partition_dim`,
-        `partition_stride`, set by ColumnParallelLinear / RowParallelLinear /
-        VocabParallelEmbedding).
+        "partition_stride": int}}, names as in `module.named_parameters()`. The partition dim
+        comes from the owning megatron-core layer's type (VocabParallelEmbedding and
+        ColumnParallelLinear: 0, RowParallelLinear weight: 1), else from megatron-core's
+        parameter attributes (`tensor_model_parallel`, `partition_dim`); the stride from
+        `partition_stride` when set, else 1.
     """
+    by_type = _module_partition_dims(module)
     out = {}
     for name, p in module.named_parameters():
         shape = list(getattr(p, "ds_shape", p.shape))
-        parallel = bool(getattr(p, "tensor_model_parallel", False))
-        dim = getattr(p, "partition_dim", -1) if parallel else None
-        if dim is not None and dim < 0:
-            dim += len(shape)
-        out[name] = {"shape": shape, "partition_dim": dim,
-                     "partition_stride": int(getattr(p, "partition_stride", 1)) if parallel else 1}
+        if name in by_type:
+            dim = by_type[name]
+        elif getattr(p, "tensor_model_parallel", False):
+            dim = int(getattr(p, "partition_dim", -1))
+            dim = dim + len(shape) if dim < 0 else dim
+        else:
+            dim = None
+        stride = int(getattr(p, "partition_stride", 1)) if dim is not None else 1
+        out[name] = {"shape": shape, "partition_dim": dim, "partition_stride": stride}
     return out
 
 

@@ -1,0 +1,107 @@
+#!/usr/bin/env bash
+# slurm/pretrain.sh: launch `python -m pipeline.train` on N nodes x G devices, one task per device.
+#
+# Usage (from the repository root; Slurm opens logs/ before this script runs, so create it):
+#   mkdir -p logs
+#   sbatch slurm/pretrain.sh CONFIG.yaml [key=value ...]                       # CPU defaults
+#   sbatch --nodes=4 --ntasks-per-node=8 --gpus-per-node=8 --cpus-per-task=12 \
+#          --time=24:00:00 slurm/pretrain.sh configs/qwen3_8b.yaml train.max_steps=20000
+# Command-line sbatch options override the #SBATCH lines below. The defaults are CPU-friendly
+# (one node, two tasks, no GPU request) so the same script runs on a one-node CPU cluster.
+#
+# What it does:
+# - MASTER_ADDR = first host of the allocation, MASTER_PORT = 20000 + job id mod 20000 (both
+#   overridable); `srun` starts one task per device through slurm/task.sh, which sets RANK /
+#   WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE from SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID
+#   (srun relays a signal to every process of the step).
+# - Before the time limit Slurm sends SIGUSR1 to this batch shell (--signal=B:USR1@120, i.e.
+#   120 s ahead); it is forwarded to every training process, which agree on it, checkpoint and
+#   exit 0; then this script runs `scontrol requeue $SLURM_JOB_ID`, and the requeued job
+#   resumes from the latest checkpoint (same command, auto-resume). SIGTERM (scancel,
+#   preemption) is forwarded too (the trainer checkpoints) but does not requeue by itself.
+# - The requeued job appends to the same log (--open-mode=append).
+#
+# Environment knobs (all optional):
+#   REFUSION_ROOT        repository root (default: the sbatch submit directory)
+#   PYTHON               interpreter (default: $REFUSION_ROOT/.venv/bin/python)
+#   TASKS_PER_NODE       training tasks per node (default: the allocation's SLURM_NTASKS_PER_NODE)
+#   MASTER_ADDR, MASTER_PORT
+#   SRUN_EXTRA_ARGS      extra srun options, e.g. "--cpu-bind=cores"
+#   REQUEUE_ON_SIGNAL    1 (default) requeue after a SIGUSR1-triggered checkpoint; 0 to not
+#   TORCH_EXTENSIONS_DIR DeepSpeed's JIT-op cache (default: $REFUSION_ROOT/.cache/torch_extensions)
+#   WANDB_MODE etc. pass through (sbatch exports the submitting environment).
+#
+#SBATCH --job-name=refusion-pretrain
+#SBATCH --nodes=1
+#SBATCH --ntasks-per-node=2
+#SBATCH --cpus-per-task=1
+##SBATCH --gpus-per-node=8          # GPU clusters: enable (or pass on the sbatch line) and set
+##SBATCH --ntasks-per-node=8        # one task per GPU
+#SBATCH --time=00:30:00
+#SBATCH --signal=B:USR1@120
+#SBATCH --requeue
+#SBATCH --open-mode=append
+#SBATCH --output=logs/%x-%j.out
+set -uo pipefail
+
+log() { printf '[pretrain.sh %s] %s\n' "$(date +%T)" "$*"; }
+die() { printf 'slurm/pretrain.sh: error: %s\n' "$*" >&2; exit 2; }
+
+[ -n "${SLURM_JOB_ID:-}" ] || die "not inside a Slurm job; submit with: sbatch slurm/pretrain.sh CONFIG.yaml [key=value ...]"
+[ $# -ge 1 ] || die "missing the run config; usage: sbatch slurm/pretrain.sh CONFIG.yaml [key=value ...]"
+CONFIG=$1; shift
+
+ROOT=${REFUSION_ROOT:-${SLURM_SUBMIT_DIR:-$PWD}}
+cd "$ROOT" || die "REFUSION_ROOT=$ROOT: no such directory"
+PYTHON=${PYTHON:-$ROOT/.venv/bin/python}
+[ -x "$PYTHON" ] || die "PYTHON=$PYTHON is not executable (create the venv: make venv, or set PYTHON)"
+[ -f "$CONFIG" ] || die "config file not found: $CONFIG (relative to $ROOT)"
+
+NNODES=${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-1}}
+# SLURM_NTASKS_PER_NODE is unset when only --ntasks was given; fall back to tasks / nodes.
+ALLOC_TPN=${SLURM_NTASKS_PER_NODE:-$(( ${SLURM_NTASKS:-1} / NNODES ))}
+TASKS_PER_NODE=${TASKS_PER_NODE:-${ALLOC_TPN%%(*}}
+NTASKS=$(( NNODES * TASKS_PER_NODE ))
+export MASTER_ADDR=${MASTER_ADDR:-$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)}
+export MASTER_PORT=${MASTER_PORT:-$(( 20000 + SLURM_JOB_ID % 20000 ))}
+export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$ROOT/.cache/torch_extensions}
+export PYTHONUNBUFFERED=1
+# No GPU in the allocation (and none visible): DeepSpeed's CPU accelerator, one thread per task.
+if [ -z "${SLURM_GPUS_ON_NODE:-}${SLURM_JOB_GPUS:-}${SLURM_STEP_GPUS:-}" ] && ! command -v nvidia-smi >/dev/null 2>&1; then
+  export DS_ACCELERATOR=${DS_ACCELERATOR:-cpu}
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-${SLURM_CPUS_PER_TASK:-1}}
+fi
+
+log "job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on $NNODES node(s) x $TASKS_PER_NODE task(s); master $MASTER_ADDR:$MASTER_PORT"
+log "config $CONFIG overrides: $*"
+
+SIGNALLED=""
+SRUN_PID=""
+forward() {  # forward a signal to the training tasks (srun relays it to every task)
+  local sig=$1
+  [ "$sig" = USR1 ] && SIGNALLED=USR1
+  [ "$sig" = TERM ] && [ -z "$SIGNALLED" ] && SIGNALLED=TERM
+  log "received SIG$sig: forwarding to the training tasks"
+  [ -n "$SRUN_PID" ] && kill -s "$sig" "$SRUN_PID" 2>/dev/null
+}
+trap 'forward USR1' USR1
+trap 'forward TERM' TERM
+
+# One task per device; slurm/task.sh sets RANK/WORLD_SIZE/LOCAL_RANK from the SLURM_* ones.
+export TASKS_PER_NODE
+# shellcheck disable=SC2086
+srun --nodes="$NNODES" --ntasks="$NTASKS" --ntasks-per-node="$TASKS_PER_NODE" \
+     --kill-on-bad-exit=1 ${SRUN_EXTRA_ARGS:-} \
+     "$ROOT/slurm/task.sh" "$PYTHON" -m pipeline.train --config "$CONFIG" "$@" &
+SRUN_PID=$!
+
+# `wait` returns early (status > 128) whenever a trapped signal arrives; wait until srun is gone.
+while kill -0 "$SRUN_PID" 2>/dev/null; do wait "$SRUN_PID"; done
+wait "$SRUN_PID"; rc=$?   # bash keeps a reaped child's status for a later `wait PID`
+log "training tasks exited with status $rc"
+
+if [ "$SIGNALLED" = USR1 ] && [ "$rc" = 0 ] && [ "${REQUEUE_ON_SIGNAL:-1}" = 1 ]; then
+  log "checkpointed on SIGUSR1: requeueing job $SLURM_JOB_ID"
+  scontrol requeue "$SLURM_JOB_ID"
+fi
+exit "$rc"
