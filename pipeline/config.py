@@ -1,0 +1,401 @@
+"""Run configuration: the schema of `configs/*.yaml`, command-line overrides, validation.
+
+Owns: the structured config (`RunConfig`), merging YAML + `key=value` overrides, and every
+check that can be done before a process group or tensor exists (batch arithmetic, TP
+divisibility, files that must exist, vocabulary vs. tokenizer). Must not touch: process
+groups, models, data loading (it only reads small JSON/YAML files to validate).
+
+Usage:
+    cfg = load_config("configs/tiny.yaml", ["train.max_steps=10"])
+    plan = validate(cfg, world_size=4)        # raises ConfigError with a one-line message
+
+Batch arithmetic (Megatron names): global batch = micro-batch x gradient-accumulation steps x
+data-parallel size, data-parallel size = world size / tensor-parallel size. Give either
+`train.global_batch_size` or `train.grad_accum_steps` (or both, then they must agree).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+
+class ConfigError(ValueError):
+    """A user error in the run config: the message is one line naming the file/key."""
+
+
+@dataclass
+class ModelSection:
+    """Network shape: a preset YAML (`configs/model/*.yaml`, fields of
+    `pipeline.model.ModelConfig`) and/or inline fields that override it."""
+    preset: Optional[str] = None
+    inline: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class InitSection:
+    """Initial weights. `source`: "random" (seeded, identical for every TP/DP layout) or
+    "hf" (a Hugging Face Qwen3 folder at `hf_path`, this TP rank's slices copied in). The random
+    init's std is the model's `init_std` field."""
+    source: str = "random"
+    hf_path: Optional[str] = None
+
+
+@dataclass
+class DataSection:
+    """Shards written by `data_prep/shard.py` (a folder, local path or fsspec URL) and how
+    `pipeline.data.build_loader` reads them. `max_length`: tokens per row (None = the
+    manifest's max_length); `pack`: pack several samples per row; `num_workers`: loader worker
+    processes per rank (part of the resumable state: keep it when resuming);
+    `shuffle_buffer`: window shuffle size in samples."""
+    dir: str = MISSING
+    train_split: str = "train"
+    val_split: str = "val"
+    max_length: Optional[int] = None
+    pack: bool = False
+    num_workers: int = 1
+    shuffle_buffer: int = 1000
+
+
+@dataclass
+class OptimSection:
+    """AdamW with linear warmup then cosine decay to `min_lr` at `train.max_steps`.
+    `grad_clip`: max global gradient L2 norm (0 disables). `impl`: "torch" uses
+    torch.optim.AdamW (no C++ build; ZeRO's `zero_allow_untested_optimizer`), "deepspeed" lets
+    DeepSpeed build its own AdamW (FusedAdam on GPU, DeepSpeedCPUAdam with optimizer offload)."""
+    lr: float = 2e-5
+    min_lr: float = 0.0
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    impl: str = "torch"
+
+
+@dataclass
+class TrainSection:
+    """Steps, batch layout, precision and parallelism.
+
+    `max_steps`: optimizer steps. `micro_batch_size`: rows per micro-batch per data-parallel
+    rank. `grad_accum_steps` / `global_batch_size`: see module docstring. `precision`: "bf16" or
+    "fp32". `zero_stage`: DeepSpeed ZeRO stage (0-3). `offload_optimizer` / `offload_params`:
+    ZeRO-Offload to CPU (params only with stage 3). `activation_checkpointing`: recompute each
+    layer in backward. `nan_policy`: "stop" (exit 3, no checkpoint written) or "skip" (drop the
+    step's update). `log_interval`, `eval_interval` (0 = never), `eval_batches` (0 = the whole
+    validation split) are in optimizer steps / micro-batches."""
+    max_steps: int = MISSING
+    micro_batch_size: int = 1
+    grad_accum_steps: Optional[int] = None
+    global_batch_size: Optional[int] = None
+    precision: str = "bf16"
+    zero_stage: int = 3
+    offload_optimizer: bool = False
+    offload_params: bool = False
+    activation_checkpointing: bool = False
+    tensor_parallel_size: int = 1
+    seed: int = 1234
+    nan_policy: str = "stop"
+    log_interval: int = 1
+    eval_interval: int = 0
+    eval_batches: int = 0
+
+
+@dataclass
+class CheckpointSection:
+    """Where and how often to checkpoint. `dir` defaults to `<run_dir>/checkpoints`;
+    `interval` in optimizer steps (0 = only at the end and on a signal); `keep` = how many
+    recent checkpoints to retain; `resume` = continue from the latest one when it exists."""
+    dir: Optional[str] = None
+    interval: int = 1000
+    keep: int = 3
+    resume: bool = True
+
+
+@dataclass
+class WandbSection:
+    """Weights & Biases: `mode` is "online", "offline" or "disabled"; files go under
+    `<run_dir>/wandb`. The run id is stored in the checkpoint so a resumed job continues it."""
+    mode: str = "disabled"
+    project: str = "refusion"
+    entity: Optional[str] = None
+    name: Optional[str] = None
+
+
+@dataclass
+class LogSection:
+    """Throughput accounting. `peak_tflops`: peak dense TFLOP/s of one device for MFU; None
+    looks the device up (known GPU kinds) and reports MFU as n/a when unknown (e.g. CPU)."""
+    peak_tflops: Optional[float] = None
+
+
+@dataclass
+class DebugSection:
+    """Fault injection for tests: make the loss NaN on global rank 0 at these steps (1-based)."""
+    nan_at_steps: List[int] = field(default_factory=list)
+
+
+@dataclass
+class RunConfig:
+    """A whole training run. `run_dir` receives metrics.jsonl, wandb files and, by default,
+    checkpoints. `objective` holds keyword options for `pipeline.objective` (passed through)."""
+    run_dir: str = MISSING
+    model: ModelSection = field(default_factory=ModelSection)
+    init: InitSection = field(default_factory=InitSection)
+    data: DataSection = field(default_factory=DataSection)
+    objective: Dict[str, Any] = field(default_factory=dict)
+    optim: OptimSection = field(default_factory=OptimSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    wandb: WandbSection = field(default_factory=WandbSection)
+    log: LogSection = field(default_factory=LogSection)
+    debug: DebugSection = field(default_factory=DebugSection)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Numbers derived by `validate`: world/TP/DP sizes, batch layout, the merged model
+    fields (for `ModelConfig.from_dict(model_fields)`), the shard manifest, the tokens per
+    row (`row_length`) and the checkpoint folder."""
+    world_size: int
+    tp_size: int
+    dp_size: int
+    micro_batch_size: int
+    grad_accum_steps: int
+    global_batch_size: int
+    model_fields: Dict[str, Any]
+    manifest: Dict[str, Any]
+    row_length: int
+    checkpoint_dir: str
+
+
+def _one_line(e: Exception) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
+def load_config(path: str, overrides: List[str] | None = None) -> DictConfig:
+    """Read a run YAML, merge it over the `RunConfig` schema, then apply `key=value` overrides.
+
+    Args:
+        path: YAML file.
+        overrides: omegaconf dotlist, e.g. ["train.max_steps=10", "wandb.mode=offline"].
+
+    Returns:
+        A DictConfig typed by `RunConfig` (unknown keys rejected, values type-checked).
+
+    Raises:
+        ConfigError: missing/unreadable file, unknown key, wrong type (one-line message).
+    """
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file not found: {path}")
+    schema = OmegaConf.structured(RunConfig)
+    try:
+        file_cfg = OmegaConf.load(path)
+    except Exception as e:
+        raise ConfigError(f"{path}: cannot parse YAML: {_one_line(e)}") from None
+    try:
+        cfg = OmegaConf.merge(schema, file_cfg)
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"{path}: {_describe(e)}") from None
+    for item in overrides or []:
+        if "=" not in item:
+            raise ConfigError(f"override '{item}' is not of the form key=value")
+    try:
+        cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides or [])))
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"command-line override: {_describe(e)}") from None
+    return cfg
+
+
+def _describe(e: OmegaConfBaseException) -> str:
+    key = getattr(e, "full_key", None)
+    msg = _one_line(e)
+    return f"key '{key}': {msg}" if key else msg
+
+
+def _world_size_from_env() -> int:
+    for name in ("WORLD_SIZE", "SLURM_NTASKS"):
+        if os.environ.get(name):
+            return int(os.environ[name])
+    return 1
+
+
+def _load_model_fields(cfg: DictConfig, tp: int) -> Dict[str, Any]:
+    """Merged ModelConfig fields: preset, then inline; with `init.source=hf` and neither given,
+    the HF folder's config.json (`pipeline.hf_io.config_from_hf`, vocab padded to a multiple of
+    TP). With `init.source=hf` and a preset, the shapes must match the HF config."""
+    fields: Dict[str, Any] = {}
+    preset = cfg.model.preset
+    if preset:
+        if not os.path.isfile(preset):
+            raise ConfigError(f"model.preset: file not found: {preset}")
+        try:
+            loaded = OmegaConf.to_container(OmegaConf.load(preset), resolve=True)
+        except Exception as e:
+            raise ConfigError(f"model.preset {preset}: cannot parse YAML: {_one_line(e)}") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"model.preset {preset}: expected a mapping of ModelConfig fields")
+        fields.update(loaded)
+    fields.update(OmegaConf.to_container(cfg.model.inline, resolve=True))
+    if cfg.init.source == "hf":
+        from pipeline.hf_io import config_from_hf
+        try:
+            hf = config_from_hf(cfg.init.hf_path, tp_size=tp).to_dict()
+        except (ValueError, OSError, KeyError) as e:
+            raise ConfigError(f"init.hf_path: {_one_line(e)}") from None
+        if not fields:
+            fields = hf
+        else:
+            for k in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                      "num_attention_heads", "num_key_value_heads", "head_dim",
+                      "tie_word_embeddings"):
+                if k in fields and fields[k] != hf[k]:
+                    raise ConfigError(f"model {k}={fields[k]} differs from {k}={hf[k]} of the "
+                                      f"HF checkpoint {cfg.init.hf_path}")
+    if not fields:
+        raise ConfigError("model: give model.preset (a configs/model/*.yaml) or model.inline "
+                          "fields (or init.source=hf with no preset to read the HF config)")
+    fields["recompute"] = bool(cfg.train.activation_checkpointing)
+    from pipeline.model import ModelConfig
+    try:
+        ModelConfig.from_dict(dict(fields), source="model")
+    except (ValueError, TypeError) as e:
+        raise ConfigError(_one_line(e)) from None
+    return fields
+
+
+def validate(cfg: DictConfig, world_size: int | None = None) -> Plan:
+    """Check a run config against the launch (world size) and the files it names.
+
+    Args:
+        cfg: from `load_config`.
+        world_size: number of processes; default from WORLD_SIZE / SLURM_NTASKS (else 1).
+
+    Returns:
+        Plan with the derived numbers.
+
+    Raises:
+        ConfigError: the first problem found, as one line naming the key.
+    """
+    ws = world_size if world_size is not None else _world_size_from_env()
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        raise ConfigError(f"required key(s) not set: {', '.join(missing)}")
+    t, o, c = cfg.train, cfg.optim, cfg.checkpoint
+
+    def need(cond: bool, msg: str) -> None:
+        if not cond:
+            raise ConfigError(msg)
+
+    # choices and ranges
+    need(t.precision in ("bf16", "fp32"), f"train.precision must be bf16 or fp32, got {t.precision!r}")
+    need(t.zero_stage in (0, 1, 2, 3), f"train.zero_stage must be 0..3, got {t.zero_stage}")
+    need(t.nan_policy in ("stop", "skip"), f"train.nan_policy must be stop or skip, got {t.nan_policy!r}")
+    need(cfg.wandb.mode in ("online", "offline", "disabled"),
+         f"wandb.mode must be online, offline or disabled, got {cfg.wandb.mode!r}")
+    need(cfg.init.source in ("random", "hf"), f"init.source must be random or hf, got {cfg.init.source!r}")
+    need(o.impl in ("torch", "deepspeed"), f"optim.impl must be torch or deepspeed, got {o.impl!r}")
+    need(t.max_steps >= 1, f"train.max_steps must be >= 1, got {t.max_steps}")
+    need(t.micro_batch_size >= 1, f"train.micro_batch_size must be >= 1, got {t.micro_batch_size}")
+    need(t.tensor_parallel_size >= 1, f"train.tensor_parallel_size must be >= 1, got {t.tensor_parallel_size}")
+    need(o.lr > 0, f"optim.lr must be > 0, got {o.lr}")
+    need(0 <= o.min_lr <= o.lr, f"optim.min_lr must be in [0, optim.lr], got {o.min_lr}")
+    need(0 <= o.warmup_steps <= t.max_steps,
+         f"optim.warmup_steps must be in [0, train.max_steps={t.max_steps}], got {o.warmup_steps}")
+    need(o.grad_clip >= 0, f"optim.grad_clip must be >= 0 (0 disables), got {o.grad_clip}")
+    need(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, "optim.beta1 and optim.beta2 must be in [0, 1)")
+    need(t.log_interval >= 1, f"train.log_interval must be >= 1, got {t.log_interval}")
+    need(t.eval_interval >= 0, f"train.eval_interval must be >= 0, got {t.eval_interval}")
+    need(t.eval_batches >= 0, f"train.eval_batches must be >= 0, got {t.eval_batches}")
+    need(c.interval >= 0, f"checkpoint.interval must be >= 0, got {c.interval}")
+    need(c.keep >= 1, f"checkpoint.keep must be >= 1, got {c.keep}")
+    need(not t.offload_params or t.zero_stage == 3, "train.offload_params needs train.zero_stage=3")
+    need(not t.offload_optimizer or t.zero_stage >= 1, "train.offload_optimizer needs train.zero_stage >= 1")
+    need(cfg.log.peak_tflops is None or cfg.log.peak_tflops > 0, "log.peak_tflops must be > 0")
+
+    # parallel layout and batch arithmetic
+    tp = t.tensor_parallel_size
+    need(ws >= 1, f"world size must be >= 1, got {ws}")
+    need(ws % tp == 0, f"train.tensor_parallel_size={tp} does not divide the world size {ws}")
+    dp = ws // tp
+    per_step = t.micro_batch_size * dp
+    if t.global_batch_size is None:
+        ga = t.grad_accum_steps if t.grad_accum_steps is not None else 1
+        need(ga >= 1, f"train.grad_accum_steps must be >= 1, got {ga}")
+        gbs = per_step * ga
+    else:
+        gbs = t.global_batch_size
+        need(gbs >= 1, f"train.global_batch_size must be >= 1, got {gbs}")
+        need(gbs % per_step == 0,
+             f"train.global_batch_size={gbs} is not a multiple of micro_batch_size x data-parallel "
+             f"size = {t.micro_batch_size} x {dp} = {per_step}")
+        ga = gbs // per_step
+        need(t.grad_accum_steps is None or t.grad_accum_steps == ga,
+             f"train.global_batch_size={gbs} != micro_batch_size x grad_accum_steps x data-parallel "
+             f"size = {t.micro_batch_size} x {t.grad_accum_steps} x {dp}")
+
+    # init source
+    if cfg.init.source == "hf":
+        need(bool(cfg.init.hf_path), "init.source=hf needs init.hf_path (a Hugging Face Qwen3 folder)")
+        need(os.path.isfile(os.path.join(cfg.init.hf_path, "config.json")),
+             f"init.hf_path: no config.json in {cfg.init.hf_path}")
+
+    # model shape vs. TP
+    fields = _load_model_fields(cfg, tp)
+    for k in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+              "num_attention_heads", "num_key_value_heads", "head_dim"):
+        need(isinstance(fields.get(k), int) and fields[k] >= 1,
+             f"model: field {k} must be a positive integer, got {fields.get(k)!r}")
+    for k in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size"):
+        need(fields[k] % tp == 0,
+             f"train.tensor_parallel_size={tp} does not divide model {k}={fields[k]}")
+    need(fields["num_attention_heads"] % fields["num_key_value_heads"] == 0,
+         f"model: num_key_value_heads={fields['num_key_value_heads']} does not divide "
+         f"num_attention_heads={fields['num_attention_heads']}")
+
+    # objective options
+    from pipeline.objective import ObjectiveConfig
+    try:
+        ObjectiveConfig(**OmegaConf.to_container(cfg.objective, resolve=True))
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"objective: {_one_line(e)}") from None
+
+    # data
+    need(cfg.data.num_workers >= 0, f"data.num_workers must be >= 0, got {cfg.data.num_workers}")
+    need(cfg.data.shuffle_buffer >= 1, f"data.shuffle_buffer must be >= 1, got {cfg.data.shuffle_buffer}")
+    from pipeline.data import DataError, check_tokenizer, read_manifest
+    try:
+        manifest = read_manifest(cfg.data.dir)
+        check_tokenizer(manifest, fields["vocab_size"], where=f"data.dir {cfg.data.dir}")
+    except DataError as e:
+        raise ConfigError(f"data.dir: {_one_line(e)}") from None
+    splits = manifest.get("splits", {})
+    streams = dp * max(1, cfg.data.num_workers)
+    for key, split, used in (("data.train_split", cfg.data.train_split, True),
+                             ("data.val_split", cfg.data.val_split, t.eval_interval > 0)):
+        if not used:
+            continue
+        need(split in splits, f"{key}: no split {split!r} in {cfg.data.dir}/manifest.json "
+                              f"(has {sorted(splits)})" + ("" if key == "data.train_split" else
+                              "; set train.eval_interval=0 to train without validation"))
+        n = sum(int(s["samples"]) for s in splits[split])
+        need(n >= streams, f"{key}: split {split!r} has {n} samples, fewer than data-parallel "
+                           f"size x data.num_workers = {streams} loader streams")
+    need(manifest["tokenizer"].get("mask_id") is not None,
+         f"data.dir: {cfg.data.dir}/manifest.json has no tokenizer.mask_id")
+    ml = cfg.data.max_length
+    need(ml is None or ml >= int(manifest["max_length"]),
+         f"data.max_length={ml} is shorter than the shards' max_length {manifest['max_length']}")
+    row = ml or int(manifest["max_length"])
+    mpe = fields.get("max_position_embeddings")
+    need(mpe is None or row <= mpe,
+         f"data.max_length: rows of {row} tokens exceed model max_position_embeddings={mpe}")
+
+    ckdir = c.dir or os.path.join(cfg.run_dir, "checkpoints")
+    return Plan(world_size=ws, tp_size=tp, dp_size=dp, micro_batch_size=t.micro_batch_size,
+                grad_accum_steps=ga, global_batch_size=gbs, model_fields=fields,
+                manifest=manifest, row_length=row, checkpoint_dir=ckdir)

@@ -1,0 +1,655 @@
+"""The training job: `python -m pipeline.train --config configs/<run>.yaml [key=value ...]`.
+
+Owns: the training loop (DeepSpeed ZeRO over the data-parallel group + megatron-core tensor
+parallelism), weight initialization (seeded random or a Hugging Face folder), the learning-rate
+schedule, validation, logging (console, `<run_dir>/metrics.jsonl`, wandb), checkpoint cadence and
+auto-resume, SIGTERM/SIGUSR1 handling and the NaN policy. Must not touch: the network
+(`pipeline.model`), the objective (`pipeline.objective`), shard reading (`pipeline.data`), the
+checkpoint format (`pipeline.checkpoint`), config validation (`pipeline.config`).
+
+Launch under torchrun (`torchrun --nproc_per_node N -m pipeline.train ...`) or srun (one task per
+device; MASTER_ADDR/MASTER_PORT set by the launcher script); a bare `python -m pipeline.train`
+is one process. The config is validated before any process group exists; a config error is one
+line on stderr and exit code 2.
+
+One optimizer step (all ranks):
+  for each of the `grad_accum_steps` micro-batches: forward -> `hybrid_loss` -> backward
+  (DeepSpeed scales by 1/GA and reduces gradients over the data-parallel group only, `mpu=`);
+  one all-reduce of [loss sums, token counts, non-finite flag, signal flag] over the world;
+  NaN policy; lr = `lr_at(step)`; DeepSpeed step (clip, AdamW). The loss of a step is the mean of
+  its micro-batch losses over data-parallel ranks and accumulation steps, which is what its
+  gradient descends.
+
+Exit codes: 0 done (or checkpointed after SIGTERM/SIGUSR1), 2 config error, 3 non-finite loss
+with `train.nan_policy=stop` (no checkpoint written for that step).
+
+metrics.jsonl (rank 0, appended; a resumed run appends again from its checkpoint step, so a
+reader keeps the last line per (kind, step)): one JSON object per line with `kind` "train"
+(step, loss, ar_loss, mdm_loss, lr, grad_norm, tokens_per_s, tflops_per_device, mfu,
+peak_memory_bytes, consumed_samples, consumed_tokens, step_time_s, skipped) or "val" (step,
+val_loss, val_ar_loss, val_mdm_loss, val_batches).
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import math
+import os
+import secrets
+import signal
+import sys
+import time
+from typing import Any, Iterator
+
+log = logging.getLogger("pipeline.train")
+
+EXIT_CONFIG = 2
+EXIT_NONFINITE = 3
+
+# Dense bf16 peak of one device, TFLOP/s (vendor datasheets, no sparsity). Matched as substrings
+# of torch.cuda.get_device_name(); `log.peak_tflops` overrides.
+PEAK_BF16_TFLOPS = {"H200": 989.4, "H100": 989.4, "H800": 989.4, "GH200": 989.4,
+                    "B200": 2250.0, "A100": 312.0, "A800": 312.0, "L40S": 362.05}
+
+
+# --------------------------------------------------------------------------------------------
+# Pure helpers (unit-tested without processes)
+# --------------------------------------------------------------------------------------------
+
+def lr_at(step: int, lr: float, min_lr: float, warmup_steps: int, max_steps: int) -> float:
+    """Learning rate of optimizer step `step` (0-based): linear warmup, then cosine to `min_lr`.
+
+    Warmup: `lr * (step + 1) / warmup_steps` for `step < warmup_steps`. Then with
+    `q = (step - warmup_steps) / max(1, max_steps - warmup_steps)` (clamped to [0, 1]):
+    `min_lr + (lr - min_lr) * 0.5 * (1 + cos(pi * q))` (Loshchilov & Hutter 2017, SGDR, one cycle).
+    """
+    if step < warmup_steps:
+        return lr * (step + 1) / warmup_steps
+    q = min(1.0, max(0.0, (step - warmup_steps) / max(1, max_steps - warmup_steps)))
+    return min_lr + (lr - min_lr) * 0.5 * (1.0 + math.cos(math.pi * q))
+
+
+def deepspeed_config(cfg, plan) -> dict:
+    """The DeepSpeed config dict for a validated run config.
+
+    `train_batch_size = micro-batch x GA x data-parallel size` (DeepSpeed checks it against the
+    `mpu`'s data-parallel size). The lr is set by the trainer every step (`lr_at`), so no
+    DeepSpeed scheduler. With `optim.impl=torch` the client `torch.optim.AdamW` is used
+    (`zero_allow_untested_optimizer`, `zero_force_ds_cpu_optimizer: false` so offload accepts it).
+    """
+    t, o = cfg.train, cfg.optim
+    zero: dict[str, Any] = {"stage": int(t.zero_stage)}
+    if t.zero_stage >= 1:
+        zero["contiguous_gradients"] = True
+    if t.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": _cuda()}
+    if t.offload_params:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": _cuda()}
+    ds = {
+        "train_batch_size": plan.global_batch_size,
+        "train_micro_batch_size_per_gpu": plan.micro_batch_size,
+        "gradient_accumulation_steps": plan.grad_accum_steps,
+        "gradient_clipping": float(o.grad_clip),
+        "bf16": {"enabled": t.precision == "bf16"},
+        "fp16": {"enabled": False},
+        "zero_optimization": zero,
+        "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,
+        "steps_per_print": 2 ** 31 - 1,
+        "wall_clock_breakdown": False,
+    }
+    if o.impl == "deepspeed":
+        ds["optimizer"] = {"type": "AdamW", "params": {
+            "lr": o.lr, "betas": [o.beta1, o.beta2], "eps": o.eps,
+            "weight_decay": o.weight_decay}}
+    return ds
+
+
+def _cuda() -> bool:
+    import torch
+    return torch.cuda.is_available()
+
+
+def _name_seed(seed: int, name: str) -> int:
+    """A 63-bit generator seed from (run seed, tensor name), stable across processes."""
+    h = hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little") & (2 ** 63 - 1)
+
+
+def random_hf_tensor(name: str, shape: tuple[int, ...], mcfg, seed: int):
+    """Seeded random init of one full Hugging Face tensor (the same on every rank and layout).
+
+    Norm weights (`*norm.weight`) are ones; `o_proj` / `down_proj` are N(0, (std/sqrt(2L))^2)
+    (GPT-2's scaled residual init, as `pipeline.model` does); every other matrix and the embedding
+    is N(0, std^2) with std = `mcfg.init_std`. Values come from a torch.Generator seeded by
+    `(seed, name)`, so they do not depend on the tensor-parallel or data-parallel layout.
+
+    Returns:
+        FloatTensor[shape] (fp32).
+    """
+    import torch
+    if name.endswith("norm.weight"):
+        return torch.ones(shape)
+    std = mcfg.init_std
+    if name.endswith(("o_proj.weight", "down_proj.weight")):
+        std = std / math.sqrt(2.0 * mcfg.num_layers)
+    g = torch.Generator().manual_seed(_name_seed(seed, name))
+    return torch.empty(shape).normal_(0.0, std, generator=g)
+
+
+def _hf_shape(name: str, mcfg) -> tuple[int, ...]:
+    h, d, i = mcfg.hidden_size, mcfg.head_dim, mcfg.intermediate_size
+    if name.endswith(("embed_tokens.weight", "lm_head.weight")):
+        return (mcfg.vocab_size, h)
+    if name.endswith("q_proj.weight"):
+        return (mcfg.num_attention_heads * d, h)
+    if name.endswith(("k_proj.weight", "v_proj.weight")):
+        return (mcfg.num_key_value_heads * d, h)
+    if name.endswith("o_proj.weight"):
+        return (h, mcfg.num_attention_heads * d)
+    if name.endswith(("gate_proj.weight", "up_proj.weight")):
+        return (i, h)
+    if name.endswith("down_proj.weight"):
+        return (h, i)
+    if name.endswith(("q_norm.weight", "k_norm.weight")):
+        return (d,)
+    if name.endswith("norm.weight"):
+        return (h,)
+    raise KeyError(f"no init rule for {name}")
+
+
+def random_tp_shards(mcfg, seed: int, tp_rank: int, tp_size: int
+                     ) -> Iterator[tuple[str, Any]]:
+    """Yield `(native_name, tensor)` of a seeded random model for this TP rank.
+
+    Each Hugging Face tensor is drawn in full by `random_hf_tensor` and cut exactly as
+    `pipeline.hf_io.iter_tp_shard` cuts a checkpoint (`hf_io.param_specs`: each source tensor
+    split into `tp_size` contiguous blocks along the partition dim, fused sources concatenated),
+    so a TP=2 run starts from the same network as a TP=1 run. Peak extra memory: one full HF
+    tensor (fp32).
+    """
+    import torch
+    from pipeline.hf_io import param_specs
+    for spec in param_specs(mcfg):
+        parts = []
+        for name in spec.hf:
+            full = random_hf_tensor(name, _hf_shape(name, mcfg), mcfg, seed)
+            if spec.dim is None:
+                parts.append(full)
+            else:
+                parts.append(full.chunk(tp_size, dim=spec.dim)[tp_rank])
+        t = parts[0] if len(parts) == 1 else torch.cat(parts, dim=spec.dim or 0)
+        yield spec.native, t.contiguous()
+
+
+def copy_into_model(model, shards: Iterator[tuple[str, Any]], source: str) -> None:
+    """Copy `(native_name, tensor)` pairs into `model`'s parameters, ZeRO-3 partitioned or not.
+
+    A ZeRO-3 parameter is gathered (`deepspeed.zero.GatheredParameters(modifier_rank=0)`), written,
+    and re-partitioned (DP rank 0's value is broadcast; every rank writes the same tensor).
+
+    Raises:
+        ValueError: shape mismatch; KeyError: unknown or missing parameter (names `source`).
+    """
+    import deepspeed
+    import torch
+    params = dict(model.named_parameters())
+    seen = set()
+    for name, t in shards:
+        if name not in params:
+            raise KeyError(f"{source}: model has no parameter {name}")
+        p = params[name]
+        shape = tuple(getattr(p, "ds_shape", p.shape))
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{source}: {name} has shape {tuple(t.shape)}, model expects {shape}")
+        with deepspeed.zero.GatheredParameters([p], modifier_rank=0,
+                                               enabled=hasattr(p, "ds_id")):
+            with torch.no_grad():
+                p.data.copy_(t.to(device=p.device, dtype=p.dtype))
+        seen.add(name)
+    missing = sorted(set(params) - seen)
+    if missing:
+        raise KeyError(f"{source}: no value for parameters {missing[:5]}")
+
+
+def peak_flops_per_device(cfg) -> float | None:
+    """Peak FLOP/s of one device: `log.peak_tflops` when set, else the table by CUDA device
+    name, else None (CPU or unknown GPU: MFU is reported as null)."""
+    if cfg.log.peak_tflops is not None:
+        return float(cfg.log.peak_tflops) * 1e12
+    import torch
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name()
+        for key, tf in PEAK_BF16_TFLOPS.items():
+            if key in name:
+                return tf * 1e12
+    return None
+
+
+def peak_memory_bytes() -> int:
+    """Peak memory of this process in bytes: CUDA max allocated on GPU, else peak RSS (CPU)."""
+    import torch
+    if torch.cuda.is_available():
+        return int(torch.cuda.max_memory_allocated())
+    import resource
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+# --------------------------------------------------------------------------------------------
+# The trainer
+# --------------------------------------------------------------------------------------------
+
+class Trainer:
+    """One training run on this process (collective: every rank builds one).
+
+    Args:
+        cfg: a validated `RunConfig` DictConfig.
+        plan: `pipeline.config.validate(cfg)`'s derived numbers.
+    """
+
+    def __init__(self, cfg, plan):
+        self.cfg, self.plan = cfg, plan
+        self.signal_received = 0
+        self.wandb_run = None
+        self.wandb_run_id: str | None = None
+        self.step = 0                 # optimizer steps done
+        self.consumed_samples = 0     # rows (packed sequences) consumed, global
+        self.consumed_tokens = 0      # non-padding tokens consumed, global
+
+    # -- set-up ---------------------------------------------------------------------------
+
+    def _install_signals(self) -> None:
+        def handler(signum, frame):
+            self.signal_received = signum
+        for s in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(s, handler)
+
+    def setup(self) -> None:
+        """Process groups, seeds, model + init, DeepSpeed engine, loaders, resume, wandb."""
+        import deepspeed
+        import torch
+        from omegaconf import OmegaConf
+        from megatron.core import parallel_state
+        from pipeline import checkpoint as ckpt
+        from pipeline.model import ModelConfig, Qwen3
+        from pipeline.objective import ObjectiveConfig
+        from pipeline.parallel import MegatronMPU, init_distributed
+
+        cfg, plan = self.cfg, self.plan
+        self._install_signals()
+        self.info = info = init_distributed(plan.tp_size)
+        self.is_rank0 = info.rank == 0
+        _setup_logging(self.is_rank0)
+        self.device = info.device
+        self.world_group = None  # default group
+        _seed_everything(cfg.train.seed)
+        self.objective_cfg = ObjectiveConfig(**OmegaConf.to_container(cfg.objective, resolve=True))
+        self.mcfg = ModelConfig.from_dict(dict(plan.model_fields), source="model")
+        self.ckdir = plan.checkpoint_dir
+        os.makedirs(cfg.run_dir, exist_ok=True)
+
+        # Resume decided before building: a resumed run does not need initial weights.
+        latest = ckpt.find_latest(self.ckdir) if (cfg.checkpoint.resume and self.is_rank0) else None
+        resuming = _broadcast_object(latest is not None)
+
+        ds_config = deepspeed_config(cfg, plan)
+        dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32
+        mpu = MegatronMPU()
+        zero3 = cfg.train.zero_stage == 3
+        t0 = time.time()
+        with deepspeed.zero.Init(mpu=mpu, data_parallel_group=parallel_state.get_data_parallel_group(),
+                                 config_dict_or_path=ds_config, enabled=zero3, dtype=dtype):
+            model = Qwen3(self.mcfg, dtype=dtype, init_weights=False)
+        if not resuming:
+            if cfg.init.source == "hf":
+                from pipeline.hf_io import iter_tp_shard
+                shards = iter_tp_shard(cfg.init.hf_path, self.mcfg, info.tp_rank, info.tp_size)
+                copy_into_model(model, shards, source=cfg.init.hf_path)
+            else:
+                copy_into_model(model, random_tp_shards(self.mcfg, cfg.train.seed, info.tp_rank,
+                                                        info.tp_size), source="random init")
+        log.info("model built and initialized (%s) in %.1f s", "resume" if resuming else
+                 cfg.init.source, time.time() - t0)
+
+        optimizer = None
+        if cfg.optim.impl == "torch":
+            decay, no_decay = [], []
+            for n, p in model.named_parameters():
+                (no_decay if n.endswith("norm.weight") else decay).append(p)
+            groups = [{"params": decay, "weight_decay": cfg.optim.weight_decay},
+                      {"params": no_decay, "weight_decay": 0.0}]
+            optimizer = torch.optim.AdamW(groups, lr=cfg.optim.lr,
+                                          betas=(cfg.optim.beta1, cfg.optim.beta2),
+                                          eps=cfg.optim.eps)
+        self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
+                                                    config=ds_config, mpu=mpu)
+
+        self.train_loader = self._build_loader(cfg.data.train_split, train=True)
+
+        if resuming:
+            state = ckpt.load_latest(self.engine, self.ckdir)
+            if state is None:
+                raise RuntimeError(f"{self.ckdir}: the latest checkpoint vanished while resuming")
+            self.step = int(state["step"])
+            self.consumed_samples = int(state["consumed_samples"])
+            self.consumed_tokens = int(state["consumed_tokens"])
+            self.train_loader.load_state_dict(state["loader"])
+            self.wandb_run_id = state.get("wandb_run_id")
+            log.info("resumed from %s at step %d", state["checkpoint_dir"], self.step)
+        self._init_wandb()
+        self.peak_flops = peak_flops_per_device(cfg)
+
+    def _build_loader(self, split: str, train: bool):
+        """A `pipeline.data` loader of `split` for this data-parallel rank (the TP ranks of a DP
+        group get identical batches). Training: shuffled, infinite; validation: manifest order,
+        one pass (built afresh for every evaluation)."""
+        d = self.cfg.data
+        from pipeline.data import build_loader
+        return build_loader(d.dir, split, self.plan.micro_batch_size, self.plan.row_length,
+                            dp_rank=self.info.dp_rank, dp_size=self.info.dp_size,
+                            seed=self.cfg.train.seed, num_workers=d.num_workers if train else 0,
+                            objective_cfg=self.objective_cfg, pack=d.pack,
+                            shuffle_buffer=d.shuffle_buffer, shuffle=train, infinite=train,
+                            vocab_size=self.mcfg.vocab_size)
+
+    def _init_wandb(self) -> None:
+        cfg = self.cfg
+        if cfg.wandb.mode == "disabled":
+            return
+        run_id = None
+        if self.is_rank0:
+            import wandb
+            from omegaconf import OmegaConf
+            run_id = self.wandb_run_id or secrets.token_hex(6)
+            self.wandb_run = wandb.init(
+                project=cfg.wandb.project, entity=cfg.wandb.entity, name=cfg.wandb.name,
+                id=run_id, resume="allow", dir=cfg.run_dir, mode=cfg.wandb.mode,
+                config=OmegaConf.to_container(cfg, resolve=True))
+        self.wandb_run_id = _broadcast_object(run_id)
+
+    # -- the loop -------------------------------------------------------------------------
+
+    def _batch_to_device(self, batch: dict) -> dict:
+        return {k: (v.to(self.device, non_blocking=True) if hasattr(v, "to") else v)
+                for k, v in batch.items()}
+
+    def _next_batch(self) -> dict:
+        if not hasattr(self, "_train_iter"):
+            self._train_iter = iter(self.train_loader)
+        return next(self._train_iter)
+
+    def train_step(self) -> tuple[dict, bool, bool]:
+        """Run one optimizer step (GA micro-batches). Returns (metrics, nonfinite, signal)."""
+        import torch
+        import torch.distributed as dist
+        from pipeline.objective import hybrid_loss
+
+        cfg, plan, eng = self.cfg, self.plan, self.engine
+        step_no = self.step + 1
+        t0 = time.perf_counter()
+        sums = torch.zeros(8, dtype=torch.float64)
+        bad: list[tuple[int, list[str]]] = []
+        seq_len = 0
+        for micro in range(plan.grad_accum_steps):
+            batch = self._next_batch()
+            keys = list(batch.get("keys", []))
+            b = self._batch_to_device(batch)
+            seq_len = int(b["input_ids"].shape[1])
+            logits = eng(b["input_ids"], b["position_ids"], segment_ids=b["segment_ids"])
+            loss, stats = hybrid_loss(logits, b, self.objective_cfg)
+            if micro == 0 and self.info.rank == 0 and step_no in set(cfg.debug.nan_at_steps):
+                loss = loss * float("nan")
+            finite = bool(torch.isfinite(loss.detach()).item())
+            if finite:
+                sums[0] += float(loss.detach())
+                sums[1] += float(stats["ar_loss"])
+                sums[2] += float(stats["mdm_loss"])
+            else:
+                bad.append((micro, keys))
+            sums[3] += float(stats["real_tokens"])
+            sums[4] += b["input_ids"].shape[0]
+            sums[5] += 0.0 if finite else 1.0
+            eng.backward(loss)
+            if micro < plan.grad_accum_steps - 1:
+                eng.step()
+        sums[6] = 1.0 if self.signal_received else 0.0
+        sums[7] = 1.0  # micro-batch losses counted (per rank: GA, finite or not) -> normalizer
+        dist.all_reduce(sums)
+        tp = plan.tp_size
+        nonfinite = sums[5].item() > 0
+        sig = sums[6].item() > 0
+        for micro, keys in bad:
+            print(f"pipeline.train: rank {self.info.rank}: non-finite loss at step {step_no}, "
+                  f"micro-batch {micro}, batch keys {keys}", file=sys.stderr, flush=True)
+        if nonfinite and cfg.train.nan_policy == "stop":
+            return {"step": step_no}, True, sig
+
+        lr = lr_at(self.step, cfg.optim.lr, cfg.optim.min_lr, cfg.optim.warmup_steps,
+                   cfg.train.max_steps)
+        for g in eng.optimizer.param_groups:
+            g["lr"] = lr
+        eng.step()
+        applied = bool(eng.was_step_applied())
+        if nonfinite and applied:
+            raise RuntimeError(f"step {step_no}: the loss was non-finite but DeepSpeed applied the "
+                               f"update; nan_policy=skip is not supported with this ZeRO stage")
+        dt = time.perf_counter() - t0
+        n_losses = (plan.dp_size * plan.grad_accum_steps) - sums[5].item() / tp
+        tokens = int(round(sums[3].item() / tp))
+        rows = int(round(sums[4].item() / tp))
+        self.step = step_no
+        self.consumed_samples += rows
+        self.consumed_tokens += tokens
+        from pipeline.model import flops_per_token
+        flops = flops_per_token(self.mcfg, seq_len) * tokens / dt / plan.world_size
+        gnorm = eng.get_global_grad_norm()
+        metrics = {
+            "kind": "train", "step": step_no,
+            "loss": (sums[0].item() / tp / n_losses) if n_losses else float("nan"),
+            "ar_loss": (sums[1].item() / tp / n_losses) if n_losses else float("nan"),
+            "mdm_loss": (sums[2].item() / tp / n_losses) if n_losses else float("nan"),
+            "lr": lr,
+            "grad_norm": float(gnorm) if gnorm is not None and applied else None,
+            "tokens_per_s": tokens / dt, "tflops_per_device": flops / 1e12,
+            "mfu": (flops / self.peak_flops) if self.peak_flops else None,
+            "peak_memory_bytes": peak_memory_bytes(),
+            "consumed_samples": self.consumed_samples, "consumed_tokens": self.consumed_tokens,
+            "step_time_s": dt, "skipped": not applied,
+        }
+        return metrics, nonfinite, sig
+
+    def evaluate(self) -> dict:
+        """Mean validation loss over up to `train.eval_batches` micro-batches per DP rank (0 =
+        the whole split). Every rank runs the same number of forwards (ZeRO-3 gathers weights
+        collectively): the loop stops when any rank's loader is exhausted."""
+        import torch
+        import torch.distributed as dist
+        from pipeline.objective import hybrid_loss
+        eng, limit = self.engine, self.cfg.train.eval_batches
+        eng.eval()
+        sums = torch.zeros(4, dtype=torch.float64)
+        n = 0
+        it = iter(self._build_loader(self.cfg.data.val_split, train=False))
+        with torch.no_grad():
+            while limit == 0 or n < limit:
+                batch = next(it, None)
+                have = torch.tensor([0.0 if batch is None else 1.0])
+                dist.all_reduce(have, op=dist.ReduceOp.MIN)
+                if have.item() == 0:
+                    break
+                b = self._batch_to_device(batch)
+                logits = eng(b["input_ids"], b["position_ids"], segment_ids=b["segment_ids"])
+                loss, stats = hybrid_loss(logits, b, self.objective_cfg)
+                sums += torch.tensor([float(loss), float(stats["ar_loss"]),
+                                      float(stats["mdm_loss"]), 1.0], dtype=torch.float64)
+                n += 1
+        dist.all_reduce(sums)
+        eng.train()
+        count = sums[3].item()
+        return {"kind": "val", "step": self.step,
+                "val_loss": sums[0].item() / count if count else None,
+                "val_ar_loss": sums[1].item() / count if count else None,
+                "val_mdm_loss": sums[2].item() / count if count else None,
+                "val_batches": n}
+
+    def save(self) -> None:
+        """Checkpoint now (collective) via `pipeline.checkpoint.save_checkpoint`."""
+        from omegaconf import OmegaConf
+        from pipeline.checkpoint import save_checkpoint
+        state = {"step": self.step, "consumed_samples": self.consumed_samples,
+                 "consumed_tokens": self.consumed_tokens,
+                 "loader": self.train_loader.state_dict(),
+                 "config": OmegaConf.to_container(self.cfg, resolve=True),
+                 "wandb_run_id": self.wandb_run_id}
+        t0 = time.time()
+        save_checkpoint(self.engine, self.ckdir, self.step, state,
+                        keep_last=self.cfg.checkpoint.keep, model_config=self.mcfg)
+        self._last_saved = self.step
+        log.info("checkpoint step %d saved in %.1f s", self.step, time.time() - t0)
+
+    def _record(self, metrics: dict) -> None:
+        if not self.is_rank0:
+            return
+        metrics = dict(metrics, time_unix_s=time.time())
+        with open(os.path.join(self.cfg.run_dir, "metrics.jsonl"), "a") as f:
+            f.write(json.dumps(metrics) + "\n")
+            f.flush()
+        if self.wandb_run is not None:
+            prefix = "train/" if metrics["kind"] == "train" else ""
+            self.wandb_run.log({prefix + k: v for k, v in metrics.items()
+                                if k not in ("kind", "step") and v is not None},
+                               step=metrics["step"])
+        if metrics["kind"] == "train":
+            if metrics["step"] % self.cfg.train.log_interval == 0 or metrics["skipped"]:
+                m = metrics
+                mfu = f"{100 * m['mfu']:.1f}%" if m["mfu"] is not None else "n/a"
+                gn = f"{m['grad_norm']:.3f}" if m["grad_norm"] is not None else "n/a"
+                log.info("step %d/%d | loss %.4f | ar %.4f | mdm %.4f | lr %.3e | grad norm %s | "
+                         "%.0f tokens/s | %.3f TFLOP/s/device | MFU %s | peak mem %.2f GiB | "
+                         "samples %d | tokens %d%s", m["step"], self.cfg.train.max_steps, m["loss"],
+                         m["ar_loss"], m["mdm_loss"], m["lr"], gn, m["tokens_per_s"],
+                         m["tflops_per_device"], mfu, m["peak_memory_bytes"] / 2 ** 30,
+                         m["consumed_samples"], m["consumed_tokens"],
+                         " | SKIPPED (non-finite loss)" if m["skipped"] else "")
+        else:
+            log.info("validation at step %d: loss %s (%d micro-batches per DP rank)",
+                     metrics["step"], metrics["val_loss"], metrics["val_batches"])
+
+    def run(self) -> int:
+        """Train to `train.max_steps`; returns the process exit code."""
+        cfg = self.cfg
+        self._last_saved = self.step
+        interval = cfg.checkpoint.interval
+        code = 0
+        try:
+            while self.step < cfg.train.max_steps:
+                metrics, nonfinite, sig = self.train_step()
+                if nonfinite and cfg.train.nan_policy == "stop":
+                    if self.is_rank0:
+                        print(f"pipeline.train: error: non-finite loss at step {metrics['step']}; "
+                              f"stopping (train.nan_policy=stop, no checkpoint written; latest "
+                              f"good checkpoint in {self.ckdir})", file=sys.stderr, flush=True)
+                    code = EXIT_NONFINITE
+                    break
+                self._record(metrics)
+                if cfg.train.eval_interval and self.step % cfg.train.eval_interval == 0:
+                    self._record(self.evaluate())
+                if sig:
+                    log.info("signal received: checkpointing at step %d and exiting", self.step)
+                    self.save()
+                    break
+                if interval and self.step % interval == 0:
+                    self.save()
+            else:
+                if self._last_saved != self.step:
+                    self.save()
+        finally:
+            if self.wandb_run is not None:
+                self.wandb_run.finish(exit_code=code)
+        return code
+
+
+# --------------------------------------------------------------------------------------------
+# Entry point
+# --------------------------------------------------------------------------------------------
+
+def _seed_everything(seed: int) -> None:
+    import random
+    import numpy as np
+    import torch
+    random.seed(seed)
+    np.random.seed(seed % 2 ** 32)
+    torch.manual_seed(seed)
+
+
+def _broadcast_object(obj):
+    import torch.distributed as dist
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _setup_logging(rank0: bool) -> None:
+    """Our INFO lines on rank 0's stdout; other ranks print warnings only. DeepSpeed's logger is
+    turned down to warnings (its per-step chatter)."""
+    logger = logging.getLogger("pipeline")
+    logger.handlers.clear()
+    h = logging.StreamHandler(sys.stdout)
+    h.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    logger.addHandler(h)
+    logger.setLevel(logging.INFO if rank0 else logging.WARNING)
+    logger.propagate = False
+    try:
+        from deepspeed.utils import logger as ds_logger
+        ds_logger.setLevel(logging.WARNING)
+    except Exception:
+        pass
+
+
+def _launcher_env() -> None:
+    """Fill RANK / WORLD_SIZE / LOCAL_RANK from srun's SLURM_* variables (or a single process)
+    when no torchrun set them; DeepSpeed reads LOCAL_RANK."""
+    for ours, slurm, default in (("RANK", "SLURM_PROCID", "0"), ("WORLD_SIZE", "SLURM_NTASKS", "1"),
+                                 ("LOCAL_RANK", "SLURM_LOCALID", "0")):
+        if ours not in os.environ:
+            os.environ[ours] = os.environ.get(slurm, default)
+    os.environ.setdefault("LOCAL_WORLD_SIZE", os.environ.get("SLURM_NTASKS_PER_NODE", "1")
+                          if "SLURM_PROCID" in os.environ else os.environ["WORLD_SIZE"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse `--config PATH [key=value ...]`, validate, train. Returns the exit code."""
+    ap = argparse.ArgumentParser(prog="python -m pipeline.train",
+                                 description="Train a ReFusion model (DeepSpeed ZeRO + TP).")
+    ap.add_argument("--config", required=True, help="run config YAML (configs/*.yaml)")
+    ap.add_argument("overrides", nargs="*", help="omegaconf overrides, e.g. train.max_steps=10")
+    args = ap.parse_args(argv)
+    from pipeline.config import ConfigError, load_config, validate
+    rank0 = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"
+    try:
+        cfg = load_config(args.config, args.overrides)
+        plan = validate(cfg)
+    except ConfigError as e:
+        if rank0:
+            print(f"pipeline.train: config error: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    _launcher_env()
+    trainer = Trainer(cfg, plan)
+    try:
+        trainer.setup()
+        code = trainer.run()
+    finally:
+        from pipeline.parallel import destroy_distributed
+        try:
+            destroy_distributed()
+        except Exception:
+            pass
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
