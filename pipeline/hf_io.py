@@ -121,24 +121,36 @@ def config_from_hf(src, tp_size: int = 1) -> ModelConfig:
 
 
 def hf_config_dict(cfg: ModelConfig, vocab_size: int | None = None, **extra) -> dict:
-    """A Qwen3 `config.json` dict (via `transformers.Qwen3Config`) for `cfg`.
+    """A Qwen3 `config.json` dict for `cfg` (the keys `transformers.Qwen3Config` reads).
 
     Args:
         vocab_size: rows to declare (default `cfg.vocab_size`).
-        **extra: more keys (e.g. `bos_token_id`, `eos_token_id`, `mask_token_id`).
+        **extra: more keys (e.g. `bos_token_id`, `eos_token_id`, `mask_token_id`, `dtype`).
     """
-    from transformers import Qwen3Config
-    hc = Qwen3Config(
-        vocab_size=vocab_size or cfg.vocab_size, hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_attention_heads,
-        num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
-        rope_theta=cfg.rope_theta, rms_norm_eps=cfg.rms_norm_eps,
-        tie_word_embeddings=cfg.tie_word_embeddings,
-        max_position_embeddings=cfg.max_position_embeddings,
-        initializer_range=cfg.init_std, attention_bias=False, use_sliding_window=False,
-        architectures=list(QWEN3_ARCHITECTURES))
-    d = hc.to_dict()
+    d = {
+        "architectures": list(QWEN3_ARCHITECTURES),
+        "model_type": "qwen3",
+        "vocab_size": vocab_size or cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_parameters": {"rope_theta": cfg.rope_theta, "rope_type": "default"},
+        "rope_scaling": None,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "initializer_range": cfg.init_std,
+        "use_cache": True,
+    }
     d.update(extra)
     return d
 
@@ -402,8 +414,13 @@ def _atomic_dir(out: Path, overwrite: bool):
         raise FileExistsError(f"{out}: exists and is not empty (pass overwrite)")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the result is an ordinary folder
 
     def finish():
+        for f in tmp.iterdir():  # safetensors writes private files; make them ordinary
+            f.chmod(0o666 & ~umask)
         if out.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
             os.replace(out, old / out.name)
@@ -466,6 +483,7 @@ def save_hf_folder(state: dict[str, torch.Tensor], cfg: ModelConfig, out, *,
                                  f"only {rows} embedding rows")
         some = next(iter(state.values()))
         extra.setdefault("torch_dtype", str(some.dtype).replace("torch.", ""))
+        extra.setdefault("dtype", extra["torch_dtype"])
         (tmp / "config.json").write_text(
             json.dumps(hf_config_dict(cfg, vocab_size=rows, **extra), indent=2) + "\n")
         split = split_torch_state_dict_into_shards(state, max_shard_size=max_shard_bytes)

