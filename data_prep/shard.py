@@ -291,6 +291,14 @@ class SplitWriter:
         if self.tar is not None:
             self._close_shard()
 
+    def abort(self) -> None:
+        """Drop the open shard (its temporary file) after an error or a requested stop."""
+        if self.tar is not None:
+            self.tar.close()
+            self.cur_file.close()
+            self.tar = None
+            self.out.remove(self.cur_tmp)
+
     def skipped_total(self) -> collections.Counter:
         c = collections.Counter(self.skipped)
         c.update(reason for _, reason in self.pending_skips)
@@ -551,10 +559,12 @@ def run(args) -> dict:
         for s in SPLITS:
             writers[s].finish()
     except _Stop:
-        bar.close()
         print(f"shard.py: stopped after {state['closed']} shard(s) (--stop-after-shards)", file=sys.stderr)
         return {}
-    bar.close()
+    finally:
+        bar.close()
+        for w in writers.values():
+            w.abort()
 
     skipped = collections.Counter(counts)
     for s in SPLITS:

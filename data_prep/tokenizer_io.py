@@ -191,13 +191,23 @@ class SPMTokenizer(Tokenizer):
         return ["tokenizer.model"]
 
 
+_HF_CACHE: dict = {}
+
+
 def load_tokenizer(path: str) -> Tokenizer:
     """Load `path`: a folder -> Hugging Face tokenizer; a file -> SentencePiece model.
 
     Raises TokenizerError (one line) when the path does not exist or cannot be loaded.
     """
     if os.path.isdir(path):
-        return HFTokenizer(path)
+        # Loading a large HF tokenizer takes seconds; reuse it while its files are unchanged.
+        stamp = tuple((f, os.stat(os.path.join(path, f)).st_mtime_ns)
+                      for f in _HF_TOKENIZER_FILES if os.path.isfile(os.path.join(path, f)))
+        key = (os.path.realpath(path), stamp)
+        if key not in _HF_CACHE:
+            _HF_CACHE.clear()
+            _HF_CACHE[key] = HFTokenizer(path)
+        return _HF_CACHE[key]
     if os.path.isfile(path):
         return SPMTokenizer(path)
     raise TokenizerError(f"tokenizer {path}: no such file or folder")

