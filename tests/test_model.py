@@ -245,3 +245,43 @@ def test_tied_embeddings(tp1, tmp_path):
     with torch.no_grad():
         diff = (m(ids, torch.arange(9)[None]) - ref(input_ids=ids).logits).abs().max().item()
     assert diff <= ATOL
+
+
+def test_presets_and_8b_meta_build(tp1, tmp_path):
+    from pathlib import Path
+    from pipeline.model import ModelConfig, Qwen3, num_parameters
+    root = Path(__file__).resolve().parents[1] / "configs" / "model"
+    cfg = ModelConfig.from_yaml(root / "qwen3_8b.yaml")
+    with torch.device("meta"):
+        m = Qwen3(cfg, dtype=torch.bfloat16, init_weights=False)
+    n = sum(p.numel() for p in m.parameters())
+    # Qwen3-8B: 36 x (q 4096x4096 + k,v 4096x1024 + o 4096x4096 + MLP 3x4096x12288 + norms)
+    # + embedding and head 151936x4096 each + final norm.
+    per_layer = 2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 12288 + 2 * 4096 + 2 * 128
+    assert n == num_parameters(cfg) == 36 * per_layer + 2 * 151936 * 4096 + 4096
+    assert abs(n - 8.19e9) < 0.01e9
+    assert m.layers[0].self_attn.qkv_proj.weight.shape == (6144, 4096)
+    small = ModelConfig.from_yaml(root / "qwen3_0_6b.yaml")
+    assert small.tie_word_embeddings and abs(num_parameters(small) - 0.596e9) < 0.001e9
+    for name in ("tiny", "demo"):
+        ModelConfig.from_yaml(root / f"{name}.yaml").validate(tp_size=2)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("hidden_size: 8\nhiden_layers: 2\n")
+    with pytest.raises(ValueError, match=r"bad.yaml: unknown model config key.*hiden_layers"):
+        ModelConfig.from_yaml(bad)
+
+
+def test_flops_per_token_matches_flop_counter(model):
+    """The 6N part against torch's FlopCounterMode (counts every matmul of forward+backward);
+    the attention term is the PaLM formula 12 * L * H * D * T (SDPA on CPU is not counted)."""
+    from torch.utils.flop_counter import FlopCounterMode
+    from pipeline.model import flops_per_token
+    cfg = model.cfg
+    t = 16
+    ids = _ids(2, t, seed=29)
+    counter = FlopCounterMode(display=False)
+    with counter:
+        model(ids, torch.arange(t).expand(2, t)).float().sum().backward()
+    model.zero_grad()
+    attention = 12 * cfg.num_layers * cfg.num_attention_heads * cfg.head_dim * t
+    assert counter.get_total_flops() / (2 * t) == flops_per_token(cfg, t) - attention
