@@ -305,9 +305,16 @@ class Attention(nn.Module):
             k = torch.cat((past_k, k), dim=2)
             v = torch.cat((past_v, v), dim=2)
         if mask is None:
+            # Plain causal: flash attention on GPU handles GQA natively.
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+            # With a mask the memory-efficient kernel is the GPU choice, and it does not take
+            # GQA: repeat kv heads (q head i uses kv head i // group, as Qwen3 does).
+            group = self.n_q // self.n_kv
+            if group > 1:
+                k = k.repeat_interleave(group, dim=1)
+                v = v.repeat_interleave(group, dim=1)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         out = out.transpose(1, 2).reshape(b, t, self.n_q * d)
         out, _ = self.o_proj(out)
         return out
@@ -493,8 +500,9 @@ class Qwen3(nn.Module):
     TP=1 is fine). Parameter names (native): `embed_tokens.weight`,
     `layers.{i}.{input_layernorm,post_attention_layernorm}.weight`,
     `layers.{i}.self_attn.{qkv_proj,o_proj,q_norm,k_norm}.weight`,
-    `layers.{i}.mlp.{gate_up_proj,down_proj}.weight`, `norm.weight`, `lm_head.weight` (absent
-    when tied). `pipeline.hf_io` maps them to and from Hugging Face names.
+    `layers.{i}.mlp.{gate_up_proj,down_proj}.weight`, `norm.weight`, `lm_head.weight` (when
+    tied, the head holds the embedding Parameter itself: `named_parameters()` lists it once as
+    `embed_tokens.weight`, `state_dict()` has both keys). `pipeline.hf_io` maps them to and from Hugging Face names.
 
     Args:
         cfg: network shape; validated against the TP size (ValueError).
@@ -522,6 +530,11 @@ class Qwen3(nn.Module):
         self.lm_head = ColumnParallelLinear(
             cfg.hidden_size, cfg.vocab_size, config=mcfg, init_method=init, bias=False,
             gather_output=False, skip_weight_param_allocation=cfg.tie_word_embeddings)
+        if cfg.tie_word_embeddings:
+            # The same Parameter registered in both modules (as transformers ties): ZeRO-3
+            # then gathers it for the head's forward too. named_parameters() lists it once,
+            # as `embed_tokens.weight`; vocab partitions of the two layers coincide.
+            self.lm_head.weight = self.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
                 segment_ids: torch.Tensor | None = None,
@@ -575,9 +588,7 @@ class Qwen3(nn.Module):
                                                       use_reentrant=False)
             else:
                 x = layer(x, cos, sin, mask, cache_layer)
-        x = self.norm(x)
-        weight = self.embed_tokens.weight if self.cfg.tie_word_embeddings else None
-        logits, _ = self.lm_head(x, weight=weight)
+        logits, _ = self.lm_head(self.norm(x))
         return logits
 
 
