@@ -472,8 +472,15 @@ def _ordered_results(batches, args, tok: Tokenizer):
             yield b, _tokenize_batch(b, args.max_length, args.long_text, tok)
         return
     import multiprocessing as mp
-    ctx = mp.get_context("spawn")  # no fork of a process holding tokenizer threads
-    with ctx.Pool(args.workers, initializer=_init_worker, initargs=(args.tokenizer,)) as pool:
+    if sys.platform.startswith("linux"):
+        # fork: workers inherit the loaded tokenizer (a Qwen3 load costs seconds per process);
+        # Rust tokenizer threads are kept off so the children cannot inherit a held lock.
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        ctx, init, initargs = mp.get_context("fork"), None, ()
+        _WORKER["tok"] = tok
+    else:
+        ctx, init, initargs = mp.get_context("spawn"), _init_worker, (args.tokenizer,)
+    with ctx.Pool(args.workers, initializer=init, initargs=initargs) as pool:
         window = collections.deque()
         for b in batches:
             window.append((b, pool.apply_async(_tokenize_batch, (b, args.max_length, args.long_text))))

@@ -199,6 +199,9 @@ def test_every_input_format_and_fsspec(tmp_path, spm_model, capsys):
     (d / "plain.txt").write_text("a plain text file\nwith two lines\n")
     pq.write_table(pa.table({"query": ["pq q"], "response": ["pq r"]}), d / "qa.parquet")
     pq.write_table(pa.table({"body": ["parquet text", None]}), d / "text.parquet")
+    from data_prep.sources import resolve_inputs
+    assert [s.name for s in resolve_inputs([str(d / "*.json*"), "stdlib"])] == [
+        str(d / "docs.jsonl"), str(d / "list.json"), str(d / "more.jsonl"), "stdlib"]
     mem = fsspec.filesystem("memory")
     mem.pipe("/dp_in/remote.jsonl", json.dumps({"query": "mem q", "response": "mem r"}).encode())
     out = "memory://dp_out/shards"
