@@ -575,15 +575,15 @@ def reference_generate(model, prompt: Sequence[int], gen_length: int, slot_size:
         allt = [e[0] for e in seq] + list(toks)
         allp = [e[1] for e in seq] + list(poss)
         n, c = len(allt), len(seq)
-        m = torch.zeros(n, n, dtype=torch.bool)
-        for i in range(n):
-            for j in range(i + 1):
-                if i < c:
-                    gi, gj = seq[i][2], seq[j][2]
-                    ok = gi is None or gi != gj or seq[i][3] == seq[j][3]
-                else:
-                    ok = j < c or groups is None or groups[i - c] == groups[j - c]
-                m[i, j] = ok
+        # group[i]: parallel group of token i (-1 = none); part[i]: its slot inside the group.
+        group = torch.tensor([-1 if e[2] is None else e[2] for e in seq]
+                             + [-2 if groups is None else -3] * len(toks))
+        part = torch.tensor([-1 if e[3] is None else e[3] for e in seq]
+                            + (list(groups) if groups is not None else [0] * len(toks)))
+        causal = torch.ones(n, n, dtype=torch.bool).tril()
+        same_group = (group[:, None] == group[None, :]) & (group[:, None] != -1)
+        same_group &= group[:, None] != -2   # request tokens without groups: causal
+        m = causal & ~(same_group & (part[:, None] != part[None, :]))
         ids = torch.tensor([allt], device=device)
         pos = torch.tensor([allp], device=device)
         out = _gather(model(ids, pos, attention_mask=m[None, None].to(device)))
