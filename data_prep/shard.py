@@ -43,7 +43,8 @@ if __package__ in (None, ""):  # run as a script: import the repository's data_p
 import fsspec
 import numpy as np
 
-from data_prep.sources import STDLIB, Fields, InputError, Source, iter_records, normalize, resolve_inputs
+from data_prep.sources import (Fields, InputError, OneLineParser, Source, iter_records, normalize,
+                               resolve_inputs)
 from data_prep.tokenizer_io import Tokenizer, TokenizerError, load_tokenizer
 
 FORMAT_VERSION = 1
@@ -616,7 +617,7 @@ def _size(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="shard.py", description="Tokenize inputs into ReFusion webdataset shards "
         "(format: ARCHITECTURE.md 'Shard format').")
     p.add_argument("--input", action="append", required=True, metavar="PATH_GLOB_URL|stdlib",

@@ -14,6 +14,7 @@ Skip reasons produced here (counted, never fatal):
 """
 from __future__ import annotations
 
+import argparse
 import json
 import posixpath
 from dataclasses import dataclass
@@ -28,6 +29,13 @@ TEXT_EXTS = (".txt", ".md", ".rst")
 JSON_EXTS = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.bz2", ".jsonl.xz", ".jsonl.zst")
 PARQUET_EXTS = (".parquet",)
 KNOWN_EXTS = TEXT_EXTS + JSON_EXTS + PARQUET_EXTS
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse with usage errors on one line (`prog: error: ... (see --help)`), exit code 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
 class InputError(Exception):

@@ -15,7 +15,6 @@ inputs and options (no sentence shuffling; the first `--max-sentences` pieces ar
 """
 from __future__ import annotations
 
-import argparse
 import hashlib
 import io
 import os
@@ -28,7 +27,8 @@ if __package__ in (None, ""):  # run as a script: import the repository's data_p
 
 import fsspec
 
-from data_prep.sources import Fields, InputError, iter_records, normalize, resolve_inputs
+from data_prep.sources import (Fields, InputError, OneLineParser, iter_records, normalize,
+                               resolve_inputs)
 from data_prep.tokenizer_io import SPM_ASSISTANT, SPM_MASK, SPM_USER
 
 
@@ -95,7 +95,7 @@ def train(inputs: list[str], output: str, vocab_size: int = 8000, fmt: str = "au
 
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point; returns the exit code (0 ok, 2 user error)."""
-    p = argparse.ArgumentParser(prog="train_tokenizer.py", description=__doc__.split("\n")[0])
+    p = OneLineParser(prog="train_tokenizer.py", description=__doc__.split("\n")[0])
     p.add_argument("--input", action="append", required=True, metavar="PATH_GLOB_URL|stdlib",
                    help="same inputs as shard.py (repeatable)")
     p.add_argument("--output", required=True, help="model file to write, e.g. tok/spm.model")

@@ -409,7 +409,8 @@ def test_user_errors_exit_2_with_one_line(tmp_path, spm_model, capsys):
     with pytest.raises(SystemExit) as e:  # unknown --format: argparse usage error
         shard.main(["--input", str(src), "--output", str(tmp_path / "o"), "--tokenizer",
                     spm_model, "--format", "xml"])
-    assert e.value.code == 2 and "--format" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len(err.strip().splitlines()) == 1 and "--format" in err
     # the real CLI, in a fresh interpreter: no traceback
     r = subprocess.run([sys.executable, str(ROOT / "data_prep" / "shard.py"), "--input",
                         str(tmp_path / "missing.jsonl"), "--output", str(tmp_path / "o"),
