@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import multiprocessing
 import posixpath
 import tarfile
 from dataclasses import dataclass
@@ -379,8 +380,12 @@ class ShardLoader:
         n_local = len(self.spec.stream_ids)
         ds = _StreamDataset(self.spec, list(self._positions), self.batches % n_local)
         if self.num_workers > 0:
+            # fork: workers start in milliseconds and inherit in-memory fsspec stores; the
+            # workers never touch CUDA. Elsewhere (no fork) the platform default is used.
+            ctx = "fork" if "fork" in multiprocessing.get_all_start_methods() else None
             it = iter(DataLoader(ds, batch_size=None, num_workers=self.num_workers,
-                                 prefetch_factor=self.prefetch_factor, persistent_workers=False))
+                                 prefetch_factor=self.prefetch_factor, persistent_workers=False,
+                                 multiprocessing_context=ctx))
         else:
             it = iter(ds)
         while True:
