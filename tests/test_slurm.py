@@ -1,0 +1,135 @@
+"""slurm/pretrain.sh on a real one-node SLURM cluster: train, checkpoint on the time-limit
+signal, requeue, resume from the checkpoint (not from scratch), finish.
+
+Starts the cluster with ../shared/tools/local_slurm/start_local_slurm.sh (relative to the
+repository root); skipped with a reason when that script is absent or we are not root.
+`sbatch --wait` and exit codes are not trusted (without a cgroup.conf a job step can fail while
+sbatch reports success): every check reads the job's log, metrics.jsonl and checkpoint folder.
+A requeued job waits for the cluster's cred_expire (30 s) before it starts again.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from shard_fixtures import random_samples, write_shards
+
+ROOT = Path(__file__).resolve().parents[1]
+START = ROOT.parent / "shared" / "tools" / "local_slurm" / "start_local_slurm.sh"
+SCRIPT = ROOT / "slurm" / "pretrain.sh"
+
+CONFIG = """\
+run_dir: {run}
+model:
+  inline: {{vocab_size: 64, hidden_size: 32, intermediate_size: 64, num_layers: 2,
+           num_attention_heads: 4, num_key_value_heads: 2, head_dim: 8,
+           max_position_embeddings: 64}}
+data: {{dir: {data}, num_workers: 1, shuffle_buffer: 8}}
+optim: {{lr: 1.0e-3, warmup_steps: 1}}
+train: {{max_steps: {max_steps}, micro_batch_size: 2, precision: fp32, zero_stage: 3,
+        tensor_parallel_size: 1}}
+checkpoint: {{interval: 0, keep: 2}}
+wandb: {{mode: disabled}}
+"""
+GLOBAL_BATCH = 4  # micro-batch 2 x DP 2
+
+
+def _start_cluster() -> None:
+    if not START.is_file():
+        pytest.skip(f"local SLURM tools not found at {START}")
+    if os.geteuid() != 0:
+        pytest.skip("the local SLURM cluster needs root (start_local_slurm.sh)")
+    r = subprocess.run(["bash", str(START)], capture_output=True, text=True, timeout=300)
+    if r.returncode != 0:
+        pytest.skip(f"could not start the local SLURM cluster: {r.stderr.strip()[-400:]}")
+
+
+def _wait_for(what: str, cond, timeout_s: float, log: Path):
+    """Poll `cond()` each second; fail early when the job's tasks exited abnormally."""
+    t0 = time.time()
+    while time.time() - t0 < timeout_s:
+        value = cond()
+        if value:
+            return value
+        text = log.read_text() if log.exists() else ""
+        bad = re.search(r"training tasks exited with status [1-9]", text)
+        if bad:
+            raise AssertionError(f"waiting for {what}: {bad.group(0)}; log:\n{text[-6000:]}")
+        time.sleep(1.0)
+    text = log.read_text() if log.exists() else "(no log)"
+    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}; log:\n{text[-6000:]}")
+
+
+def _train_lines(metrics: Path) -> list[dict]:
+    if not metrics.exists():
+        return []
+    out = []
+    for line in metrics.read_text().splitlines():
+        try:
+            m = json.loads(line)
+        except json.JSONDecodeError:  # a line being written
+            continue
+        if m.get("kind") == "train":
+            out.append(m)
+    return out
+
+
+def _job_state(job: str) -> str:
+    r = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True)
+    return r.stdout.strip()
+
+
+def test_sbatch_signal_checkpoint_requeue_resume(tmp_path):
+    _start_cluster()
+    rng = np.random.default_rng(0)
+    data, run, logs = tmp_path / "data", tmp_path / "run", tmp_path / "logs"
+    logs.mkdir()
+    write_shards(str(data), {"train": random_samples(rng, 64, vocab_size=64, max_length=32)},
+                 samples_per_shard=16)
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(CONFIG.format(run=run, data=data, max_steps=100000))
+    metrics = run / "metrics.jsonl"
+    ckdir = run / "checkpoints"
+
+    r = subprocess.run(["sbatch", "--parsable", "--time=00:10:00", "--job-name=refusion-test",
+                        f"--output={logs}/%x-%j.out", str(SCRIPT), str(cfg), "train.log_interval=1"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    job = r.stdout.strip().split(";")[0]
+    log = logs / f"refusion-test-{job}.out"
+    try:
+        # 1. it trains: wait for a few optimizer steps in metrics.jsonl
+        _wait_for("3 training steps", lambda: len(_train_lines(metrics)) >= 3, 240, log)
+        # 2. the time-limit warning, as --signal=B:USR1@120 delivers it: SIGUSR1 to the batch shell
+        subprocess.run(["scancel", "--signal=USR1", "--batch", job], check=True, timeout=30)
+        _wait_for("the requeue", lambda: "requeueing job" in log.read_text(), 180, log)
+        first = _train_lines(metrics)
+        saved = int((ckdir / "latest").read_text().strip().removeprefix("step_"))
+        assert saved == first[-1]["step"] >= 3          # checkpointed at the step it stopped
+        assert (ckdir / f"step_{saved:09d}" / "refusion_meta.json").is_file()
+        # the requeued job (held >= 30 s by cred_expire) re-reads the config: 2 more steps
+        cfg.write_text(CONFIG.format(run=run, data=data, max_steps=saved + 2))
+        _wait_for("the resumed job to finish",
+                  lambda: log.read_text().count("training tasks exited with status") >= 2
+                  and _job_state(job) == "", 300, log)
+    finally:
+        subprocess.run(["scancel", job], capture_output=True, timeout=30)
+
+    text = log.read_text()
+    assert "restart 1" in text
+    assert text.count("training tasks exited with status 0") == 2
+    assert re.search(rf"resumed from \S+step_{saved:09d} at step {saved}\b", text), text[-3000:]
+    lines = _train_lines(metrics)
+    assert [m["step"] for m in lines] == list(range(1, saved + 3))  # no step trained twice
+    resumed = lines[saved:]
+    # continues the consumed-sample count rather than starting from scratch
+    assert [m["consumed_samples"] for m in resumed] == [(saved + 1) * GLOBAL_BATCH,
+                                                         (saved + 2) * GLOBAL_BATCH]
+    assert (ckdir / "latest").read_text().strip() == f"step_{saved + 2:09d}"
