@@ -388,36 +388,48 @@ def _fingerprint(opts: dict, tok_json: dict) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
+def _clear(out: Output) -> None:
+    """Remove what an earlier run wrote: manifests, `<split>-NNNNNN.tar` shards, tokenizer/."""
+    import re
+    pattern = re.compile(r"^(%s)-\d{6}\.tar$" % "|".join(SPLITS))
+    for p in out.fs.ls(out.root, detail=False):
+        name = p.rstrip("/").rsplit("/", 1)[-1]
+        if name in (MANIFEST, PARTIAL, TOKENIZER_DIR) or pattern.match(name):
+            out.remove(name)
+
+
 def _resume_state(out: Output, fingerprint: str, overwrite: bool) -> tuple[dict | None, dict]:
     """(complete manifest or None, {split: kept entries}) for this output folder.
 
-    Raises UserError when the folder holds shards made with other options (unless overwrite).
+    A folder made with the same options (same fingerprint) is kept or resumed. One made with
+    other options raises UserError, or is cleared first when `overwrite`.
     """
-    names = (MANIFEST, PARTIAL)
-    if overwrite:
-        for n in names:
-            out.remove(n)
-        return None, {s: [] for s in SPLITS}
-    for n in names:
-        if out.exists(n):
-            try:
-                m = out.read_json(n)
-            except (ValueError, OSError) as e:
-                raise UserError(f"{out.path(n)}: unreadable ({e}); pass --overwrite to start over")
-            if m.get("fingerprint") != fingerprint:
-                raise UserError(f"{out.path(n)}: this folder holds shards made with other options "
-                                "or another tokenizer; use another --output or pass --overwrite")
-            if n == MANIFEST:
-                return m, {}
-            kept = {}
-            for split in SPLITS:
-                kept[split] = []
-                for e in m.get("progress", {}).get(split, []):
-                    if out.size(e["name"]) != e["bytes"]:
-                        break  # missing or partial: redo from here
-                    kept[split].append(e)
-            return None, kept
-    return None, {s: [] for s in SPLITS}
+    fresh = None, {s: [] for s in SPLITS}
+    for n in (MANIFEST, PARTIAL):
+        if not out.exists(n):
+            continue
+        try:
+            m = out.read_json(n)
+        except (ValueError, OSError) as e:
+            m = {"fingerprint": f"unreadable ({e})"}
+        if m.get("fingerprint") != fingerprint:
+            if overwrite:
+                _clear(out)
+                return fresh
+            raise UserError(f"{out.path(n)}: this folder holds shards made with other options "
+                            "or another tokenizer (or an unreadable manifest); use another "
+                            "--output or pass --overwrite")
+        if n == MANIFEST:
+            return m, {}
+        kept = {}
+        for split in SPLITS:
+            kept[split] = []
+            for e in m.get("progress", {}).get(split, []):
+                if out.size(e["name"]) != e["bytes"]:
+                    break  # missing or partial: redo from here
+                kept[split].append(e)
+        return None, kept
+    return fresh
 
 
 def _stage_a(sources: list[Source], fmt: str, fields: Fields, val_fraction: float,
@@ -643,7 +655,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--response-field", default="response")
     p.add_argument("--text-field", default="text")
     p.add_argument("--overwrite", action="store_true",
-                   help="replace shards made with other options in --output")
+                   help="when --output holds shards made with other options, delete them and "
+                        "start over (same options: kept / resumed as usual)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--stop-after-shards", type=int, default=None, help=argparse.SUPPRESS)
     return p

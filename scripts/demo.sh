@@ -12,12 +12,14 @@ mkdir -p "$OUT"
 # <|assistant|>, byte fallback) trained on the stdlib sources, then shards of the same corpus:
 # each file as text (cut into MAX_LEN-token chunks) and each documented function as a
 # query/response pair (signature + docstring -> body), with a validation split.
+# Rerunning keeps finished shards; changed options replace them (--overwrite).
 SPM_MODEL=${SPM_MODEL:-$OUT/tokenizer/spm.model}
 SPM_VOCAB=${SPM_VOCAB:-6000}
 SHARDS=${SHARDS:-$OUT/shards}
 MAX_LEN=${MAX_LEN:-256}
 VAL_FRACTION=${VAL_FRACTION:-0.02}
 SLOT_SIZES=${SLOT_SIZES:-4,8,16,32}
+DATA_WORKERS=${DATA_WORKERS:-2}
 
 echo "== 1. data"
 if [ ! -f "$SPM_MODEL" ]; then
@@ -27,5 +29,5 @@ else
 fi
 "$PY" data_prep/shard.py --input stdlib --format auto --tokenizer "$SPM_MODEL" \
   --output "$SHARDS" --max-length "$MAX_LEN" --val-fraction "$VAL_FRACTION" \
-  --slot-sizes "$SLOT_SIZES" --seed 0 --no-progress
+  --slot-sizes "$SLOT_SIZES" --seed 0 --workers "$DATA_WORKERS" --no-progress --overwrite
 echo "data: tokenizer $SPM_MODEL, shards $SHARDS (manifest: $SHARDS/manifest.json)"

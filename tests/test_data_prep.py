@@ -362,6 +362,12 @@ def test_resume_keeps_complete_shards_and_equals_uninterrupted(tmp_path, spm_mod
     assert code == 0 and "already complete" in err
     code, err = run_shard(capsys, *args, "--output", part, "--seed", 9)
     assert code == 2 and "other options" in err and "Traceback" not in err
+    # --overwrite replaces them: the result equals a run into an empty folder
+    small = ["--max-length", 64, "--shard-samples", 1000, "--tokenizer", spm_model,
+             "--input", tmp_path / "qa.jsonl"]
+    assert run_shard(capsys, *small, "--output", part, "--overwrite")[0] == 0
+    assert run_shard(capsys, *small, "--output", tmp_path / "fresh")[0] == 0
+    assert folder_bytes(part) == folder_bytes(tmp_path / "fresh")
 
 
 # ----------------------------------------------------------------------------- tokenizer training
