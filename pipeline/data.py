@@ -9,8 +9,8 @@ Must not touch: the model, the loss, process groups (the caller passes dp_rank /
 How the data is cut and ordered (everything is computed from the manifest, no data is read):
 - Split samples are numbered 0..N-1 in manifest order (shard by shard). With S = dp_size x
   max(1, num_workers) streams, stream g = dp_rank * max(1, num_workers) + worker owns the
-  contiguous range [g*N//S, (g+1)*N//S): balanced to one sample, never empty (N >= S is
-  checked), whatever the number of shards, and each stream reads only the shards its range
+  contiguous range [g*N//S, (g+1)*N//S): balanced to one sample, never empty when
+  infinite (N >= S is checked; a one-pass loader allows empty streams), whatever the number of shards, and each stream reads only the shards its range
   touches. The assignment does not change across epochs.
 - Epoch e of a stream: its pieces (its range cut at shard borders) in an order drawn from
   (seed, e, g), then a window shuffle: consecutive windows of `shuffle_buffer` samples are
@@ -490,7 +490,7 @@ def build_loader(data_dir: str, split: str, micro_batch_size: int, max_length: i
     total = sum(n for _, n in shards)
     nw = max(1, num_workers)
     S = dp_size * nw
-    if total < S:
+    if infinite and total < S:
         raise DataError(f"{where}: split {split!r} has {total} samples, fewer than dp_size x workers = {S} "
                         f"streams; use fewer loader workers")
     starts = np.cumsum([0] + [n for _, n in shards])

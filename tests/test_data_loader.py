@@ -201,3 +201,14 @@ def test_corrupt_shard_error_names_the_shard(tmp_path, damage, num_workers):
         for _ in loader:
             pass
     assert "\n" not in str(err.value)
+
+
+def test_one_pass_with_fewer_samples_than_ranks():
+    url = "memory://tiny-val"
+    write_shards(url, {"val": random_samples(np.random.default_rng(8), 2)})
+    keys = []
+    for rank in range(4):
+        for b in build_loader(url, "val", 1, 48, dp_rank=rank, dp_size=4, num_workers=0,
+                              shuffle=False, infinite=False):
+            keys += b["keys"]
+    assert keys == ["val0000000", "val0000001"]
