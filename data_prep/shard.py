@@ -420,7 +420,13 @@ def _resume_state(out: Output, fingerprint: str, overwrite: bool) -> tuple[dict 
                             "or another tokenizer (or an unreadable manifest); use another "
                             "--output or pass --overwrite")
         if n == MANIFEST:
-            return m, {}
+            listed = [e for split in SPLITS for e in m.get("splits", {}).get(split, [])]
+            if all(out.size(e["name"]) == e.get("bytes") for e in listed):
+                return m, {}
+            print(f"shard.py: {out.path(MANIFEST)} lists missing or changed shards; rebuilding",
+                  file=sys.stderr)
+            _clear(out)
+            return fresh
         kept = {}
         for split in SPLITS:
             kept[split] = []

@@ -118,8 +118,12 @@ class HFTokenizer(Tokenizer):
                                  f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
         added = [t for t in (HF_BOS_TOKEN, HF_MASK_TOKEN) if t not in tok.get_vocab()]
         if added:
-            tok.add_special_tokens({"additional_special_tokens": added},
-                                   replace_extra_special_tokens=False)
+            import inspect
+            params = inspect.signature(tok.add_special_tokens).parameters
+            # keep the tokenizer's own extra special tokens (the keyword differs in transformers 4/5)
+            keep = {k: False for k in ("replace_extra_special_tokens",
+                                       "replace_additional_special_tokens") if k in params}
+            tok.add_special_tokens({"additional_special_tokens": added}, **keep)
         self.tok, self.path = tok, path
         if tok.eos_token_id is None:
             raise TokenizerError(f"tokenizer {path} defines no eos_token")

@@ -360,6 +360,10 @@ def test_resume_keeps_complete_shards_and_equals_uninterrupted(tmp_path, spm_mod
     # a complete folder is left alone; other options are refused
     code, err = run_shard(capsys, *args, "--output", part)
     assert code == 0 and "already complete" in err
+    victim = part / kept[0]
+    victim.unlink()  # a finished folder that lost a shard is rebuilt
+    code, err = run_shard(capsys, *args, "--output", part)
+    assert code == 0 and "rebuilding" in err and folder_bytes(part) == folder_bytes(full)
     code, err = run_shard(capsys, *args, "--output", part, "--seed", 9)
     assert code == 2 and "other options" in err and "Traceback" not in err
     # --overwrite replaces them: the result equals a run into an empty folder
