@@ -151,9 +151,11 @@ def test_qwen3_prompt_length_chat_template_and_ids(tmp_path, capsys):
     from transformers import AutoTokenizer
     qdir = qwen3_tokenizer_dir()
     src = write_jsonl(tmp_path / "qa.jsonl", QA_ROWS)
+    doc = "def f(x):\n    return x * 2  # ünïcode\n"
+    txt = write_jsonl(tmp_path / "text.jsonl", [{"text": doc}])
     out = tmp_path / "out"
-    code, err = run_shard(capsys, "--input", src, "--output", out, "--tokenizer", qdir,
-                          "--max-length", 128, "--slot-sizes", "4,8")
+    code, err = run_shard(capsys, "--input", src, "--input", txt, "--output", out,
+                          "--tokenizer", qdir, "--max-length", 128, "--slot-sizes", "4,8")
     assert code == 0, err
     ref = AutoTokenizer.from_pretrained(qdir)  # the untouched tokenizer
     manifest = json.loads((out / "manifest.json").read_text())
@@ -167,7 +169,10 @@ def test_qwen3_prompt_length_chat_template_and_ids(tmp_path, capsys):
     assert tok["mask_id"] == ref.convert_tokens_to_ids("<|mask|>")
     assert tok["vocab_size"] == len(ref) == 151671
     rows = read_samples(str(out))["train"]
-    assert len(rows) == len(QA_ROWS)
+    assert len(rows) == len(QA_ROWS) + 1
+    key, tokens, meta = rows.pop()  # the text document: no prompt, EOS appended
+    assert meta["segments"][0]["prompt_length"] == 0
+    assert tokens.tolist() == ref.encode(doc, add_special_tokens=False) + [ref.eos_token_id]
     for (key, tokens, meta), row in zip(rows, QA_ROWS):
         msgs = [{"role": "user", "content": row["query"]}]
         prompt = ref.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
@@ -385,7 +390,7 @@ def test_train_tokenizer_pieces_roundtrip_and_determinism(tmp_path, spm_model, c
     assert sp.get_piece_size() == 600
     code = Path(stdlib_corpus.stdlib_root(), "heapq.py").read_text()  # not in the training set
     assert sp.decode(sp.encode(code)) == code
-    assert sp.encode("<|mask|>") [-1] == 4 and len(sp.encode("x<|mask|>y")) <= 4
+    assert sp.encode("<|mask|>")[-1] == 4 and len(sp.encode("x<|mask|>y")) <= 4
     assert sp.decode(sp.encode("汉字 ☃\t\n")) == "汉字 ☃\t\n"  # byte fallback
     again = tmp_path / "again.model"
     assert train_tokenizer.main(["--input", str(corpus_dir), "--output", str(again),
