@@ -38,7 +38,7 @@ def _greedy(model, prompt, steps):
     return out
 
 
-def _body(rank, world_size, ckpt):
+def _body(rank, world_size, ckpt, tied_ckpt):
     from pipeline.hf_io import config_from_hf, load_hf_into_model, native_state_dict
     from pipeline.model import Qwen3, gather_logits
     from pipeline.parallel import init_distributed
@@ -61,6 +61,11 @@ def _body(rank, world_size, ckpt):
     out["loss"] = loss.item()
     out["grads"] = {k: p.grad.clone() for k, p in model.named_parameters()}
     out["state"] = native_state_dict(model)
+    # Tied head at TP=2: the head's vocab partition is the embedding's.
+    tied = Qwen3(config_from_hf(tied_ckpt, tp_size=2), init_weights=False)
+    load_hf_into_model(tied, tied_ckpt)
+    with torch.no_grad():
+        out["tied"] = gather_logits(tied(ids, pos))
     return out
 
 
@@ -68,7 +73,9 @@ def test_tp2_matches_transformers(tmp_path):
     from transformers import Qwen3ForCausalLM
     from pipeline.hf_io import config_from_hf, merge_tp_state_dicts
     ckpt = make_tiny_qwen3(tmp_path / "hf", seed=3, vocab_size=VOCAB)
-    results = run_distributed(_body, world_size=2, args=(str(ckpt),))
+    tied_ckpt = make_tiny_qwen3(tmp_path / "tied", seed=4, vocab_size=VOCAB,
+                                tie_word_embeddings=True, num_hidden_layers=1)
+    results = run_distributed(_body, world_size=2, args=(str(ckpt), str(tied_ckpt)))
     assert [r["tp_rank"] for r in results] == [0, 1]
     assert results[0]["vocab"] == 512 and results[0]["embed_shape"] == (256, 64)
 
@@ -89,6 +96,12 @@ def test_tp2_matches_transformers(tmp_path):
                     ref = hf(input_ids=ids[row:row + 1, a:b],
                              position_ids=seg_pos[row:row + 1, a:b]).logits[0]
                     assert (r["packed"][row, a:b, :VOCAB] - ref).abs().max().item() <= ATOL
+
+    tied = Qwen3ForCausalLM.from_pretrained(tied_ckpt, dtype=torch.float32)
+    with torch.no_grad():
+        ref_tied = tied(input_ids=ids, position_ids=pos).logits
+    for r in results:
+        assert (r["tied"][..., :VOCAB] - ref_tied).abs().max().item() <= ATOL
 
     # Greedy KV-cached decoding at TP=2 == transformers generate.
     prompt = ids[:1, :5]
