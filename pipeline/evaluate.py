@@ -248,7 +248,7 @@ def main(argv=None) -> int:
             raise UsageError(f"--modes {args.modes!r}: a comma list of refusion, ar")
         if args.limit < 0 or args.max_batches < 0 or args.micro_batch_size < 1:
             raise UsageError("--limit and --max-batches must be >= 0, --micro-batch-size >= 1")
-        check_decoding_args(args)
+        check_decoding_args(args, refusion="refusion" in modes)
         loaded = load_for_inference(args.model, args.tokenizer, DTYPES[args.dtype])
         report: dict = {"model": str(args.model)}
         t0 = time.perf_counter()

@@ -65,8 +65,10 @@ class Loaded:
         return int(self.tokenizer.info.eos_id)
 
     def decode(self, ids: list[int]) -> str:
-        """Text of `ids` without special tokens."""
+        """Text of `ids` without special tokens; ids past the tokenizer's length (embedding
+        rows no token uses, e.g. Qwen3's 151936 rows vs 151671 tokens) are dropped."""
         tok = self.tokenizer
+        ids = [i for i in ids if 0 <= i < tok.info.vocab_size]
         if hasattr(tok, "sp"):
             return tok.sp.DecodeIds([i for i in ids if i != tok.info.eos_id])
         return tok.tok.decode(ids, skip_special_tokens=True)
@@ -198,7 +200,7 @@ def add_decoding_args(p: argparse.ArgumentParser) -> None:
     """The decoding options shared with `pipeline.evaluate` (defaults: the reference's demo)."""
     p.add_argument("--gen-length", type=int, default=128, help="tokens to generate at most")
     p.add_argument("--slot-size", type=int, default=4, help="tokens per slot (k)")
-    p.add_argument("--num-blocks", type=int, default=4,
+    p.add_argument("--num-blocks", type=int, default=2,
                    help="left-to-right blocks of the generation region")
     p.add_argument("--slot-threshold", type=float, default=0.6)
     p.add_argument("--token-threshold", type=float, default=0.3)
@@ -211,15 +213,16 @@ def add_decoding_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", default=None, help="tokenizer folder or SentencePiece file")
 
 
-def check_decoding_args(args) -> None:
-    """Raise UsageError for out-of-range decoding options."""
+def check_decoding_args(args, refusion: bool = True) -> None:
+    """Raise UsageError for out-of-range decoding options (`refusion`: also the slot/block
+    layout, which ar mode does not use)."""
     for name in ("gen_length", "slot_size", "num_blocks", "batch_size"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1")
     if args.temperature < 0:
         raise UsageError("--temperature must be >= 0")
     slots = -(-args.gen_length // args.slot_size)
-    if slots % args.num_blocks:
+    if refusion and slots % args.num_blocks:
         raise UsageError(f"--num-blocks {args.num_blocks} must divide the {slots} slots "
                          f"(--gen-length rounded up to a multiple of --slot-size)")
 
@@ -259,7 +262,7 @@ def main(argv=None) -> int:
     add_decoding_args(p)
     args = p.parse_args(argv)
     try:
-        check_decoding_args(args)
+        check_decoding_args(args, refusion=args.mode == "refusion")
         if args.prompt is not None:
             texts = [args.prompt]
         else:

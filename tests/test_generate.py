@@ -1,0 +1,119 @@
+"""pipeline.generate CLI on a tiny random Qwen3 checkpoint with a small SentencePiece tokenizer.
+
+Oracles: transformers' greedy `generate` on the same prompt ids (ar mode); the tokenizer's own
+decode; the per-prompt figures' definitions (TPF = tokens / forwards).
+"""
+import json
+import os
+
+import pytest
+import torch
+
+from tiny_qwen3 import make_tiny_qwen3
+
+
+def make_spm_model_folder(folder, seed=1):
+    """Tiny HF Qwen3 folder (vocab 512) + a SentencePiece `tokenizer.model` with the pieces
+    data_prep uses (<pad>=0 <unk>=1 <s>=2 </s>=3 <|mask|> <|user|> <|assistant|>), trained in
+    about a second on a few standard-library files."""
+    import glob
+    import sentencepiece as spm
+    folder = make_tiny_qwen3(folder, seed=seed)
+    text = []
+    for path in sorted(glob.glob(os.path.join(os.path.dirname(os.__file__), "json", "*.py"))):
+        text += open(path).read().splitlines()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter([t for t in text if t.strip()]), model_prefix=str(folder / "tok"),
+        vocab_size=400, model_type="bpe", pad_id=0, unk_id=1, bos_id=2, eos_id=3,
+        user_defined_symbols=["<|mask|>", "<|user|>", "<|assistant|>"], byte_fallback=True,
+        minloglevel=2)
+    os.replace(folder / "tok.model", folder / "tokenizer.model")
+    os.remove(folder / "tok.vocab")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tp1():
+    from distributed import free_port
+    from pipeline.parallel import destroy_distributed, init_distributed
+    saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT")}
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    init_distributed(tensor_parallel_size=1, backend="gloo")
+    yield
+    destroy_distributed()
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return make_spm_model_folder(tmp_path_factory.mktemp("gen") / "model")
+
+
+def _run(capsys, argv):
+    from pipeline.generate import main
+    rc = main(argv)
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_refusion_cli_prints_text_and_figures(tp1, folder, capsys):
+    rc, out, _ = _run(capsys, ["--model", str(folder), "--prompt", "def load(fp):",
+                               "--gen-length", "16", "--slot-size", "4", "--num-blocks", "2",
+                               "--slot-threshold", "0.1", "--token-threshold", "0.1", "--json"])
+    assert rc == 0
+    doc = json.loads(out)
+    (r,) = doc["results"]
+    import sentencepiece as spm
+    sp = spm.SentencePieceProcessor(model_file=str(folder / "tokenizer.model"))
+    assert 1 <= r["tokens"] == len(r["token_ids"]) <= 16
+    assert r["text"] == sp.decode([i for i in r["token_ids"] if i != 3 and i < 400])
+    assert r["forwards"] == sum(r["forwards_by_kind"].values()) >= 2
+    assert r["tpf"] == pytest.approx(r["tokens"] / r["forwards"])
+    assert r["tps"] > 0
+    # Plain-text output carries the same figures.
+    rc, out, _ = _run(capsys, ["--model", str(folder), "--prompt", "def load(fp):",
+                               "--gen-length", "16", "--num-blocks", "2"])
+    assert rc == 0 and "TPF" in out and "TPS" in out and "forwards" in out
+
+
+def test_ar_cli_equals_transformers_generate(tp1, folder, capsys, tmp_path):
+    from transformers import Qwen3ForCausalLM
+    from data_prep.tokenizer_io import load_tokenizer
+    prompts = ["def dumps(obj):", "class JSONDecoder(object):", "x"]
+    f = tmp_path / "p.jsonl"
+    f.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    rc, out, _ = _run(capsys, ["--model", str(folder), "--prompts", str(f), "--mode", "ar",
+                               "--gen-length", "10", "--batch-size", "2", "--json"])
+    assert rc == 0
+    results = json.loads(out)["results"]
+    tok = load_tokenizer(str(folder / "tokenizer.model"))
+    hf = Qwen3ForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    for p, r in zip(prompts, results):
+        ids = torch.tensor([tok.prompt_ids(p)])
+        ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10,
+                          do_sample=False, eos_token_id=3, pad_token_id=0)[0, ids.shape[1]:]
+        ref = ref.tolist()
+        if 3 in ref:
+            ref = ref[:ref.index(3) + 1]
+        assert r["token_ids"] == ref
+        assert r["forwards_by_kind"] == {"prefill": 1, "ar": len(ref) - 1}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "/nonexistent/model", "--prompt", "x"], "/nonexistent/model"),
+    (["--prompt", "x", "--num-blocks", "3", "--gen-length", "16"], "--num-blocks"),
+    (["--prompts", "BAD", "--gen-length", "16"], ":2: not JSON"),
+])
+def test_user_errors_exit_2_with_one_line(tp1, folder, capsys, tmp_path, argv, message):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "ok"}\n{not json\n')
+    argv = [str(bad) if a == "BAD" else a for a in argv]
+    if "--model" not in argv:
+        argv = ["--model", str(folder)] + argv
+    rc, _, err = _run(capsys, argv)
+    assert rc == 2
+    assert message in err and len(err.strip().splitlines()) == 1
