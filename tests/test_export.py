@@ -34,6 +34,7 @@ def test_export_round_trip_tp2_with_tokenizer(tmp_path):
     hc = json.loads((out / "config.json").read_text())
     assert hc["vocab_size"] == 151936 and hc["mask_token_id"] == 151670
     assert not list(tmp_path.glob(".out.tmp-*"))  # the temporary folder was renamed away
+    assert not list(tmp_path.glob(".export-tp-*"))  # per-rank files removed
 
 
 def test_export_user_errors(tmp_path, capsys):
