@@ -436,7 +436,8 @@ class KVCache:
                 this order; entries < 0 are skipped (rows may append different counts).
                 None appends all T pending entries in fed order.
         Raises:
-            RuntimeError: nothing pending. ValueError: a row would exceed `capacity`.
+            RuntimeError: nothing pending. ValueError: a row would exceed `capacity`, or `index`
+            has the wrong batch size or an entry >= T.
         """
         if self.pending_keys[0] is None:
             raise RuntimeError("KVCache.commit: no pending entries (run a forward first)")
@@ -445,6 +446,9 @@ class KVCache:
         if index is None:
             index = torch.arange(t, device=dev)[None].expand(b, t)
         index = index.to(dev)
+        if index.shape[0] != b or (index.numel() and int(index.max()) >= t):
+            raise ValueError(f"KVCache.commit: index {tuple(index.shape)} must be [B={b}, N] "
+                             f"with entries < {t} (the pending tokens)")
         valid = index >= 0
         counts = valid.sum(1)
         new_len = self.length + counts

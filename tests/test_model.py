@@ -122,6 +122,8 @@ def test_cached_equals_uncached_with_reordered_commit(model):
         new_mask |= torch.eye(8, dtype=torch.bool)
         mask = torch.cat([torch.ones(2, 8, 6, dtype=torch.bool), new_mask], -1)[:, None]
         model(ids[:, 6:], pos[:, 6:], attention_mask=mask, kv_cache=cache)
+        with pytest.raises(ValueError, match="entries < 8"):
+            cache.commit(torch.tensor([[8], [0]]))
         cache.commit(torch.tensor([[4, 5, 0], [1, -1, -1]]))
         assert cache.length.tolist() == [9, 7] and cache.width == 9
         nxt = torch.tensor([[100, 101], [102, 103]])
@@ -140,6 +142,10 @@ def test_cached_equals_uncached_with_reordered_commit(model):
         cache.truncate(torch.tensor([6, 7]))
         assert cache.width == 7
         again = model(nxt, nxt_pos, kv_cache=cache)
+        small = KVCache.for_model(model, batch_size=2, capacity=4)
+        model(ids[:, :6], pos[:, :6], kv_cache=small)
+        with pytest.raises(ValueError, match="exceed capacity 4"):
+            small.commit()
         ref0 = model(torch.cat([ids[0, :6], nxt[0]])[None], torch.cat([pos[0, :6], nxt_pos[0]])[None])
         assert (again[0] - ref0[0, -2:]).abs().max().item() <= ATOL
 
