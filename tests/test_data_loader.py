@@ -212,3 +212,18 @@ def test_one_pass_with_fewer_samples_than_ranks():
                               shuffle=False, infinite=False):
             keys += b["keys"]
     assert keys == ["val0000000", "val0000001"]
+
+
+def test_resume_does_not_replay_the_epoch(tmp_path):
+    write_shards(str(tmp_path), {"train": random_samples(np.random.default_rng(10), 24)}, samples_per_shard=6)
+    kw = dict(num_workers=0, shuffle=False, shuffle_buffer=4)
+    full = _take(build_loader(str(tmp_path), "train", 1, 48, **kw), 20)
+    loader = build_loader(str(tmp_path), "train", 1, 48, **kw)
+    _take(loader, 17)
+    state = loader.state_dict()
+    # Sample 17 sits in shard 2; the resumed loader must not need shards 0 and 1.
+    for name in ("train-000000.tar", "train-000001.tar"):
+        (tmp_path / name).write_bytes(b"gone" * 100)
+    resumed = build_loader(str(tmp_path), "train", 1, 48, **kw)
+    resumed.load_state_dict(state)
+    _same(_take(resumed, 3), full[17:])
