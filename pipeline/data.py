@@ -351,7 +351,9 @@ class ShardLoader:
 
     Build it with `build_loader`. Iterating yields `objective.collate` dicts
     (`LongTensor[B, T]` etc., see ARCHITECTURE.md "Batch"). Breaking out of the loop and
-    iterating again continues where the last yielded batch left off.
+    iterating again continues where the last yielded batch left off. Exact continuation
+    (the same interleaving of workers) holds for infinite loaders; a one-pass loader resumes
+    every stream at the right sample but may interleave workers differently near its end.
 
     Attributes:
         manifest: the folder's manifest. mask_id / pad_id: from it.
@@ -476,8 +478,8 @@ def build_loader(data_dir: str, split: str, micro_batch_size: int, max_length: i
     """
     if not 0 <= dp_rank < dp_size:
         raise DataError(f"dp_rank {dp_rank} is not in [0, dp_size={dp_size})")
-    if micro_batch_size < 1 or num_workers < 0 or shuffle_buffer < 1:
-        raise DataError("micro_batch_size and shuffle_buffer must be >= 1, num_workers >= 0")
+    if micro_batch_size < 1 or num_workers < 0 or shuffle_buffer < 1 or seed < 0:
+        raise DataError("micro_batch_size and shuffle_buffer must be >= 1, num_workers and seed >= 0")
     manifest = read_manifest(data_dir)
     where = f"{data_dir}/manifest.json"
     check_tokenizer(manifest, vocab_size, tokenizer_hash, where)
