@@ -1,0 +1,196 @@
+"""Training-step throughput: our layout vs the reference code's, same model, same real data.
+
+Prints, for each arm, optimizer steps, real (non-padding) tokens, wall seconds, tokens/s and
+padding fraction (padding tokens / all fed tokens), then the tokens/s ratio. One process, fp32,
+plain `torch.optim.AdamW` (no DeepSpeed: the arms differ only in data layout and where the
+ReFusion reorganization runs, which is what is measured).
+
+- ours: `pipeline.data` loader with packing (several samples per row of `max_length` tokens,
+  the reorganization vectorized in numpy outside the model, deterministic from (seed, key,
+  epoch)), model forward with segment masks, `pipeline.objective.hybrid_loss`.
+- reference-style baseline (what ML-GSAI/ReFusion does): one sample per row, rows padded to the
+  longest sample of the micro-batch (HF `pad_sequence` collator); inside the model's forward a
+  Python loop over samples draws t, the slot size and the slot masks from the global RNG and
+  rebuilds each sample with per-slot tensor ops, then the loss is summed per sample in Python.
+Both arms read the train split in manifest order; each baseline step takes whole samples until
+it has at least as many real tokens as our step had. The arms alternate step by step so that
+both see the same machine load (this machine is shared; the ratio is the figure to read). The
+baseline's sample reading is not timed; our loader (reading + reorganization + packing) is.
+
+    .venv/bin/python bench/bench_train_step.py [--data outputs/demo/shards] [--steps 6]
+        [--model-config configs/model/demo.yaml] [--rows 2] [--row-length TOKENS]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+
+def reference_style_forward(model, samples, mask_id: int, pad_id: int, eps: float = 1e-3,
+                            slot_sizes=(4, 8, 16, 32)):
+    """The baseline: per-sample Python reorganization inside the forward (global RNG), padded
+    batch, per-sample loss loop. `samples`: list of (LongTensor[L] tokens, prompt_length).
+    Returns (loss, real tokens, fed tokens)."""
+    rows, poss, labs, weights, masked_flags = [], [], [], [], []
+    for tokens, P in samples:
+        L = tokens.shape[0]
+        k = random.choice(slot_sizes)
+        t = torch.rand(()).item()
+        p = (1 - eps) * t + eps
+        starts = list(range(P, L, k))
+        is_masked = [torch.rand(()).item() < p for _ in starts]
+        clean = [i for i, m in enumerate(is_masked) if not m]
+        order = [clean[j] for j in torch.randperm(len(clean)).tolist()]
+        ids, pos, lab, w, mf = [tokens[:P]], [torch.arange(P)], [torch.full((P,), -100)], \
+            [torch.zeros(P)], [torch.zeros(P, dtype=torch.bool)]
+        for i in order:
+            a, b = starts[i], min(starts[i] + k, L)
+            ids.append(tokens[a:b])
+            pos.append(torch.arange(a, b))
+            lab.append(torch.cat([tokens[a + 1:b], torch.tensor([-100])]))
+            w.append(torch.zeros(b - a))
+            mf.append(torch.zeros(b - a, dtype=torch.bool))
+        for i, m in enumerate(is_masked):
+            if m:
+                a, b = starts[i], min(starts[i] + k, L)
+                ids.append(torch.full((b - a,), mask_id))
+                pos.append(torch.arange(a, b))
+                lab.append(tokens[a:b])
+                w.append(torch.full((b - a,), 1.0 / (p * (L - P))))
+                mf.append(torch.ones(b - a, dtype=torch.bool))
+        rows.append(torch.cat(ids))
+        poss.append(torch.cat(pos))
+        labs.append(torch.cat(lab))
+        weights.append(torch.cat(w))
+        masked_flags.append(torch.cat(mf))
+    T = max(r.shape[0] for r in rows)
+    B = len(rows)
+    input_ids = torch.full((B, T), pad_id)
+    position_ids = torch.zeros(B, T, dtype=torch.long)
+    segment_ids = torch.zeros(B, T, dtype=torch.long)
+    for b, r in enumerate(rows):
+        n = r.shape[0]
+        input_ids[b, :n], position_ids[b, :n], segment_ids[b, :n] = r, poss[b], 1
+        position_ids[b, n:] = torch.arange(n, T)
+    logits = model(input_ids, position_ids, segment_ids=segment_ids)
+    ar_sum, ar_n, mdm = 0.0, 0, 0.0
+    for b in range(B):
+        n = rows[b].shape[0]
+        ce = F.cross_entropy(logits[b, :n].float(), labs[b].clamp(min=0), reduction="none")
+        valid = labs[b] != -100
+        ar_mask = valid & ~masked_flags[b]
+        ar_sum = ar_sum + ce[ar_mask].sum()
+        ar_n += int(ar_mask.sum())
+        mdm = mdm + (ce * weights[b])[masked_flags[b]].sum()
+    loss = ar_sum / max(ar_n, 1) + mdm / B
+    real = sum(r.shape[0] for r in rows)
+    return loss, real, B * T
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--data", default=str(ROOT / "outputs/demo/shards"))
+    ap.add_argument("--model-config", default=str(ROOT / "configs/model/demo.yaml"))
+    ap.add_argument("--steps", type=int, default=6, help="timed steps per arm (after 1 warm-up)")
+    ap.add_argument("--rows", type=int, default=2, help="packed rows per micro-batch (ours)")
+    ap.add_argument("--row-length", type=int, default=0,
+                    help="tokens per packed row (ours; default: the manifest max_length)")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
+    args = ap.parse_args()
+    if not (Path(args.data) / "manifest.json").is_file():
+        print(f"error: {args.data}/manifest.json not found; build the demo shards first "
+              f"(scripts/demo.sh stage 1)", file=sys.stderr)
+        return 2
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    os.environ.setdefault("MASTER_PORT", "29533")
+    from pipeline.data import build_loader, read_manifest
+    from pipeline.model import ModelConfig, Qwen3
+    from pipeline.objective import hybrid_loss
+    from pipeline.parallel import init_distributed
+    init_distributed(1, backend="gloo")
+    man = read_manifest(args.data)
+    tok = man["tokenizer"]
+    T = args.row_length or int(man["max_length"])
+    cfg = ModelConfig.from_yaml(args.model_config)
+    cfg.vocab_size = max(cfg.vocab_size, -(-int(tok["vocab_size"]) // 64) * 64)
+    torch.manual_seed(0)
+    model_a = Qwen3(cfg).train()
+    model_b = Qwen3(cfg).train()
+    model_b.load_state_dict(model_a.state_dict())
+    opt_a = torch.optim.AdamW(model_a.parameters(), lr=1e-4)
+    opt_b = torch.optim.AdamW(model_b.parameters(), lr=1e-4)
+    loader = iter(build_loader(args.data, "train", args.rows, T, seed=0, num_workers=0,
+                               pack=True, shuffle=False, infinite=True,
+                               vocab_size=cfg.vocab_size))
+    import webdataset as wds
+    urls = [str(Path(args.data) / s["name"]) for s in man["splits"]["train"]]
+    stream = iter(wds.WebDataset(urls, shardshuffle=False, empty_check=False).decode())
+    random.seed(0)
+    torch.manual_seed(0)
+    ours = {"steps": 0, "real": 0, "fed": 0, "seconds": 0.0}
+    base = {"steps": 0, "real": 0, "fed": 0, "seconds": 0.0}
+    # The arms alternate step by step, so both see the same machine load.
+    for step in range(args.steps + 1):
+        # ours: packed rows, reorganization in the loader (timed: it is part of our step)
+        t0 = time.perf_counter()
+        batch = next(loader)
+        logits = model_a(batch["input_ids"], batch["position_ids"],
+                         segment_ids=batch["segment_ids"])
+        loss, st = hybrid_loss(logits, batch)
+        loss.backward()
+        opt_a.step()
+        opt_a.zero_grad(set_to_none=True)
+        dt = time.perf_counter() - t0
+        real_a = int(st["real_tokens"])
+        if step:
+            ours["steps"] += 1
+            ours["real"] += real_a
+            ours["fed"] += batch["input_ids"].numel()
+            ours["seconds"] += dt
+        # baseline: the next samples of the same stream order, as many real tokens as ours
+        samples, n = [], 0
+        while n < real_a:
+            s = next(stream)
+            toks = torch.from_numpy(s["tokens.npy"].astype("int64"))
+            for seg in s["json"]["segments"]:
+                piece = toks[seg["start"]:seg["end"]]
+                samples.append((piece, int(seg["prompt_length"])))
+                n += piece.shape[0]
+        t0 = time.perf_counter()
+        loss, real, fed = reference_style_forward(model_b, samples, int(tok["mask_id"]),
+                                                  int(tok["pad_id"]))
+        loss.backward()
+        opt_b.step()
+        opt_b.zero_grad(set_to_none=True)
+        dt = time.perf_counter() - t0
+        if step:
+            base["steps"] += 1
+            base["real"] += real
+            base["fed"] += fed
+            base["seconds"] += dt
+    print(f"model {Path(args.model_config).name}: hidden {cfg.hidden_size}, layers "
+          f"{cfg.num_layers}, vocab {cfg.vocab_size}; data {args.data} (row length {T}); "
+          f"torch threads {torch.get_num_threads()}")
+    print(f"{'arm':<28}{'steps':>6}{'real tokens':>13}{'seconds':>9}{'tokens/s':>10}"
+          f"{'padding':>9}")
+    for name, r in (("ours (packed, vectorized)", ours), ("reference-style (padded)", base)):
+        print(f"{name:<28}{r['steps']:>6}{r['real']:>13}{r['seconds']:>9.2f}"
+              f"{r['real'] / r['seconds']:>10.0f}{1 - r['real'] / r['fed']:>9.1%}")
+    ratio = (ours["real"] / ours["seconds"]) / (base["real"] / base["seconds"])
+    print(f"tokens/s ratio ours / reference-style: {ratio:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
