@@ -431,20 +431,38 @@ def _atomic_dir(out: Path, overwrite: bool):
     return tmp, finish
 
 
-def save_tokenizer(tokenizer_src, out, added_tokens=REFUSION_TOKENS) -> int:
-    """Write tokenizer files of `tokenizer_src` (a folder `AutoTokenizer` loads) into `out`,
-    adding `added_tokens` as special tokens when absent.
+def save_tokenizer(tokenizer_src, out, added_tokens=REFUSION_TOKENS) -> dict[str, int]:
+    """Write the tokenizer of `tokenizer_src` into the folder `out`.
+
+    `tokenizer_src` is either a folder `transformers.AutoTokenizer` loads (written with
+    `save_pretrained`, `added_tokens` added as special tokens when absent), or a SentencePiece
+    model file (`data_prep/train_tokenizer.py`; copied as `tokenizer.model`, which already has
+    the `<|mask|>` piece; nothing is added).
 
     Returns:
-        the tokenizer's length (tokens, including added ones).
+        `{"length": tokens including added ones, "mask_token_id": id of "<|mask|>" or -1}`.
+    Raises:
+        FileNotFoundError: `tokenizer_src` does not exist.
     """
+    src = Path(tokenizer_src)
+    if src.is_file():
+        import sentencepiece as spm
+        sp = spm.SentencePieceProcessor()
+        sp.Load(str(src))
+        shutil.copyfile(src, Path(out) / "tokenizer.model")
+        mask = sp.PieceToId("<|mask|>")
+        return {"length": sp.GetPieceSize(),
+                "mask_token_id": mask if sp.IdToPiece(mask) == "<|mask|>" else -1}
+    if not src.is_dir():
+        raise FileNotFoundError(f"{src}: tokenizer not found (a folder or a SentencePiece "
+                                f"model file)")
     from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(str(tokenizer_src))
+    tok = AutoTokenizer.from_pretrained(str(src))
     missing = [t for t in added_tokens if t not in tok.get_vocab()]
     if missing:
         tok.add_special_tokens({"additional_special_tokens": missing})
     tok.save_pretrained(str(out))
-    return len(tok)
+    return {"length": len(tok), "mask_token_id": tok.get_vocab().get("<|mask|>", -1)}
 
 
 def save_hf_folder(state: dict[str, torch.Tensor], cfg: ModelConfig, out, *,
@@ -456,7 +474,8 @@ def save_hf_folder(state: dict[str, torch.Tensor], cfg: ModelConfig, out, *,
 
     Writes `config.json`, `model.safetensors` (or `model-0000k-of-0000n.safetensors` shards plus
     `model.safetensors.index.json` when larger than `max_shard_bytes` bytes), and, with
-    `tokenizer_src`, the tokenizer files with `added_tokens`.
+    `tokenizer_src` (a folder or a SentencePiece file, see `save_tokenizer`), the tokenizer
+    files with `added_tokens`, and `mask_token_id` in config.json.
 
     Args:
         state: full HF tensors (`merge_tp_state_dicts`).
@@ -477,7 +496,10 @@ def save_hf_folder(state: dict[str, torch.Tensor], cfg: ModelConfig, out, *,
     try:
         extra = dict(config_extra or {})
         if tokenizer_src is not None:
-            n = save_tokenizer(tokenizer_src, tmp, added_tokens)
+            tok = save_tokenizer(tokenizer_src, tmp, added_tokens)
+            n = tok["length"]
+            if 0 <= tok["mask_token_id"] < rows:
+                extra.setdefault("mask_token_id", tok["mask_token_id"])
             if n > rows:
                 raise ValueError(f"{tokenizer_src}: tokenizer has {n} tokens but the model has "
                                  f"only {rows} embedding rows")

@@ -120,3 +120,29 @@ def test_refusion_release_layout(tmp_path):
     merged = merge_tp_state_dicts(shards, cfg, vocab_rows=151671)
     for k, v in model.state_dict().items():
         assert torch.equal(merged[k], v), k
+
+
+def test_save_with_sentencepiece_tokenizer(tmp_path):
+    """A SentencePiece model (the demo tokenizer kind) is copied as tokenizer.model and its
+    <|mask|> piece id lands in config.json."""
+    import sentencepiece as spm
+    from pipeline.hf_io import config_from_hf, save_hf_folder
+    text = tmp_path / "corpus.txt"
+    text.write_text("\n".join(f"def f{i}(x):\n    return x * {i} + {i * i}" for i in range(400)))
+    spm.SentencePieceTrainer.Train(input=str(text), model_prefix=str(tmp_path / "spm"),
+                                   vocab_size=120, model_type="bpe",
+                                   user_defined_symbols=["<|mask|>"], minloglevel=2)
+    src = make_tiny_qwen3(tmp_path / "src", vocab_size=128, **dict(SMALL, num_hidden_layers=1))
+    out = save_hf_folder(_hf_state(src), config_from_hf(src), tmp_path / "out",
+                         tokenizer_src=tmp_path / "spm.model")
+    sp = spm.SentencePieceProcessor()
+    sp.Load(str(out / "tokenizer.model"))
+    mask = sp.PieceToId("<|mask|>")
+    assert sp.IdToPiece(mask) == "<|mask|>"
+    assert json.loads((out / "config.json").read_text())["mask_token_id"] == mask
+    assert (out / "tokenizer.model").read_bytes() == (tmp_path / "spm.model").read_bytes()
+    with pytest.raises(ValueError, match="tokenizer has 120 tokens but the model has only 64"):
+        src2 = make_tiny_qwen3(tmp_path / "src2", vocab_size=64, **dict(SMALL, num_hidden_layers=1))
+        save_hf_folder(_hf_state(src2), config_from_hf(src2), tmp_path / "out2",
+                       tokenizer_src=tmp_path / "spm.model")
+    assert not (tmp_path / "out2").exists()  # failed writes leave nothing behind
