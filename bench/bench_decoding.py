@@ -1,0 +1,108 @@
+"""Decoding speed: TPF and tokens/s of plan-and-infill (refusion) vs AR mode, across thresholds.
+
+Prints one line per setting: generated tokens, model forwards, TPF (tokens / forwards), tokens/s
+(tokens / wall seconds of the batched decode), the reference code's TPF figure, and the fraction
+of prompts whose text equals the AR decode of the same model (REFUSION.md "Metrics").
+
+Model: `--model` (an HF folder, e.g. the demo's export `outputs/demo/hf`), or, when absent, a
+tiny random Qwen3 (tests/tiny_qwen3.py) with random prompts; a random model's distributions are
+flat, so its figures only show the mechanics. Prompts: the query/response prompts of the demo
+shards' val split when `--data` exists and the model has a tokenizer, else random ids.
+
+    .venv/bin/python bench/bench_decoding.py [--model outputs/demo/hf] [--data outputs/demo/shards]
+        [--prompts 8] [--gen-length 64] [--slot-size 4] [--num-blocks 2] [--batch-size 8]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+import torch  # noqa: E402
+
+GRID = [(0.9, 0.9), (0.9, 0.5), (0.6, 0.3), (0.6, 0.1), (0.3, 0.3), (0.3, 0.0), (1.5, 0.0)]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=str(ROOT / "outputs/demo/hf"))
+    ap.add_argument("--data", default=str(ROOT / "outputs/demo/shards"))
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--gen-length", type=int, default=64)
+    ap.add_argument("--slot-size", type=int, default=4)
+    ap.add_argument("--num-blocks", type=int, default=2)
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--exact-cache", action="store_true")
+    args = ap.parse_args()
+    from pipeline.decoding import ar_generate, refusion_generate
+    from pipeline.generate import _init_single_process, load_for_inference
+
+    _init_single_process()
+    if (Path(args.model) / "config.json").is_file():
+        loaded = load_for_inference(args.model)
+        model, mask_id, eos_id = loaded.model, loaded.mask_id, loaded.eos_id
+        source = args.model
+        prompts = []
+        if (Path(args.data) / "manifest.json").is_file():
+            from pipeline.evaluate import shard_qa_examples
+            prompts = [e["prompt_ids"] for e in shard_qa_examples(args.data, "val", args.prompts)]
+        if not prompts:
+            prompts = [loaded.tokenizer.prompt_ids(q) for q in
+                       ["def add(a, b):", "class Stack:", "def read_lines(path):"]]
+    else:
+        from pipeline.hf_io import config_from_hf, load_hf_into_model
+        from pipeline.model import Qwen3
+        from tiny_qwen3 import make_tiny_qwen3
+        folder = make_tiny_qwen3(Path(tempfile.mkdtemp()) / "tiny", seed=0)
+        model = Qwen3(config_from_hf(folder), init_weights=False)
+        load_hf_into_model(model, folder)
+        model.eval()
+        mask_id, eos_id = 511, None
+        source = f"tiny random Qwen3 ({args.model} not found)"
+        g = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(0, 500, (int(n),), generator=g).tolist()
+                   for n in torch.randint(8, 40, (args.prompts,), generator=g)]
+    prompts = prompts[:args.prompts]
+    print(f"model: {source}; {len(prompts)} prompts; gen_length {args.gen_length}, slot_size "
+          f"{args.slot_size}, num_blocks {args.num_blocks}, batch {args.batch_size}, "
+          f"cache {'exact' if args.exact_cache else 'default (reference)'}; "
+          f"torch threads {torch.get_num_threads()}")
+
+    def run(fn):
+        toks, fw, secs, ref_tpf = [], 0, 0.0, []
+        for i in range(0, len(prompts), args.batch_size):
+            out = fn(prompts[i:i + args.batch_size])
+            toks += out.tokens
+            fw += sum(out.num_forwards(j) for j in range(len(out.tokens)))
+            secs += out.seconds
+            ref_tpf += [x for x in out.tpf_reference_style if x is not None]
+        return toks, fw, secs, (sum(ref_tpf) / len(ref_tpf) if ref_tpf else None)
+
+    run(lambda p: ar_generate(model, p, 4, 0.0, eos_id))  # warm-up
+    ar = run(lambda p: ar_generate(model, p, args.gen_length, 0.0, eos_id))
+    print(f"{'mode':<10}{'slot_thr':>9}{'tok_thr':>8}{'tokens':>8}{'forwards':>9}{'TPF':>7}"
+          f"{'tokens/s':>10}{'ref-TPF':>8}{'same as AR':>11}")
+
+    def line(name, st, tt, r):
+        toks, fw, secs, rt = r
+        n = sum(len(t) for t in toks)
+        same = sum(a == b for a, b in zip(toks, ar[0])) / len(toks)
+        print(f"{name:<10}{st:>9}{tt:>8}{n:>8}{fw:>9}{n / fw:>7.2f}{n / secs:>10.1f}"
+              f"{(f'{rt:.2f}' if rt is not None else '-'):>8}{same:>11.2f}")
+
+    line("ar", "-", "-", ar)
+    for st, tt in GRID:
+        r = run(lambda p: refusion_generate(model, p, args.gen_length, args.slot_size,
+                                            args.num_blocks, st, tt, 0.0, mask_id, eos_id,
+                                            exact_cache=args.exact_cache))
+        line("refusion", st, tt, r)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
