@@ -55,8 +55,9 @@ _TAG_RE = re.compile(r"^step_(\d+)$")
 FORMAT_VERSION = 1
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint folder is missing, incomplete or does not match the running job."""
+class CheckpointError(ValueError):
+    """A checkpoint folder is missing, incomplete or does not match the running job (a user
+    input error for CLIs: one line, exit code 2)."""
 
 
 def tag_for_step(step: int) -> str:
@@ -565,15 +566,60 @@ def consolidate_state_dict(checkpoint_dir: str | os.PathLike) -> tuple[dict[str,
     return full, info
 
 
+def _token_ids_from_run(step_dir: Path) -> dict:
+    """config.json token ids (bos/eos/pad/mask) from the shard manifest the run trained on,
+    found through the run config stored in rank 0's client_state (`config.data.dir`); {} when
+    it is not recorded or no longer readable."""
+    try:
+        ours = torch.load(step_dir / "refusion_rank_00000.pt", map_location="cpu",
+                          weights_only=False)
+        data_dir = ours["client_state"]["config"]["data"]["dir"]
+        import fsspec
+        with fsspec.open(f"{str(data_dir).rstrip('/')}/manifest.json", "r") as f:
+            tok = json.load(f)["tokenizer"]
+    except Exception:
+        return {}
+    return {f"{k}_token_id": tok[f"{k}_id"] for k in ("bos", "eos", "pad", "mask")
+            if tok.get(f"{k}_id") is not None}
+
+
+def hf_export_state(checkpoint_dir: str | os.PathLike) -> tuple[dict[str, torch.Tensor], Any, dict]:
+    """Full Hugging Face tensors of a ZeRO (2 or 3) + TP training checkpoint.
+
+    `consolidate_tp_ranks` (DeepSpeed's zero_to_fp32 per TP rank), then
+    `pipeline.hf_io.merge_tp_state_dicts` (TP merge, fused qkv / gate_up split, native -> HF
+    names).
+
+    Args:
+        checkpoint_dir: a complete step folder, or a checkpoint root (its latest is used).
+
+    Returns:
+        (state: {hf_name: fp32 tensor} as `Qwen3ForCausalLM.state_dict()` names them,
+        cfg: `pipeline.model.ModelConfig`, config_extra: token ids for config.json from the
+        run's shard manifest when still readable, else {}).
+
+    Raises:
+        CheckpointError: no complete checkpoint, or no model config recorded with it.
+    """
+    from pipeline import hf_io
+    from pipeline.model import ModelConfig
+
+    shards, info = consolidate_tp_ranks(checkpoint_dir)
+    where = f"{info['checkpoint_dir']}/{MODEL_CONFIG}"
+    if info["model_config"] is None:
+        raise CheckpointError(f"{where}: missing; no model config recorded with the checkpoint")
+    cfg = ModelConfig.from_dict(info["model_config"], source=where)
+    state = hf_io.merge_tp_state_dicts(shards, cfg)
+    return state, cfg, _token_ids_from_run(Path(info["checkpoint_dir"]))
+
+
 def consolidate_to_hf(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
                       dtype: torch.dtype | None = torch.bfloat16, tokenizer_src=None,
                       overwrite: bool = False) -> Path:
-    """Write a Hugging Face Qwen3 folder from a ZeRO-3 + TP training checkpoint.
-
-    `consolidate_tp_ranks` (DeepSpeed's zero_to_fp32 per TP rank), then
-    `pipeline.hf_io.merge_tp_state_dicts` (TP merge + native -> HF names, fused qkv/gate_up
-    split) and `pipeline.hf_io.save_hf_folder` (config.json + safetensors, written atomically),
-    loadable by `transformers.AutoModelForCausalLM.from_pretrained(out_dir)`.
+    """Write a Hugging Face Qwen3 folder from a ZeRO-3 + TP training checkpoint:
+    `hf_export_state`, then `pipeline.hf_io.save_hf_folder` (config.json + safetensors,
+    written atomically), loadable by `transformers.AutoModelForCausalLM.from_pretrained`.
+    (`python -m pipeline.export CHECKPOINT OUT` does the same from the command line.)
 
     Args:
         checkpoint_dir: a complete step folder or a checkpoint root.
@@ -590,13 +636,7 @@ def consolidate_to_hf(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
         FileExistsError: `out_dir` is not empty and not `overwrite`.
     """
     from pipeline import hf_io
-    from pipeline.model import ModelConfig
 
-    shards, info = consolidate_tp_ranks(checkpoint_dir)
-    if info["model_config"] is None:
-        raise CheckpointError(f"{info['checkpoint_dir']}: no {MODEL_CONFIG} recorded with the "
-                              f"checkpoint")
-    cfg = ModelConfig.from_dict(info["model_config"], source=f"{info['checkpoint_dir']}/{MODEL_CONFIG}")
-    state = hf_io.merge_tp_state_dicts(shards, cfg)
+    state, cfg, extra = hf_export_state(checkpoint_dir)
     return hf_io.save_hf_folder(state, cfg, out_dir, dtype=dtype, tokenizer_src=tokenizer_src,
-                                overwrite=overwrite)
+                                config_extra=extra, overwrite=overwrite)

@@ -11,8 +11,8 @@ Source kinds (one function each, `SOURCES`; detection in `detect_source`):
 - `hf`: a Hugging Face Qwen3 folder. The weights make a round trip through our model: N
   processes (gloo) each build `pipeline.model.Qwen3` as one rank of a TP group of N, load only
   their slices, and hand back their native parameters, which are merged into HF tensors.
-- a training checkpoint (to be added by `pipeline.checkpoint`'s owner): a function
-  `(src, args) -> ExportSource` registered in `SOURCES` with a detector in `detect_source`.
+- `checkpoint`: a training checkpoint (root or step folder, `pipeline.checkpoint` layout):
+  DeepSpeed's zero_to_fp32 per TP rank, then the TP merge of `pipeline.hf_io`.
 
 Exit codes: 0 done; 2 usage or input error (one line on stderr, no traceback).
 """
@@ -102,7 +102,8 @@ def from_hf_folder(src: Path, args) -> ExportSource:
     cfg = hf_io.config_from_hf(src, tp_size=args.tp)   # validates before any process starts
     dtype = _stored_dtype(src)
     import torch.multiprocessing as mp
-    with tempfile.TemporaryDirectory(prefix="export-tp-") as tmp:
+    # Per-rank files go next to the output (the system temp folder may be too small for 8B).
+    with tempfile.TemporaryDirectory(prefix=".export-tp-", dir=args.work_dir) as tmp:
         mp.start_processes(_hf_rank, args=(args.tp, _free_port(), str(src), tmp, dtype),
                            nprocs=args.tp, join=True, start_method="spawn")
         shards = [torch.load(Path(tmp) / f"tp{r}.pt", weights_only=True)
@@ -115,8 +116,26 @@ def from_hf_folder(src: Path, args) -> ExportSource:
                         config_extra=extra)
 
 
+# --------------------------------------------------------------------------------------------
+# Source kind: training checkpoint (pipeline.checkpoint layout, DeepSpeed ZeRO + TP)
+# --------------------------------------------------------------------------------------------
+
+def from_training_checkpoint(src: Path, args) -> ExportSource:
+    """`checkpoint` source: a step folder or checkpoint root written by
+    `pipeline.checkpoint.save_checkpoint`; each TP rank consolidated over its DP ranks, then
+    merged (`pipeline.checkpoint.hf_export_state`). `--tp` is not used.
+
+    Raises:
+        pipeline.checkpoint.CheckpointError (a ValueError): incomplete or foreign checkpoint.
+    """
+    from pipeline import checkpoint
+    state, cfg, extra = checkpoint.hf_export_state(src)
+    return ExportSource(state=state, cfg=cfg, config_extra=extra)
+
+
 SOURCES: dict[str, Callable[[Path, argparse.Namespace], ExportSource]] = {
     "hf": from_hf_folder,
+    "checkpoint": from_training_checkpoint,
 }
 
 
@@ -132,8 +151,12 @@ def detect_source(src: Path) -> str:
             (src / "model.safetensors").is_file()
             or (src / "model.safetensors.index.json").is_file()):
         return "hf"
+    from pipeline import checkpoint
+    if checkpoint.find_latest(src) is not None or checkpoint.is_complete(src):
+        return "checkpoint"
     raise ValueError(f"{src}: not a known source (expected a Hugging Face folder with "
-                     f"config.json and model.safetensors[.index.json])")
+                     f"config.json and model.safetensors[.index.json], or a training checkpoint "
+                     f"folder with a complete step_<N>/)")
 
 
 # --------------------------------------------------------------------------------------------
@@ -160,7 +183,8 @@ def export(src, out, tp: int = 1, tokenizer=None, dtype: str | None = None,
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
         raise FileExistsError(f"{out}: exists and is not empty (use --overwrite)")
     kind = detect_source(src)
-    args = argparse.Namespace(tp=tp)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    args = argparse.Namespace(tp=tp, work_dir=str(out.parent))
     source = SOURCES[kind](src, args)
     tok = Path(tokenizer) if tokenizer is not None else source.tokenizer_src
     extra = dict(source.config_extra)
@@ -185,7 +209,8 @@ def export(src, out, tp: int = 1, tokenizer=None, dtype: str | None = None,
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m pipeline.export",
                                 description="Write a Hugging Face Qwen3 folder from SRC.")
-    p.add_argument("src", help="source: a Hugging Face Qwen3 folder")
+    p.add_argument("src", help="source: a Hugging Face Qwen3 folder, or a training checkpoint "
+                               "(root or step_<N> folder)")
     p.add_argument("out", help="output folder (must be absent or empty unless --overwrite)")
     p.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel ranks for the round trip through our model")

@@ -68,6 +68,7 @@ def _build(seed: int):
                       "params": {"total_num_steps": 20, "warmup_num_steps": 3}},
         "steps_per_print": 10 ** 9, "wall_clock_breakdown": False,
     }
+    deepspeed.init_distributed(dist_backend="gloo")   # wrap the default group (zero.Init reads it)
     torch.manual_seed(seed)
     with deepspeed.zero.Init(data_parallel_group=parallel_state.get_data_parallel_group(),
                              mpu=MegatronMPU(), config_dict_or_path=ds_config):

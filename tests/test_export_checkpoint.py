@@ -1,0 +1,125 @@
+"""Export of a real training checkpoint: `pipeline.train` runs TP=2 x DP=2 ZeRO-3 (4 processes,
+fp32) for a few steps; `pipeline.export` turns its checkpoint into a Hugging Face folder;
+transformers' Qwen3ForCausalLM loaded from it gives the logits of the trained model, which are
+computed independently of the export code: the trainer's own engine resumed from the
+checkpoint (4 processes), vocab-parallel logits all-gathered over the TP group.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from distributed import free_port, run_distributed
+from shard_fixtures import random_samples, write_shards
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = """\
+run_dir: {run}
+model:
+  inline: {{vocab_size: 64, hidden_size: 32, intermediate_size: 64, num_layers: 2,
+           num_attention_heads: 4, num_key_value_heads: 2, head_dim: 8,
+           max_position_embeddings: 64, init_std: 0.2}}
+data: {{dir: {data}, num_workers: 0, shuffle_buffer: 8}}
+optim: {{lr: 1.0e-2, warmup_steps: 0}}
+train: {{max_steps: 3, micro_batch_size: 2, precision: fp32, zero_stage: 3,
+        tensor_parallel_size: 2}}
+checkpoint: {{interval: 0, keep: 1}}
+wandb: {{mode: disabled}}
+"""
+PROBE = torch.tensor([[3, 17, 5, 42, 9, 11, 60, 7], [8, 8, 21, 33, 2, 50, 13, 4]])
+
+
+def _honour_zero_init_dtype():
+    """DeepSpeed 0.19.8 `zero.Init._set_dtype` ignores an explicit `dtype` on accelerators
+    without fp16 (CPU): `dtype or torch.float16 if fp16 else torch.bfloat16 if ...` parses as
+    `(dtype or fp16) if fp16 else bf16`, so fp32 parameters come out bf16. The reference
+    forward must run the fp32 master weights in fp32: honour the explicit dtype."""
+    from deepspeed.runtime.zero import partition_parameters as pp
+    cls = pp.InsertPostInitMethodToModuleSubClasses
+    original = cls._set_dtype
+
+    def _set_dtype(self, ds_config, dtype):
+        if dtype is not None:
+            self.dtype = dtype
+        else:
+            original(self, ds_config, dtype)
+    cls._set_dtype = _set_dtype
+
+
+def _trained_logits(rank, world_size, cfg_path):
+    """Rebuild the trainer (auto-resume from its checkpoint) and return full-vocab logits."""
+    from pipeline.config import load_config, validate
+    _honour_zero_init_dtype()
+    from pipeline.model import gather_logits
+    from pipeline.train import Trainer
+    cfg = load_config(cfg_path)
+    trainer = Trainer(cfg, validate(cfg, world_size=world_size))
+    trainer.setup()
+    assert trainer.step == 3                      # resumed, not a fresh model
+    assert all(p.dtype == torch.float32 for p in trainer.engine.module.parameters())
+    engine = trainer.engine
+    engine.eval()
+    pos = torch.arange(PROBE.shape[1]).expand_as(PROBE)
+    with torch.no_grad():
+        shard = engine(PROBE, pos)
+    return gather_logits(shard)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("export_ckpt")
+    rng = np.random.default_rng(1)
+    write_shards(str(tmp / "data"), {"train": random_samples(rng, 48, vocab_size=64,
+                                                            max_length=24)},
+                 samples_per_shard=12)
+    cfg = tmp / "run.yaml"
+    cfg.write_text(CONFIG.format(run=tmp / "run", data=tmp / "data"))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4",
+                        "--master_port", str(free_port()), "-m", "pipeline.train", "--config", str(cfg)],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    ckdir = tmp / "run" / "checkpoints"
+    assert (ckdir / "latest").is_file(), r.stdout[-3000:] + r.stderr[-3000:]
+    assert (ckdir / "latest").read_text() == "step_000000003"
+    return tmp, cfg, ckdir
+
+
+def test_export_training_checkpoint_matches_trained_model(trained):
+    from transformers import AutoModelForCausalLM
+
+    from pipeline import export, hf_io
+    tmp, cfg, ckdir = trained
+    info = json.loads((ckdir / "step_000000003" / "refusion_layout.json").read_text())
+    assert info["tp_size"] == 2 and info["dp_size"] == 2
+    # the recorded partition dims agree with the model engineer's independent table
+    assert {k: v["partition_dim"] for k, v in info["params"].items()} == {
+        k: hf_io.partition_dim(k) for k in info["params"]}
+
+    out = tmp / "hf"
+    assert export.main([str(ckdir), str(out), "--dtype", "float32"]) == 0
+    hf_cfg = json.loads((out / "config.json").read_text())
+    assert hf_cfg["mask_token_id"] == 2 and hf_cfg["eos_token_id"] == 1  # from the manifest
+    model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    with torch.no_grad():
+        hf_logits = model(PROBE).logits
+
+    ref = run_distributed(_trained_logits, 4, (str(cfg),))
+    torch.testing.assert_close(ref[0], ref[3])                  # every rank agrees
+    print(f"max abs logit difference HF export vs trained model: "
+          f"{(hf_logits - ref[0]).abs().max().item():.2e}")
+    torch.testing.assert_close(hf_logits, ref[0], rtol=1e-4, atol=1e-4)
+
+
+def test_export_cli_rejects_incomplete_checkpoint(tmp_path, capsys):
+    from pipeline import export
+    (tmp_path / "ck" / "step_000000005.partial").mkdir(parents=True)
+    assert export.main([str(tmp_path / "ck"), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("export: error:") and len(err.strip().splitlines()) == 1
