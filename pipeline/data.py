@@ -12,16 +12,21 @@ How the data is cut and ordered (everything is computed from the manifest, no da
   contiguous range [g*N//S, (g+1)*N//S): balanced to one sample, never empty when
   infinite (N >= S is checked; a one-pass loader allows empty streams), whatever the number of shards, and each stream reads only the shards its range
   touches. The assignment does not change across epochs.
-- Epoch e of a stream: its pieces (its range cut at shard borders) in an order drawn from
-  (seed, e, g), then a window shuffle: consecutive windows of `shuffle_buffer` samples are
-  each emitted in an order drawn from (seed, e, g, window). A stream loops over epochs on its
+- Epoch e of a stream: its samples are cut into chunks of max(1, shuffle_buffer // 16)
+  consecutive samples (never across shards), the chunks are put in an order drawn from
+  (seed, e, g), and the resulting sequence is emitted window by window (`shuffle_buffer`
+  samples), each window in an order drawn from (seed, e, g, window). So a window mixes ~16
+  chunks from anywhere in the stream's range (data_prep keeps input order, so neighbouring
+  samples are alike), and reads stay sequential inside a chunk. A per-shard header index
+  (tar headers only; data skipped by seeking), built when a shard is first needed, gives
+  random access to chunks. A stream loops over epochs on its
   own (the loader is infinite by default, so data-parallel ranks never wait for each other at
   an epoch end); the reorganization of a sample uses its own stream's epoch.
 - Worker w of a torch DataLoader yields whole micro-batches of its stream; the DataLoader
   returns them round-robin (batch i from worker i % num_workers).
 State: for each stream, (epoch, number of samples already placed in yielded batches), plus the
-number of batches yielded. Resuming re-opens each stream's current window (reading at most one
-window plus skipping tar headers inside one shard), never replays the epoch.
+number of batches yielded. Resuming reads the current window (indexing the headers of the
+shards it touches), never replays the epoch.
 """
 from __future__ import annotations
 
@@ -150,42 +155,43 @@ class _Spec:
     objective: ObjectiveConfig
 
 
-def _tar_samples(fs, path: str, skip: int, count: int) -> Iterator[tuple[str, np.ndarray, list]]:
-    """Samples `skip .. skip+count-1` of one tar, in file order: (key, tokens, segments).
+@dataclass
+class _PieceIndex:
+    """Where each sample of a piece lies in its tar: keys and byte offsets/sizes of members."""
+    keys: list
+    tok_off: np.ndarray
+    tok_size: np.ndarray
+    json_off: np.ndarray
+    json_size: np.ndarray
 
-    Skipped samples cost a tar header read each (seek past their data).
+
+def _index_piece(fs, path: str, piece: _Piece) -> _PieceIndex:
+    """Scan the tar headers (data is skipped by seeking) and locate samples
+    `piece.start .. piece.stop-1`.
 
     Raises:
-        DataError: unreadable/corrupt/truncated tar, or fewer samples than expected.
+        DataError: unreadable/corrupt/truncated tar, a sample without tokens.npy or json, or
+            fewer samples than the manifest promises.
     """
     def bad(msg):
         return DataError(f"shard {path}: {msg}")
 
+    keys, offs = [], {"tokens.npy": [], "json": []}
+    index, key, found = -1, None, {}
+
+    def close_sample():
+        if piece.start <= index < piece.stop:
+            missing = [e for e in offs if e not in found]
+            if missing:
+                raise bad(f"sample {key} lacks {', '.join(missing)}")
+            keys.append(key)
+            for e in offs:
+                offs[e].append(found[e])
+
     try:
-        f = fs.open(path, "rb")
-    except (FileNotFoundError, OSError) as e:
-        raise bad(f"cannot open ({e})") from None
-    with f:
-        try:
+        with fs.open(path, "rb") as f:
             tf = tarfile.open(fileobj=f, mode="r:")
-        except tarfile.TarError as e:
-            raise bad(f"not a readable tar ({e})") from None
-        index, key, files, done = -1, None, {}, 0
-
-        def finish():
-            if "tokens.npy" not in files or "json" not in files:
-                raise bad(f"sample {key} lacks tokens.npy or json (has {sorted(files)})")
-            try:
-                tokens = np.load(io.BytesIO(files["tokens.npy"]), allow_pickle=False)
-                meta = json.loads(files["json"].decode("utf-8"))
-            except (ValueError, OSError, UnicodeDecodeError) as e:
-                raise bad(f"sample {key}: undecodable ({e})") from None
-            if tokens.ndim != 1 or tokens.dtype.kind not in "ui" or "segments" not in meta:
-                raise bad(f"sample {key}: tokens.npy must be a 1-D integer array and json must have segments")
-            return key, tokens, meta["segments"]
-
-        try:
-            while done < count:
+            while True:
                 member = tf.next()
                 if member is None:
                     break
@@ -195,95 +201,141 @@ def _tar_samples(fs, path: str, skip: int, count: int) -> Iterator[tuple[str, np
                 mkey, _, ext = base.partition(".")
                 mkey = posixpath.join(d, mkey) if d else mkey
                 if mkey != key:
-                    if key is not None and index >= skip:
-                        yield finish()
-                        done += 1
-                        if done >= count:
-                            return
-                    index, key, files = index + 1, mkey, {}
-                if index >= skip:
-                    data = tf.extractfile(member).read()
-                    if len(data) != member.size:
-                        raise bad(f"sample {mkey}: truncated member {member.name}")
-                    files[ext] = data
+                    if key is not None:
+                        close_sample()
+                    index, key, found = index + 1, mkey, {}
+                    if index >= piece.stop:
+                        break
+                if ext in offs:
+                    found[ext] = (member.offset_data, member.size)
                 tf.members.clear()  # do not keep every header of a large shard in memory
-            if key is not None and index >= skip and done < count:
-                yield finish()
-                done += 1
-        except tarfile.TarError as e:
-            raise bad(f"corrupt or truncated tar ({e})") from None
-        except (EOFError, OSError) as e:
-            raise bad(f"truncated or unreadable ({e})") from None
-        if done < count:
-            raise bad(f"has {index + 1} samples, the manifest says at least {skip + count} (truncated?)")
+            if key is not None and index < piece.stop:
+                close_sample()
+    except DataError:
+        raise
+    except FileNotFoundError:
+        raise bad("missing") from None
+    except tarfile.TarError as e:
+        raise bad(f"corrupt or truncated tar ({e})") from None
+    except (EOFError, OSError) as e:
+        raise bad(f"truncated or unreadable ({e})") from None
+    if len(keys) != piece.count:
+        raise bad(f"has {index + 1 if index < piece.stop else 'more'} samples, the manifest says "
+                  f"{piece.stop} or more (truncated?)")
+    arr = {e: np.asarray(v, dtype=np.int64).reshape(-1, 2) for e, v in offs.items()}
+    return _PieceIndex(keys=keys, tok_off=arr["tokens.npy"][:, 0], tok_size=arr["tokens.npy"][:, 1],
+                       json_off=arr["json"][:, 0], json_size=arr["json"][:, 1])
 
 
 class _SampleStream:
-    """One stream's samples in emission order, from a position; `peek()` / `advance()`."""
+    """One stream's samples in emission order, from a position; `peek()` / `advance()`.
+
+    Order of epoch e: the stream's samples are cut into chunks of `chunk` consecutive samples
+    (never across shards); the chunk order is a permutation drawn from (seed, e, stream); the
+    resulting sequence is emitted window by window (`window` samples), each window in an order
+    drawn from (seed, e, stream, window index). A window is read chunk by chunk with seeks,
+    through a per-piece header index built on first use.
+    """
 
     def __init__(self, spec: _Spec, local: int, epoch: int, n: int):
         self.spec, self.local, self.gid = spec, local, spec.stream_ids[local]
         self.pieces = spec.pieces[local]
-        self.size = sum(p.count for p in self.pieces)
+        counts = np.array([p.count for p in self.pieces], dtype=np.int64)
+        self.piece_first = np.concatenate([[0], np.cumsum(counts)])  # stream-local index of each piece
+        self.size = int(self.piece_first[-1])
+        C = max(1, spec.window // 16)
+        starts, sizes = [], []
+        for first, c in zip(self.piece_first[:-1], counts):
+            s = np.arange(first, first + c, C)
+            starts.append(s)
+            sizes.append(np.minimum(C, first + c - s))
+        self.chunk_start = np.concatenate(starts) if starts else np.zeros(0, np.int64)
+        self.chunk_size = np.concatenate(sizes) if sizes else np.zeros(0, np.int64)
         self.epoch, self.n = epoch, n
-        self._window_id = None
-        self._window: list = []
-        self._perm = None
-        self._reader = None
-        self._start_epoch = epoch
+        self._seq_epoch, self._seq = None, None
+        self._window_id, self._window = None, []
+        self._indexes: dict[int, _PieceIndex] = {}
+        self._files: dict[int, object] = {}
 
     @property
     def position(self) -> tuple[int, int]:
         return self.epoch, self.n
 
-    def _order(self) -> list[_Piece]:
-        pieces = list(self.pieces)
-        if self.spec.shuffle:
-            rng = np.random.default_rng([self.spec.seed, self.epoch, self.gid, _SALT_PIECES])
-            pieces = [pieces[i] for i in rng.permutation(len(pieces))]
-        return pieces
+    def _sequence(self) -> np.ndarray:
+        """Stream-local sample indices in this epoch's chunk order, int64[size]."""
+        if self._seq_epoch != self.epoch:
+            if self.spec.shuffle:
+                rng = np.random.default_rng([self.spec.seed, self.epoch, self.gid, _SALT_PIECES])
+                perm = rng.permutation(len(self.chunk_start))
+                sizes = self.chunk_size[perm]
+                base = np.repeat(self.chunk_start[perm] - (np.cumsum(sizes) - sizes), sizes)
+                self._seq = base + np.arange(self.size, dtype=np.int64)
+            else:
+                self._seq = np.arange(self.size, dtype=np.int64)
+            self._seq_epoch = self.epoch
+        return self._seq
 
-    def _read_from(self, position: int) -> Iterator:
+    def _read(self, local_index: int):
         spec = self.spec
-        for piece in self._order():
-            if position >= piece.count:
-                position -= piece.count
-                continue
-            name = spec.shards[piece.shard][0]
-            path = f"{spec.root}/{name}"
-            for key, tokens, segments in _tar_samples(spec.fs, path, piece.start + position,
-                                                      piece.count - position):
-                yield path, key, tokens, segments
-            position = 0
+        p = int(np.searchsorted(self.piece_first, local_index, side="right") - 1)
+        piece = self.pieces[p]
+        path = f"{spec.root}/{spec.shards[piece.shard][0]}"
+        if p not in self._indexes:
+            self._indexes[p] = _index_piece(spec.fs, path, piece)
+        idx, i = self._indexes[p], local_index - int(self.piece_first[p])
+        f = self._files.get(p)
+        if f is None:
+            if len(self._files) >= 8:
+                old = next(iter(self._files))
+                self._files.pop(old).close()
+            f = self._files[p] = spec.fs.open(path, "rb")
+        key = idx.keys[i]
+        try:
+            f.seek(int(idx.tok_off[i]))
+            raw_tokens = f.read(int(idx.tok_size[i]))
+            f.seek(int(idx.json_off[i]))
+            raw_json = f.read(int(idx.json_size[i]))
+            if len(raw_tokens) != idx.tok_size[i] or len(raw_json) != idx.json_size[i]:
+                raise EOFError("short read")
+            tokens = np.load(io.BytesIO(raw_tokens), allow_pickle=False)
+            meta = json.loads(raw_json.decode("utf-8"))
+        except (ValueError, OSError, EOFError, UnicodeDecodeError) as e:
+            raise DataError(f"shard {path}: sample {key} is truncated or undecodable ({e})") from None
+        if tokens.ndim != 1 or tokens.dtype.kind not in "ui" or not isinstance(meta, dict) \
+                or "segments" not in meta:
+            raise DataError(f"shard {path}: sample {key}: tokens.npy must be a 1-D integer array "
+                            f"and json must have segments")
+        return path, key, tokens, meta["segments"]
 
     def _load_window(self) -> None:
         W = self.spec.window
         w = self.n // W
         if self._window_id == (self.epoch, w):
             return
-        if self._window_id != (self.epoch, w - 1) or self._reader is None:
-            self._reader = self._read_from(w * W)
-        size = min(W, self.size - w * W)
-        self._window = [next(self._reader) for _ in range(size)]
+        ids = self._sequence()[w * W:(w + 1) * W]
+        loaded = {int(i): self._read(int(i)) for i in np.sort(ids)}  # file order within chunks
         if self.spec.shuffle:
             rng = np.random.default_rng([self.spec.seed, self.epoch, self.gid, w, _SALT_WINDOW])
-            self._perm = rng.permutation(size)
-        else:
-            self._perm = np.arange(size)
+            ids = ids[rng.permutation(len(ids))]
+        self._window = [loaded[int(i)] for i in ids]
         self._window_id = (self.epoch, w)
 
     def peek(self):
         """(shard path, key, tokens, segments, epoch) of the next sample, or None at the end."""
         if self.n >= self.size:
-            if not self.spec.infinite:
+            if not self.spec.infinite or self.size == 0:
                 return None
-            self.epoch, self.n, self._reader = self.epoch + 1, 0, None
+            self.epoch, self.n = self.epoch + 1, 0
         self._load_window()
-        W = self.spec.window
-        return (*self._window[self._perm[self.n % W]], self.epoch)
+        return (*self._window[self.n % self.spec.window], self.epoch)
 
     def advance(self) -> None:
         self.n += 1
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
 
 
 def _reorganize(spec: _Spec, item):
@@ -304,6 +356,13 @@ def _reorganize(spec: _Spec, item):
 def _stream_batches(spec: _Spec, local: int, epoch: int, n: int) -> Iterator[dict]:
     """Micro-batches of one stream; each carries `_stream` and `_pos` (position after it)."""
     stream = _SampleStream(spec, local, epoch, n)
+    try:
+        yield from _batches_of(spec, stream)
+    finally:
+        stream.close()
+
+
+def _batches_of(spec: _Spec, stream: _SampleStream) -> Iterator[dict]:
     B, T = spec.micro_batch_size, spec.max_length
     while True:
         rows: list[list] = []
@@ -328,7 +387,7 @@ def _stream_batches(spec: _Spec, local: int, epoch: int, n: int) -> Iterator[dic
             return
         rows += [[] for _ in range(B - len(rows))]
         batch = collate(rows, T, spec.pad_id)
-        batch["_stream"] = local
+        batch["_stream"] = stream.local
         batch["_pos"] = stream.position
         yield batch
 

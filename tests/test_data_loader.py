@@ -107,6 +107,8 @@ def test_new_epoch_reshuffles_and_redraws():
     e0, e1 = [b["keys"][0] for b in batches[:24]], [b["keys"][0] for b in batches[24:]]
     assert sorted(e0) == sorted(e1) == [f"train{i:07d}" for i in range(24)]
     assert e0 != e1
+    # the first window (8 samples, chunks of 1) draws from across the stream, not one shard
+    assert len({int(k[5:]) // 6 for k in e0[:8]}) >= 3
     # the same sample is reorganized differently in epoch 1
     by_key0 = {b["keys"][0]: b for b in batches[:24]}
     differ = sum(not torch.equal(by_key0[b["keys"][0]]["input_ids"], b["input_ids"]) for b in batches[24:])
