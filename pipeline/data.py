@@ -10,8 +10,9 @@ How the data is cut and ordered (everything is computed from the manifest, no da
 - Split samples are numbered 0..N-1 in manifest order (shard by shard). With S = dp_size x
   max(1, num_workers) streams, stream g = dp_rank * max(1, num_workers) + worker owns the
   contiguous range [g*N//S, (g+1)*N//S): balanced to one sample, never empty when
-  infinite (N >= S is checked; a one-pass loader allows empty streams), whatever the number of shards, and each stream reads only the shards its range
-  touches. The assignment does not change across epochs.
+  infinite (N >= S is checked; a one-pass loader allows empty streams), whatever the
+  number of shards, and each stream reads only the shards its range touches. The
+  assignment does not change across epochs.
 - Epoch e of a stream: its samples are cut into chunks of max(1, shuffle_buffer // 16)
   consecutive samples (never across shards), the chunks are put in an order drawn from
   (seed, e, g), and the resulting sequence is emitted window by window (`shuffle_buffer`
@@ -19,9 +20,9 @@ How the data is cut and ordered (everything is computed from the manifest, no da
   chunks from anywhere in the stream's range (data_prep keeps input order, so neighbouring
   samples are alike), and reads stay sequential inside a chunk. A per-shard header index
   (tar headers only; data skipped by seeking), built when a shard is first needed, gives
-  random access to chunks. A stream loops over epochs on its
-  own (the loader is infinite by default, so data-parallel ranks never wait for each other at
-  an epoch end); the reorganization of a sample uses its own stream's epoch.
+  random access to chunks. A stream loops over epochs on its own (the loader is infinite by
+  default, so data-parallel ranks never wait for each other at an epoch end); the
+  reorganization of a sample uses its own stream's epoch.
 - Worker w of a torch DataLoader yields whole micro-batches of its stream; the DataLoader
   returns them round-robin (batch i from worker i % num_workers).
 State: for each stream, (epoch, number of samples already placed in yielded batches), plus the
@@ -84,11 +85,15 @@ def read_manifest(data_dir: str) -> dict:
         raise DataError(f"{data_dir}: no manifest.json (not a shard folder written by data_prep.shard)") from None
     except (OSError, ValueError) as e:
         raise DataError(f"{path}: unreadable manifest ({e})") from None
+    if not isinstance(manifest, dict):
+        raise DataError(f"{path}: expected a JSON object")
     if manifest.get("format_version") != 1:
         raise DataError(f"{path}: format_version {manifest.get('format_version')!r} is not supported (expected 1)")
     for field in ("tokenizer", "max_length", "splits"):
         if field not in manifest:
             raise DataError(f"{path}: missing field {field!r}")
+    if not isinstance(manifest["tokenizer"], dict) or not isinstance(manifest["splits"], dict):
+        raise DataError(f"{path}: tokenizer and splits must be JSON objects")
     for field in ("vocab_size", "pad_id", "mask_id", "eos_id"):
         if manifest["tokenizer"].get(field) is None:
             raise DataError(f"{path}: tokenizer.{field} is missing")
@@ -230,7 +235,7 @@ def _index_piece(fs, path: str, piece: _Piece) -> _PieceIndex:
 class _SampleStream:
     """One stream's samples in emission order, from a position; `peek()` / `advance()`.
 
-    Order of epoch e: the stream's samples are cut into chunks of `chunk` consecutive samples
+    Order of epoch e: the stream's samples are cut into chunks of max(1, window // 16) samples
     (never across shards); the chunk order is a permutation drawn from (seed, e, stream); the
     resulting sequence is emitted window by window (`window` samples), each window in an order
     drawn from (seed, e, stream, window index). A window is read chunk by chunk with seeks,
