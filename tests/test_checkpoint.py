@@ -172,6 +172,8 @@ def _phase2(rank, world_size, root):
     _seed_rngs(info.dp_rank + 50)        # different RNG: it must come from the file
     state = ckpt.load_latest(engine, root)
     losses = {step: _train_step(engine) for step in range(state["step"] + 1, 7)}
+    ckpt.save_checkpoint(engine, root, 6, {"consumed_samples": 23}, keep_last=2)
+    # the same step saved again (e.g. a signal right after a periodic save) replaces it
     ckpt.save_checkpoint(engine, root, 6, {"consumed_samples": 24}, keep_last=2)
     return {"state": state, "losses": losses, "dirs": sorted(os.listdir(root))}
 
@@ -207,6 +209,10 @@ def test_keep_last_and_crash_leaves_previous_latest(runs):
         "step_000000004", "step_000000006"]
     assert (root / "latest").read_text() == "step_000000006"
     assert ckpt.find_latest(root) == root / "step_000000006"
+    for rank in range(WORLD):  # the second save of step 6 won, rank by rank
+        saved = torch.load(root / "step_000000006" / f"refusion_rank_{rank:05d}.pt",
+                           weights_only=False)
+        assert saved["client_state"] == {"consumed_samples": 24} and saved["rank"] == rank
 
 
 def test_resume_restores_state_and_equals_uninterrupted_run(runs):
@@ -268,3 +274,19 @@ def test_find_latest_ignores_incomplete_and_falls_back(tmp_path):
     assert ckpt.find_latest(tmp_path) == tmp_path / "step_000000002"
     with pytest.raises(ckpt.CheckpointError, match="no complete checkpoint"):
         ckpt.resolve_checkpoint_dir(tmp_path / "step_000000003")
+
+
+def test_load_latest_refuses_a_different_world_size(tmp_path):
+    d = tmp_path / ckpt.tag_for_step(7)
+    d.mkdir()
+    (d / ckpt.META).write_text(json.dumps({"step": 7, "world_size": 8, "tp_size": 2}))
+
+    class NoEngine:      # the check must fire before DeepSpeed is asked to load anything
+        mpu = None
+
+        def load_checkpoint(self, *a, **k):
+            raise AssertionError("DeepSpeed load attempted")
+
+    with pytest.raises(ckpt.CheckpointError, match="world size 8 with TP 2"):
+        ckpt.load_latest(NoEngine(), tmp_path)
+    assert ckpt.load_latest(NoEngine(), tmp_path / "empty") is None
