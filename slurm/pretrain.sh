@@ -6,6 +6,8 @@
 #   sbatch slurm/pretrain.sh CONFIG.yaml [key=value ...]                       # CPU defaults
 #   sbatch --nodes=4 --ntasks-per-node=8 --gpus-per-node=8 --cpus-per-task=12 \
 #          --time=24:00:00 slurm/pretrain.sh configs/qwen3_8b.yaml train.max_steps=20000
+# Request GPUs per node (--gpus-per-node), not per task: every task then sees the node's GPUs
+# and the trainer picks cuda:LOCAL_RANK (--gpus-per-task / --gpu-bind would hide them).
 # Command-line sbatch options override the #SBATCH lines below. The defaults are CPU-friendly
 # (one node, two tasks, no GPU request) so the same script runs on a one-node CPU cluster.
 #

@@ -133,3 +133,17 @@ def test_sbatch_signal_checkpoint_requeue_resume(tmp_path):
     assert [m["consumed_samples"] for m in resumed] == [(saved + 1) * GLOBAL_BATCH,
                                                          (saved + 2) * GLOBAL_BATCH]
     assert (ckdir / "latest").read_text().strip() == f"step_{saved + 2:09d}"
+
+
+@pytest.mark.parametrize("args,env,message", [
+    ([], {}, "not inside a Slurm job"),
+    ([], {"SLURM_JOB_ID": "1"}, "missing the run config"),
+    (["no/such.yaml"], {"SLURM_JOB_ID": "1"}, "config file not found: no/such.yaml"),
+])
+def test_pretrain_sh_usage_errors(args, env, message):
+    base = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    r = subprocess.run(["bash", str(SCRIPT), *args], cwd=ROOT, env={**base, **env},
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2
+    assert r.stderr.startswith("slurm/pretrain.sh: error: ") and message in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
