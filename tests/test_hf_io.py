@@ -100,7 +100,7 @@ def test_sharded_write_and_per_rank_slices(tmp_path):
 def test_refusion_release_layout(tmp_path):
     """The authors' folder: Qwen3 weights, vocab shrunk to 151671, bos/mask ids in config.json,
     sharded safetensors with an index (as HF Trainer saves)."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3ForCausalLM
     from pipeline.hf_io import config_from_hf, iter_tp_shard, merge_tp_state_dicts
     src = make_tiny_qwen3(tmp_path / "qwen", seed=5, vocab_size=151671,
                           **dict(SMALL, num_hidden_layers=1))
