@@ -187,19 +187,7 @@ def export(src, out, tp: int = 1, tokenizer=None, dtype: str | None = None,
     args = argparse.Namespace(tp=tp, work_dir=str(out.parent))
     source = SOURCES[kind](src, args)
     tok = Path(tokenizer) if tokenizer is not None else source.tokenizer_src
-    extra = dict(source.config_extra)
-    if tok is not None:
-        from transformers import AutoTokenizer
-        vocab = AutoTokenizer.from_pretrained(str(tok)).get_vocab()
-        n_rows = source.state["model.embed_tokens.weight"].shape[0]
-        # Ids the added tokens will get: existing ones keep theirs, new ones are appended.
-        next_id = len(vocab)
-        for t in hf_io.REFUSION_TOKENS:
-            if t not in vocab:
-                vocab[t] = next_id
-                next_id += 1
-        if vocab["<|mask|>"] < n_rows:
-            extra["mask_token_id"] = vocab["<|mask|>"]
+    extra = dict(source.config_extra)  # save_hf_folder sets mask_token_id from the tokenizer
     return hf_io.save_hf_folder(source.state, source.cfg, out, tokenizer_src=tok,
                                 max_shard_bytes=max_shard_bytes,
                                 dtype=DTYPES[dtype] if dtype else None,
@@ -215,7 +203,8 @@ def main(argv=None) -> int:
     p.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel ranks for the round trip through our model")
     p.add_argument("--tokenizer", default=None,
-                   help="tokenizer folder (default: the source's, if it has one)")
+                   help="tokenizer: a Hugging Face tokenizer folder or a SentencePiece model "
+                        "file (default: the source's, if it has one)")
     p.add_argument("--dtype", default=None, choices=sorted(DTYPES),
                    help="cast weights (default: as stored)")
     p.add_argument("--max-shard-bytes", type=int, default=hf_io.DEFAULT_MAX_SHARD_BYTES,

@@ -499,7 +499,7 @@ def save_hf_folder(state: dict[str, torch.Tensor], cfg: ModelConfig, out, *,
             tok = save_tokenizer(tokenizer_src, tmp, added_tokens)
             n = tok["length"]
             if 0 <= tok["mask_token_id"] < rows:
-                extra.setdefault("mask_token_id", tok["mask_token_id"])
+                extra["mask_token_id"] = tok["mask_token_id"]  # the written tokenizer's id
             if n > rows:
                 raise ValueError(f"{tokenizer_src}: tokenizer has {n} tokens but the model has "
                                  f"only {rows} embedding rows")
