@@ -60,15 +60,24 @@ def _same(a, b):
             assert torch.equal(x[k], y[k]), k
 
 
-def test_resume_in_fresh_processes_equals_uninterrupted_run(tmp_path):
-    from distributed import run_distributed
+def _in_fresh_processes(fn, world_size, args):
+    """Run fn(rank, world_size, *args) for every rank, each in a newly spawned process (no
+    process group is needed: the loader only takes dp_rank/dp_size)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
 
+    with ProcessPoolExecutor(world_size, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = [pool.submit(fn, r, world_size, *args) for r in range(world_size)]
+        return [f.result(timeout=600) for f in futures]
+
+
+def test_resume_in_fresh_processes_equals_uninterrupted_run(tmp_path):
     data_dir, state_dir = str(tmp_path / "shards"), str(tmp_path)
     # 3 shards for 2 ranks x 2 workers = 4 streams: streams cut shards at sample level.
     write_shards(data_dir, {"train": random_samples(np.random.default_rng(0), 27)}, samples_per_shard=10)
     n_first, n_rest = 5, 9
-    first = run_distributed(_first_run, 2, (data_dir, state_dir, n_first, n_first + n_rest))
-    second = run_distributed(_resumed_run, 2, (data_dir, state_dir, n_rest))
+    first = _in_fresh_processes(_first_run, 2, (data_dir, state_dir, n_first, n_first + n_rest))
+    second = _in_fresh_processes(_resumed_run, 2, (data_dir, state_dir, n_rest))
     for rank in range(2):
         for pack in (False, True):
             full, head, _ = first[rank][pack]
