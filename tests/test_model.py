@@ -291,3 +291,22 @@ def test_flops_per_token_matches_flop_counter(model):
     model.zero_grad()
     attention = 12 * cfg.num_layers * cfg.num_attention_heads * cfg.head_dim * t
     assert counter.get_total_flops() / (2 * t) == flops_per_token(cfg, t) - attention
+
+
+def test_bf16_matches_transformers_bf16(tp1, ckpt):
+    """bf16 follows Qwen3's casts (RMSNorm in fp32 then cast, RoPE tables in the model dtype):
+    logits agree with transformers' bf16 model to within one bf16 step at their magnitude."""
+    from transformers import Qwen3ForCausalLM
+    from pipeline.hf_io import config_from_hf, load_hf_into_model
+    from pipeline.model import Qwen3
+    m = Qwen3(config_from_hf(ckpt), dtype=torch.bfloat16, init_weights=False)
+    load_hf_into_model(m, ckpt)
+    assert {p.dtype for p in m.parameters()} == {torch.bfloat16}
+    ref = Qwen3ForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16)
+    ids = _ids(2, 24, seed=31)
+    pos = torch.arange(24).expand(2, 24)
+    with torch.no_grad():
+        ours = m(ids, pos, segment_ids=torch.ones_like(ids))
+        theirs = ref(input_ids=ids).logits
+    assert ours.dtype == torch.bfloat16
+    assert (ours.float() - theirs.float()).abs().max().item() <= 0.04
