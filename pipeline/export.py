@@ -1,6 +1,6 @@
 """Export CLI: write a Hugging Face Qwen3 folder from a model source.
 
-    python -m pipeline.export SRC OUT [--tp N] [--tokenizer DIR] [--dtype bfloat16]
+    python -m pipeline.export SRC OUT [--tp N] [--tokenizer PATH] [--dtype bfloat16]
                                       [--max-shard-bytes B] [--overwrite]
 
 Owns: turning a source into full Hugging Face tensors plus config, then writing the folder
@@ -170,7 +170,7 @@ def export(src, out, tp: int = 1, tokenizer=None, dtype: str | None = None,
 
     Args:
         tp: tensor-parallel ranks for the round trip (hf source).
-        tokenizer: tokenizer folder overriding the source's own.
+        tokenizer: tokenizer folder or SentencePiece model file overriding the source's own.
         dtype: "float32" / "bfloat16" / "float16" (default: as stored).
     Returns:
         `Path(out)`.
