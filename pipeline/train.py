@@ -214,6 +214,22 @@ def copy_into_model(model, shards: Iterator[tuple[str, Any]], source: str) -> No
         raise KeyError(f"{source}: no value for parameters {missing[:5]}")
 
 
+def _mark_tensor_parallel(model) -> None:
+    """Give every TP-partitioned parameter megatron-core's attributes (`tensor_model_parallel`,
+    `partition_dim`, `partition_stride`) when the layer did not set them.
+
+    megatron-core sets them only inside its weight initialization, which a model built with
+    `init_weights=False` skips; DeepSpeed's gradient-norm (clipping) counts a parameter without
+    them on TP rank 0 only, so the TP shards of other ranks would be left out of the norm.
+    Partition dims from `pipeline.hf_io.partition_dim` (the model's layout).
+    """
+    from pipeline.hf_io import partition_dim
+    for name, p in model.named_parameters():
+        dim = partition_dim(name)
+        if dim is not None and not getattr(p, "tensor_model_parallel", False):
+            p.tensor_model_parallel, p.partition_dim, p.partition_stride = True, dim, 1
+
+
 def peak_flops_per_device(cfg) -> float | None:
     """Peak FLOP/s of one device: `log.peak_tflops` when set, else the table by CUDA device
     name, else None (CPU or unknown GPU: MFU is reported as null)."""
@@ -280,6 +296,9 @@ class Trainer:
         cfg, plan = self.cfg, self.plan
         self._install_signals()
         self.info = info = init_distributed(plan.tp_size)
+        # deepspeed.comm wraps the existing default group (zero.Init reads ranks through it).
+        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo",
+                                   auto_mpi_discovery=False)
         self.is_rank0 = info.rank == 0
         _setup_logging(self.is_rank0)
         self.device = info.device
@@ -299,9 +318,15 @@ class Trainer:
         mpu = MegatronMPU()
         zero3 = cfg.train.zero_stage == 3
         t0 = time.time()
+        # dtype comes from ds_config's bf16 flag: zero.Init(dtype=...) with a config is ignored on
+        # accelerators without fp16 (deepspeed 0.19: its fallback picks bf16 on CPU).
         with deepspeed.zero.Init(mpu=mpu, data_parallel_group=parallel_state.get_data_parallel_group(),
-                                 config_dict_or_path=ds_config, enabled=zero3, dtype=dtype):
+                                 config_dict_or_path=ds_config, enabled=zero3):
             model = Qwen3(self.mcfg, dtype=dtype, init_weights=False)
+        _mark_tensor_parallel(model)
+        got = {p.dtype for p in model.parameters()}
+        if got != {dtype}:
+            raise RuntimeError(f"parameters were built as {sorted(map(str, got))}, expected {dtype}")
         if not resuming:
             if cfg.init.source == "hf":
                 from pipeline.hf_io import iter_tp_shard

@@ -1,0 +1,319 @@
+"""The training job end to end, through its real entry point (`torchrun -m pipeline.train`).
+
+What is compared against what:
+- TP=2 x DP=2 ZeRO-3 (4 processes) against a single process on the same global batches: per-step
+  losses, grad norms and validation losses within 1e-5, final fp32 weights (consolidated to Hugging
+  Face names) within 1e-5. Same global batches: micro-batch 1 row, global batch 4 rows. The 4-process
+  run has 2 loader streams (one per DP rank, `data.num_workers=0`); the single process reads the
+  same 2 streams with `data.num_workers=2` (pipeline.data: stream g owns the same contiguous sample
+  range and shuffle seed either way), so each step sees the same 4 rows, and with one row per
+  micro-batch the step loss (mean of micro-batch losses) is the same quantity: the single process
+  accumulates GA=4 micro-batches, the 4-process run GA=2 on each of 2 DP ranks.
+- An interrupted run (SIGTERM to one worker at a random step -> exit 0 after a checkpoint; then
+  kill -9 of every process at a later random step; then the same command again) against the
+  uninterrupted 4-process run: every step's losses equal exactly, final weights bitwise equal.
+- wandb offline files, read back with wandb's own reader (`wandb leet inspect --json`): the
+  logged losses equal metrics.jsonl; the resumed run continues the same wandb run id.
+- NaN: injected on rank 0 only (debug.nan_at_steps); "skip" must drop the update on every rank
+  (weights after the step == weights before), "stop" exits non-zero naming step and batch keys
+  without writing a checkpoint for that step.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from shard_fixtures import random_samples, write_shards
+
+ROOT = Path(__file__).resolve().parents[1]
+
+MODEL = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+         "max_position_embeddings": 64, "init_std": 0.1}
+MAX_STEPS = 8
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+               TORCH_EXTENSIONS_DIR=os.environ.get("TORCH_EXTENSIONS_DIR",
+                                                   str(ROOT / ".cache" / "torch_extensions")),
+               PYTHONPATH=str(ROOT), TOKENIZERS_PARALLELISM="false")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "WANDB_MODE"):
+        env.pop(k, None)
+    return env
+
+
+def _write_config(path: Path, data_dir: Path, **sections) -> Path:
+    cfg = {
+        "model": {"inline": dict(MODEL)},
+        "data": {"dir": str(data_dir), "num_workers": 0},
+        "optim": {"lr": 1e-3, "warmup_steps": 2, "grad_clip": 1.0, "weight_decay": 0.01},
+        "train": {"max_steps": MAX_STEPS, "micro_batch_size": 1, "global_batch_size": 4,
+                  "precision": "fp32", "seed": 7, "eval_interval": 4, "eval_batches": 0},
+        "checkpoint": {"interval": 3, "keep": 2},
+        "wandb": {"mode": "disabled"},
+    }
+    for k, v in sections.items():
+        cfg[k] = {**cfg.get(k, {}), **v}
+    path.write_text(json.dumps(cfg))  # JSON is YAML
+    return path
+
+
+def _launch(nproc: int, config: Path, run_dir: Path, *overrides: str, log_name: str = "log"
+            ) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc_per_node={nproc}", "-m", "pipeline.train", "--config", str(config),
+           f"run_dir={run_dir}", *overrides]
+    if nproc == 1:
+        cmd = [sys.executable, "-m", "pipeline.train", "--config", str(config),
+               f"run_dir={run_dir}", *overrides]
+    run_dir.mkdir(parents=True, exist_ok=True)
+    out = open(run_dir / f"{log_name}.txt", "ab")
+    return subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=out, stderr=subprocess.STDOUT)
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    pids = _children(proc.pid)
+    for p in [proc.pid, *pids]:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait(timeout=60)
+
+
+def _finish(proc: subprocess.Popen, run_dir: Path, timeout: float = 400) -> int:
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_tree(proc)
+        raise AssertionError(f"run timed out; log:\n{_log(run_dir)}")
+
+
+def _log(run_dir: Path) -> str:
+    return "\n".join(p.read_text(errors="replace")[-4000:] for p in sorted(run_dir.glob("*.txt")))
+
+
+def _metrics(run_dir: Path) -> dict[tuple[str, int], dict]:
+    """Last line per (kind, step): a resumed run re-logs the steps after its checkpoint."""
+    out = {}
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return out
+    for line in path.read_text().splitlines():
+        if line.strip():
+            m = json.loads(line)
+            out[(m["kind"], m["step"])] = m
+    return out
+
+
+def _wait_step(proc: subprocess.Popen, run_dir: Path, step: int, timeout: float = 300) -> int:
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        done = [s for k, s in _metrics(run_dir) if k == "train"]
+        if done and max(done) >= step:
+            return max(done)
+        if proc.poll() is not None:
+            raise AssertionError(f"run ended (rc {proc.returncode}) before step {step}:\n"
+                                 f"{_log(run_dir)}")
+        time.sleep(0.05)
+    _kill_tree(proc)
+    raise AssertionError(f"step {step} not reached in {timeout} s:\n{_log(run_dir)}")
+
+
+def _hf_weights(ckpt_root: Path) -> dict[str, torch.Tensor]:
+    """Final fp32 weights under Hugging Face names (independent of the TP layout)."""
+    from pipeline import hf_io
+    from pipeline.checkpoint import consolidate_tp_ranks
+    from pipeline.model import ModelConfig
+    shards, info = consolidate_tp_ranks(ckpt_root)
+    merged = hf_io.merge_tp_state_dicts(shards, ModelConfig.from_dict(dict(MODEL)))
+    return {k: v.detach() for k, v in merged.items()}
+
+
+def _wandb_history(run_dir: Path) -> tuple[list[str], dict[int, dict]]:
+    """(run ids of the offline runs, {step: merged history items}) via `wandb leet inspect`."""
+    runs = sorted((run_dir / "wandb").glob("offline-run-*"))
+    ids, hist = [], {}
+    for r in runs:
+        ids.append(r.name.rsplit("-", 1)[-1])
+        out = subprocess.run([str(Path(sys.executable).parent / "wandb"), "leet", "inspect",
+                              "--json", str(r)], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        for line in out.stdout.splitlines():
+            rec = json.loads(line)
+            if rec.get("type") == "history":
+                item = rec["history"]["item"]
+                hist.setdefault(int(item["_step"]), {}).update(item)
+    return ids, hist
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    base = tmp_path_factory.mktemp("train")
+    rng = np.random.default_rng(0)
+    data = base / "data"
+    write_shards(str(data), {"train": random_samples(rng, 48, vocab_size=64, max_length=24,
+                                                     min_length=8),
+                             "val": random_samples(rng, 8, vocab_size=64, max_length=24,
+                                                   min_length=8)},
+                 samples_per_shard=12)
+    config = _write_config(base / "run.yaml", data)
+    return base, config
+
+
+@pytest.fixture(scope="module")
+def reference(setup):
+    """The uninterrupted TP=2 x DP=2 ZeRO-3 run (wandb offline)."""
+    base, config = setup
+    run_dir = base / "ref4"
+    proc = _launch(4, config, run_dir, "train.tensor_parallel_size=2", "wandb.mode=offline")
+    assert _finish(proc, run_dir) == 0, _log(run_dir)
+    return run_dir
+
+
+def test_tp2_dp2_matches_single_process(setup, reference):
+    base, config = setup
+    run_dir = base / "single"
+    proc = _launch(1, config, run_dir, "train.tensor_parallel_size=1", "data.num_workers=2")
+    assert _finish(proc, run_dir) == 0, _log(run_dir)
+    ref, one = _metrics(reference), _metrics(run_dir)
+    assert sorted(ref) == sorted(one)
+    assert len([k for k in ref if k[0] == "train"]) == MAX_STEPS
+    assert len([k for k in ref if k[0] == "val"]) == MAX_STEPS // 4
+    for key in sorted(ref):
+        a, b = ref[key], one[key]
+        for f in ("loss", "ar_loss", "mdm_loss", "val_loss", "grad_norm"):
+            if f in a:
+                assert abs(a[f] - b[f]) <= 1e-5 * max(1.0, abs(b[f])), (key, f, a[f], b[f])
+        if key[0] == "train":
+            assert a["consumed_samples"] == b["consumed_samples"] == 4 * key[1]
+            assert a["consumed_tokens"] == b["consumed_tokens"]
+            assert a["lr"] == b["lr"]
+    # the steps really trained (loss moved) and clipping was active at least once
+    train = [ref[("train", s)] for s in range(1, MAX_STEPS + 1)]
+    assert max(m["grad_norm"] for m in train) > 1.0
+    w4, w1 = _hf_weights(reference / "checkpoints"), _hf_weights(run_dir / "checkpoints")
+    assert sorted(w4) == sorted(w1)
+    from pipeline.train import random_hf_tensor
+    from pipeline.model import ModelConfig
+    mcfg = ModelConfig.from_dict(dict(MODEL))
+    moved = 0.0
+    for name in w1:
+        torch.testing.assert_close(w4[name], w1[name], rtol=0, atol=1e-5, msg=name)
+        init = random_hf_tensor(name, tuple(w1[name].shape), mcfg, seed=7)
+        moved = max(moved, float((w1[name] - init).abs().max()))
+    assert moved > 1e-3  # the weights changed from their (layout-independent) initialization
+
+
+def test_wandb_offline_has_the_logged_metrics(reference):
+    ids, hist = _wandb_history(reference)
+    assert len(ids) == 1
+    ref = _metrics(reference)
+    for step in range(1, MAX_STEPS + 1):
+        assert hist[step]["train/loss"] == ref[("train", step)]["loss"]
+        assert hist[step]["train/consumed_samples"] == 4 * step
+    assert hist[4]["val_loss"] == ref[("val", 4)]["val_loss"]
+
+
+def test_sigterm_then_kill9_resume_exactly(setup, reference):
+    base, config = setup
+    run_dir = base / "interrupted"
+    args = ("train.tensor_parallel_size=2", "wandb.mode=offline")
+    seed = random.SystemRandom().randrange(2 ** 32)
+    rnd = random.Random(seed)
+    a, b = rnd.randint(1, 3), rnd.randint(5, 6)
+    note = f"(random seed {seed}: SIGTERM after step {a}, kill -9 after step {b})"
+
+    # 1) SIGTERM to one worker only: all ranks agree, checkpoint, exit 0.
+    proc = _launch(4, config, run_dir, *args, log_name="log1")
+    _wait_step(proc, run_dir, a)
+    workers = _children(proc.pid)
+    assert len(workers) == 4, note
+    os.kill(rnd.choice(workers), signal.SIGTERM)
+    assert _finish(proc, run_dir) == 0, f"{note}\n{_log(run_dir)}"
+    from pipeline.checkpoint import find_latest
+    stopped = max(s for k, s in _metrics(run_dir) if k == "train")
+    assert stopped < MAX_STEPS, note
+    assert find_latest(run_dir / "checkpoints").name == f"step_{stopped:09d}", note
+
+    # 2) the same command: resumes; kill -9 everything at a later step.
+    proc = _launch(4, config, run_dir, *args, log_name="log2")
+    _wait_step(proc, run_dir, max(b, stopped + 1))
+    _kill_tree(proc)
+
+    # 3) the same command again: resumes from the latest good checkpoint and finishes.
+    proc = _launch(4, config, run_dir, *args, log_name="log3")
+    assert _finish(proc, run_dir) == 0, f"{note}\n{_log(run_dir)}"
+    assert "resumed from" in (run_dir / "log3.txt").read_text(), note
+
+    ref, got = _metrics(reference), _metrics(run_dir)
+    assert sorted(ref) == sorted(got), note
+    for key in ref:
+        for f in ("loss", "ar_loss", "mdm_loss", "val_loss", "grad_norm", "lr",
+                  "consumed_samples", "consumed_tokens"):
+            if f in ref[key]:
+                assert got[key][f] == ref[key][f], (note, key, f)
+    # every line ever written (including steps re-run after the kill) matches the reference
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        m = json.loads(line)
+        if m["kind"] == "train":
+            assert m["loss"] == ref[("train", m["step"])]["loss"], (note, m["step"])
+    w_ref, w_got = _hf_weights(reference / "checkpoints"), _hf_weights(run_dir / "checkpoints")
+    for name in w_ref:
+        assert torch.equal(w_ref[name], w_got[name]), (note, name)
+    ids, hist = _wandb_history(run_dir)
+    assert len(ids) == 3 and len(set(ids)) == 1, (note, ids)  # one wandb run, resumed twice
+    assert hist[MAX_STEPS]["train/loss"] == ref[("train", MAX_STEPS)]["loss"]
+
+
+def test_nan_skip_drops_the_update_on_every_rank(setup):
+    """DP=2: NaN on rank 0 only at step 3; rank 1's loss is finite, yet no rank applies step 3."""
+    base, config = setup
+    run_dir = base / "nan_skip"
+    proc = _launch(2, config, run_dir, "train.nan_policy=skip", "debug.nan_at_steps=[3]",
+                   "train.max_steps=4", "checkpoint.interval=1", "checkpoint.keep=10",
+                   "train.eval_interval=0")
+    assert _finish(proc, run_dir) == 0, _log(run_dir)
+    m = _metrics(run_dir)
+    assert [m[("train", s)]["skipped"] for s in (1, 2, 3, 4)] == [False, False, True, False]
+    assert np.isfinite(m[("train", 4)]["loss"])
+    log = _log(run_dir)
+    assert "rank 0: non-finite loss at step 3" in log
+    ck = run_dir / "checkpoints"
+    w2, w3, w4 = (_hf_weights(ck / f"step_{s:09d}") for s in (2, 3, 4))
+    for name in w2:
+        assert torch.equal(w2[name], w3[name]), name
+    assert any(not torch.equal(w3[n], w4[n]) for n in w3)
+
+
+def test_nan_stop_exits_nonzero_without_checkpoint(setup):
+    base, config = setup
+    run_dir = base / "nan_stop"
+    proc = _launch(1, config, run_dir, "debug.nan_at_steps=[3]", "train.max_steps=4",
+                   "checkpoint.interval=1", "train.eval_interval=0")
+    assert _finish(proc, run_dir) == 3, _log(run_dir)
+    log = _log(run_dir)
+    assert "non-finite loss at step 3, micro-batch 0, batch keys ['train" in log
+    from pipeline.checkpoint import find_latest, list_complete
+    assert [s for s, _ in list_complete(run_dir / "checkpoints")][-1] == 2
+    assert find_latest(run_dir / "checkpoints").name == "step_000000002"
+    assert ("train", 3) not in _metrics(run_dir)
