@@ -461,20 +461,29 @@ def _merge_tp_shards(shards: list[torch.Tensor], dim: int | None, stride: int) -
 
 
 def _per_tp_rank_state_dict(step_dir: Path, tp_rank: int) -> dict[str, torch.Tensor]:
-    """fp32 state dict of one TP rank, merged over the DP ranks by DeepSpeed's zero_to_fp32.
+    """fp32 state dict of one TP rank, merged over its DP ranks.
 
-    `get_fp32_state_dict_from_zero_checkpoint` expects the files of one model-parallel rank
-    only (FINDINGS trap 3), so it is pointed at a temp folder of symlinks to this rank's
-    `*_mp_rank_<tp>_{model,optim}_states.pt` files.
+    ZeRO 1-3: DeepSpeed's `get_fp32_state_dict_from_zero_checkpoint`, which expects the files
+    of one model-parallel rank only (FINDINGS trap 3), pointed at a temp folder of symlinks to
+    this rank's files (`zero_pp_rank_<dp>_mp_rank_<tp>_model_states.pt` for ZeRO-3 or
+    `mp_rank_<tp>_model_states.pt` for ZeRO 1-2, and `[bf16_]zero_pp_rank_<dp>_mp_rank_<tp>_
+    optim_states.pt`). ZeRO-0 (no optimizer partitions): the module state in
+    `mp_rank_<tp>_model_states.pt`, cast to fp32.
     """
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    suffix = f"_mp_rank_{tp_rank:02d}_"
+    mp = f"mp_rank_{tp_rank:02d}_"
     files = [f for f in step_dir.iterdir()
-             if suffix in f.name and f.name.endswith(("_model_states.pt", "_optim_states.pt"))]
+             if (f.name.startswith(mp) or f"_{mp}" in f.name)
+             and f.name.endswith(("_model_states.pt", "_optim_states.pt"))]
     if not any(f.name.endswith("_optim_states.pt") for f in files):
-        raise CheckpointError(f"{step_dir}: no *{suffix}optim_states.pt files (is it a ZeRO "
-                              f"checkpoint?)")
+        plain = step_dir / f"{mp}model_states.pt"
+        if not plain.is_file():
+            raise CheckpointError(f"{step_dir}: no DeepSpeed model/optimizer files of TP rank "
+                                  f"{tp_rank} (*{mp}*_states.pt)")
+        module = torch.load(plain, map_location="cpu", weights_only=False)["module"]
+        return {k: v.float() if v.is_floating_point() else v for k, v in module.items()
+                if isinstance(v, torch.Tensor)}       # megatron's `_extra_state` entries: None
     with tempfile.TemporaryDirectory(prefix="refusion-tp-") as tmp:
         view = Path(tmp) / step_dir.name
         view.mkdir()

@@ -26,8 +26,8 @@ class Crash(Exception):
     """Raised at a checkpoint crash point to simulate a process dying mid-save."""
 
 
-def _build(seed: int):
-    """Tiny TP model inside zero.Init + a DeepSpeed ZeRO-3 engine over the DP group."""
+def _build(seed: int, stage: int = 3):
+    """Tiny TP model (inside zero.Init for ZeRO-3) + a DeepSpeed ZeRO engine over the DP group."""
     import deepspeed
     from megatron.core import parallel_state
     from megatron.core.model_parallel_config import ModelParallelConfig
@@ -63,7 +63,7 @@ def _build(seed: int):
     ds_config = {
         "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1,
         "gradient_clipping": 1.0, "zero_allow_untested_optimizer": True,
-        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
         "scheduler": {"type": "WarmupCosineLR",
                       "params": {"total_num_steps": 20, "warmup_num_steps": 3}},
         "steps_per_print": 10 ** 9, "wall_clock_breakdown": False,
@@ -71,7 +71,8 @@ def _build(seed: int):
     deepspeed.init_distributed(dist_backend="gloo")   # wrap the default group (zero.Init reads it)
     torch.manual_seed(seed)
     with deepspeed.zero.Init(data_parallel_group=parallel_state.get_data_parallel_group(),
-                             mpu=MegatronMPU(), config_dict_or_path=ds_config):
+                             mpu=MegatronMPU(), config_dict_or_path=ds_config,
+                             enabled=stage == 3):
         model = Tiny()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config,
@@ -161,6 +162,11 @@ def _phase1(rank, world_size, root):
             result["dirs_after_crash"] = sorted(os.listdir(root))
     result["losses"] = losses
     result["tp_rank"], result["dp_rank"] = info.tp_rank, info.dp_rank
+    # ZeRO-2 (other DeepSpeed file names: mp_rank_XX_model_states.pt) in a second root
+    engine2 = _build(seed=7, stage=2)
+    _train_step(engine2)
+    ckpt.save_checkpoint(engine2, root + "-zero2", 1, {}, keep_last=1)
+    result["weights_zero2"] = {n: p.detach().clone() for n, p in engine2.module.named_parameters()}
     return result
 
 
@@ -245,6 +251,17 @@ def test_consolidation_equals_gathered_weights_and_plain_forward(runs):
     probe = torch.arange(10).reshape(2, 5) % V
     torch.testing.assert_close(_reference_logits(full, probe), p1[0]["logits_4"],
                                rtol=1e-5, atol=1e-5)
+
+
+def test_zero2_consolidation_equals_the_weights(runs):
+    root, p1, _ = runs
+    full, layout = ckpt.consolidate_state_dict(Path(str(root) + "-zero2"))
+    assert layout["tp_size"] == TP and layout["dp_size"] == 2
+    for res in p1:
+        for name, local in res["weights_zero2"].items():
+            dim = layout["params"][name]["partition_dim"]
+            expect = full[name] if dim is None else full[name].chunk(TP, dim=dim)[res["tp_rank"]]
+            torch.testing.assert_close(local, expect, rtol=0, atol=0, msg=name)
 
 
 def test_merge_tp_shards_inverts_megatron_strided_split():
