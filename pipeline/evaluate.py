@@ -2,7 +2,7 @@
 
     python -m pipeline.evaluate --model HF_DIR_OR_CHECKPOINT --data SHARDS_DIR_OR_JSONL
         [--split val] [--max-batches N] [--micro-batch-size B] [--limit N]
-        [--modes refusion,ar] [decoding options of pipeline.generate] [--json]
+        [--modes refusion,ar] [decoding options of pipeline.generate] [--json] [--json-out F]
     python -m pipeline.evaluate --model ... --task humaneval [--limit N] [--modes ...]
 
 Owns: the evaluation loops and their figures. Must not touch: the loss (`pipeline.objective`),
@@ -34,8 +34,8 @@ from pathlib import Path
 
 import torch
 
-from pipeline.generate import (DTYPES, UsageError, add_decoding_args, check_decoding_args,
-                               load_for_inference, read_prompts_jsonl)
+from pipeline.generate import (DTYPES, UsageError, _write_json, add_decoding_args,
+                               check_decoding_args, load_for_inference, read_prompts_jsonl)
 
 # Where a HumanEval completion ends (the function body is done when one of these starts a
 # line at the top level); the usual stop sequences of HumanEval harnesses.
@@ -238,7 +238,8 @@ def main(argv=None) -> int:
     p.add_argument("--micro-batch-size", type=int, default=4)
     p.add_argument("--limit", type=int, default=16, help="decoded examples (0 = all)")
     p.add_argument("--modes", default="refusion,ar")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print one JSON document")
+    p.add_argument("--json-out", default=None, help="also write the JSON document to this file")
     add_decoding_args(p)
     p.set_defaults(gen_length=64, num_blocks=2)
     args = p.parse_args(argv)
@@ -282,6 +283,8 @@ def main(argv=None) -> int:
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.json_out:
+        _write_json(args.json_out, report)
     if args.json:
         print(json.dumps(report, indent=1))
         return 0

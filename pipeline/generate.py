@@ -4,7 +4,7 @@
         [--mode refusion|ar] [--gen-length N] [--slot-size K] [--num-blocks B]
         [--slot-threshold X] [--token-threshold Y] [--temperature T] [--batch-size N]
         [--exact-cache] [--raw] [--tokenizer PATH] [--dtype float32|bfloat16|float64]
-        [--seed S] [--json]
+        [--seed S] [--json] [--json-out FILE]
 
 Owns: loading a model + tokenizer for inference (`load_for_inference`, also used by
 `pipeline.evaluate`), building prompts, batching, printing. Must not touch: the decoding
@@ -249,6 +249,16 @@ def read_prompts_jsonl(path) -> list[dict]:
     return out
 
 
+def _write_json(path, doc) -> None:
+    """Write `doc` as JSON to `path` atomically (temp file in the same folder, then rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    with os.fdopen(fd, "w") as f:
+        json.dump(doc, f, indent=1)
+    os.replace(tmp, path)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m pipeline.generate",
                                 description="Decode prompts with a ReFusion model.")
@@ -259,6 +269,7 @@ def main(argv=None) -> int:
     p.add_argument("--mode", choices=("refusion", "ar"), default="refusion")
     p.add_argument("--raw", action="store_true", help="feed prompts as plain text")
     p.add_argument("--json", action="store_true", help="print one JSON document")
+    p.add_argument("--json-out", default=None, help="also write the JSON document to this file")
     add_decoding_args(p)
     args = p.parse_args(argv)
     try:
@@ -273,7 +284,7 @@ def main(argv=None) -> int:
                     raise UsageError(f"{args.prompts}: record {n} has no \"prompt\" string")
                 texts.append(t)
         loaded = load_for_inference(args.model, args.tokenizer, DTYPES[args.dtype])
-        results = []
+        results, seconds = [], 0.0
         for i in range(0, len(texts), args.batch_size):
             chunk = texts[i:i + args.batch_size]
             ids = [prompt_ids(loaded, t, args.raw) for t in chunk]
@@ -281,6 +292,7 @@ def main(argv=None) -> int:
                 out = decode_batch(loaded, ids, args)
             except ValueError as e:
                 raise UsageError(str(e))
+            seconds += out.seconds
             for j, t in enumerate(chunk):
                 results.append({"prompt": t, "text": loaded.decode(out.tokens[j]),
                                 "token_ids": out.tokens[j], **out.stats(j)})
@@ -290,10 +302,14 @@ def main(argv=None) -> int:
     total_tokens = sum(r["tokens"] for r in results)
     total_forwards = sum(r["forwards"] for r in results)
     summary = {"mode": args.mode, "prompts": len(results), "tokens": total_tokens,
-               "forwards": total_forwards,
-               "tpf": total_tokens / total_forwards if total_forwards else 0.0}
+               "forwards": total_forwards, "seconds": seconds,
+               "tpf": total_tokens / total_forwards if total_forwards else 0.0,
+               "tps": total_tokens / seconds if seconds else 0.0}
+    doc = {"summary": summary, "results": results}
+    if args.json_out:
+        _write_json(args.json_out, doc)
     if args.json:
-        print(json.dumps({"summary": summary, "results": results}, indent=1))
+        print(json.dumps(doc, indent=1))
         return 0
     for r in results:
         print(f"=== prompt: {r['prompt'][:200]!r}")
@@ -301,7 +317,7 @@ def main(argv=None) -> int:
         print(f"--- tokens {r['tokens']}  forwards {r['forwards']} "
               f"{dict(r['forwards_by_kind'])}  TPF {r['tpf']:.2f}  TPS {r['tps']:.1f}")
     print(f"=== {args.mode}: {len(results)} prompts, {total_tokens} tokens, "
-          f"{total_forwards} forwards, TPF {summary['tpf']:.2f}")
+          f"{total_forwards} forwards, TPF {summary['tpf']:.2f}, TPS {summary['tps']:.1f}")
     return 0
 
 
