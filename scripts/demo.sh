@@ -42,9 +42,10 @@ TRAIN_STEPS=${TRAIN_STEPS:-240}
 export DS_ACCELERATOR=${DS_ACCELERATOR:-cpu}
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/.cache/torch_extensions}
 export WANDB_MODE=${WANDB_MODE:-offline}
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+
 echo "== 2. train ($NPROC processes, ZeRO-3, $TRAIN_STEPS steps; run dir $RUN)"
-"$PY" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" -m pipeline.train \
+OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} PYTHONWARNINGS=${PYTHONWARNINGS:-ignore::FutureWarning} \
+  "$PY" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" -m pipeline.train \
   --config configs/demo.yaml run_dir="$RUN" data.dir="$SHARDS" train.max_steps="$TRAIN_STEPS"
 
 # ---------------------------------------------------------------- 3. export
