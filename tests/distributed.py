@@ -47,8 +47,16 @@ def _worker(rank, world_size, port, fn, args, queue):
             pass
 
 
-def run_distributed(fn, world_size: int, args: tuple = (), timeout_s: float = 600.0) -> list:
+_PORT_TAKEN = ("Address already in use", "EADDRINUSE", "address already in use")
+
+
+def run_distributed(fn, world_size: int, args: tuple = (), timeout_s: float = 600.0,
+                    port_retries: int = 2) -> list:
     """Run `fn(rank, world_size, *args)` in `world_size` spawned processes.
+
+    The rendezvous port is picked free just before the start; when another test process grabs
+    it in between (tests run concurrently on shared machines), the run is retried on a new port
+    up to `port_retries` times. Any other failure is raised at once.
 
     Returns:
         The per-rank return values, indexed by rank.
@@ -56,6 +64,16 @@ def run_distributed(fn, world_size: int, args: tuple = (), timeout_s: float = 60
     Raises:
         RuntimeError: a rank raised (its traceback is in the message), or timed out.
     """
+    for attempt in range(port_retries + 1):
+        try:
+            return _run_once(fn, world_size, args, timeout_s)
+        except RuntimeError as e:
+            if attempt == port_retries or not any(s in str(e) for s in _PORT_TAKEN):
+                raise
+    raise AssertionError("unreachable")
+
+
+def _run_once(fn, world_size: int, args: tuple, timeout_s: float) -> list:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
