@@ -51,6 +51,7 @@ META = "refusion_meta.json"
 LAYOUT = "refusion_layout.json"
 MODEL_CONFIG = "refusion_model_config.json"
 PARTIAL = ".partial"
+OLD = ".old"
 _TAG_RE = re.compile(r"^step_(\d+)$")
 FORMAT_VERSION = 1
 
@@ -323,6 +324,9 @@ def save_checkpoint(engine, root_dir: str | os.PathLike, step: int, client_state
 
     Raises:
         ValueError: `keep_last` < 0 or `step` < 0.
+        OSError etc.: on rank 0, whatever failed while publishing; the other ranks then raise
+            CheckpointError (no rank is left waiting in a collective). The previous complete
+            checkpoint stays the latest.
     """
     if keep_last < 0:
         raise ValueError(f"keep_last must be >= 0 (0 keeps all), got {keep_last}")
@@ -337,52 +341,71 @@ def save_checkpoint(engine, root_dir: str | os.PathLike, step: int, client_state
 
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
-        for child in root.iterdir():  # leftovers of crashed saves (ours are never loaded)
-            if child.is_dir() and child.name.endswith(PARTIAL):
+        for child in root.iterdir():  # leftovers of crashed saves (never loaded)
+            if child.is_dir() and child.name.endswith((PARTIAL, OLD)):
                 shutil.rmtree(child, ignore_errors=True)
     _barrier()
 
     engine.save_checkpoint(str(root), tag=partial_tag, client_state={}, save_latest=False)
     _crash_point("after_deepspeed_save")
 
+    partial.mkdir(parents=True, exist_ok=True)  # ranks that wrote no DeepSpeed file
     _atomic_torch_save(partial / f"refusion_rank_{rank:05d}.pt",
                        {"client_state": client_state, "rng": rng_state(), "rank": rank,
                         "world_size": world})
     layout = parameter_layout(engine.module)
     mcfg = _model_config_dict(engine, model_config)
-    tp_rank, tp_size, dp_rank, dp_size = _tp_dp(engine)
+    _, tp_size, _, dp_size = _tp_dp(engine)
     _barrier()  # every rank's files are closed before rank 0 publishes
     _crash_point("before_publish")
 
+    error = None
     if rank == 0:
-        _atomic_write_json(partial / LAYOUT, {"format_version": FORMAT_VERSION, "tp_size": tp_size,
-                                              "dp_size": dp_size, "params": layout})
-        if mcfg is not None:
-            _atomic_write_json(partial / MODEL_CONFIG, mcfg)
-        _atomic_write_json(partial / META, {
-            "format_version": FORMAT_VERSION, "step": step, "tag": tag, "world_size": world,
-            "tp_size": tp_size, "dp_size": dp_size, "zero_stage": int(engine.zero_optimization_stage()),
-            "saved_at_unix_s": time.time()})
-        _fsync_dir(partial)
-        final = root / tag
-        old = None
-        if final.exists():  # same step saved again: swap, then drop the old copy
-            old = root / (tag + ".old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.rename(final, old)
-        os.rename(partial, final)
-        _fsync_dir(root)
-        _crash_point("before_latest")
-        _atomic_write_bytes(root / LATEST, tag.encode())
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-        if keep_last > 0:
-            for _, d in list_complete(root)[:-keep_last]:
-                if d.name != tag:
-                    shutil.rmtree(d, ignore_errors=True)
-        log.info("saved checkpoint %s in %.1f s", final, time.time() - t0)
-    _barrier()
+        try:
+            _publish(engine, root, partial, step, tag, world, tp_size, dp_size, layout, mcfg,
+                     keep_last)
+            log.info("saved checkpoint %s in %.1f s", root / tag, time.time() - t0)
+        except Exception as e:  # tell the other ranks instead of leaving them in a barrier
+            error = f"{type(e).__name__}: {e}"
+            raise
+        finally:
+            _broadcast_from_rank0(error)
+    else:
+        error = _broadcast_from_rank0(None)
+        if error is not None:
+            raise CheckpointError(f"{partial}: rank 0 failed to publish the checkpoint: {error}")
     return root / tag
+
+
+def _publish(engine, root: Path, partial: Path, step: int, tag: str, world: int, tp_size: int,
+             dp_size: int, layout: dict, mcfg: dict | None, keep_last: int) -> None:
+    """Rank 0: write our metadata into the finished `.partial` folder, rename it into place,
+    replace `latest`, apply retention."""
+    _atomic_write_json(partial / LAYOUT, {"format_version": FORMAT_VERSION, "tp_size": tp_size,
+                                          "dp_size": dp_size, "params": layout})
+    if mcfg is not None:
+        _atomic_write_json(partial / MODEL_CONFIG, mcfg)
+    _atomic_write_json(partial / META, {
+        "format_version": FORMAT_VERSION, "step": step, "tag": tag, "world_size": world,
+        "tp_size": tp_size, "dp_size": dp_size, "zero_stage": int(engine.zero_optimization_stage()),
+        "saved_at_unix_s": time.time()})
+    _fsync_dir(partial)
+    final = root / tag
+    old = None
+    if final.exists():  # same step saved again: swap, then drop the old copy
+        old = root / (tag + OLD)
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+    os.rename(partial, final)
+    _fsync_dir(root)
+    _crash_point("before_latest")
+    _atomic_write_bytes(root / LATEST, tag.encode())
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    if keep_last > 0:
+        for _, d in list_complete(root)[:-keep_last]:
+            if d.name != tag:
+                shutil.rmtree(d, ignore_errors=True)
 
 
 # --------------------------------------------------------------------------- load

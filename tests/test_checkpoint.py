@@ -307,3 +307,45 @@ def test_load_latest_refuses_a_different_world_size(tmp_path):
     with pytest.raises(ckpt.CheckpointError, match="world size 8 with TP 2"):
         ckpt.load_latest(NoEngine(), tmp_path)
     assert ckpt.load_latest(NoEngine(), tmp_path / "empty") is None
+
+
+class _FakeEngine:
+    """Just enough of a DeepSpeed engine for the publish logic (no DeepSpeed involved)."""
+    mpu = None
+
+    def __init__(self):
+        self.module = torch.nn.Linear(2, 2)
+
+    def save_checkpoint(self, save_dir, tag, client_state, save_latest):
+        import torch.distributed as dist
+        d = Path(save_dir) / tag
+        d.mkdir(parents=True, exist_ok=True)
+        torch.save(self.module.state_dict(), d / f"fake_rank_{dist.get_rank()}.pt")
+        dist.barrier()
+
+    def zero_optimization_stage(self):
+        return 0
+
+
+def _rank0_fails_publishing(rank, world_size, root):
+    import torch.distributed as dist
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    engine = _FakeEngine()
+    ckpt.save_checkpoint(engine, root, 1, {"n": 1}, keep_last=2)
+
+    def crash(name):
+        if name == "before_latest":          # only rank 0 gets there
+            raise Crash(name)
+    ckpt._crash_point = crash
+    try:
+        ckpt.save_checkpoint(engine, root, 2, {"n": 2}, keep_last=2)
+    except (Crash, ckpt.CheckpointError) as e:
+        return type(e).__name__
+    return "no error"
+
+
+def test_rank0_publish_failure_raises_everywhere_and_keeps_latest(tmp_path):
+    got = run_distributed(_rank0_fails_publishing, 2, (str(tmp_path),), timeout_s=120)
+    assert got == ["Crash", "CheckpointError"]          # nobody left waiting in a barrier
+    assert (tmp_path / "latest").read_text() == "step_000000001"
+    assert ckpt.find_latest(tmp_path) == tmp_path / "step_000000001"
