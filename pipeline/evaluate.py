@@ -26,6 +26,7 @@ Exit codes: 0 done; 2 usage or input error (one line on stderr).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import sys
@@ -250,7 +251,8 @@ def main(argv=None) -> int:
         if args.limit < 0 or args.max_batches < 0 or args.micro_batch_size < 1:
             raise UsageError("--limit and --max-batches must be >= 0, --micro-batch-size >= 1")
         check_decoding_args(args, refusion="refusion" in modes)
-        loaded = load_for_inference(args.model, args.tokenizer, DTYPES[args.dtype])
+        with contextlib.redirect_stdout(sys.stderr):  # keep library prints off stdout
+            loaded = load_for_inference(args.model, args.tokenizer, DTYPES[args.dtype])
         report: dict = {"model": str(args.model)}
         t0 = time.perf_counter()
         limit = args.limit or 10 ** 9

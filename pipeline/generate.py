@@ -25,6 +25,7 @@ Exit codes: 0 done; 2 usage or input error (one line on stderr).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -283,7 +284,10 @@ def main(argv=None) -> int:
                 if not isinstance(t, str):
                     raise UsageError(f"{args.prompts}: record {n} has no \"prompt\" string")
                 texts.append(t)
-        loaded = load_for_inference(args.model, args.tokenizer, DTYPES[args.dtype])
+        # Libraries print progress to stdout (DeepSpeed's consolidation, its logger): keep
+        # stdout for our output only.
+        with contextlib.redirect_stdout(sys.stderr):
+            loaded = load_for_inference(args.model, args.tokenizer, DTYPES[args.dtype])
         results, seconds = [], 0.0
         for i in range(0, len(texts), args.batch_size):
             chunk = texts[i:i + args.batch_size]
