@@ -87,10 +87,20 @@ def _is_checkpoint(path: Path) -> bool:
 
 
 def _find_tokenizer(folder: Path) -> str | None:
-    if (folder / "tokenizer_config.json").is_file() or (folder / "tokenizer.json").is_file():
+    """The tokenizer of a model folder: HF tokenizer files, except that a SentencePiece
+    `tokenizer.model` wins over HF files without a chat template (an export of a data_prep
+    SentencePiece model: its prompt layout needs the SentencePiece pieces)."""
+    spm_file = folder / "tokenizer.model"
+    cfg = folder / "tokenizer_config.json"
+    has_hf = cfg.is_file() or (folder / "tokenizer.json").is_file()
+    if has_hf and spm_file.is_file():
+        chat = (folder / "chat_template.jinja").is_file() or (
+            cfg.is_file() and "chat_template" in json.loads(cfg.read_text()))
+        return str(folder) if chat else str(spm_file)
+    if has_hf:
         return str(folder)
-    if (folder / "tokenizer.model").is_file():
-        return str(folder / "tokenizer.model")
+    if spm_file.is_file():
+        return str(spm_file)
     return None
 
 
