@@ -1,0 +1,179 @@
+"""Run config: schema, overrides, validation errors (one line, exit 2), derived batch layout, the
+lr schedule (against torch's own schedulers) and the layout-independent random init (against
+`hf_io`'s TP merge)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline.config import ConfigError, load_config, validate
+from shard_fixtures import random_samples, write_shards
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+         "max_position_embeddings": 64}
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("cfgdata") / "shards"
+    rng = np.random.default_rng(0)
+    write_shards(str(d), {"train": random_samples(rng, 8, vocab_size=64, max_length=16),
+                          "val": random_samples(rng, 4, vocab_size=64, max_length=16)},
+                 samples_per_shard=4, max_length=16)
+    return d
+
+
+def _cfg(tmp_path: Path, data_dir: Path, text: str | None = None, **sections) -> Path:
+    base = {"run_dir": str(tmp_path / "run"), "model": {"inline": dict(MODEL)},
+            "data": {"dir": str(data_dir), "num_workers": 0},
+            "train": {"max_steps": 10, "micro_batch_size": 1}}
+    for k, v in sections.items():
+        base[k] = {**base.get(k, {}), **v} if isinstance(v, dict) else v
+    p = tmp_path / "run.yaml"
+    p.write_text(text if text is not None else json.dumps(base))
+    return p
+
+
+def _error(path, overrides=(), world_size=1) -> str:
+    with pytest.raises(ConfigError) as e:
+        validate(load_config(str(path), list(overrides)), world_size=world_size)
+    msg = str(e.value)
+    assert "\n" not in msg
+    return msg
+
+
+def test_valid_config_and_derived_batch_layout(tmp_path, data_dir):
+    path = _cfg(tmp_path, data_dir, train={"max_steps": 10, "micro_batch_size": 2,
+                                           "global_batch_size": 8, "tensor_parallel_size": 2})
+    plan = validate(load_config(str(path)), world_size=4)
+    assert (plan.tp_size, plan.dp_size, plan.grad_accum_steps, plan.global_batch_size) == (2, 2, 2, 8)
+    assert plan.row_length == 16 and plan.checkpoint_dir == str(tmp_path / "run" / "checkpoints")
+    # overrides win over the file; GA given instead of the global batch
+    plan = validate(load_config(str(path), ["train.global_batch_size=null",
+                                            "train.grad_accum_steps=3"]), world_size=4)
+    assert plan.global_batch_size == 2 * 3 * 2
+    from pipeline.train import deepspeed_config
+    ds = deepspeed_config(load_config(str(path)), plan)
+    assert ds["train_batch_size"] == ds["train_micro_batch_size_per_gpu"] * \
+        ds["gradient_accumulation_steps"] * plan.dp_size
+    assert ds["bf16"]["enabled"] and ds["zero_optimization"]["stage"] == 3
+
+
+@pytest.mark.parametrize("overrides, world, expected", [
+    (["train.tensor_parallel_size=2"], 3, "train.tensor_parallel_size=2 does not divide the world size 3"),
+    (["train.tensor_parallel_size=8"], 8, "does not divide model num_attention_heads=4"),
+    (["train.tensor_parallel_size=4"], 4, "does not divide model num_key_value_heads=2"),
+    (["train.global_batch_size=6"], 4, "train.global_batch_size=6 is not a multiple of micro_batch_size x data-parallel size = 1 x 4"),
+    (["train.global_batch_size=8", "train.grad_accum_steps=3"], 2, "train.global_batch_size=8 != micro_batch_size x grad_accum_steps"),
+    (["train.max_stepz=3"], 1, "key 'train.max_stepz'"),
+    (["train.max_steps=abc"], 1, "train.max_steps"),
+    (["train.nan_policy=retry"], 1, "train.nan_policy must be stop or skip"),
+    (["train.precision=fp16"], 1, "train.precision must be bf16 or fp32"),
+    (["wandb.mode=cloud"], 1, "wandb.mode must be online, offline or disabled"),
+    (["optim.warmup_steps=11"], 1, "optim.warmup_steps must be in [0, train.max_steps=10]"),
+    (["model.preset=configs/model/nope.yaml"], 1, "model.preset: file not found"),
+    (["model.inline.num_key_value_heads=3"], 1, "num_attention_heads 4 is not a multiple of num_key_value_heads 3"),
+    (["model.inline.vocab_size=32"], 1, "tokenizer.vocab_size 64 > model vocab_size 32"),
+    (["data.dir=/nonexistent/shards"], 1, "data.dir: /nonexistent/shards: no manifest.json"),
+    (["data.train_split=dev"], 1, "data.train_split: no split 'dev'"),
+    (["train.eval_interval=5", "data.val_split=test"], 1, "data.val_split: no split 'test'"),
+    (["data.num_workers=2"], 8, "fewer than data-parallel size x data.num_workers = 16"),
+    (["data.max_length=8"], 1, "data.max_length=8 is shorter than the shards' max_length 16"),
+    (["init.source=hf"], 1, "init.source=hf needs init.hf_path"),
+    (["init.source=hf", "init.hf_path=/nonexistent"], 1, "init.hf_path: no config.json in /nonexistent"),
+    (["objective.mode=bert"], 1, "objective: objective.mode must be 'refusion' or 'ar'"),
+    (["train.offload_params=true", "train.zero_stage=2"], 1, "train.offload_params needs train.zero_stage=3"),
+    (["checkpoint.keep=0"], 1, "checkpoint.keep must be >= 1"),
+])
+def test_validation_errors_name_the_key(tmp_path, data_dir, overrides, world, expected):
+    assert expected in _error(_cfg(tmp_path, data_dir), overrides, world)
+
+
+def test_missing_required_keys_and_files(tmp_path, data_dir):
+    assert "run_dir" in _error(_cfg(tmp_path, data_dir, text="train: {max_steps: 3}\n"))
+    assert "config file not found" in _error(tmp_path / "absent.yaml")
+    bad = _cfg(tmp_path, data_dir, text="train: [1, 2\n")
+    assert "cannot parse YAML" in _error(bad)
+    assert "not of the form key=value" in _error(_cfg(tmp_path, data_dir), ["train.max_steps"])
+
+
+def test_hf_folder_supplies_the_model_shape(tmp_path, data_dir):
+    from tiny_qwen3 import make_tiny_qwen3
+    hf = make_tiny_qwen3(tmp_path / "hf", vocab_size=64, hidden_size=32, intermediate_size=64,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    path = _cfg(tmp_path, data_dir, text=json.dumps({
+        "run_dir": str(tmp_path / "run"), "init": {"source": "hf", "hf_path": str(hf)},
+        "data": {"dir": str(data_dir), "num_workers": 0}, "train": {"max_steps": 2}}))
+    plan = validate(load_config(str(path)), world_size=2)
+    assert plan.model_fields["hidden_size"] == 32 and plan.model_fields["num_layers"] == 2
+    # an inline shape that disagrees with the checkpoint is refused
+    msg = _error(path, ["model.inline.hidden_size=48"])
+    assert "model hidden_size=48 differs from hidden_size=32 of the HF checkpoint" in msg
+
+
+def test_cli_config_error_is_one_line_and_exit_2(tmp_path, data_dir):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    for k in ("RANK", "WORLD_SIZE"):
+        env.pop(k, None)
+    path = _cfg(tmp_path, data_dir)
+    r = subprocess.run([sys.executable, "-m", "pipeline.train", "--config", str(path),
+                        "train.tensor_parallel_size=3"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip() and "Warning" not in ln
+             and not ln.startswith("  ")]
+    assert lines == ["pipeline.train: config error: train.tensor_parallel_size=3 does not divide "
+                     "the world size 1"], r.stderr
+    r = subprocess.run([sys.executable, "-m", "pipeline.train"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "--config" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("warmup, max_steps, min_lr", [(5, 40, 1e-5), (0, 10, 0.0), (10, 10, 0.0)])
+def test_lr_schedule_matches_torch_schedulers(warmup, max_steps, min_lr):
+    """Linear warmup + cosine, against torch.optim.lr_scheduler.LinearLR/CosineAnnealingLR."""
+    from pipeline.train import lr_at
+    lr = 3e-4
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr)
+    cos = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, max_steps - warmup),
+                                                     eta_min=min_lr)
+    if warmup:
+        lin = torch.optim.lr_scheduler.LinearLR(opt, start_factor=1.0 / warmup, end_factor=1.0,
+                                                total_iters=max(1, warmup - 1))
+        sched = torch.optim.lr_scheduler.SequentialLR(opt, [lin, cos], milestones=[warmup])
+    else:
+        sched = cos
+    for step in range(max_steps):
+        assert lr_at(step, lr, min_lr, warmup, max_steps) == pytest.approx(
+            opt.param_groups[0]["lr"], rel=1e-9, abs=1e-15), step
+        opt.step()
+        sched.step()
+
+
+def test_random_init_is_independent_of_the_tp_layout():
+    """TP=2 shards of the seeded init, merged by hf_io, equal the TP=1 init (HF names)."""
+    from pipeline import hf_io
+    from pipeline.model import ModelConfig
+    from pipeline.train import random_tp_shards
+    cfg = ModelConfig.from_dict(dict(MODEL, init_std=0.05))
+    one = hf_io.merge_tp_state_dicts([dict(random_tp_shards(cfg, 3, 0, 1))], cfg)
+    two = hf_io.merge_tp_state_dicts([dict(random_tp_shards(cfg, 3, r, 2)) for r in range(2)], cfg)
+    assert sorted(one) == sorted(two)
+    for k in one:
+        assert torch.equal(one[k], two[k]), k
+    q = one["model.layers.0.self_attn.q_proj.weight"]
+    assert q.shape == (32, 32) and abs(float(q.std()) - 0.05) < 0.01
+    down = one["model.layers.1.mlp.down_proj.weight"]
+    assert abs(float(down.std()) - 0.05 / 2.0) < 0.006  # std / sqrt(2 * num_layers)
+    assert torch.equal(one["model.norm.weight"], torch.ones(32))
+    other = hf_io.merge_tp_state_dicts([dict(random_tp_shards(cfg, 4, 0, 1))], cfg)
+    assert not torch.equal(other["model.embed_tokens.weight"], one["model.embed_tokens.weight"])
