@@ -286,18 +286,21 @@ def test_sigterm_then_kill9_resume_exactly(setup, reference):
 
 
 def test_nan_skip_drops_the_update_on_every_rank(setup):
-    """DP=2: NaN on rank 0 only at step 3; rank 1's loss is finite, yet no rank applies step 3."""
+    """DP=2, bf16, activation checkpointing: NaN on rank 0 only at step 3; rank 1's loss is
+    finite, yet no rank applies step 3 (fp32 master weights after step 3 == after step 2)."""
     base, config = setup
     run_dir = base / "nan_skip"
     proc = _launch(2, config, run_dir, "train.nan_policy=skip", "debug.nan_at_steps=[3]",
                    "train.max_steps=4", "checkpoint.interval=1", "checkpoint.keep=10",
-                   "train.eval_interval=0")
+                   "train.eval_interval=0", "train.precision=bf16",
+                   "train.activation_checkpointing=true")
     assert _finish(proc, run_dir) == 0, _log(run_dir)
     m = _metrics(run_dir)
     assert [m[("train", s)]["skipped"] for s in (1, 2, 3, 4)] == [False, False, True, False]
     assert np.isfinite(m[("train", 4)]["loss"])
     log = _log(run_dir)
     assert "rank 0: non-finite loss at step 3" in log
+    assert "rank 1: non-finite loss" not in log
     ck = run_dir / "checkpoints"
     w2, w3, w4 = (_hf_weights(ck / f"step_{s:09d}") for s in (2, 3, 4))
     for name in w2:
@@ -305,15 +308,40 @@ def test_nan_skip_drops_the_update_on_every_rank(setup):
     assert any(not torch.equal(w3[n], w4[n]) for n in w3)
 
 
-def test_nan_stop_exits_nonzero_without_checkpoint(setup):
-    base, config = setup
-    run_dir = base / "nan_stop"
-    proc = _launch(1, config, run_dir, "debug.nan_at_steps=[3]", "train.max_steps=4",
-                   "checkpoint.interval=1", "train.eval_interval=0")
-    assert _finish(proc, run_dir) == 3, _log(run_dir)
+def test_hf_init_tp2_then_nan_stop(setup):
+    """TP=2 x ZeRO-3 initialized from a Hugging Face folder (each rank copies its slices into
+    partitioned parameters): with a negligible lr the checkpointed weights equal the HF tensors.
+    Then a NaN at step 3 with nan_policy=stop: non-zero exit, the step and batch keys reported,
+    no checkpoint for step 3 (the latest stays step 2)."""
+    from safetensors.torch import load_file
+    from tiny_qwen3 import make_tiny_qwen3
+    base, _ = setup
+    shape = {k: MODEL[k] for k in ("vocab_size", "hidden_size", "intermediate_size",
+                                   "num_attention_heads", "num_key_value_heads", "head_dim")}
+    hf = make_tiny_qwen3(base / "hf", num_hidden_layers=MODEL["num_layers"], **shape)
+    config = base / "hf_run.yaml"
+    config.write_text(json.dumps({
+        "init": {"source": "hf", "hf_path": str(hf)},
+        "data": {"dir": str(base / "data"), "num_workers": 0},
+        "optim": {"lr": 1e-12, "warmup_steps": 0},
+        "train": {"max_steps": 4, "micro_batch_size": 1, "global_batch_size": 2,
+                  "precision": "fp32", "tensor_parallel_size": 2, "nan_policy": "stop"},
+        "debug": {"nan_at_steps": [3]},
+        "checkpoint": {"interval": 1}}))
+    run_dir = base / "hf_nan_stop"
+    proc = _launch(2, config, run_dir)
+    rc = _finish(proc, run_dir)
     log = _log(run_dir)
+    assert rc != 0, log
+    assert "exitcode  : 3" in log, log  # torchrun's report of the workers' exit code
     assert "non-finite loss at step 3, micro-batch 0, batch keys ['train" in log
+    assert "stopping (train.nan_policy=stop, no checkpoint written" in log
     from pipeline.checkpoint import find_latest, list_complete
     assert [s for s, _ in list_complete(run_dir / "checkpoints")][-1] == 2
     assert find_latest(run_dir / "checkpoints").name == "step_000000002"
     assert ("train", 3) not in _metrics(run_dir)
+    ref = load_file(str(hf / "model.safetensors"))
+    got = _hf_weights(run_dir / "checkpoints")
+    assert sorted(got) == sorted(ref)
+    for name in ref:
+        torch.testing.assert_close(got[name], ref[name], rtol=0, atol=1e-9, msg=name)
