@@ -370,8 +370,15 @@ def _run(model, rows: list[_Row], programs: list, max_len: int) -> int:
         except StopIteration:
             pass
     calls = 0
-    B = len(rows)
+    order = list(range(len(rows)))  # order[i] = the row held by cache row i
     while reqs:
+        if len(reqs) < len(order):
+            # Finished rows leave the batch: later forwards carry only active rows.
+            keep = [i for i, b in enumerate(order) if b in reqs]
+            cache.select_rows(torch.tensor(keep, dtype=torch.long))
+            order = [order[i] for i in keep]
+        B = len(order)
+        slot = {b: i for i, b in enumerate(order)}
         feeds = {}
         for b, req in reqs.items():
             row = rows[b]
@@ -388,11 +395,11 @@ def _run(model, rows: list[_Row], programs: list, max_len: int) -> int:
         position_ids = torch.zeros(B, T, dtype=torch.long)
         intra = torch.eye(T, dtype=torch.bool).expand(B, T, T).clone()
         for b, (nc, toks, pos, m) in feeds.items():
-            t = len(toks)
-            input_ids[b, :t] = torch.tensor(toks)
-            position_ids[b, :t] = torch.tensor(pos)
-            intra[b, :t, :t] = m
-            position_ids[b, t:] = pos[-1]
+            t, i = len(toks), slot[b]
+            input_ids[i, :t] = torch.tensor(toks)
+            position_ids[i, :t] = torch.tensor(pos)
+            intra[i, :t, :t] = m
+            position_ids[i, t:] = pos[-1]
         # Every fed token may see all of its row's cache (the model masks columns past a row's
         # length); padding query positions see only themselves among the new tokens.
         attn = torch.cat((torch.ones(B, T, cache.width, dtype=torch.bool), intra), -1)[:, None]
@@ -407,12 +414,12 @@ def _run(model, rows: list[_Row], programs: list, max_len: int) -> int:
             nc, toks, _, _ = feeds[b]
             row.forwards[req.kind] += 1
             row.carry, row.carry_positions = [], []
-            lg = logits[b, nc:nc + len(req.tokens)]
+            lg = logits[slot[b], nc:nc + len(req.tokens)]
             try:
                 nxt[b] = programs[b].send(lg)
             except StopIteration:
                 pass
-            index[b] = list(range(nc)) + [nc + i for i in row.commit]
+            index[slot[b]] = list(range(nc)) + [nc + i for i in row.commit]
             row.commit = []
         n = max(len(i) for i in index)
         if n:

@@ -104,70 +104,74 @@ def _find_tokenizer(folder: Path) -> str | None:
     return None
 
 
-def load_for_inference(model_path, tokenizer_path=None, dtype: torch.dtype = torch.float32,
-                       workdir=None) -> Loaded:
+def load_for_inference(model_path, tokenizer_path=None, dtype: torch.dtype = torch.float32
+                       ) -> Loaded:
     """Load a HF folder or a training checkpoint into `pipeline.model.Qwen3` (TP=1).
 
     Starts a single-process gloo group and megatron-core's parallel state when none exists.
+    A checkpoint is consolidated (`pipeline.checkpoint.consolidate_to_hf`, fp32) into a
+    temporary folder that is removed once the weights are loaded.
 
     Args:
         model_path: HF Qwen3 folder, or a checkpoint step folder / root.
-        tokenizer_path: tokenizer folder or SentencePiece file (default: from the model folder;
-            for a checkpoint, its `tokenizer/` or the `tokenizer` recorded nowhere else: pass it).
+        tokenizer_path: tokenizer folder or SentencePiece file (default: the model folder's;
+            for a checkpoint, a `tokenizer/` next to it or inside it, if any).
         dtype: parameter dtype.
-        workdir: where a checkpoint is consolidated (default: a temporary folder).
 
     Returns:
-        `Loaded`.
+        `Loaded` (`folder` is the HF folder, or the checkpoint path for a checkpoint).
 
     Raises:
-        UsageError: missing paths, no tokenizer, mask/EOS ids outside the model's vocab.
+        UsageError: missing paths, unreadable checkpoint, no tokenizer, mask/EOS ids outside
+            the model's vocab.
     """
     from pipeline.hf_io import config_from_hf, load_hf_into_model
     from pipeline.model import Qwen3
-    from pipeline.parallel import init_distributed
 
     path = Path(model_path)
     if not path.exists():
         raise UsageError(f"--model {path}: no such file or folder")
     _init_single_process()
-    if _is_checkpoint(path):
-        from pipeline.checkpoint import consolidate_to_hf
-        out = Path(workdir or tempfile.mkdtemp(prefix="refusion-ckpt-hf-")) / "hf"
-        consolidate_to_hf(path, out, dtype=None, overwrite=True)
-        folder = out
+    with tempfile.TemporaryDirectory(prefix="refusion-ckpt-hf-") as tmp:
+        if _is_checkpoint(path):
+            from pipeline.checkpoint import CheckpointError, consolidate_to_hf
+            folder = Path(tmp) / "hf"
+            try:
+                consolidate_to_hf(path, folder, dtype=None, overwrite=True)
+            except (CheckpointError, OSError, ValueError) as e:
+                raise UsageError(f"--model {path}: {e}")
+            if tokenizer_path is None:
+                for cand in (path / "tokenizer", path.parent / "tokenizer"):
+                    if cand.is_dir():
+                        tokenizer_path = _find_tokenizer(cand)
+                        break
+        else:
+            folder = path
+            if not (folder / "config.json").is_file():
+                raise UsageError(f"--model {folder}: neither a Hugging Face folder "
+                                 f"(config.json) nor a training checkpoint")
+            if tokenizer_path is None:
+                tokenizer_path = _find_tokenizer(folder)
         if tokenizer_path is None:
-            for cand in (path / "tokenizer", path.parent / "tokenizer"):
-                if cand.exists():
-                    tokenizer_path = _find_tokenizer(cand) if cand.is_dir() else str(cand)
-                    break
-    else:
-        folder = path
-        if not (folder / "config.json").is_file():
-            raise UsageError(f"--model {folder}: neither a Hugging Face folder (config.json) "
-                             f"nor a training checkpoint")
-    if tokenizer_path is None:
-        tokenizer_path = _find_tokenizer(folder)
-    if tokenizer_path is None:
-        raise UsageError(f"--model {folder}: no tokenizer files (tokenizer.json / "
-                         f"tokenizer.model); pass --tokenizer")
-    from data_prep.tokenizer_io import TokenizerError, load_tokenizer
-    try:
-        tok = load_tokenizer(str(tokenizer_path))
-    except TokenizerError as e:
-        raise UsageError(f"--tokenizer: {e}")
-    try:
-        cfg = config_from_hf(folder)
-    except (ValueError, KeyError, OSError) as e:
-        raise UsageError(f"--model {folder}: {e}")
-    for name in ("mask_id", "eos_id"):
-        i = getattr(tok.info, name)
-        if i is None or not 0 <= int(i) < cfg.vocab_size:
-            raise UsageError(f"tokenizer {tokenizer_path}: {name} {i} is outside the model's "
-                             f"{cfg.vocab_size} embedding rows")
-    model = Qwen3(cfg, dtype=dtype, init_weights=False)
-    load_hf_into_model(model, folder)
-    return Loaded(model=model.eval(), tokenizer=tok, folder=folder)
+            raise UsageError(f"--model {path}: no tokenizer files (tokenizer.json / "
+                             f"tokenizer.model); pass --tokenizer")
+        from data_prep.tokenizer_io import TokenizerError, load_tokenizer
+        try:
+            tok = load_tokenizer(str(tokenizer_path))
+        except TokenizerError as e:
+            raise UsageError(f"--tokenizer: {e}")
+        try:
+            cfg = config_from_hf(folder)
+        except (ValueError, KeyError, OSError) as e:
+            raise UsageError(f"--model {path}: {e}")
+        for name in ("mask_id", "eos_id"):
+            i = getattr(tok.info, name)
+            if i is None or not 0 <= int(i) < cfg.vocab_size:
+                raise UsageError(f"tokenizer {tokenizer_path}: {name} {i} is outside the "
+                                 f"model's {cfg.vocab_size} embedding rows")
+        model = Qwen3(cfg, dtype=dtype, init_weights=False)
+        load_hf_into_model(model, folder)
+    return Loaded(model=model.eval(), tokenizer=tok, folder=path)
 
 
 def _init_single_process() -> None:
