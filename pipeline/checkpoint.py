@@ -11,8 +11,8 @@ Layout of `root_dir` (a filesystem every rank sees, e.g. the cluster's shared fi
     root_dir/
       latest                          text: the tag of the newest complete checkpoint
       step_000000100/                 one complete checkpoint (tag = "step_%09d" % step)
-        zero_pp_rank_{dp}_mp_rank_{tp:02d}_model_states.pt      DeepSpeed (ZeRO-3, per rank)
-        [bf16_]zero_pp_rank_{dp}_mp_rank_{tp:02d}_optim_states.pt
+        zero_pp_rank_{dp}_mp_rank_{tp:02d}_model_states.pt      DeepSpeed, ZeRO-3 (ZeRO 0-2:
+        [bf16_]zero_pp_rank_{dp}_mp_rank_{tp:02d}_optim_states.pt  mp_rank_{tp:02d}_model_states.pt)
         refusion_rank_{rank:05d}.pt   ours, per global rank: client_state + RNG states
         refusion_layout.json          ours: tp/dp sizes, each parameter's per-rank shape,
                                       TP partition dim and stride (for export)
@@ -24,8 +24,10 @@ Crash safety: a save writes everything into `<tag>.partial`; after every rank ha
 (barrier), rank 0 writes `refusion_meta.json`, renames the folder to `<tag>` (an atomic
 rename) and only then replaces `latest` (temp file + os.replace). A crash at any point leaves
 the previous complete checkpoint and `latest` untouched; the loader only ever considers
-folders named exactly `step_<digits>` that hold `refusion_meta.json`. Leftover `.partial`
-folders are deleted by the next save.
+folders named exactly `step_<digits>` that hold `refusion_meta.json`, and prefers the one
+`latest` names (so a crash between the rename and the pointer update resumes from the older
+checkpoint, and `latest` can be pointed back by hand). Leftover `.partial` / `.old` folders
+are deleted by the next save.
 """
 from __future__ import annotations
 
@@ -192,7 +194,7 @@ def find_latest(root_dir: str | os.PathLike) -> Path | None:
     pointer = root / LATEST
     if pointer.is_file():
         tag = pointer.read_text().strip()
-        if tag and is_complete(root / tag):
+        if _TAG_RE.match(tag) and is_complete(root / tag):
             return root / tag
         log.warning("%s names %r, which is not a complete checkpoint; scanning %s",
                     pointer, tag, root)

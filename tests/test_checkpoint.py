@@ -289,6 +289,11 @@ def test_find_latest_ignores_incomplete_and_falls_back(tmp_path):
     assert ckpt.find_latest(tmp_path) == tmp_path / "step_000000001"  # pointer wins
     (tmp_path / "latest").write_text("step_000000003")                # names incomplete
     assert ckpt.find_latest(tmp_path) == tmp_path / "step_000000002"
+    elsewhere = tmp_path / "other" / "step_000000009"
+    elsewhere.mkdir(parents=True)
+    (elsewhere / ckpt.META).write_text("{}")
+    (tmp_path / "latest").write_text("other/step_000000009")          # outside the root
+    assert ckpt.find_latest(tmp_path) == tmp_path / "step_000000002"
     with pytest.raises(ckpt.CheckpointError, match="no complete checkpoint"):
         ckpt.resolve_checkpoint_dir(tmp_path / "step_000000003")
 
