@@ -85,7 +85,7 @@ class TrainSection:
     rank. `grad_accum_steps` / `global_batch_size`: see module docstring. `precision`: "bf16" or
     "fp32". `zero_stage`: DeepSpeed ZeRO stage (0-3). `offload_optimizer` / `offload_params`:
     ZeRO-Offload to CPU (params only with stage 3). `activation_checkpointing`: recompute each
-    layer in backward. `nan_policy`: "stop" (exit 3, no checkpoint written) or "skip" (drop the
+    layer in backward (sets the model's `recompute`, overriding the preset's value). `nan_policy`: "stop" (exit 3, no checkpoint written) or "skip" (drop the
     step's update). `log_interval`, `eval_interval` (0 = never), `eval_batches` (0 = the whole
     validation split) are in optimizer steps / micro-batches."""
     max_steps: int = MISSING
@@ -281,6 +281,13 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> Plan:
     Raises:
         ConfigError: the first problem found, as one line naming the key.
     """
+    try:
+        return _validate(cfg, world_size)
+    except OmegaConfBaseException as e:  # e.g. an interpolation that does not resolve
+        raise ConfigError(_describe(e)) from None
+
+
+def _validate(cfg: DictConfig, world_size: int | None) -> Plan:
     ws = world_size if world_size is not None else _world_size_from_env()
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:
@@ -374,11 +381,12 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> Plan:
     except DataError as e:
         raise ConfigError(f"data.dir: {_one_line(e)}") from None
     splits = manifest.get("splits", {})
-    streams = dp * max(1, cfg.data.num_workers)
     for key, split, used in (("data.train_split", cfg.data.train_split, True),
                              ("data.val_split", cfg.data.val_split, t.eval_interval > 0)):
         if not used:
             continue
+        # pipeline.data: one stream per (DP rank, loader worker); validation reads in-process
+        streams = dp * (max(1, cfg.data.num_workers) if key == "data.train_split" else 1)
         need(split in splits, f"{key}: no split {split!r} in {cfg.data.dir}/manifest.json "
                               f"(has {sorted(splits)})" + ("" if key == "data.train_split" else
                               "; set train.eval_interval=0 to train without validation"))

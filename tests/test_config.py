@@ -26,9 +26,9 @@ MODEL = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_laye
 def data_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("cfgdata") / "shards"
     rng = np.random.default_rng(0)
-    write_shards(str(d), {"train": random_samples(rng, 8, vocab_size=64, max_length=16),
-                          "val": random_samples(rng, 4, vocab_size=64, max_length=16)},
-                 samples_per_shard=4, max_length=16)
+    write_shards(str(d), {"train": random_samples(rng, 40, vocab_size=64, max_length=16),
+                          "val": random_samples(rng, 16, vocab_size=64, max_length=16)},
+                 samples_per_shard=10, max_length=16)
     return d
 
 
@@ -86,7 +86,7 @@ def test_valid_config_and_derived_batch_layout(tmp_path, data_dir):
     (["data.dir=/nonexistent/shards"], 1, "data.dir: /nonexistent/shards: no manifest.json"),
     (["data.train_split=dev"], 1, "data.train_split: no split 'dev'"),
     (["train.eval_interval=5", "data.val_split=test"], 1, "data.val_split: no split 'test'"),
-    (["data.num_workers=2"], 8, "fewer than data-parallel size x data.num_workers = 16"),
+    (["data.num_workers=2"], 32, "fewer than data-parallel size x data.num_workers = 64"),
     (["data.max_length=8"], 1, "data.max_length=8 is shorter than the shards' max_length 16"),
     (["init.source=hf"], 1, "init.source=hf needs init.hf_path"),
     (["init.source=hf", "init.hf_path=/nonexistent"], 1, "init.hf_path: no config.json in /nonexistent"),
@@ -177,3 +177,28 @@ def test_random_init_is_independent_of_the_tp_layout():
     assert torch.equal(one["model.norm.weight"], torch.ones(32))
     other = hf_io.merge_tp_state_dicts([dict(random_tp_shards(cfg, 4, 0, 1))], cfg)
     assert not torch.equal(other["model.embed_tokens.weight"], one["model.embed_tokens.weight"])
+
+
+def test_shipped_run_configs_validate(tmp_path, data_dir):
+    """configs/*.yaml load against the schema; with their required paths given they validate
+    for the launch they are written for (Qwen3-8B: 32 processes, TP=2 -> GA 4)."""
+    from pipeline import hf_io
+    from pipeline.model import ModelConfig
+    shipped = sorted((ROOT / "configs").glob("*.yaml"))
+    assert {p.name for p in shipped} >= {"tiny_cpu.yaml", "qwen3_8b.yaml"}
+    os.chdir(ROOT)  # presets are relative to the repository root
+    for p in shipped:
+        load_config(str(p))
+    plan = validate(load_config("configs/tiny_cpu.yaml", [f"data.dir={data_dir}"]), world_size=2)
+    assert (plan.dp_size, plan.grad_accum_steps) == (2, 1)
+    assert "required key(s) not set: data.dir" in _error("configs/qwen3_8b.yaml")
+    assert "init.source=hf needs init.hf_path" in _error("configs/qwen3_8b.yaml",
+                                                         [f"data.dir={data_dir}"], world_size=32)
+    hf = tmp_path / "qwen3_8b_config_only"
+    hf.mkdir()
+    cfg8b = ModelConfig.from_yaml("configs/model/qwen3_8b.yaml")
+    (hf / "config.json").write_text(json.dumps(hf_io.hf_config_dict(cfg8b)))
+    plan = validate(load_config("configs/qwen3_8b.yaml", [f"data.dir={data_dir}", f"init.hf_path={hf}",
+                                                          "data.num_workers=1"]), world_size=32)
+    assert (plan.tp_size, plan.dp_size, plan.grad_accum_steps) == (2, 16, 4)
+    assert plan.model_fields["recompute"] is True and plan.row_length == 4096
