@@ -36,33 +36,17 @@ wandb: {{mode: disabled}}
 PROBE = torch.tensor([[3, 17, 5, 42, 9, 11, 60, 7], [8, 8, 21, 33, 2, 50, 13, 4]])
 
 
-def _honour_zero_init_dtype():
-    """DeepSpeed 0.19.8 `zero.Init._set_dtype` ignores an explicit `dtype` on accelerators
-    without fp16 (CPU): `dtype or torch.float16 if fp16 else torch.bfloat16 if ...` parses as
-    `(dtype or fp16) if fp16 else bf16`, so fp32 parameters come out bf16. The reference
-    forward must run the fp32 master weights in fp32: honour the explicit dtype."""
-    from deepspeed.runtime.zero import partition_parameters as pp
-    cls = pp.InsertPostInitMethodToModuleSubClasses
-    original = cls._set_dtype
-
-    def _set_dtype(self, ds_config, dtype):
-        if dtype is not None:
-            self.dtype = dtype
-        else:
-            original(self, ds_config, dtype)
-    cls._set_dtype = _set_dtype
-
-
 def _trained_logits(rank, world_size, cfg_path):
     """Rebuild the trainer (auto-resume from its checkpoint) and return full-vocab logits."""
     from pipeline.config import load_config, validate
-    _honour_zero_init_dtype()
     from pipeline.model import gather_logits
     from pipeline.train import Trainer
     cfg = load_config(cfg_path)
     trainer = Trainer(cfg, validate(cfg, world_size=world_size))
     trainer.setup()
     assert trainer.step == 3                      # resumed, not a fresh model
+    # precision fp32 must mean fp32 parameters (deepspeed 0.19 zero.Init(dtype=...) on CPU
+    # silently picks bf16; the trainer must let the DeepSpeed config choose)
     assert all(p.dtype == torch.float32 for p in trainer.engine.module.parameters())
     engine = trainer.engine
     engine.eval()
