@@ -414,34 +414,36 @@ class Trainer:
         cfg, plan, eng = self.cfg, self.plan, self.engine
         step_no = self.step + 1
         t0 = time.perf_counter()
-        sums = torch.zeros(8, dtype=torch.float64)
-        bad: list[tuple[int, list[str]]] = []
+        per_micro: list = []          # detached [loss, ar, mdm] per micro-batch (on device)
+        keys_of: list[list[str]] = []
+        tokens = rows = 0
         seq_len = 0
         for micro in range(plan.grad_accum_steps):
             batch = self._next_batch()
-            keys = list(batch.get("keys", []))
+            keys_of.append(list(batch.get("keys", [])))
             b = self._batch_to_device(batch)
             seq_len = int(b["input_ids"].shape[1])
+            tokens += int(batch["real_tokens"])
+            rows += int(batch["input_ids"].shape[0])
             logits = eng(b["input_ids"], b["position_ids"], segment_ids=b["segment_ids"])
             loss, stats = hybrid_loss(logits, b, self.objective_cfg)
             if micro == 0 and self.info.rank == 0 and step_no in set(cfg.debug.nan_at_steps):
                 loss = loss * float("nan")
-            finite = bool(torch.isfinite(loss.detach()).item())
-            if finite:
-                sums[0] += float(loss.detach())
-                sums[1] += float(stats["ar_loss"])
-                sums[2] += float(stats["mdm_loss"])
-            else:
-                bad.append((micro, keys))
-            sums[3] += float(stats["real_tokens"])
-            sums[4] += b["input_ids"].shape[0]
-            sums[5] += 0.0 if finite else 1.0
+            per_micro.append(torch.stack([loss.detach().float(), stats["ar_loss"].float(),
+                                          stats["mdm_loss"].float()]))
             eng.backward(loss)
             if micro < plan.grad_accum_steps - 1:
                 eng.step()
-        sums[6] = 1.0 if self.signal_received else 0.0
-        sums[7] = 1.0  # micro-batch losses counted (per rank: GA, finite or not) -> normalizer
+        vals = torch.stack(per_micro).double()                            # [GA, 3]
+        finite = torch.isfinite(vals[:, 0])
+        # one all-reduce over the world: [loss, ar, mdm sums over finite micro-batches,
+        # real tokens, rows, non-finite micro-batches, signal flag]
+        sums = torch.cat([torch.where(finite[:, None], vals, torch.zeros_like(vals)).sum(0),
+                          vals.new_tensor([tokens, rows, float((~finite).sum()),
+                                           1.0 if self.signal_received else 0.0])])
         dist.all_reduce(sums)
+        sums = sums.cpu()
+        bad = [(i, keys_of[i]) for i in range(len(keys_of)) if not bool(finite[i])]
         tp = plan.tp_size
         nonfinite = sums[5].item() > 0
         sig = sums[6].item() > 0
@@ -462,7 +464,7 @@ class Trainer:
                                f"update; nan_policy=skip is not supported with this ZeRO stage")
         dt = time.perf_counter() - t0
         n_losses = (plan.dp_size * plan.grad_accum_steps) - sums[5].item() / tp
-        tokens = int(round(sums[3].item() / tp))
+        tokens = int(round(sums[3].item() / tp))  # global: sum over DP ranks (TP ranks repeat)
         rows = int(round(sums[4].item() / tp))
         self.step = step_no
         self.consumed_samples += rows
@@ -494,23 +496,24 @@ class Trainer:
         from pipeline.objective import hybrid_loss
         eng, limit = self.engine, self.cfg.train.eval_batches
         eng.eval()
-        sums = torch.zeros(4, dtype=torch.float64)
+        sums = torch.zeros(4, dtype=torch.float64, device=self.device)
         n = 0
         it = iter(self._build_loader(self.cfg.data.val_split, train=False))
         with torch.no_grad():
             while limit == 0 or n < limit:
                 batch = next(it, None)
-                have = torch.tensor([0.0 if batch is None else 1.0])
+                have = torch.tensor([0.0 if batch is None else 1.0], device=self.device)
                 dist.all_reduce(have, op=dist.ReduceOp.MIN)
                 if have.item() == 0:
                     break
                 b = self._batch_to_device(batch)
                 logits = eng(b["input_ids"], b["position_ids"], segment_ids=b["segment_ids"])
                 loss, stats = hybrid_loss(logits, b, self.objective_cfg)
-                sums += torch.tensor([float(loss), float(stats["ar_loss"]),
-                                      float(stats["mdm_loss"]), 1.0], dtype=torch.float64)
+                sums += torch.stack([loss.detach().double(), stats["ar_loss"].double(),
+                                     stats["mdm_loss"].double(), loss.new_ones(()).double()])
                 n += 1
         dist.all_reduce(sums)
+        sums = sums.cpu()
         eng.train()
         count = sums[3].item()
         return {"kind": "val", "step": self.step,
@@ -544,7 +547,7 @@ class Trainer:
         if self.wandb_run is not None:
             prefix = "train/" if metrics["kind"] == "train" else ""
             self.wandb_run.log({prefix + k: v for k, v in metrics.items()
-                                if k not in ("kind", "step") and v is not None},
+                                if k not in ("kind", "step", "time_unix_s") and v is not None},
                                step=metrics["step"])
         if metrics["kind"] == "train":
             if metrics["step"] % self.cfg.train.log_interval == 0 or metrics["skipped"]:
