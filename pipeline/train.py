@@ -20,8 +20,10 @@ One optimizer step (all ranks):
   its micro-batch losses over data-parallel ranks and accumulation steps, which is what its
   gradient descends.
 
-Exit codes: 0 done (or checkpointed after SIGTERM/SIGUSR1), 2 config error, 3 non-finite loss
-with `train.nan_policy=stop` (no checkpoint written for that step).
+Exit codes: 0 done (or checkpointed after SIGTERM/SIGUSR1), 2 config error or a user error found
+after start-up (a checkpoint or loader state from another layout, an HF folder that does not fit,
+wandb cannot start), 3 non-finite loss with `train.nan_policy=stop` (no checkpoint written for
+that step).
 
 metrics.jsonl (rank 0, appended; a resumed run appends again from its checkpoint step, so a
 reader keeps the last line per (kind, step)): one JSON object per line with `kind` "train"
@@ -257,6 +259,16 @@ def peak_memory_bytes() -> int:
 # The trainer
 # --------------------------------------------------------------------------------------------
 
+class TrainError(RuntimeError):
+    """A user-facing problem found after start-up (HF folder does not fit the model, wandb
+    cannot start); raised on every rank, reported as one line, exit code 2."""
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().strip("'\"")
+    return text.splitlines()[0] if text else type(e).__name__
+
+
 class Trainer:
     """One training run on this process (collective: every rank builds one).
 
@@ -302,7 +314,6 @@ class Trainer:
         self.is_rank0 = info.rank == 0
         _setup_logging(self.is_rank0)
         self.device = info.device
-        self.world_group = None  # default group
         _seed_everything(cfg.train.seed)
         self.objective_cfg = ObjectiveConfig(**OmegaConf.to_container(cfg.objective, resolve=True))
         self.mcfg = ModelConfig.from_dict(dict(plan.model_fields), source="model")
@@ -331,7 +342,10 @@ class Trainer:
             if cfg.init.source == "hf":
                 from pipeline.hf_io import iter_tp_shard
                 shards = iter_tp_shard(cfg.init.hf_path, self.mcfg, info.tp_rank, info.tp_size)
-                copy_into_model(model, shards, source=cfg.init.hf_path)
+                try:
+                    copy_into_model(model, shards, source=cfg.init.hf_path)
+                except (KeyError, ValueError, OSError) as e:  # same files on every rank
+                    raise TrainError(f"init.hf_path: {_first_line(e)}") from None
             else:
                 copy_into_model(model, random_tp_shards(self.mcfg, cfg.train.seed, info.tp_rank,
                                                         info.tp_size), source="random init")
@@ -383,16 +397,22 @@ class Trainer:
         cfg = self.cfg
         if cfg.wandb.mode == "disabled":
             return
-        run_id = None
+        run_id, err = None, None
         if self.is_rank0:
             import wandb
             from omegaconf import OmegaConf
             run_id = self.wandb_run_id or secrets.token_hex(6)
-            self.wandb_run = wandb.init(
-                project=cfg.wandb.project, entity=cfg.wandb.entity, name=cfg.wandb.name,
-                id=run_id, resume="allow", dir=cfg.run_dir, mode=cfg.wandb.mode,
-                config=OmegaConf.to_container(cfg, resolve=True))
-        self.wandb_run_id = _broadcast_object(run_id)
+            try:
+                self.wandb_run = wandb.init(
+                    project=cfg.wandb.project, entity=cfg.wandb.entity, name=cfg.wandb.name,
+                    id=run_id, resume="allow", dir=cfg.run_dir, mode=cfg.wandb.mode,
+                    config=OmegaConf.to_container(cfg, resolve=True))
+            except Exception as e:  # e.g. online mode without credentials
+                err = f"wandb.init failed (wandb.mode={cfg.wandb.mode}): {_first_line(e)}"
+        run_id, err = _broadcast_object((run_id, err))
+        if err:
+            raise TrainError(err)
+        self.wandb_run_id = run_id
 
     # -- the loop -------------------------------------------------------------------------
 
@@ -666,10 +686,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"pipeline.train: config error: {e}", file=sys.stderr)
         return EXIT_CONFIG
     _launcher_env()
+    from pipeline.checkpoint import CheckpointError
+    from pipeline.data import DataError
     trainer = Trainer(cfg, plan)
     try:
         trainer.setup()
         code = trainer.run()
+    except (TrainError, CheckpointError, DataError) as e:  # user errors found after start-up
+        if rank0:
+            print(f"pipeline.train: error: {_first_line(e)}", file=sys.stderr, flush=True)
+        code = EXIT_CONFIG
     finally:
         from pipeline.parallel import destroy_distributed
         try:
