@@ -127,8 +127,10 @@ def _cut_at_eos(ids: list[int], eos_id: int) -> list[int]:
 
 def decode_examples(loaded, prompts: list[list[int]], args, mode: str):
     """Decode prompt ids in batches of `args.batch_size`; returns (token lists, figures)."""
-    from pipeline.generate import decode_batch
+    from pipeline.generate import decode_batch, warm_up
     ns = argparse.Namespace(**{**vars(args), "mode": mode})
+    if prompts:
+        warm_up(loaded, prompts[0])
     tokens, forwards, seconds = [], 0, 0.0
     for i in range(0, len(prompts), args.batch_size):
         try:

@@ -19,7 +19,8 @@ pipeline wraps queries (`data_prep.tokenizer_io`: the chat template, or `<s> <|u
 EOS ids are the tokenizer's.
 
 `--prompts FILE.jsonl`: one JSON object per line with a "prompt" (or "query") string.
-TPS = a prompt's generated tokens / wall seconds of its batch (tokens per second).
+TPS = a prompt's generated tokens / wall seconds of its batch (tokens per second), measured
+after one short untimed warm-up decode.
 Exit codes: 0 done; 2 usage or input error (one line on stderr).
 """
 from __future__ import annotations
@@ -211,6 +212,14 @@ def decode_batch(loaded: Loaded, prompts: list[list[int]], args) -> "object":
                              exact_cache=args.exact_cache, seed=args.seed)
 
 
+def warm_up(loaded: Loaded, prompt: list[int]) -> None:
+    """One short untimed decode in each mode, so that one-time costs (kernel selection, lazy
+    initialization, first allocations) do not count in the reported tokens/s."""
+    from pipeline.decoding import ar_generate, refusion_generate
+    ar_generate(loaded.model, [prompt], 2, 0.0, None)
+    refusion_generate(loaded.model, [prompt], 4, 2, 1, 0.5, 0.5, 0.0, loaded.mask_id, None)
+
+
 def add_decoding_args(p: argparse.ArgumentParser) -> None:
     """The decoding options shared with `pipeline.evaluate` (defaults: the reference's demo)."""
     p.add_argument("--gen-length", type=int, default=128, help="tokens to generate at most")
@@ -303,6 +312,7 @@ def main(argv=None) -> int:
         with contextlib.redirect_stdout(sys.stderr):
             loaded = load_for_inference(args.model, args.tokenizer, DTYPES[args.dtype])
         results, seconds = [], 0.0
+        warm_up(loaded, prompt_ids(loaded, texts[0], args.raw))
         for i in range(0, len(texts), args.batch_size):
             chunk = texts[i:i + args.batch_size]
             ids = [prompt_ids(loaded, t, args.raw) for t in chunk]
