@@ -613,6 +613,9 @@ class Trainer:
             else:
                 if self._last_saved != self.step:
                     self.save()
+        except BaseException:
+            code = 1
+            raise
         finally:
             if self.wandb_run is not None:
                 self.wandb_run.finish(exit_code=code)
