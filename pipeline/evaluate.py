@@ -203,6 +203,14 @@ def run_humaneval_checks(problems: list[dict], completions: list[str],
     return [check_correctness(p, c, timeout_s) for p, c in zip(problems, completions)]
 
 
+def _continuation_text(loaded, prompt: list[int], gen: list[int]) -> str:
+    """Text that `gen` adds after `prompt` (decoded together, so that tokenizers which drop a
+    leading space when decoding a fragment, like SentencePiece, keep the indentation)."""
+    head = loaded.decode(prompt)
+    full = loaded.decode(prompt + gen)
+    return full[len(head):] if full.startswith(head) else loaded.decode(gen)
+
+
 def humaneval_eval(loaded, args, modes) -> dict:
     """pass@1 (one greedy sample per problem) of each mode, with TPF/TPS."""
     problems = humaneval_problems(args.limit)
@@ -216,7 +224,8 @@ def humaneval_eval(loaded, args, modes) -> dict:
     res = {}
     for mode in modes:
         toks, fig = decode_examples(loaded, prompts, args, mode)
-        comps = [truncate_completion(loaded.decode(_cut_at_eos(t, loaded.eos_id))) for t in toks]
+        comps = [truncate_completion(_continuation_text(loaded, p, _cut_at_eos(t, loaded.eos_id)))
+                 for p, t in zip(prompts, toks)]
         checks = run_humaneval_checks(problems, comps)
         res[mode] = {"problems": len(problems),
                      "pass@1": sum(c["passed"] for c in checks) / len(problems)
