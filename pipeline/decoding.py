@@ -153,6 +153,16 @@ def _gather(logits: torch.Tensor) -> torch.Tensor:
     return gather_logits(logits)
 
 
+def _token_probs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Softmax probability of `ids` under `logits`, computed on the logits' device (float64
+    for a float64 model, else float32: no full-vocabulary copy to the host).
+    `logits: FloatTensor[..., V]`, `ids: LongTensor[...]` -> CPU `DoubleTensor[...]`."""
+    x = logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32)
+    ids = ids.to(x.device)
+    lp = x.gather(-1, ids[..., None])[..., 0] - torch.logsumexp(x, -1)
+    return lp.exp().double().cpu()
+
+
 def _sample(logits: torch.Tensor, temperature: float, generator) -> torch.Tensor:
     """Argmax of `logits / temperature + Gumbel noise` (= a sample from softmax(logits / T)),
     computed in float64 (low-precision Gumbel-max hurts quality: arXiv 2409.02908); plain argmax
@@ -254,9 +264,9 @@ def _refusion_program(row: _Row, *, gen_length: int, slot_size: int, num_blocks:
             positions = [start(s) + j for s in masked for j in range(k)]
             logits = yield _Request("plan", [mask_id] * len(positions), positions)
             row.commit = []
-            x0 = _sample(logits, temperature, generator).view(len(masked), k)
-            probs = torch.softmax(logits.double(), -1).gather(
-                -1, x0.view(-1, 1)).view(len(masked), k)
+            x0 = _sample(logits, temperature, generator)
+            probs = _token_probs(logits, x0).view(len(masked), k)
+            x0 = x0.cpu().view(len(masked), k)
             score = probs[:, 0]
             chosen = [i for i in range(len(masked)) if score[i] > slot_threshold]
             if not chosen:
@@ -270,7 +280,7 @@ def _refusion_program(row: _Row, *, gen_length: int, slot_size: int, num_blocks:
             logits = yield _Request("verify", flat.tolist(), sel_pos)
             row.commit = []
             q = torch.ones(n * k, dtype=torch.float64)
-            q[1:] = torch.softmax(logits[:-1].double(), -1).gather(-1, flat[1:, None])[:, 0]
+            q[1:] = _token_probs(logits[:-1], flat[1:])
             acc = q > token_threshold
             acc.view(n, k)[:, 0] = True
             prefix = int(torch.cumprod(acc.long(), 0).sum())
@@ -298,14 +308,13 @@ def _refusion_program(row: _Row, *, gen_length: int, slot_size: int, num_blocks:
                 fed = torch.where(tags, toks, torch.full_like(toks, mask_id))
                 logits = yield _Request("draft", fed.view(-1).tolist(), pos, mask)
                 row.commit = []
-                proposed = logits.argmax(-1).view(n, k)
+                proposed = logits.argmax(-1).cpu().view(n, k)
                 toks = torch.where(tags, toks, proposed)
                 logits = yield _Request("verify", toks.view(-1).tolist(), pos, mask)
                 row.commit = []
                 lp = logits.view(n, k, -1)
                 q = torch.ones(n, k, dtype=torch.float64)
-                q[:, 1:] = torch.softmax(lp[:, :-1].double(), -1).gather(
-                    -1, toks[:, 1:, None])[..., 0]
+                q[:, 1:] = _token_probs(lp[:, :-1], toks[:, 1:])
                 force = torch.ones(n, k, dtype=torch.bool)
                 force[:, 1:] = tags[:, :-1]
                 tags = torch.cumprod(((q > token_threshold) | force).long(), 1).bool()
@@ -405,7 +414,7 @@ def _run(model, rows: list[_Row], programs: list, max_len: int) -> int:
         attn = torch.cat((torch.ones(B, T, cache.width, dtype=torch.bool), intra), -1)[:, None]
         with torch.no_grad():
             logits = _gather(model(input_ids.to(device), position_ids.to(device),
-                                   attention_mask=attn.to(device), kv_cache=cache)).cpu()
+                                   attention_mask=attn.to(device), kv_cache=cache))
         calls += 1
         index = [[] for _ in range(B)]
         nxt: dict[int, _Request] = {}
@@ -478,7 +487,7 @@ def refusion_generate(model, prompt_ids, gen_length: int, slot_size: int, num_bl
     g = _check(gen_length, slot_size, num_blocks)
     prompts = split_prompts(prompt_ids, attention_mask)
     _check_positions(model, prompts, g)
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device=_model_device(model)).manual_seed(seed)
     t0 = time.perf_counter()
     rows = [_Row(prompt=p, carry=list(p), carry_positions=list(range(len(p))))
             for p in prompts]
@@ -520,7 +529,7 @@ def ar_generate(model, prompt_ids, gen_length: int, temperature: float, eos_id: 
         raise ValueError("gen_length must be >= 1")
     prompts = split_prompts(prompt_ids, attention_mask)
     _check_positions(model, prompts, gen_length)
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device=_model_device(model)).manual_seed(seed)
     t0 = time.perf_counter()
     rows = [_Row(prompt=p) for p in prompts]
     programs = [_ar_program(r, gen_length=gen_length, temperature=temperature, eos_id=eos_id,
