@@ -239,6 +239,9 @@ def humaneval_eval(loaded, args, modes) -> dict:
 
 
 def main(argv=None) -> int:
+    import warnings
+    # megatron-core warns at import that optional CUDA extensions are absent (harmless).
+    warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
     p = argparse.ArgumentParser(prog="python -m pipeline.evaluate",
                                 description="Evaluate a ReFusion model.")
     p.add_argument("--model", required=True, help="HF folder or training checkpoint")
