@@ -117,3 +117,28 @@ def test_user_errors_exit_2_with_one_line(tp1, folder, capsys, tmp_path, argv, m
     rc, _, err = _run(capsys, argv)
     assert rc == 2
     assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_hf_tokenizer_folder_uses_the_chat_template(tp1, tmp_path, capsys):
+    """A Qwen3-style folder (real Qwen3 tokenizer files, ReFusion tokens added): prompts are
+    wrapped with the chat template, the mask/EOS ids are <|mask|> / <|im_end|>, and ar mode
+    decodes what transformers' greedy generate decodes from the same ids."""
+    from transformers import AutoTokenizer, Qwen3ForCausalLM
+    folder = make_tiny_qwen3(tmp_path / "qwen", seed=3, with_tokenizer=True)
+    rc, out, _ = _run(capsys, ["--model", str(folder), "--prompt", "Write a function.",
+                               "--mode", "ar", "--gen-length", "4", "--json"])
+    assert rc == 0
+    (r,) = json.loads(out)["results"]
+    tok = AutoTokenizer.from_pretrained(folder)
+    ids = tok.apply_chat_template([{"role": "user", "content": "Write a function."}],
+                                  add_generation_prompt=True, tokenize=True)
+    ids = torch.tensor([list(ids["input_ids"] if hasattr(ids, "keys") else ids)])
+    assert tok.decode(ids[0]).endswith("<|im_start|>assistant\n")
+    hf = Qwen3ForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4,
+                      do_sample=False, eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
+                      pad_token_id=0)[0, ids.shape[1]:].tolist()
+    assert r["token_ids"] == ref
+    from pipeline.generate import load_for_inference
+    loaded = load_for_inference(folder)
+    assert (loaded.mask_id, loaded.eos_id) == (151670, 151645)
