@@ -36,12 +36,18 @@ step of a prompt ("row"):
 Where this differs from the reference code (ML-GSAI/ReFusion `generate.py`): prompts are batched
 (each row keeps its own state; each model forward serves every row's current phase, so rows at
 different progress share forwards); parallel slots share one batch row with a block-diagonal
-attention mask instead of copying the cache per slot; EOS handling as in 4; TPF is generated
-tokens / forwards (the reference's per-step average is reported as `tpf_reference_style`).
+attention mask instead of copying the cache per slot, and each round re-feeds the selected
+slots whole (k tokens each) instead of caching their accepted tokens (same logits, more tokens
+per forward, no per-slot cache); EOS handling as in 4; TPF is generated tokens / forwards (the
+reference's per-step average is reported as `tpf_reference_style`). As in the reference, the
+acceptance that step 3 starts from is the one of the concatenated verify of step 2, so for the
+second and later selected slots it was computed with the earlier slots' drafts in context.
 
 Batch layout of a forward: row b feeds `carry_b + request_b` (carry = tokens to be encoded and
 committed ahead of the request: the prompt at the first forward, re-encoded slots in exact
-mode), right-padded to the longest row; the attention mask is built explicitly.
+mode), right-padded to the longest row; the attention mask is built explicitly; rows that have
+finished leave the batch (`KVCache.select_rows`). Logits stay on the model's device; only the
+chosen tokens and their probabilities come back to the host.
 """
 from __future__ import annotations
 
