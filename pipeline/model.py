@@ -539,6 +539,30 @@ class Qwen3(nn.Module):
             # then gathers it for the head's forward too. named_parameters() lists it once,
             # as `embed_tokens.weight`; vocab partitions of the two layers coincide.
             self.lm_head.weight = self.embed_tokens.weight
+        self._mark_tensor_parallel()
+
+    def _mark_tensor_parallel(self) -> None:
+        """Give every TP-partitioned weight megatron-core's attributes (`tensor_model_parallel`,
+        `partition_dim`, `partition_stride`) whether or not megatron initialized it.
+
+        megatron-core sets them only inside its weight initialization (skipped with
+        `init_weights=False`); DeepSpeed's gradient norm (clipping) counts a parameter without
+        them on TP rank 0 only, which silently leaves the other ranks' shards out of the norm.
+        Column-parallel and embedding weights split dim 0, row-parallel weights dim 1.
+        """
+        from megatron.core.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
+                                                   VocabParallelEmbedding)
+        from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+        for module in self.modules():
+            if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
+                dim = 0
+            elif isinstance(module, RowParallelLinear):
+                dim = 1
+            else:
+                continue
+            w = getattr(module, "weight", None)
+            if w is not None and not getattr(w, "tensor_model_parallel", False):
+                set_tensor_model_parallel_attributes(w, True, dim, 1)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
                 segment_ids: torch.Tensor | None = None,

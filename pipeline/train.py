@@ -216,22 +216,6 @@ def copy_into_model(model, shards: Iterator[tuple[str, Any]], source: str) -> No
         raise KeyError(f"{source}: no value for parameters {missing[:5]}")
 
 
-def _mark_tensor_parallel(model) -> None:
-    """Give every TP-partitioned parameter megatron-core's attributes (`tensor_model_parallel`,
-    `partition_dim`, `partition_stride`) when the layer did not set them.
-
-    megatron-core sets them only inside its weight initialization, which a model built with
-    `init_weights=False` skips; DeepSpeed's gradient-norm (clipping) counts a parameter without
-    them on TP rank 0 only, so the TP shards of other ranks would be left out of the norm.
-    Partition dims from `pipeline.hf_io.partition_dim` (the model's layout).
-    """
-    from pipeline.hf_io import partition_dim
-    for name, p in model.named_parameters():
-        dim = partition_dim(name)
-        if dim is not None and not getattr(p, "tensor_model_parallel", False):
-            p.tensor_model_parallel, p.partition_dim, p.partition_stride = True, dim, 1
-
-
 def peak_flops_per_device(cfg) -> float | None:
     """Peak FLOP/s of one device: `log.peak_tflops` when set, else the table by CUDA device
     name, else None (CPU or unknown GPU: MFU is reported as null)."""
@@ -334,7 +318,6 @@ class Trainer:
         with deepspeed.zero.Init(mpu=mpu, data_parallel_group=parallel_state.get_data_parallel_group(),
                                  config_dict_or_path=ds_config, enabled=zero3):
             model = Qwen3(self.mcfg, dtype=dtype, init_weights=False)
-        _mark_tensor_parallel(model)
         got = {p.dtype for p in model.parameters()}
         if got != {dtype}:
             raise RuntimeError(f"parameters were built as {sorted(map(str, got))}, expected {dtype}")
