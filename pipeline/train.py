@@ -269,6 +269,7 @@ class Trainer:
         self.step = 0                 # optimizer steps done
         self.consumed_samples = 0     # rows (packed sequences) consumed, global
         self.consumed_tokens = 0      # non-padding tokens consumed, global
+        self._log_window: list[tuple[float, float, float]] = []  # losses since the last console line
 
     # -- set-up ---------------------------------------------------------------------------
 
@@ -553,11 +554,21 @@ class Trainer:
                                 if k not in ("kind", "step", "time_unix_s") and v is not None},
                                step=metrics["step"])
         if metrics["kind"] == "train":
+            # The console line shows losses averaged over the steps since the previous line
+            # (Megatron-style; one step's MDM term is noisy); metrics.jsonl/wandb keep every step.
+            window = self._log_window
+            if not metrics["skipped"]:
+                window.append((metrics["loss"], metrics["ar_loss"], metrics["mdm_loss"]))
             if metrics["step"] % self.cfg.train.log_interval == 0 or metrics["skipped"]:
-                m = metrics
+                m = dict(metrics)
+                if window:
+                    n = len(window)
+                    m["loss"], m["ar_loss"], m["mdm_loss"] = (sum(v[i] for v in window) / n
+                                                              for i in range(3))
+                    window.clear()
                 mfu = f"{100 * m['mfu']:.1f}%" if m["mfu"] is not None else "n/a"
                 gn = f"{m['grad_norm']:.3f}" if m["grad_norm"] is not None else "n/a"
-                log.info("step %d/%d | loss %.4f | ar %.4f | mdm %.4f | lr %.3e | grad norm %s | "
+                log.info("step %d/%d | loss %.4f | ar %.4f | mdm %.4f (means since last line) | lr %.3e | grad norm %s | "
                          "%.0f tokens/s | %.3f TFLOP/s/device | MFU %s | peak mem %.2f GiB | "
                          "samples %d | tokens %d%s", m["step"], self.cfg.train.max_steps, m["loss"],
                          m["ar_loss"], m["mdm_loss"], m["lr"], gn, m["tokens_per_s"],
