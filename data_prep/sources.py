@@ -10,13 +10,18 @@ Skip reasons produced here (counted, never fatal):
 `invalid_utf8` (a line or file that is not UTF-8, or a JSON string with a lone surrogate),
 `wrong_type` (a record that is not an object, or a field that is not a string),
 `missing_field` (no query/response or text field), `empty_response` / `empty_text`
-(nothing but whitespace).
+(nothing but whitespace), `unreadable_file` (a file that cannot be read or decompressed: a
+non-Parquet `.parquet`, a bad or truncated `.gz`; counted once per file, with a one-line
+warning on stderr naming it; records read before the damage are kept).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import lzma
 import posixpath
+import sys
+import zlib
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -29,6 +34,19 @@ TEXT_EXTS = (".txt", ".md", ".rst")
 JSON_EXTS = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.bz2", ".jsonl.xz", ".jsonl.zst")
 PARQUET_EXTS = (".parquet",)
 KNOWN_EXTS = TEXT_EXTS + JSON_EXTS + PARQUET_EXTS
+
+
+# what reading/decompressing a damaged file raises (gzip.BadGzipFile and bz2 errors are OSError,
+# a truncated stream EOFError, pyarrow's ArrowInvalid a ValueError)
+_READ_ERRORS = (OSError, EOFError, ValueError, zlib.error, lzma.LZMAError)
+
+
+def _unreadable(name: str, error: BaseException) -> dict:
+    """Warn (one line, naming the file) and return the `unreadable_file` skip record."""
+    detail = (str(error).strip().splitlines() or [""])[0]
+    print(f"warning: {name}: unreadable file ({type(error).__name__}: {detail}); "
+          "rest of the file skipped", file=sys.stderr)
+    return {"_error": "unreadable_file"}
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -175,16 +193,21 @@ def _json_records(raw: bytes, name: str) -> Iterator[tuple[str, object]]:
 
 
 def _parquet_records(source: Source, fields: Fields) -> Iterator[tuple[str, object]]:
+    import pyarrow as pa
     import pyarrow.parquet as pq
-    with source.fs.open(source.path, "rb") as f:
-        pf = pq.ParquetFile(f)
-        wanted = [c for c in (fields.query, fields.response, fields.text) if c in pf.schema_arrow.names]
-        i = 0
-        for batch in pf.iter_batches(columns=wanted or None, batch_size=4096):
-            for row in batch.to_pylist():
-                # a null cell is a missing field
-                yield f"{source.name}#{i}", {k: v for k, v in row.items() if v is not None}
-                i += 1
+    i = 0
+    try:
+        with source.fs.open(source.path, "rb") as f:
+            pf = pq.ParquetFile(f)
+            wanted = [c for c in (fields.query, fields.response, fields.text)
+                      if c in pf.schema_arrow.names]
+            for batch in pf.iter_batches(columns=wanted or None, batch_size=4096):
+                for row in batch.to_pylist():
+                    # a null cell is a missing field
+                    yield f"{source.name}#{i}", {k: v for k, v in row.items() if v is not None}
+                    i += 1
+    except _READ_ERRORS + (pa.ArrowException,) as e:
+        yield f"{source.name}#{i}", _unreadable(source.name, e)
 
 
 def iter_records(source: Source, fmt: str, fields: Fields = Fields()) -> Iterator[tuple[str, object]]:
@@ -202,8 +225,12 @@ def iter_records(source: Source, fmt: str, fields: Fields = Fields()) -> Iterato
     if lower.endswith(PARQUET_EXTS):
         yield from _parquet_records(source, fields)
         return
-    with source.fs.open(source.path, "rb", compression="infer") as f:
-        raw = f.read()
+    try:
+        with source.fs.open(source.path, "rb", compression="infer") as f:
+            raw = f.read()
+    except _READ_ERRORS as e:
+        yield source.name, _unreadable(source.name, e)
+        return
     if lower.endswith(TEXT_EXTS):
         try:
             yield source.name, {fields.text: raw.decode("utf-8")}

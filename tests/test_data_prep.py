@@ -433,3 +433,27 @@ def test_user_errors_exit_2_with_one_line(tmp_path, spm_model, capsys):
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.strip() == f"shard.py: error: input {tmp_path / 'missing.jsonl'}: no such file " \
                                "(or no .jsonl/.json/.txt/.parquet file in it)"
+
+
+def test_unreadable_files_are_skipped_and_counted(tmp_path, spm_model, capsys):
+    import gzip
+    d = tmp_path / "in"
+    d.mkdir()
+    write_jsonl(d / "good.jsonl", QA_ROWS[:2])
+    (d / "fake.parquet").write_bytes(b"this is not parquet at all\n" * 10)
+    (d / "bad.jsonl.gz").write_bytes(b"not gzip data\n" * 10)
+    rows = [{"query": f"q{i}", "response": f"r{i} " * 20} for i in range(400)]
+    blob = gzip.compress(b"".join(json.dumps(r).encode() + b"\n" for r in rows), mtime=0)
+    (d / "truncated.jsonl.gz").write_bytes(blob[: len(blob) // 2])
+    out = tmp_path / "out"
+    code, err = run_shard(capsys, "--input", d, "--output", out, "--tokenizer", spm_model,
+                          "--max-length", 128)
+    assert code == 0 and "Traceback" not in err, err
+    warnings = [line for line in err.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 3
+    for name in ("fake.parquet", "bad.jsonl.gz", "truncated.jsonl.gz"):
+        assert sum(name in w for w in warnings) == 1, (name, warnings)
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["skipped"].get("unreadable_file") == 3
+    samples = sum(e["samples"] for e in m["splits"]["train"])
+    assert samples >= 2  # the good file
