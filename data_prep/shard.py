@@ -62,6 +62,22 @@ class UserError(Exception):
     """A problem with the user's options or output folder; one-line message, exit code 2."""
 
 
+class NoSamples(Exception):
+    """Every record was skipped (or there were none): nothing to train on; exit code 1."""
+
+
+def _check_not_empty(manifest: dict) -> None:
+    """Raise NoSamples (naming the skip counts) when `manifest` lists no sample in any split."""
+    if any(e["samples"] for split in SPLITS for e in manifest["splits"][split]):
+        return
+    skipped = manifest["skipped"]
+    n = sum(skipped.values())
+    if not n:
+        raise NoSamples("no samples written: the inputs hold no records")
+    reasons = ", ".join(f"{k} {v}" for k, v in skipped.items())
+    raise NoSamples(f"no samples written: all {n} records skipped ({reasons})")
+
+
 # ----------------------------------------------------------------------------- pure helpers
 
 def record_digest(kind: str, parts: tuple[str, ...]) -> bytes:
@@ -536,7 +552,8 @@ def summary(where: str, manifest: dict) -> str:
 def run(args) -> dict:
     """Run the pipeline for parsed `args`; returns the manifest (also written to the output).
 
-    Raises UserError / InputError / TokenizerError for user errors (one line each).
+    Raises UserError / InputError / TokenizerError for user errors (one line each), and
+    NoSamples after writing the manifest when every record was skipped.
     """
     t0 = time.time()
     tok = load_tokenizer(args.tokenizer)
@@ -549,6 +566,7 @@ def run(args) -> dict:
     out = Output(args.output)
     done, kept = _resume_state(out, fingerprint, args.overwrite)
     if done is not None:
+        _check_not_empty(done)
         print(f"shard.py: already complete (same options), kept {summary(args.output, done)}",
               file=sys.stderr)
         return done
@@ -607,6 +625,7 @@ def run(args) -> dict:
     }
     out.write_json(MANIFEST, manifest)
     out.remove(PARTIAL)
+    _check_not_empty(manifest)
     print(f"shard.py: wrote {summary(args.output, manifest)} ({time.time() - t0:.1f} s)",
           file=sys.stderr)
     return manifest
@@ -672,7 +691,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI entry point; returns the exit code (0 ok, 2 user error)."""
+    """CLI entry point; returns the exit code (0 ok, 1 no sample written, 2 user error)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     problems = []
@@ -693,6 +712,9 @@ def main(argv: list[str] | None = None) -> int:
     except (UserError, InputError, TokenizerError) as e:
         print(f"shard.py: error: {e}", file=sys.stderr)
         return 2
+    except NoSamples as e:
+        print(f"shard.py: error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -457,3 +457,21 @@ def test_unreadable_files_are_skipped_and_counted(tmp_path, spm_model, capsys):
     assert m["skipped"].get("unreadable_file") == 3
     samples = sum(e["samples"] for e in m["splits"]["train"])
     assert samples >= 2  # the good file
+
+
+def test_nothing_written_exits_1_with_one_line(tmp_path, spm_model, capsys):
+    (tmp_path / "dict.json").write_text(json.dumps({"query": "q", "response": "r"}, indent=1))
+    (tmp_path / "empty.jsonl").write_bytes(b"")
+    (tmp_path / "doc.txt").write_text("just some text\n")
+    cases = [
+        (["--input", tmp_path / "dict.json"], "no samples written: all 4 records skipped (malformed_json 4)"),
+        (["--input", tmp_path / "empty.jsonl"], "no samples written: the inputs hold no records"),
+        (["--input", tmp_path / "doc.txt", "--format", "qa"],
+         "no samples written: all 1 records skipped (missing_field 1)"),
+    ]
+    for i, (extra, want) in enumerate(cases):
+        out = tmp_path / f"o{i}"
+        for _ in range(2):  # the rerun ("already complete") says the same
+            code, err = run_shard(capsys, *extra, "--output", out, "--tokenizer", spm_model)
+            assert code == 1 and err.strip() == f"shard.py: error: {want}", (extra, err)
+            assert (out / "manifest.json").exists()
