@@ -557,7 +557,7 @@ def run(args) -> dict:
     """
     t0 = time.time()
     tok = load_tokenizer(args.tokenizer)
-    sources = resolve_inputs(args.input)
+    sources = resolve_inputs(args.input, output=args.output)
     fields = Fields(args.query_field, args.response_field, args.text_field)
     opts = _options(args, sources)
     tok_json = tok.info.to_json()

@@ -84,13 +84,64 @@ def _has_known_ext(path: str) -> bool:
     return path.lower().endswith(KNOWN_EXTS)
 
 
-def resolve_inputs(inputs: list[str]) -> list[Source]:
+_MAGIC = ("*", "?", "[")
+SHARD_MANIFEST, SHARD_PARTIAL = "manifest.json", "manifest.partial.json"
+
+
+def _is_shard_folder(fs, folder: str, listed: set[str] | None) -> bool:
+    """True when `folder` holds a shard manifest: manifest.partial.json, or a manifest.json
+    with the shard format (`format_version` and `splits`). `listed`: the known files below
+    (a folder's `find`), else the filesystem is asked."""
+    def has(name):
+        p = f"{folder}/{name}"
+        return p in listed if listed is not None else fs.isfile(p)
+    if has(SHARD_PARTIAL):
+        return True
+    if not has(SHARD_MANIFEST):
+        return False
+    try:
+        with fs.open(f"{folder}/{SHARD_MANIFEST}", "rb") as f:
+            m = json.loads(f.read().decode("utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(m, dict) and "format_version" in m and "splits" in m
+
+
+def _excluded(fs, path: str, top: str, output: str | None, listed: set[str] | None,
+              cache: dict) -> bool:
+    """True when a folder strictly between `top` and the file `path` is the output folder
+    or a shard folder (so shards, manifests and tokenizer files are never read as data)."""
+    d = posixpath.dirname(path)
+    while d.startswith(top + "/"):
+        if d not in cache:
+            cache[d] = d == output or _is_shard_folder(fs, d, listed)
+        if cache[d]:
+            return True
+        d = posixpath.dirname(d)
+    return False
+
+
+def _output_root(output: str | None, fs) -> str | None:
+    """The output folder as a path of `fs` (None when there is none or it is on another fs)."""
+    if not output:
+        return None
+    try:
+        ofs, root = fsspec.core.url_to_fs(output)
+    except (ValueError, ImportError):
+        return None
+    return root.rstrip("/") if type(ofs) is type(fs) else None
+
+
+def resolve_inputs(inputs: list[str], output: str | None = None) -> list[Source]:
     """Expand `--input` values into sources, in argument order (each glob/folder sorted).
 
     Each value is `stdlib`, a local path, a glob, a folder (files with a known extension
     below it) or an fsspec URL (`memory://...`, `file://...`, `s3://...` with the backend
-    installed). Raises InputError naming the value when it matches nothing, or when a file
-    named explicitly has an unknown extension.
+    installed). Folders and globs leave out what lies in a subfolder that is the `output`
+    folder or holds a shard manifest (manifest.partial.json, or manifest.json of the shard
+    format): earlier outputs are never read as data. Raises InputError naming the value when
+    it matches nothing, when a file named explicitly has an unknown extension, or when a
+    folder is the `output` folder itself.
     """
     out: list[Source] = []
     for value in inputs:
@@ -102,15 +153,28 @@ def resolve_inputs(inputs: list[str]) -> list[Source]:
         except (ValueError, ImportError) as e:
             raise InputError(f"input {value}: {e}")
         protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
-        found = []
+        oroot = _output_root(output, fs)
+        stripped = fs._strip_protocol(value)
+        glob_top = None
+        if any(c in stripped for c in _MAGIC):  # the folder above the first wildcard
+            head = stripped[:min(stripped.find(c) for c in _MAGIC if c in stripped)]
+            glob_top = head.rsplit("/", 1)[0] if "/" in head else ""
+        found, cache = [], {}
         for p in sorted(paths):
             if fs.isdir(p):
-                found += sorted(f for f in fs.find(p) if _has_known_ext(f))
+                p = p.rstrip("/")
+                if p == oroot:
+                    raise InputError(f"input {value}: is also the --output folder (its manifest "
+                                     "and tokenizer files would be read as data); use another --output")
+                listed = set(fs.find(p))
+                found += sorted(f for f in listed if _has_known_ext(f)
+                                and not _excluded(fs, f, p, oroot, listed, cache))
             elif fs.isfile(p):
                 if not _has_known_ext(p):
                     raise InputError(f"input {value}: unknown file type {posixpath.basename(p)!r} "
                                      f"(expected one of {', '.join(KNOWN_EXTS)})")
-                found.append(p)
+                if glob_top is None or not _excluded(fs, p, glob_top, oroot, None, cache):
+                    found.append(p)
         if not found:
             raise InputError(f"input {value}: no such file (or no .jsonl/.json/.txt/.parquet file in it)")
         for p in found:

@@ -475,3 +475,34 @@ def test_nothing_written_exits_1_with_one_line(tmp_path, spm_model, capsys):
             code, err = run_shard(capsys, *extra, "--output", out, "--tokenizer", spm_model)
             assert code == 1 and err.strip() == f"shard.py: error: {want}", (extra, err)
             assert (out / "manifest.json").exists()
+
+
+def test_output_and_shard_folders_inside_an_input_are_not_read(tmp_path, spm_model, capsys):
+    from data_prep.sources import resolve_inputs
+    qdir = qwen3_tokenizer_dir()  # its saved copy holds .json files (tokenizer.json, ...)
+    od = tmp_path / "od"
+    od.mkdir()
+    write_jsonl(od / "data.jsonl", QA_ROWS)
+    code, err = run_shard(capsys, "--input", od, "--output", od, "--tokenizer", spm_model)
+    assert code == 2 and err.strip() == (f"shard.py: error: input {od}: is also the --output folder "
+                                         "(its manifest and tokenizer files would be read as data); "
+                                         "use another --output"), err
+    base = dict(samples=None)
+    for i, out in enumerate((od / "shards", od / "shards2", od / "shards2", od / "shards2")):
+        extra = ["--max-length", 128, "--overwrite"] if i == 3 else ["--max-length", 64]
+        code, err = run_shard(capsys, "--input", od, "--output", out, "--tokenizer", qdir, *extra)
+        assert code == 0, err
+        m = json.loads((out / "manifest.json").read_text())
+        got = (sum(e["samples"] for e in m["splits"]["train"]), m["skipped"])
+        assert got == (len(QA_ROWS), {}), (i, got)
+    assert any((od / "shards" / "tokenizer").glob("*.json"))
+    # an interrupted folder (partial manifest only) and globs are left out too
+    (od / "old").mkdir()
+    (od / "old" / "manifest.partial.json").write_text("{}")
+    write_jsonl(od / "old" / "x.jsonl", QA_ROWS)
+    (od / "sub").mkdir()
+    write_jsonl(od / "sub" / "y.jsonl", QA_ROWS)
+    want = [str(od / "data.jsonl"), str(od / "sub" / "y.jsonl")]
+    assert [s.name for s in resolve_inputs([str(od)], output=str(od / "shards"))] == want
+    assert [s.name for s in resolve_inputs([str(od / "**" / "*.json*")])] == want
+    assert [s.name for s in resolve_inputs([str(od / "*" / "*.jsonl")])] == want[1:]
