@@ -34,6 +34,7 @@ TEXT_EXTS = (".txt", ".md", ".rst")
 JSON_EXTS = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.bz2", ".jsonl.xz", ".jsonl.zst")
 PARQUET_EXTS = (".parquet",)
 KNOWN_EXTS = TEXT_EXTS + JSON_EXTS + PARQUET_EXTS
+BOM = b"\xef\xbb\xbf"  # UTF-8 byte order mark, dropped at the start of a file
 
 
 # what reading/decompressing a damaged file raises (gzip.BadGzipFile and bz2 errors are OSError,
@@ -280,7 +281,7 @@ def iter_records(source: Source, fmt: str, fields: Fields = Fields()) -> Iterato
     `raw_record` is what the file holds (any JSON value for JSON inputs, a dict otherwise) or
     `{"_error": reason}` for a line/file that could not be read; pass it to `normalize`.
     For the stdlib corpus, fmt selects text documents ("text"), query/response pairs ("qa")
-    or both ("auto").
+    or both ("auto"). A UTF-8 byte order mark at the start of a JSON/JSONL/text file is dropped.
     """
     if source.is_stdlib:
         yield from stdlib_corpus.iter_records(fmt)
@@ -295,6 +296,8 @@ def iter_records(source: Source, fmt: str, fields: Fields = Fields()) -> Iterato
     except _READ_ERRORS as e:
         yield source.name, _unreadable(source.name, e)
         return
+    if raw.startswith(BOM):  # a UTF-8 byte order mark (Windows editors) is not content
+        raw = raw[len(BOM):]
     if lower.endswith(TEXT_EXTS):
         try:
             yield source.name, {fields.text: raw.decode("utf-8")}

@@ -506,3 +506,22 @@ def test_output_and_shard_folders_inside_an_input_are_not_read(tmp_path, spm_mod
     assert [s.name for s in resolve_inputs([str(od)], output=str(od / "shards"))] == want
     assert [s.name for s in resolve_inputs([str(od / "**" / "*.json*")])] == want
     assert [s.name for s in resolve_inputs([str(od / "*" / "*.jsonl")])] == want[1:]
+
+
+def test_utf8_bom_is_dropped(tmp_path, spm_model, capsys):
+    sp = load_tokenizer(spm_model)
+    bom = b"\xef\xbb\xbf"
+    (tmp_path / "a.jsonl").write_bytes(bom + b'{"query": "q1", "response": "r1"}\n{"query": "q2", "response": "r2"}\n')
+    (tmp_path / "b.json").write_bytes(bom + json.dumps([{"query": "q3", "response": "r3"}]).encode())
+    (tmp_path / "c.txt").write_bytes(bom + b"plain text\n")
+    out = tmp_path / "out"
+    code, err = run_shard(capsys, "--input", tmp_path, "--output", out, "--tokenizer", spm_model)
+    assert code == 0, err
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["skipped"] == {}
+    rows = read_samples(str(out))["train"]
+    got = []
+    for _, tokens, meta in rows:
+        P = meta["segments"][0]["prompt_length"]
+        got.append(sp.sp.decode(tokens[P:-1].tolist()))
+    assert got == ["r1", "r2", "r3", "plain text\n"]
