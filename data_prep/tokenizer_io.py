@@ -20,6 +20,7 @@ EOS is the tokenizer's `eos_token_id` (Qwen3 chat checkpoints: `<|im_end|>`, 151
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from dataclasses import dataclass, field
 
@@ -195,14 +196,45 @@ class SPMTokenizer(Tokenizer):
         return ["tokenizer.model"]
 
 
+# tokenizer_config.json key naming the tokenizer kind of a folder whose real tokenizer is the
+# SentencePiece `tokenizer.model` (written by `pipeline.hf_io.save_tokenizer`).
+SPM_KIND_KEY = "refusion_tokenizer_kind"
+
+
+def spm_model_in_folder(folder: str) -> str | None:
+    """`folder/tokenizer.model` when that SentencePiece model is the folder's tokenizer, else None.
+
+    It is when the folder has no `tokenizer.json` and no `tokenizer_config.json` (the shard
+    folder's copy written by data_prep, an old export), or when its `tokenizer_config.json`
+    says `"refusion_tokenizer_kind": "spm"` (an export by `pipeline.hf_io`, whose Hugging Face
+    files, if any, were checked to encode like the model). Otherwise (e.g. a Llama-style slow
+    tokenizer folder) the folder is a Hugging Face tokenizer.
+    """
+    model = os.path.join(folder, "tokenizer.model")
+    if not os.path.isfile(model):
+        return None
+    cfg = os.path.join(folder, "tokenizer_config.json")
+    if os.path.isfile(cfg):
+        try:
+            with open(cfg, encoding="utf-8") as f:
+                kind = json.load(f).get(SPM_KIND_KEY)
+        except (OSError, ValueError, AttributeError):
+            kind = None
+        return model if kind == "spm" else None
+    return None if os.path.isfile(os.path.join(folder, "tokenizer.json")) else model
+
+
 _HF_CACHE: dict = {}
 
 
 def load_tokenizer(path: str) -> Tokenizer:
-    """Load `path`: a folder -> Hugging Face tokenizer; a file -> SentencePiece model.
+    """Load `path`: a SentencePiece model file, or a folder: its `tokenizer.model` when that is
+    its tokenizer (`spm_model_in_folder`), else a Hugging Face tokenizer.
 
     Raises TokenizerError (one line) when the path does not exist or cannot be loaded.
     """
+    if os.path.isdir(path) and spm_model_in_folder(path) is not None:
+        return SPMTokenizer(spm_model_in_folder(path))
     if os.path.isdir(path):
         # Loading a large HF tokenizer takes seconds; reuse it while its files are unchanged.
         stamp = tuple((f, os.stat(os.path.join(path, f)).st_mtime_ns)

@@ -431,28 +431,141 @@ def _atomic_dir(out: Path, overwrite: bool):
     return tmp, finish
 
 
+# Texts on which an exported SentencePiece tokenizer's Hugging Face files must give the ids of
+# the model itself (plus every piece's text and this module's source, see `_spm_check_texts`).
+_SPM_CHECK_TEXTS = (
+    "hello world", "Hello, World!", "", " ", "  ", "\n", "\t\tx", "  two  spaces\n\n\ttab ",
+    " leading", "trailing ", "line\r\nbreak", "<s>x</s><pad><unk>",
+    "a<|mask|>b <|user|> q<|assistant|>", "<|mask|><|mask|>", " <|user|>",
+    "def f(x):\n    return x * 12345 + 0.5  # comment\n", "ünïcödé 日本語 😀 \u00a0 \x00\x7f",
+    "\u2581 already escaped \u2581\u2581", "3.14159e-10 0x1F 1_000_000",
+)
+
+
+def _spm_check_texts(sp) -> list[str]:
+    pieces = [sp.DecodeIds([i]) for i in range(sp.GetPieceSize())
+              if not (sp.IsControl(i) or sp.IsUnknown(i) or sp.IsByte(i))]
+    texts = list(_SPM_CHECK_TEXTS) + ["".join(pieces[i:i + 64])
+                                      for i in range(0, len(pieces), 64)]
+    texts.append(Path(__file__).read_text(encoding="utf-8"))
+    return texts
+
+
+def _write_hf_spm_files(model_path: Path, out: Path) -> None:
+    """Write `tokenizer.json` + `tokenizer_config.json` converted from the SentencePiece model
+    (transformers' converter that follows the model's own normalizer settings; special tokens
+    are not matched in text, as SentencePiece does not match control pieces)."""
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import SpmConverter, import_protobuf
+    proto = import_protobuf().ModelProto()
+    proto.ParseFromString(model_path.read_bytes())
+    vocab = {p.piece: i for i, p in enumerate(proto.pieces)}
+    backend = SpmConverter.build_tokenizer_from_spm_proto(proto, vocab, legacy=True)
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, split_special_tokens=True,
+                                  **_spm_special_tokens(proto))
+    tok.save_pretrained(str(out))
+
+
+def _spm_special_tokens(proto) -> dict[str, str]:
+    """`{"bos_token": piece, ...}` of a SentencePiece model proto (those it defines)."""
+    spec = proto.trainer_spec
+    names = {"bos_token": (spec.bos_id, spec.bos_piece), "eos_token": (spec.eos_id, spec.eos_piece),
+             "unk_token": (spec.unk_id, spec.unk_piece), "pad_token": (spec.pad_id, spec.pad_piece)}
+    return {k: piece for k, (i, piece) in names.items() if i >= 0}
+
+
+def _spm_hf_mismatch(sp, out: Path) -> str | None:
+    """None when `AutoTokenizer.from_pretrained(out)` has the model's length and special ids
+    and encodes every check text to the model's ids; else what differs (one line)."""
+    try:
+        from transformers import AutoTokenizer
+        tok = AutoTokenizer.from_pretrained(str(out))
+    except Exception as e:  # noqa: BLE001 - any failure means: not loadable
+        return f"AutoTokenizer failed: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+    if len(tok) != sp.GetPieceSize():
+        return f"length {len(tok)} != {sp.GetPieceSize()}"
+    for name, want in (("eos", sp.eos_id()), ("bos", sp.bos_id()), ("pad", sp.pad_id())):
+        got = getattr(tok, f"{name}_token_id")
+        if want >= 0 and got != want:
+            return f"{name} id {got} != {want}"
+    for text in _spm_check_texts(sp):
+        if tok.encode(text, add_special_tokens=False) != sp.EncodeAsIds(text):
+            return f"ids differ on {text[:40]!r}"
+    return None
+
+
+def _save_spm_tokenizer(model_path: Path, out: Path) -> dict[str, int]:
+    """Copy a SentencePiece model as `out/tokenizer.model`, with `tokenizer_config.json`
+    carrying `"refusion_tokenizer_kind": "spm"` (so `data_prep.tokenizer_io.load_tokenizer(out)`
+    loads `tokenizer.model` itself), and `tokenizer.json` converted from it when
+    `AutoTokenizer` then gives the model's ids on the check texts. When it does not, no
+    `tokenizer.json` is kept (AutoTokenizer converts `tokenizer.model` its own way); that is
+    checked too, and when it also differs one warning line on stderr says that AutoTokenizer
+    does not encode like the model."""
+    import sys
+
+    import sentencepiece as spm
+
+    from data_prep.tokenizer_io import SPM_KIND_KEY
+    sp = spm.SentencePieceProcessor()
+    sp.Load(str(model_path))
+    shutil.copyfile(model_path, out / "tokenizer.model")
+    cfg_path = out / "tokenizer_config.json"
+    try:
+        _write_hf_spm_files(model_path, out)
+        cfg = json.loads(cfg_path.read_text())
+        cfg[SPM_KIND_KEY] = "spm"
+        cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
+        why = _spm_hf_mismatch(sp, out)  # on the files as finally written
+    except Exception as e:  # noqa: BLE001 - conversion failures fall back like mismatches
+        why = f"conversion failed: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+    if why is not None:
+        for name in ("tokenizer.json", "special_tokens_map.json", "added_tokens.json"):
+            (out / name).unlink(missing_ok=True)
+        # the class that reads tokenizer.model itself (not config.json's Qwen2Tokenizer)
+        from transformers.convert_slow_tokenizer import import_protobuf
+        proto = import_protobuf().ModelProto()
+        proto.ParseFromString(model_path.read_bytes())
+        cfg = {"tokenizer_class": "TokenizersBackend", **_spm_special_tokens(proto),
+               "split_special_tokens": True, SPM_KIND_KEY: "spm"}
+        cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
+        why = _spm_hf_mismatch(sp, out)
+        if why is not None:
+            print(f"warning: {out.name}: SentencePiece tokenizer written as tokenizer.model "
+                  f"only; AutoTokenizer cannot load it correctly ({why}); load it with "
+                  f"data_prep.tokenizer_io.load_tokenizer", file=sys.stderr)
+    mask = sp.PieceToId("<|mask|>")
+    return {"length": sp.GetPieceSize(),
+            "mask_token_id": mask if sp.IdToPiece(mask) == "<|mask|>" else -1,
+            "auto_tokenizer": why is None}
+
+
 def save_tokenizer(tokenizer_src, out, added_tokens=REFUSION_TOKENS) -> dict[str, int]:
     """Write the tokenizer of `tokenizer_src` into the folder `out`.
 
-    `tokenizer_src` is either a folder `transformers.AutoTokenizer` loads (written with
-    `save_pretrained`, `added_tokens` added as special tokens when absent), or a SentencePiece
-    model file (`data_prep/train_tokenizer.py`; copied as `tokenizer.model`, which already has
-    the `<|mask|>` piece; nothing is added).
+    `tokenizer_src` is either a SentencePiece model (`data_prep/train_tokenizer.py`; already
+    has the `<|mask|>` piece; nothing is added): a model file, or a folder whose tokenizer is
+    its `tokenizer.model` (`data_prep.tokenizer_io.spm_model_in_folder`, e.g. the shard
+    folder's `tokenizer/` copy); or a folder `transformers.AutoTokenizer` loads (written with
+    `save_pretrained`, `added_tokens` added as special tokens when absent).
+    A SentencePiece model is written as `tokenizer.model` plus, when transformers' conversion
+    gives exactly the model's ids on a set of check texts, `tokenizer.json` (AutoTokenizer
+    loads it); otherwise no Hugging Face file that would encode differently, and one warning
+    line on stderr when AutoTokenizer cannot load the folder correctly (`_save_spm_tokenizer`).
 
     Returns:
-        `{"length": tokens including added ones, "mask_token_id": id of "<|mask|>" or -1}`.
+        `{"length": tokens including added ones, "mask_token_id": id of "<|mask|>" or -1}`
+        (SentencePiece: also `"auto_tokenizer"`: whether AutoTokenizer on `out` was checked
+        to encode like the model).
     Raises:
         FileNotFoundError: `tokenizer_src` does not exist.
     """
+    from data_prep.tokenizer_io import spm_model_in_folder
     src = Path(tokenizer_src)
+    if src.is_dir() and spm_model_in_folder(str(src)) is not None:
+        src = Path(spm_model_in_folder(str(src)))
     if src.is_file():
-        import sentencepiece as spm
-        sp = spm.SentencePieceProcessor()
-        sp.Load(str(src))
-        shutil.copyfile(src, Path(out) / "tokenizer.model")
-        mask = sp.PieceToId("<|mask|>")
-        return {"length": sp.GetPieceSize(),
-                "mask_token_id": mask if sp.IdToPiece(mask) == "<|mask|>" else -1}
+        return _save_spm_tokenizer(src, Path(out))
     if not src.is_dir():
         raise FileNotFoundError(f"{src}: tokenizer not found (a folder or a SentencePiece "
                                 f"model file)")
@@ -475,7 +588,8 @@ def save_hf_folder(state: dict[str, torch.Tensor], cfg: ModelConfig, out, *,
     Writes `config.json`, `model.safetensors` (or `model-0000k-of-0000n.safetensors` shards plus
     `model.safetensors.index.json` when larger than `max_shard_bytes` bytes), and, with
     `tokenizer_src` (a folder or a SentencePiece file, see `save_tokenizer`), the tokenizer
-    files with `added_tokens`, and `mask_token_id` in config.json.
+    files (`added_tokens` added to a Hugging Face tokenizer), and `mask_token_id` in
+    config.json.
 
     Args:
         state: full HF tensors (`merge_tp_state_dicts`).

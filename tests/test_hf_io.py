@@ -146,3 +146,107 @@ def test_save_with_sentencepiece_tokenizer(tmp_path):
         save_hf_folder(_hf_state(src2), config_from_hf(src2), tmp_path / "out2",
                        tokenizer_src=tmp_path / "spm.model")
     assert not (tmp_path / "out2").exists()  # failed writes leave nothing behind
+
+
+@pytest.fixture(scope="module")
+def shard_tokenizer(tmp_path_factory):
+    """A data_prep SentencePiece model (train_tokenizer.py, vocab 600, ids <pad>=0 <unk>=1 <s>=2
+    </s>=3 <|mask|>=4) in the layout of a shard folder's copy: `<shards>/tokenizer/tokenizer.model`."""
+    from pathlib import Path
+
+    from data_prep import stdlib_corpus, train_tokenizer
+    tmp = tmp_path_factory.mktemp("spm_shards")
+    corpus = tmp / "corpus"
+    corpus.mkdir()
+    for rel in ("json/decoder.py", "textwrap.py", "string.py", "bisect.py"):
+        (corpus / rel.replace("/", "_").replace(".py", ".txt")).write_bytes(
+            Path(stdlib_corpus.stdlib_root(), rel).read_bytes())
+    folder = tmp / "shards" / "tokenizer"
+    folder.mkdir(parents=True)
+    assert train_tokenizer.main(["--input", str(corpus), "--output",
+                                 str(folder / "tokenizer.model"), "--vocab-size", "600"]) == 0
+    return folder
+
+
+SPM_TEXTS = ["hello world", "  two  spaces\n\n\ttab ", "<s>not bos</s> <|mask|>x",
+             "def f(x):\n    return x * 42  # ünïcode 日本\n"]
+
+
+def test_spm_shard_folder_exports_hf_tokenizer_that_encodes_like_training(tmp_path,
+                                                                         shard_tokenizer):
+    """The shard folder's SentencePiece copy (README: `--tokenizer <shards>/tokenizer`) is
+    written as-is (600 tokens: nothing added, so a 600-row model fits) plus HF files that
+    AutoTokenizer loads with the training ids; load_tokenizer on either folder is SentencePiece."""
+    import sentencepiece as spm
+    from transformers import AutoTokenizer
+
+    from data_prep.tokenizer_io import SPMTokenizer, load_tokenizer
+    from pipeline.hf_io import config_from_hf, save_hf_folder
+    sp = spm.SentencePieceProcessor(model_file=str(shard_tokenizer / "tokenizer.model"))
+    src = make_tiny_qwen3(tmp_path / "src", vocab_size=600, **dict(SMALL, num_hidden_layers=1))
+    out = save_hf_folder(_hf_state(src), config_from_hf(src), tmp_path / "out",
+                         tokenizer_src=shard_tokenizer)
+    assert (out / "tokenizer.model").read_bytes() == (shard_tokenizer / "tokenizer.model").read_bytes()
+    assert json.loads((out / "config.json").read_text())["mask_token_id"] == 4
+    tok = AutoTokenizer.from_pretrained(out)
+    assert (len(tok), tok.eos_token_id, tok.bos_token_id, tok.pad_token_id) == (600, 3, 2, 0)
+    for text in SPM_TEXTS:
+        assert tok.encode(text, add_special_tokens=False) == sp.EncodeAsIds(text), text
+    for folder in (shard_tokenizer, out):
+        ours = load_tokenizer(str(folder))
+        assert isinstance(ours, SPMTokenizer)
+        assert (ours.info.vocab_size, ours.info.eos_id, ours.info.mask_id) == (600, 3, 4)
+        assert ours.encode("hello world") == sp.EncodeAsIds("hello world")
+
+
+def test_spm_export_keeps_no_hf_file_that_encodes_differently(tmp_path, shard_tokenizer,
+                                                               monkeypatch, capsys):
+    """A converted tokenizer.json that encodes differently (here: transformers' non-legacy dummy
+    prefix, which drops the extra '▁' before leading spaces) is not kept; AutoTokenizer's own
+    reading of tokenizer.model is checked instead, and when that differs too, one warning line
+    says so. load_tokenizer always reads tokenizer.model."""
+    import sentencepiece as spm
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import SpmConverter, import_protobuf
+
+    from data_prep.tokenizer_io import SPMTokenizer, load_tokenizer
+    from pipeline import hf_io
+    sp = spm.SentencePieceProcessor(model_file=str(shard_tokenizer / "tokenizer.model"))
+
+    def non_legacy(model_path, out):
+        proto = import_protobuf().ModelProto()
+        proto.ParseFromString(model_path.read_bytes())
+        vocab = {p.piece: i for i, p in enumerate(proto.pieces)}
+        backend = SpmConverter.build_tokenizer_from_spm_proto(proto, vocab, legacy=False)
+        tok = PreTrainedTokenizerFast(tokenizer_object=backend, split_special_tokens=True,
+                                      **hf_io._spm_special_tokens(proto))
+        assert tok.encode("  two") != sp.EncodeAsIds("  two")  # really differs
+        tok.save_pretrained(out)
+    monkeypatch.setattr(hf_io, "_write_hf_spm_files", non_legacy)
+    checked = []
+    real_check = hf_io._spm_hf_mismatch
+    monkeypatch.setattr(hf_io, "_spm_hf_mismatch",
+                        lambda sp_, out: checked.append(real_check(sp_, out)) or checked[-1])
+    out = tmp_path / "out"
+    out.mkdir()
+    info = hf_io.save_tokenizer(shard_tokenizer, out)
+    assert checked[0].startswith("ids differ on "), checked
+    assert sorted(p.name for p in out.iterdir()) == ["tokenizer.model", "tokenizer_config.json"]
+    tok = AutoTokenizer.from_pretrained(out)
+    agrees = all(tok.encode(t, add_special_tokens=False) == sp.EncodeAsIds(t) for t in SPM_TEXTS)
+    assert info == {"length": 600, "mask_token_id": 4, "auto_tokenizer": checked[1] is None}
+    assert agrees or checked[1] is not None  # never claimed loadable while encoding differently
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == (0 if checked[1] is None else 1), err
+
+    monkeypatch.setattr(hf_io, "_spm_hf_mismatch", lambda sp_, out: "ids differ on 'x'")
+    out2 = tmp_path / "out2"
+    out2.mkdir()
+    assert hf_io.save_tokenizer(shard_tokenizer, out2)["auto_tokenizer"] is False
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "AutoTokenizer cannot load it correctly" in err[0], err
+    assert sorted(p.name for p in out2.iterdir()) == ["tokenizer.model", "tokenizer_config.json"]
+    for folder in (out, out2):
+        ours = load_tokenizer(str(folder))
+        assert isinstance(ours, SPMTokenizer) and ours.info.eos_id == 3
+        assert ours.encode("  two") == sp.EncodeAsIds("  two")
