@@ -25,18 +25,29 @@ How the data is cut and ordered (everything is computed from the manifest, no da
   reorganization of a sample uses its own stream's epoch.
 - Worker w of a torch DataLoader yields whole micro-batches of its stream; the DataLoader
   returns them round-robin (batch i from worker i % num_workers).
+Signals: loader workers ignore SIGTERM, SIGINT and SIGUSR1 (`_worker_init`). SLURM preemption /
+scancel and a terminal's Ctrl-C signal every process of the job, workers included, and torch's
+own worker handler would make a worker die, killing the trainer's next `next()` before it can
+checkpoint; only the training process reacts, and it shuts its workers down. Workers still exit
+via the DataLoader's sentinel (the iterator is closed, garbage-collected, or reaped by an
+`atexit` hook that runs before multiprocessing's, which could otherwise wait forever for a worker
+that ignores its SIGTERM), leftovers are SIGKILLed, and torch's parent-death watchdog ends a
+worker within seconds when the training process is killed outright.
 State: for each stream, (epoch, number of samples already placed in yielded batches), plus the
 number of batches yielded. Resuming reads the current window (indexing the headers of the
 shards it touches), never replays the epoch.
 """
 from __future__ import annotations
 
+import atexit
 import hashlib
 import io
 import json
 import multiprocessing
 import posixpath
+import signal
 import tarfile
+import weakref
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -397,6 +408,36 @@ def _batches_of(spec: _Spec, stream: _SampleStream) -> Iterator[dict]:
         yield batch
 
 
+def _worker_init(worker_id: int) -> None:
+    """DataLoader `worker_init_fn`: ignore SIGTERM, SIGINT and SIGUSR1 in a loader worker.
+
+    It runs after torch's worker signal set-up, so it replaces torch's SIGTERM handler (which
+    exits unless the parent sent the signal). See the module docstring, "Signals"."""
+    for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+        signal.signal(s, signal.SIG_IGN)
+
+
+_LIVE_ITERATORS: "weakref.WeakSet" = weakref.WeakSet()
+_ATEXIT_REGISTERED = False
+
+
+def _stop_workers(it) -> None:
+    """Shut a multi-process DataLoader iterator's workers down (sentinel, join), then SIGKILL
+    any that are still alive (they ignore SIGTERM, torch's fallback)."""
+    try:
+        it._shutdown_workers()
+    finally:
+        for w in getattr(it, "_workers", []):
+            if w.is_alive():
+                w.kill()
+                w.join(timeout=5)
+
+
+def _stop_all_workers() -> None:
+    for it in list(_LIVE_ITERATORS):
+        _stop_workers(it)
+
+
 class _StreamDataset(IterableDataset):
     def __init__(self, spec: _Spec, positions: list, rotate: int):
         self.spec, self.positions, self.rotate = spec, positions, rotate
@@ -451,23 +492,33 @@ class ShardLoader:
             ctx = "fork" if "fork" in multiprocessing.get_all_start_methods() else None
             it = iter(DataLoader(ds, batch_size=None, num_workers=self.num_workers,
                                  prefetch_factor=self.prefetch_factor, persistent_workers=False,
-                                 multiprocessing_context=ctx))
+                                 multiprocessing_context=ctx, worker_init_fn=_worker_init))
+            global _ATEXIT_REGISTERED
+            if not _ATEXIT_REGISTERED:  # registered after torch's/multiprocessing's: runs first
+                atexit.register(_stop_all_workers)
+                _ATEXIT_REGISTERED = True
+            _LIVE_ITERATORS.add(it)
         else:
             it = iter(ds)
-        while True:
-            try:
-                batch = next(it)
-            except StopIteration:
-                return
-            except DataError as e:  # a worker's error arrives with its traceback: keep one line
-                lines = [ln for ln in str(e).splitlines() if ln.strip()]
-                msg = lines[-1].split("DataError: ", 1)[-1] if lines else str(e)
-                raise DataError(msg) from None
-            local, pos = int(batch.pop("_stream")), tuple(int(v) for v in batch.pop("_pos"))
-            self._positions[local] = pos
-            self.batches += 1
-            self.consumed_samples += len(batch["keys"])
-            yield batch
+        try:
+            while True:
+                try:
+                    batch = next(it)
+                except StopIteration:
+                    return
+                except DataError as e:  # a worker's error arrives with its traceback: keep one line
+                    lines = [ln for ln in str(e).splitlines() if ln.strip()]
+                    msg = lines[-1].split("DataError: ", 1)[-1] if lines else str(e)
+                    raise DataError(msg) from None
+                local, pos = int(batch.pop("_stream")), tuple(int(v) for v in batch.pop("_pos"))
+                self._positions[local] = pos
+                self.batches += 1
+                self.consumed_samples += len(batch["keys"])
+                yield batch
+        finally:
+            if self.num_workers > 0:
+                _LIVE_ITERATORS.discard(it)
+                _stop_workers(it)
 
     def _config(self) -> dict:
         s = self.spec

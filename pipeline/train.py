@@ -611,6 +611,9 @@ class Trainer:
             code = 1
             raise
         finally:
+            it = getattr(self, "_train_iter", None)
+            if it is not None:  # stops the loader workers now (pipeline.data: sentinel, join)
+                it.close()
             if self.wandb_run is not None:
                 self.wandb_run.finish(exit_code=code)
         return code

@@ -3,7 +3,9 @@
 What is compared against what:
 - TP=2 x DP=2 ZeRO-3 (4 processes) against a single process on the same global batches: per-step
   losses, grad norms and validation losses within 1e-5, final fp32 weights (consolidated to Hugging
-  Face names) within 1e-5. Same global batches: micro-batch 1 row, global batch 4 rows. The 4-process
+  Face names) within 1e-5. The single process (2 loader workers) is stopped by SIGTERM sent to
+  its whole process group, loader workers included (as SLURM preemption/scancel sends it): it
+  exits 0 with a checkpoint at the step it stopped, and the restart resumes to the same numbers. Same global batches: micro-batch 1 row, global batch 4 rows. The 4-process
   run has 2 loader streams (one per DP rank, `data.num_workers=0`); the single process reads the
   same 2 streams with `data.num_workers=2` (pipeline.data: stream g owns the same contiguous sample
   range and shuffle seed either way), so each step sees the same 4 rows, and with one row per
@@ -70,8 +72,8 @@ def _write_config(path: Path, data_dir: Path, **sections) -> Path:
     return path
 
 
-def _launch(nproc: int, config: Path, run_dir: Path, *overrides: str, log_name: str = "log"
-            ) -> subprocess.Popen:
+def _launch(nproc: int, config: Path, run_dir: Path, *overrides: str, log_name: str = "log",
+            new_session: bool = False) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc_per_node={nproc}", "-m", "pipeline.train", "--config", str(config),
            f"run_dir={run_dir}", *overrides]
@@ -80,7 +82,8 @@ def _launch(nproc: int, config: Path, run_dir: Path, *overrides: str, log_name: 
                f"run_dir={run_dir}", *overrides]
     run_dir.mkdir(parents=True, exist_ok=True)
     out = open(run_dir / f"{log_name}.txt", "ab")
-    return subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=out, stderr=subprocess.STDOUT)
+    return subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=out, stderr=subprocess.STDOUT,
+                            start_new_session=new_session)
 
 
 def _children(pid: int) -> list[int]:
@@ -191,10 +194,26 @@ def reference(setup):
 
 
 def test_tp2_dp2_matches_single_process(setup, reference):
+    from pipeline.checkpoint import find_latest
     base, config = setup
     run_dir = base / "single"
-    proc = _launch(1, config, run_dir, "train.tensor_parallel_size=1", "data.num_workers=2")
+    args = ("train.tensor_parallel_size=1", "data.num_workers=2")
+    # SIGTERM, then SIGINT, to the whole process group (trainer + loader workers) mid-run
+    stopped = 0
+    for i, (sig, after) in enumerate(((signal.SIGTERM, 2),)):
+        proc = _launch(1, config, run_dir, *args, log_name=f"log{i}", new_session=True)
+        _wait_step(proc, run_dir, max(after, stopped + 1))
+        os.killpg(proc.pid, sig)
+        assert _finish(proc, run_dir) == 0, (sig, _log(run_dir))
+        stopped = max(s for k, s in _metrics(run_dir) if k == "train")
+        assert stopped < MAX_STEPS, sig
+        assert find_latest(run_dir / "checkpoints").name == f"step_{stopped:09d}", sig
+        text = (run_dir / f"log{i}.txt").read_text()
+        assert f"checkpointing at step {stopped}" in text
+        assert "Traceback" not in text and "killed by signal" not in text, text[-3000:]
+    proc = _launch(1, config, run_dir, *args, log_name="log2")
     assert _finish(proc, run_dir) == 0, _log(run_dir)
+    assert f"resumed from {run_dir / 'checkpoints'}" in (run_dir / "log2.txt").read_text()
     ref, one = _metrics(reference), _metrics(run_dir)
     assert sorted(ref) == sorted(one)
     assert len([k for k in ref if k[0] == "train"]) == MAX_STEPS
