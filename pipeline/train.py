@@ -3,7 +3,7 @@
 Owns: the training loop (DeepSpeed ZeRO over the data-parallel group + megatron-core tensor
 parallelism), weight initialization (seeded random or a Hugging Face folder), the learning-rate
 schedule, validation, logging (console, `<run_dir>/metrics.jsonl`, wandb), checkpoint cadence and
-auto-resume, SIGTERM/SIGUSR1 handling and the NaN policy. Must not touch: the network
+auto-resume, SIGTERM/SIGUSR1/SIGINT handling and the NaN policy. Must not touch: the network
 (`pipeline.model`), the objective (`pipeline.objective`), shard reading (`pipeline.data`), the
 checkpoint format (`pipeline.checkpoint`), config validation (`pipeline.config`).
 
@@ -20,10 +20,15 @@ One optimizer step (all ranks):
   its micro-batch losses over data-parallel ranks and accumulation steps, which is what its
   gradient descends.
 
-Exit codes: 0 done (or checkpointed after SIGTERM/SIGUSR1), 2 config error or a user error found
-after start-up (a checkpoint or loader state from another layout, an HF folder that does not fit,
-wandb cannot start), 3 non-finite loss with `train.nan_policy=stop` (no checkpoint written for
-that step).
+Signals: SIGTERM, SIGUSR1 and SIGINT (Ctrl-C) on any rank finish the current step; all ranks
+agree through the step's all-reduce, checkpoint and exit 0. A second SIGINT aborts at once (no
+checkpoint, exit 130, one line). Loader workers ignore these signals (`pipeline.data`), so a
+signal sent to the whole process group (SLURM preemption, scancel, Ctrl-C) reaches the trainer only.
+
+Exit codes: 0 done (or checkpointed after SIGTERM/SIGUSR1/SIGINT), 2 config error or a user error
+found after start-up (a checkpoint or loader state from another layout or model shape, an HF
+folder that does not fit, wandb cannot start), 3 non-finite loss with `train.nan_policy=stop` (no
+checkpoint written for that step), 130 a second Ctrl-C.
 
 metrics.jsonl (rank 0, appended; a resumed run appends again from its checkpoint step, so a
 reader keeps the last line per (kind, step)): one JSON object per line with `kind` "train"
@@ -49,6 +54,7 @@ log = logging.getLogger("pipeline.train")
 
 EXIT_CONFIG = 2
 EXIT_NONFINITE = 3
+EXIT_INTERRUPTED = 130
 
 # Dense bf16 peak of one device, TFLOP/s (vendor datasheets, no sparsity). Matched as substrings
 # of torch.cuda.get_device_name(); `log.peak_tflops` overrides.
@@ -274,9 +280,14 @@ class Trainer:
     # -- set-up ---------------------------------------------------------------------------
 
     def _install_signals(self) -> None:
+        """SIGTERM/SIGUSR1/SIGINT set a flag read at the end of each step (checkpoint, exit 0).
+        After the first SIGINT, Python's default handler is back: a second Ctrl-C raises
+        KeyboardInterrupt (`main`: one line, exit 130)."""
         def handler(signum, frame):
+            if signum == signal.SIGINT:
+                signal.signal(signal.SIGINT, signal.default_int_handler)
             self.signal_received = signum
-        for s in (signal.SIGTERM, signal.SIGUSR1):
+        for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
             signal.signal(s, handler)
 
     def setup(self) -> None:
@@ -599,7 +610,10 @@ class Trainer:
                 if cfg.train.eval_interval and self.step % cfg.train.eval_interval == 0:
                     self._record(self.evaluate())
                 if sig:
-                    log.info("signal received: checkpointing at step %d and exiting", self.step)
+                    name = (signal.Signals(self.signal_received).name if self.signal_received
+                            else "on another rank")
+                    log.info("signal received (%s): checkpointing at step %d and exiting", name,
+                             self.step)
                     self.save()
                     break
                 if interval and self.step % interval == 0:
@@ -696,6 +710,10 @@ def main(argv: list[str] | None = None) -> int:
         if rank0:
             print(f"pipeline.train: error: {_first_line(e)}", file=sys.stderr, flush=True)
         code = EXIT_CONFIG
+    except KeyboardInterrupt:  # a second Ctrl-C (the first one checkpoints; see _install_signals)
+        print(f"pipeline.train: rank {os.environ.get('RANK', '0')}: interrupted; no checkpoint "
+              f"written for the current step", file=sys.stderr, flush=True)
+        code = EXIT_INTERRUPTED
     finally:
         from pipeline.parallel import destroy_distributed
         try:

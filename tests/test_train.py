@@ -3,9 +3,10 @@
 What is compared against what:
 - TP=2 x DP=2 ZeRO-3 (4 processes) against a single process on the same global batches: per-step
   losses, grad norms and validation losses within 1e-5, final fp32 weights (consolidated to Hugging
-  Face names) within 1e-5. The single process (2 loader workers) is stopped by SIGTERM sent to
-  its whole process group, loader workers included (as SLURM preemption/scancel sends it): it
-  exits 0 with a checkpoint at the step it stopped, and the restart resumes to the same numbers. Same global batches: micro-batch 1 row, global batch 4 rows. The 4-process
+  Face names) within 1e-5. The single process (2 loader workers) is stopped twice by a signal sent
+  to its whole process group, loader workers included (SIGTERM as SLURM preemption/scancel sends
+  it, then SIGINT as Ctrl-C does): each time it exits 0 with a checkpoint at the step it stopped,
+  and the restarts resume to the same numbers. Same global batches: micro-batch 1 row, global batch 4 rows. The 4-process
   run has 2 loader streams (one per DP rank, `data.num_workers=0`); the single process reads the
   same 2 streams with `data.num_workers=2` (pipeline.data: stream g owns the same contiguous sample
   range and shuffle seed either way), so each step sees the same 4 rows, and with one row per
@@ -200,7 +201,7 @@ def test_tp2_dp2_matches_single_process(setup, reference):
     args = ("train.tensor_parallel_size=1", "data.num_workers=2")
     # SIGTERM, then SIGINT, to the whole process group (trainer + loader workers) mid-run
     stopped = 0
-    for i, (sig, after) in enumerate(((signal.SIGTERM, 2),)):
+    for i, (sig, after) in enumerate(((signal.SIGTERM, 2), (signal.SIGINT, 5))):
         proc = _launch(1, config, run_dir, *args, log_name=f"log{i}", new_session=True)
         _wait_step(proc, run_dir, max(after, stopped + 1))
         os.killpg(proc.pid, sig)
@@ -209,7 +210,7 @@ def test_tp2_dp2_matches_single_process(setup, reference):
         assert stopped < MAX_STEPS, sig
         assert find_latest(run_dir / "checkpoints").name == f"step_{stopped:09d}", sig
         text = (run_dir / f"log{i}.txt").read_text()
-        assert f"checkpointing at step {stopped}" in text
+        assert f"signal received ({sig.name}): checkpointing at step {stopped}" in text
         assert "Traceback" not in text and "killed by signal" not in text, text[-3000:]
     proc = _launch(1, config, run_dir, *args, log_name="log2")
     assert _finish(proc, run_dir) == 0, _log(run_dir)
