@@ -12,7 +12,9 @@ Source kinds (one function each, `SOURCES`; detection in `detect_source`):
   processes (gloo) each build `pipeline.model.Qwen3` as one rank of a TP group of N, load only
   their slices, and hand back their native parameters, which are merged into HF tensors.
 - `checkpoint`: a training checkpoint (root or step folder, `pipeline.checkpoint` layout):
-  DeepSpeed's zero_to_fp32 per TP rank, then the TP merge of `pipeline.hf_io`.
+  DeepSpeed's zero_to_fp32 per TP rank, then the TP merge of `pipeline.hf_io`; its tokenizer
+  is the copy in the run's shard folder (`<data.dir>/tokenizer`) when that still exists.
+Without any tokenizer the folder gets none, and one warning line says so.
 
 Exit codes: 0 done; 2 usage or input error (one line on stderr, no traceback).
 """
@@ -130,7 +132,39 @@ def from_training_checkpoint(src: Path, args) -> ExportSource:
     """
     from pipeline import checkpoint
     state, cfg, extra = checkpoint.hf_export_state(src)
-    return ExportSource(state=state, cfg=cfg, config_extra=extra)
+    return ExportSource(state=state, cfg=cfg, config_extra=extra,
+                        tokenizer_src=run_tokenizer_dir(src))
+
+
+def run_tokenizer_dir(src: Path) -> Path | None:
+    """The tokenizer copy of the shards a checkpoint's run trained on, or None.
+
+    The run config in rank 0's client_state (`refusion_rank_00000.pt` of the step folder, or of
+    the latest complete one under a root) gives `data.dir`; its `manifest.json` names the copy
+    (`tokenizer.files`, default `tokenizer`). Only a local folder that still holds tokenizer
+    files counts (a SentencePiece `tokenizer.model` or Hugging Face files).
+    """
+    from pipeline import checkpoint
+    step = src if checkpoint.is_complete(src) else checkpoint.find_latest(src)
+    try:
+        ours = torch.load(Path(step) / "refusion_rank_00000.pt", map_location="cpu",
+                          weights_only=False)
+        data_dir = Path(str(ours["client_state"]["config"]["data"]["dir"]))
+    except Exception:  # noqa: BLE001 - an old or foreign checkpoint: no default tokenizer
+        return None
+    if "://" in str(data_dir):
+        return None
+    sub = "tokenizer"
+    try:
+        import json
+        sub = json.loads((data_dir / "manifest.json").read_text())["tokenizer"].get("files", sub)
+    except Exception:  # noqa: BLE001 - manifest gone or unreadable: try the default name
+        pass
+    folder = data_dir / str(sub)
+    if any((folder / f).is_file() for f in ("tokenizer.model", "tokenizer.json",
+                                             "tokenizer_config.json")):
+        return folder
+    return None
 
 
 SOURCES: dict[str, Callable[[Path, argparse.Namespace], ExportSource]] = {
@@ -170,7 +204,9 @@ def export(src, out, tp: int = 1, tokenizer=None, dtype: str | None = None,
 
     Args:
         tp: tensor-parallel ranks for the round trip (hf source).
-        tokenizer: tokenizer folder or SentencePiece model file overriding the source's own.
+        tokenizer: tokenizer folder or SentencePiece model file overriding the source's own
+            (an HF folder's tokenizer files; a checkpoint: its run's shard folder tokenizer,
+            `run_tokenizer_dir`). With none, one warning line on stderr.
         dtype: "float32" / "bfloat16" / "float16" (default: as stored).
     Returns:
         `Path(out)`.
@@ -187,6 +223,11 @@ def export(src, out, tp: int = 1, tokenizer=None, dtype: str | None = None,
     args = argparse.Namespace(tp=tp, work_dir=str(out.parent))
     source = SOURCES[kind](src, args)
     tok = Path(tokenizer) if tokenizer is not None else source.tokenizer_src
+    if tok is None:
+        print(f"export: warning: no tokenizer written ({src} has none to copy; pass "
+              f"--tokenizer)", file=sys.stderr)
+    elif tokenizer is None and kind == "checkpoint":
+        print(f"export: tokenizer from the run's shards: {tok}", file=sys.stderr)
     extra = dict(source.config_extra)  # save_hf_folder sets mask_token_id from the tokenizer
     return hf_io.save_hf_folder(source.state, source.cfg, out, tokenizer_src=tok,
                                 max_shard_bytes=max_shard_bytes,
@@ -203,8 +244,10 @@ def main(argv=None) -> int:
     p.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel ranks for the round trip through our model")
     p.add_argument("--tokenizer", default=None,
-                   help="tokenizer: a Hugging Face tokenizer folder or a SentencePiece model "
-                        "file (default: the source's, if it has one)")
+                   help="tokenizer: a Hugging Face tokenizer folder, a SentencePiece model "
+                        "file, or a folder holding one as tokenizer.model (e.g. <shards>/"
+                        "tokenizer) (default: the source's; for a training checkpoint, the "
+                        "tokenizer copy in its run's shard folder)")
     p.add_argument("--dtype", default=None, choices=sorted(DTYPES),
                    help="cast weights (default: as stored)")
     p.add_argument("--max-shard-bytes", type=int, default=hf_io.DEFAULT_MAX_SHARD_BYTES,

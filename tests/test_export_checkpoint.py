@@ -107,3 +107,73 @@ def test_export_cli_rejects_incomplete_checkpoint(tmp_path, capsys):
     assert export.main([str(tmp_path / "ck"), str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("export: error:") and len(err.strip().splitlines()) == 1
+
+
+@pytest.fixture()
+def fake_run(tmp_path, monkeypatch):
+    """A complete step folder whose rank-0 client_state records `data.dir` (a shard folder with
+    a data_prep SentencePiece copy in `tokenizer/`); the DeepSpeed consolidation is replaced by
+    a tiny HF model's tensors (what is tested here is only the tokenizer choice)."""
+    from data_prep import stdlib_corpus, train_tokenizer
+    from pipeline import checkpoint, hf_io
+    from tiny_qwen3 import make_tiny_qwen3
+    data = tmp_path / "data"
+    (data / "tokenizer").mkdir(parents=True)
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for rel in ("textwrap.py", "string.py", "bisect.py"):
+        (corpus / rel.replace(".py", ".txt")).write_bytes(
+            Path(stdlib_corpus.stdlib_root(), rel).read_bytes())
+    assert train_tokenizer.main(["--input", str(corpus), "--output",
+                                 str(data / "tokenizer" / "tokenizer.model"),
+                                 "--vocab-size", "600"]) == 0
+    (data / "manifest.json").write_text(json.dumps(
+        {"tokenizer": {"kind": "spm", "files": "tokenizer", "eos_id": 3, "mask_id": 4}}))
+    step = tmp_path / "ck" / "step_000000007"
+    step.mkdir(parents=True)
+    torch.save({"client_state": {"config": {"data": {"dir": str(data)}}}},
+               step / "refusion_rank_00000.pt")
+    (step / "refusion_meta.json").write_text("{}")
+    (tmp_path / "ck" / "latest").write_text("step_000000007")
+    src = make_tiny_qwen3(tmp_path / "tiny", vocab_size=600, hidden_size=16, head_dim=8,
+                          num_attention_heads=2, num_key_value_heads=1, intermediate_size=32,
+                          num_hidden_layers=1)
+    from transformers import Qwen3ForCausalLM
+    state = Qwen3ForCausalLM.from_pretrained(src, dtype=torch.float32).state_dict()
+    monkeypatch.setattr(checkpoint, "hf_export_state",
+                        lambda d: (state, hf_io.config_from_hf(src), {"eos_token_id": 3}))
+    return tmp_path / "ck", data
+
+
+def test_export_checkpoint_defaults_to_the_runs_shard_tokenizer(fake_run, tmp_path, capsys):
+    import sentencepiece as spm
+    from transformers import AutoTokenizer
+
+    from data_prep.tokenizer_io import SPMTokenizer, load_tokenizer
+    from pipeline import export
+    ck, data = fake_run
+    out = tmp_path / "hf"
+    assert export.main([str(ck), str(out)]) == 0
+    assert f"tokenizer from the run's shards: {data / 'tokenizer'}" in capsys.readouterr().err
+    model = data / "tokenizer" / "tokenizer.model"
+    assert (out / "tokenizer.model").read_bytes() == model.read_bytes()
+    sp = spm.SentencePieceProcessor(model_file=str(model))
+    tok = AutoTokenizer.from_pretrained(out)
+    assert (len(tok), tok.eos_token_id) == (600, 3)
+    assert tok.encode("hello world", add_special_tokens=False) == sp.EncodeAsIds("hello world")
+    assert isinstance(load_tokenizer(str(out)), SPMTokenizer)
+    assert json.loads((out / "config.json").read_text())["mask_token_id"] == 4
+
+
+def test_export_checkpoint_without_tokenizer_warns(fake_run, tmp_path, capsys):
+    import shutil
+
+    from pipeline import export
+    ck, data = fake_run
+    shutil.rmtree(data)                     # the shards are gone
+    out = tmp_path / "hf"
+    assert export.main([str(ck / "step_000000007"), str(out)]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("export: warning: no tokenizer written"), err
+    assert "--tokenizer" in err[0]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
