@@ -412,8 +412,31 @@ def _publish(engine, root: Path, partial: Path, step: int, tag: str, world: int,
 
 # --------------------------------------------------------------------------- load
 
+# Model-config fields that may change on resume (they do not change the network's parameters or
+# function); every other recorded field must match.
+RESUMABLE_MODEL_FIELDS = ("recompute", "init_std")
+
+
+def check_model_config(step_dir: str | os.PathLike, model_config: Any) -> None:
+    """Raise `CheckpointError` (one line naming the differing fields) when `model_config` differs
+    from the one recorded in `step_dir/refusion_model_config.json` (fields in
+    `RESUMABLE_MODEL_FIELDS`, and fields recorded on one side only, are not compared). No record
+    (older checkpoints) or `model_config=None`: nothing to check."""
+    path = Path(step_dir) / MODEL_CONFIG
+    if model_config is None or not path.is_file():
+        return
+    saved = json.loads(path.read_text())
+    now = _model_config_dict(None, model_config)
+    diff = [f"{k} {saved[k]!r} -> {now[k]!r}" for k in saved
+            if k in now and k not in RESUMABLE_MODEL_FIELDS and saved[k] != now[k]]
+    if diff:
+        raise CheckpointError(
+            f"{path}: the checkpoint's model differs from this run's: {', '.join(diff)} "
+            f"(saved -> now); resume with the same model, or use another run_dir / checkpoint.dir")
+
+
 def load_latest(engine, root_dir: str | os.PathLike, load_optimizer_states: bool = True,
-                restore_rng: bool = True) -> dict | None:
+                restore_rng: bool = True, model_config: Any = None) -> dict | None:
     """Resume from the latest complete checkpoint under `root_dir`; collective (all ranks).
 
     Rank 0 chooses the folder (see `find_latest`) and every rank loads that one: DeepSpeed's
@@ -426,6 +449,9 @@ def load_latest(engine, root_dir: str | os.PathLike, load_optimizer_states: bool
         root_dir: checkpoint root given to `save_checkpoint`.
         load_optimizer_states: also restore optimizer and lr-scheduler state.
         restore_rng: restore python/numpy/torch/CUDA RNG states of this rank.
+        model_config: this run's model config (dataclass, dict or DictConfig); when given, it
+            is compared with the recorded one before DeepSpeed loads anything
+            (`check_model_config`).
 
     Returns:
         The `client_state` this rank saved, with `"step"` set to the checkpoint's step and
@@ -433,7 +459,7 @@ def load_latest(engine, root_dir: str | os.PathLike, load_optimizer_states: bool
 
     Raises:
         CheckpointError: the checkpoint was written by a job of a different world size or
-            TP size, or DeepSpeed could not load it.
+            TP size or for a different model config, or DeepSpeed could not load it.
     """
     chosen = None
     if _rank() == 0:
@@ -451,6 +477,7 @@ def load_latest(engine, root_dir: str | os.PathLike, load_optimizer_states: bool
             f"{step_dir}: saved by world size {meta['world_size']} with TP {meta['tp_size']}, "
             f"this job has world size {world} with TP {tp_size}; ZeRO-3 checkpoints resume only "
             f"on the same layout (export it with `python -m pipeline.export` to change it)")
+    check_model_config(step_dir, model_config)
     load_path, _ = engine.load_checkpoint(str(step_dir.parent), tag=step_dir.name,
                                           load_optimizer_states=load_optimizer_states,
                                           load_lr_scheduler_states=load_optimizer_states)

@@ -363,7 +363,7 @@ class Trainer:
         self.train_loader = self._build_loader(cfg.data.train_split, train=True)
 
         if resuming:
-            state = ckpt.load_latest(self.engine, self.ckdir)
+            state = ckpt.load_latest(self.engine, self.ckdir, model_config=self.mcfg)
             if state is None:
                 raise RuntimeError(f"{self.ckdir}: the latest checkpoint vanished while resuming")
             self.step = int(state["step"])

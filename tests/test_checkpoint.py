@@ -354,3 +354,30 @@ def test_rank0_publish_failure_raises_everywhere_and_keeps_latest(tmp_path):
     assert got == ["Crash", "CheckpointError"]          # nobody left waiting in a barrier
     assert (tmp_path / "latest").read_text() == "step_000000001"
     assert ckpt.find_latest(tmp_path) == tmp_path / "step_000000001"
+
+
+def test_load_latest_refuses_a_different_model_config(tmp_path):
+    d = tmp_path / ckpt.tag_for_step(3)
+    d.mkdir()
+    (d / ckpt.META).write_text(json.dumps({"step": 3, "world_size": 1, "tp_size": 1}))
+    saved = {"vocab_size": 64, "hidden_size": 64, "num_layers": 2, "recompute": False,
+             "init_std": 0.02}
+    (d / ckpt.MODEL_CONFIG).write_text(json.dumps(saved))
+
+    class NoEngine:
+        mpu = None
+
+        def load_checkpoint(self, *a, **k):
+            raise AssertionError("DeepSpeed load attempted")
+
+    changed = dict(saved, hidden_size=128, num_layers=3)
+    with pytest.raises(ckpt.CheckpointError) as e:      # before DeepSpeed is asked to load
+        ckpt.load_latest(NoEngine(), tmp_path, model_config=changed)
+    msg = str(e.value)
+    assert "\n" not in msg and str(d / ckpt.MODEL_CONFIG) in msg
+    assert "hidden_size 64 -> 128, num_layers 2 -> 3 (saved -> now)" in msg
+    assert "vocab_size" not in msg
+    # the same model (activation checkpointing and init_std may change) gets to DeepSpeed's load
+    for same in (saved, dict(saved, recompute=True, init_std=0.5)):
+        with pytest.raises(AssertionError, match="DeepSpeed load attempted"):
+            ckpt.load_latest(NoEngine(), tmp_path, model_config=same)
