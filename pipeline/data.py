@@ -34,7 +34,9 @@ via the DataLoader's sentinel (the iterator is closed, garbage-collected, or rea
 that ignores its SIGTERM), leftovers are SIGKILLed, and torch's parent-death watchdog ends a
 worker within seconds when the training process is killed outright.
 State: for each stream, (epoch, number of samples already placed in yielded batches), plus the
-number of batches yielded. Resuming reads the current window (indexing the headers of the
+number of batches yielded, and the settings it must be resumed with (checked on load; the shard
+set by its fingerprint `data`). `data_dir`, the folder it was read from, is informational (for
+the message when the shards differ; states without it still load). Resuming reads the current window (indexing the headers of the
 shards it touches), never replays the epoch.
 """
 from __future__ import annotations
@@ -468,8 +470,9 @@ class ShardLoader:
     """
 
     def __init__(self, spec: _Spec, manifest: dict, fingerprint: str, dp_rank: int, dp_size: int,
-                 num_workers: int, prefetch_factor: int):
+                 num_workers: int, prefetch_factor: int, data_dir: str | None = None):
         self.spec, self.manifest, self.fingerprint = spec, manifest, fingerprint
+        self.data_dir = data_dir
         self.dp_rank, self.dp_size, self.num_workers = dp_rank, dp_size, num_workers
         self.prefetch_factor = prefetch_factor
         self.mask_id, self.pad_id = spec.mask_id, spec.pad_id
@@ -532,7 +535,7 @@ class ShardLoader:
         the TP ranks of a DP group have equal states)."""
         return {"version": STATE_VERSION, "config": self._config(),
                 "positions": [list(p) for p in self._positions], "batches": self.batches,
-                "consumed_samples": self.consumed_samples}
+                "consumed_samples": self.consumed_samples, "data_dir": self.data_dir}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue exactly after the batch the state was taken at.
@@ -549,8 +552,12 @@ class ShardLoader:
                             f"{now['dp_size']}; changing the DP size on resume is not supported")
         for k in now:
             if saved.get(k) != now[k]:
-                raise DataError(f"loader state: {k} was {saved.get(k)!r} when saved, is {now[k]!r} now; "
-                                f"resume with the same data settings")
+                where = ""
+                if k == "data":  # the shard set: name the folders (states before data_dir: unknown)
+                    where = (f" (shards of {state.get('data_dir') or 'an unrecorded folder'} when "
+                             f"saved, of {self.data_dir} now)")
+                raise DataError(f"loader state: {k} was {saved.get(k)!r} when saved, is {now[k]!r} now"
+                                f"{where}; resume with the same data settings")
         self._positions = [tuple(p) for p in state["positions"]]
         self.batches = int(state["batches"])
         self.consumed_samples = int(state["consumed_samples"])
@@ -631,4 +638,5 @@ def build_loader(data_dir: str, split: str, micro_batch_size: int, max_length: i
                  objective=objective_cfg or ObjectiveConfig())
     fingerprint = hashlib.sha256(json.dumps([manifest["tokenizer"], manifest["splits"][split]],
                                             sort_keys=True).encode()).hexdigest()[:16]
-    return ShardLoader(spec, manifest, fingerprint, dp_rank, dp_size, num_workers, prefetch_factor)
+    return ShardLoader(spec, manifest, fingerprint, dp_rank, dp_size, num_workers, prefetch_factor,
+                       data_dir=str(data_dir))

@@ -169,6 +169,21 @@ def test_dp_size_change_and_other_settings_are_refused():
     with pytest.raises(DataError, match="objective"):
         build_loader(url, "train", 2, 48, dp_size=2, num_workers=0,
                      objective_cfg=ObjectiveConfig(eps=0.1)).load_state_dict(state)
+    # another shard folder: both folders named (the state records where it was read from)
+    other = "memory://refuse-other"
+    write_shards(other, {"train": random_samples(np.random.default_rng(5), 12)}, samples_per_shard=6)
+    assert state["data_dir"] == url
+    with pytest.raises(DataError) as err:
+        build_loader(other, "train", 2, 48, dp_size=2, num_workers=0).load_state_dict(state)
+    msg = str(err.value)
+    assert msg.startswith("loader state: data was ") and "\n" not in msg
+    assert f"(shards of {url} when saved, of {other} now)" in msg
+    old = {k: v for k, v in state.items() if k != "data_dir"}  # a state saved before data_dir
+    with pytest.raises(DataError, match=f"shards of an unrecorded folder when saved, of {other} now"):
+        build_loader(other, "train", 2, 48, dp_size=2, num_workers=0).load_state_dict(old)
+    same = build_loader(url, "train", 2, 48, dp_size=2, num_workers=0)
+    same.load_state_dict(old)                                  # still loads
+    assert same.batches == 2
 
 
 def test_tokenizer_and_shape_checks():
