@@ -461,17 +461,18 @@ def _write_hf_spm_files(model_path: Path, out: Path) -> None:
     proto.ParseFromString(model_path.read_bytes())
     vocab = {p.piece: i for i, p in enumerate(proto.pieces)}
     backend = SpmConverter.build_tokenizer_from_spm_proto(proto, vocab, legacy=True)
+    import sentencepiece as spm
     tok = PreTrainedTokenizerFast(tokenizer_object=backend, split_special_tokens=True,
-                                  **_spm_special_tokens(proto))
+                                  **_spm_special_tokens(spm.SentencePieceProcessor(
+                                      model_file=str(model_path))))
     tok.save_pretrained(str(out))
 
 
-def _spm_special_tokens(proto) -> dict[str, str]:
-    """`{"bos_token": piece, ...}` of a SentencePiece model proto (those it defines)."""
-    spec = proto.trainer_spec
-    names = {"bos_token": (spec.bos_id, spec.bos_piece), "eos_token": (spec.eos_id, spec.eos_piece),
-             "unk_token": (spec.unk_id, spec.unk_piece), "pad_token": (spec.pad_id, spec.pad_piece)}
-    return {k: piece for k, (i, piece) in names.items() if i >= 0}
+def _spm_special_tokens(sp) -> dict[str, str]:
+    """`{"bos_token": piece, ...}` of a SentencePieceProcessor (those its model defines)."""
+    ids = {"bos_token": sp.bos_id(), "eos_token": sp.eos_id(), "unk_token": sp.unk_id(),
+           "pad_token": sp.pad_id()}
+    return {k: sp.IdToPiece(i) for k, i in ids.items() if i >= 0}
 
 
 def _spm_hf_mismatch(sp, out: Path) -> str | None:
@@ -523,10 +524,7 @@ def _save_spm_tokenizer(model_path: Path, out: Path) -> dict[str, int]:
         for name in ("tokenizer.json", "special_tokens_map.json", "added_tokens.json"):
             (out / name).unlink(missing_ok=True)
         # the class that reads tokenizer.model itself (not config.json's Qwen2Tokenizer)
-        from transformers.convert_slow_tokenizer import import_protobuf
-        proto = import_protobuf().ModelProto()
-        proto.ParseFromString(model_path.read_bytes())
-        cfg = {"tokenizer_class": "TokenizersBackend", **_spm_special_tokens(proto),
+        cfg = {"tokenizer_class": "TokenizersBackend", **_spm_special_tokens(sp),
                "split_special_tokens": True, SPM_KIND_KEY: "spm"}
         cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
         why = _spm_hf_mismatch(sp, out)

@@ -219,7 +219,7 @@ def test_spm_export_keeps_no_hf_file_that_encodes_differently(tmp_path, shard_to
         vocab = {p.piece: i for i, p in enumerate(proto.pieces)}
         backend = SpmConverter.build_tokenizer_from_spm_proto(proto, vocab, legacy=False)
         tok = PreTrainedTokenizerFast(tokenizer_object=backend, split_special_tokens=True,
-                                      **hf_io._spm_special_tokens(proto))
+                                      **hf_io._spm_special_tokens(sp))
         assert tok.encode("  two") != sp.EncodeAsIds("  two")  # really differs
         tok.save_pretrained(out)
     monkeypatch.setattr(hf_io, "_write_hf_spm_files", non_legacy)
