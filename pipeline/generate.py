@@ -18,6 +18,9 @@ pipeline wraps queries (`data_prep.tokenizer_io`: the chat template, or `<s> <|u
 <|assistant|>` for SentencePiece); `--raw` feeds the text as is (continuation). The mask and
 EOS ids are the tokenizer's.
 
+`--gen-length` is an upper bound on generated tokens; in refusion mode it is rounded up to a
+multiple of `--slot-size` (the generation region is whole slots, REFUSION.md), so
+`--gen-length 10 --slot-size 4` may give 12 tokens.
 `--prompts FILE.jsonl`: one JSON object per line with a "prompt" (or "query") string.
 TPS = a prompt's generated tokens / wall seconds of its batch (tokens per second), measured
 after one short untimed warm-up decode.
@@ -225,7 +228,9 @@ def warm_up(loaded: Loaded, prompt: list[int]) -> None:
 
 def add_decoding_args(p: argparse.ArgumentParser) -> None:
     """The decoding options shared with `pipeline.evaluate` (defaults: the reference's demo)."""
-    p.add_argument("--gen-length", type=int, default=128, help="tokens to generate at most")
+    p.add_argument("--gen-length", type=int, default=128,
+                   help="tokens to generate at most; in refusion mode rounded up to a multiple "
+                        "of --slot-size (the generation region is whole slots)")
     p.add_argument("--slot-size", type=int, default=4, help="tokens per slot (k)")
     p.add_argument("--num-blocks", type=int, default=2,
                    help="left-to-right blocks of the generation region")

@@ -127,3 +127,18 @@ def test_humaneval_harness_runs_the_executor(loaded):
     assert [r["passed"] for r in ok] == [True, True]
     bad = run_humaneval_checks(probs[:1], ["    return None\n"])
     assert not bad[0]["passed"] and bad[0]["result"].startswith("failed")
+
+
+def test_modes_get_the_same_rounded_up_gen_length(loaded, tmp_path, capsys):
+    """--gen-length 6 with --slot-size 4: refusion decodes 2 slots (8 tokens), so ar mode gets
+    8 tokens too (fair comparison), not 6."""
+    from pipeline.evaluate import main
+    f = tmp_path / "qa.jsonl"
+    f.write_text("".join(json.dumps({"query": q, "response": "x"}) + "\n"
+                         for q in ["def f(x):", "import json"]))
+    rc = main(["--model", str(loaded.folder), "--data", str(f), "--gen-length", "6",
+               "--slot-size", "4", "--num-blocks", "1", "--json"])
+    rep = json.loads(capsys.readouterr().out)
+    assert rc == 0
+    # The random model never emits EOS within 8 tokens here: both modes give 2 x 8 tokens.
+    assert rep["qa"]["ar"]["tokens"] == rep["qa"]["refusion"]["tokens"] == 16
