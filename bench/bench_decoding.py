@@ -4,8 +4,9 @@ Prints one line per setting: generated tokens, model forwards, TPF (tokens / for
 (tokens / wall seconds of the batched decode), the reference code's TPF figure, and the fraction
 of prompts whose text equals the AR decode of the same model (REFUSION.md "Metrics").
 
-Model: `--model` (an HF folder, e.g. the demo's export `outputs/demo/hf`), or, when absent, a
-tiny random Qwen3 (tests/tiny_qwen3.py) with random prompts; a random model's distributions are
+Model: `--model` (an HF folder or checkpoint; an error when it cannot be loaded), else the
+demo's export `outputs/demo/hf` when it exists, else a tiny random Qwen3 (tests/tiny_qwen3.py)
+with random prompts; a random model's distributions are
 flat, so its figures only show the mechanics. Prompts: the query/response prompts of the demo
 shards' val split when `--data` exists and the model has a tokenizer, else random ids.
 
@@ -29,8 +30,11 @@ GRID = [(0.9, 0.9), (0.9, 0.5), (0.6, 0.3), (0.6, 0.1), (0.3, 0.3), (0.3, 0.0), 
 
 
 def main() -> int:
+    import warnings
+    # megatron-core warns at import that optional CUDA extensions are absent (harmless).
+    warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default=str(ROOT / "outputs/demo/hf"))
+    ap.add_argument("--model", default=None)
     ap.add_argument("--data", default=str(ROOT / "outputs/demo/shards"))
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--gen-length", type=int, default=64)
@@ -40,11 +44,27 @@ def main() -> int:
     ap.add_argument("--exact-cache", action="store_true")
     args = ap.parse_args()
     from pipeline.decoding import ar_generate, refusion_generate
-    from pipeline.generate import _init_single_process, load_for_inference
+    from pipeline.generate import (UsageError, _init_single_process, check_decoding_args,
+                                   load_for_inference)
+    try:  # validate before any decoding
+        check_decoding_args(argparse.Namespace(**vars(args), temperature=0.0))
+        if args.prompts < 1:
+            raise UsageError("--prompts must be >= 1")
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
     _init_single_process()
-    if (Path(args.model) / "config.json").is_file():
-        loaded = load_for_inference(args.model)
+    model_path = args.model
+    if model_path is None and (ROOT / "outputs/demo/hf/config.json").is_file():
+        model_path = str(ROOT / "outputs/demo/hf")
+    if model_path is not None:
+        try:
+            loaded = load_for_inference(model_path)
+        except UsageError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        args.model = model_path
         model, mask_id, eos_id = loaded.model, loaded.mask_id, loaded.eos_id
         source = args.model
         prompts = []
@@ -63,7 +83,7 @@ def main() -> int:
         load_hf_into_model(model, folder)
         model.eval()
         mask_id, eos_id = 511, None
-        source = f"tiny random Qwen3 ({args.model} not found)"
+        source = "tiny random Qwen3 (no --model, no outputs/demo/hf)"
         g = torch.Generator().manual_seed(0)
         prompts = [torch.randint(0, 500, (int(n),), generator=g).tolist()
                    for n in torch.randint(8, 40, (args.prompts,), generator=g)]

@@ -100,6 +100,9 @@ def reference_style_forward(model, samples, mask_id: int, pad_id: int, eps: floa
 
 
 def main() -> int:
+    import warnings
+    # megatron-core warns at import that optional CUDA extensions are absent (harmless).
+    warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--data", default=str(ROOT / "outputs/demo/shards"))
     ap.add_argument("--model-config", default=str(ROOT / "configs/model/demo.yaml"))
@@ -116,14 +119,23 @@ def main() -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     os.environ.setdefault("MASTER_PORT", "29533")
-    from pipeline.data import build_loader, read_manifest
+    from pipeline.data import DataError, build_loader, read_manifest
     from pipeline.model import ModelConfig, Qwen3
     from pipeline.objective import hybrid_loss
     from pipeline.parallel import init_distributed
-    init_distributed(1, backend="gloo")
-    man = read_manifest(args.data)
+    try:
+        man = read_manifest(args.data)
+    except DataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     tok = man["tokenizer"]
     T = args.row_length or int(man["max_length"])
+    if T < int(man["max_length"]):
+        print(f"error: --row-length {T} is shorter than the shards' max_length "
+              f"{man['max_length']} ({args.data}/manifest.json); use >= {man['max_length']}",
+              file=sys.stderr)
+        return 2
+    init_distributed(1, backend="gloo")
     cfg = ModelConfig.from_yaml(args.model_config)
     cfg.vocab_size = max(cfg.vocab_size, -(-int(tok["vocab_size"]) // 64) * 64)
     torch.manual_seed(0)

