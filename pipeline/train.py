@@ -591,11 +591,15 @@ class Trainer:
                      metrics["step"], metrics["val_loss"], metrics["val_batches"])
 
     def run(self) -> int:
-        """Train to `train.max_steps`; returns the process exit code."""
+        """Train to `train.max_steps`; returns the process exit code. A run resumed at (or past)
+        `train.max_steps` logs one line and returns 0 without training or saving."""
         cfg = self.cfg
         self._last_saved = self.step
         interval = cfg.checkpoint.interval
         code = 0
+        if self.step >= cfg.train.max_steps:
+            log.info("already at train.max_steps=%d (checkpoint step %d); nothing to do",
+                     cfg.train.max_steps, self.step)
         try:
             while self.step < cfg.train.max_steps:
                 metrics, nonfinite, sig = self.train_step()

@@ -215,6 +215,13 @@ def test_tp2_dp2_matches_single_process(setup, reference):
     proc = _launch(1, config, run_dir, *args, log_name="log2")
     assert _finish(proc, run_dir) == 0, _log(run_dir)
     assert f"resumed from {run_dir / 'checkpoints'}" in (run_dir / "log2.txt").read_text()
+    # the same command once more: nothing to do, said in one line; nothing trained or saved
+    lines = (run_dir / "metrics.jsonl").read_text()
+    proc = _launch(1, config, run_dir, *args, log_name="log3")
+    assert _finish(proc, run_dir) == 0, _log(run_dir)
+    assert (f"already at train.max_steps={MAX_STEPS} (checkpoint step {MAX_STEPS}); nothing to do"
+            in (run_dir / "log3.txt").read_text())
+    assert (run_dir / "metrics.jsonl").read_text() == lines
     ref, one = _metrics(reference), _metrics(run_dir)
     assert sorted(ref) == sorted(one)
     assert len([k for k in ref if k[0] == "train"]) == MAX_STEPS
