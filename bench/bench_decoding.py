@@ -47,7 +47,8 @@ def main() -> int:
     from pipeline.generate import (UsageError, _init_single_process, check_decoding_args,
                                    load_for_inference)
     try:  # validate before any decoding
-        check_decoding_args(argparse.Namespace(**vars(args), temperature=0.0))
+        check_decoding_args(argparse.Namespace(**vars(args), temperature=0.0, slot_threshold=0.0,
+                                               token_threshold=0.0))
         if args.prompts < 1:
             raise UsageError("--prompts must be >= 1")
     except UsageError as e:

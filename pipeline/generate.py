@@ -254,12 +254,19 @@ def add_decoding_args(p: argparse.ArgumentParser) -> None:
 
 def check_decoding_args(args, refusion: bool = True) -> None:
     """Raise UsageError for out-of-range decoding options (`refusion`: also the slot/block
-    layout, which ar mode does not use)."""
+    layout, which ar mode does not use). Thresholds: token threshold in [0, 1] (1 = never
+    accept a drafted token by probability), slot threshold >= 0 (>= 1 = one slot per step,
+    the best one)."""
     for name in ("gen_length", "slot_size", "num_blocks", "batch_size"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1")
-    if args.temperature < 0:
+    if not args.temperature >= 0:
         raise UsageError("--temperature must be >= 0")
+    if not 0 <= args.token_threshold <= 1:  # 1: never accept a drafted token by probability
+        raise UsageError(f"--token-threshold {args.token_threshold} must be in [0, 1]")
+    if not args.slot_threshold >= 0:  # > 1 is valid: one slot (the best) per step
+        raise UsageError(f"--slot-threshold {args.slot_threshold} must be >= 0 (values >= 1 "
+                         f"select one slot per step)")
     slots = -(-args.gen_length // args.slot_size)
     if refusion and slots % args.num_blocks:
         raise UsageError(f"--num-blocks {args.num_blocks} must divide the {slots} slots "

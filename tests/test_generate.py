@@ -107,6 +107,10 @@ def test_ar_cli_equals_transformers_generate(tp1, folder, capsys, tmp_path):
     (["--model", "/nonexistent/model", "--prompt", "x"], "/nonexistent/model"),
     (["--prompt", "x", "--num-blocks", "3", "--gen-length", "16"], "--num-blocks"),
     (["--prompts", "BAD", "--gen-length", "16"], ":2: not JSON"),
+    (["--prompt", "x", "--token-threshold", "-0.5"], "--token-threshold -0.5 must be in [0, 1]"),
+    (["--prompt", "x", "--token-threshold", "1.5"], "--token-threshold 1.5 must be in [0, 1]"),
+    (["--prompt", "x", "--slot-threshold", "-0.1"], "--slot-threshold -0.1 must be >= 0"),
+    (["--prompt", "x", "--temperature", "nan"], "--temperature must be >= 0"),
 ])
 def test_user_errors_exit_2_with_one_line(tp1, folder, capsys, tmp_path, argv, message):
     bad = tmp_path / "bad.jsonl"
@@ -198,3 +202,14 @@ def test_bench_train_step_short_row_length_exits_2_with_one_line(tmp_path):
     assert r.returncode == 2
     assert r.stderr.strip() == (f"error: --row-length 16 is shorter than the shards' max_length "
                                 f"{L} ({tmp_path}/manifest.json); use >= {L}")
+
+
+def test_slot_threshold_above_1_and_token_threshold_1_are_valid(tp1, folder, capsys):
+    """--slot-threshold 1.5: one slot per step; --token-threshold 1: no drafted token accepted
+    by probability (only the first of each slot), so one token per slot per forward pair."""
+    rc, out, err = _run(capsys, ["--model", str(folder), "--prompt", "x", "--gen-length", "8",
+                                 "--slot-size", "4", "--num-blocks", "1", "--slot-threshold",
+                                 "1.5", "--token-threshold", "1", "--json"])
+    assert rc == 0, err
+    (r,) = json.loads(out)["results"]
+    assert 1 <= r["tokens"] <= 8
