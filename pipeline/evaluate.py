@@ -320,8 +320,8 @@ def main(argv=None) -> int:
                 q = rec.get("query", rec.get("prompt"))
                 r = rec.get("response", rec.get("answer"))
                 if not isinstance(q, str) or not isinstance(r, str):
-                    raise UsageError(f"{args.data}: record {n} needs \"query\" and \"response\" "
-                                     f"strings")
+                    raise UsageError(f"{args.data}: record {n} needs a \"query\" (or \"prompt\") "
+                                     f"string and a \"response\" (or \"answer\") string")
                 ex.append({"prompt_ids": loaded.tokenizer.prompt_ids(q), "reference": r})
             report["qa"] = exact_match_eval(loaded, ex[:limit], args, modes)
         else:

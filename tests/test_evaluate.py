@@ -178,3 +178,14 @@ def test_humaneval_skips_and_counts_over_long_prompts(loaded):
     for mode in ("refusion", "ar"):
         assert rep[mode]["problems"] == 0 and rep[mode]["skipped_too_long"] == 2
         assert rep[mode]["pass@1"] is None and rep[mode]["tokens"] == 0
+
+
+def test_jsonl_record_without_fields_names_all_accepted_keys(loaded, tmp_path, capsys):
+    from pipeline.evaluate import main
+    f = tmp_path / "qa.jsonl"
+    f.write_text('{"prompt": "a", "answer": "b"}\n{"question": "a", "response": "b"}\n')
+    rc = main(["--model", str(loaded.folder), "--data", str(f), "--gen-length", "8"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert err.strip() == (f'error: {f}: record 2 needs a "query" (or "prompt") string and a '
+                           f'"response" (or "answer") string')
