@@ -33,15 +33,22 @@ def main() -> int:
     import warnings
     # megatron-core warns at import that optional CUDA extensions are absent (harmless).
     warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--data", default=str(ROOT / "outputs/demo/shards"))
-    ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--gen-length", type=int, default=64)
-    ap.add_argument("--slot-size", type=int, default=4)
-    ap.add_argument("--num-blocks", type=int, default=2)
-    ap.add_argument("--batch-size", type=int, default=8)
-    ap.add_argument("--exact-cache", action="store_true")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--model", default=None,
+                    help="HF folder or checkpoint (default: outputs/demo/hf if it exists, else "
+                         "a tiny random Qwen3)")
+    ap.add_argument("--data", default=str(ROOT / "outputs/demo/shards"),
+                    help="shard folder whose val prompts are used (when the model is real)")
+    ap.add_argument("--prompts", type=int, default=8, help="number of prompts")
+    ap.add_argument("--gen-length", type=int, default=64,
+                    help="tokens to generate (rounded up to a multiple of --slot-size)")
+    ap.add_argument("--slot-size", type=int, default=4, help="tokens per slot (k)")
+    ap.add_argument("--num-blocks", type=int, default=2,
+                    help="blocks of the generation region (must divide the number of slots)")
+    ap.add_argument("--batch-size", type=int, default=8, help="prompts decoded together")
+    ap.add_argument("--exact-cache", action="store_true",
+                    help="re-encode slots infilled in parallel (exact KV cache)")
     args = ap.parse_args()
     from pipeline.decoding import ar_generate, refusion_generate
     from pipeline.generate import (UsageError, _init_single_process, check_decoding_args,

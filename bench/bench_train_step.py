@@ -103,13 +103,16 @@ def main() -> int:
     import warnings
     # megatron-core warns at import that optional CUDA extensions are absent (harmless).
     warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--data", default=str(ROOT / "outputs/demo/shards"))
-    ap.add_argument("--model-config", default=str(ROOT / "configs/model/demo.yaml"))
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--data", default=str(ROOT / "outputs/demo/shards"),
+                    help="shard folder (train split)")
+    ap.add_argument("--model-config", default=str(ROOT / "configs/model/demo.yaml"),
+                    help="model preset YAML")
     ap.add_argument("--steps", type=int, default=6, help="timed steps per arm (after 1 warm-up)")
     ap.add_argument("--rows", type=int, default=2, help="packed rows per micro-batch (ours)")
     ap.add_argument("--row-length", type=int, default=0,
-                    help="tokens per packed row (ours; default: the manifest max_length)")
+                    help="tokens per packed row (ours; 0 = the manifest max_length)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
     args = ap.parse_args()
     if not (Path(args.data) / "manifest.json").is_file():

@@ -24,6 +24,7 @@ Exact match: decoded text (EOS and after removed) equals the reference, both str
 surrounding whitespace. `agreement_with_ar`: fraction of examples where refusion mode decodes
 the same text as ar mode (REFUSION.md "Metrics"). TPF = generated tokens / forwards;
 TPS = generated tokens / decode wall seconds, over all examples of a mode.
+The JSON report records `settings` (model, modes, decoding options, limit, split, task, data).
 Exit codes: 0 done; 2 usage or input error (one line on stderr).
 """
 from __future__ import annotations
@@ -39,8 +40,8 @@ from pathlib import Path
 import torch
 
 from pipeline.generate import (DTYPES, UsageError, _write_json, add_decoding_args,
-                               check_decoding_args, check_json_out, load_for_inference,
-                               read_prompts_jsonl)
+                               check_decoding_args, check_json_out, decoding_settings,
+                               load_for_inference, read_prompts_jsonl)
 
 # Where a HumanEval completion ends (the function body is done when one of these starts a
 # line at the top level); the usual stop sequences of HumanEval harnesses.
@@ -269,16 +270,19 @@ def main(argv=None) -> int:
     # megatron-core warns at import that optional CUDA extensions are absent (harmless).
     warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
     p = argparse.ArgumentParser(prog="python -m pipeline.evaluate",
-                                description="Evaluate a ReFusion model.")
+                                description="Evaluate a ReFusion model.",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", required=True, help="HF folder or training checkpoint")
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--data", help="shard folder (loss + QA exact match) or JSONL (QA)")
-    what.add_argument("--task", choices=("humaneval",))
-    p.add_argument("--split", default="val")
+    what.add_argument("--task", choices=("humaneval",),
+                      help="a benchmark instead of --data (runs model-written code)")
+    p.add_argument("--split", default="val", help="shard split (--data folder)")
     p.add_argument("--max-batches", type=int, default=0, help="0 = the whole split")
-    p.add_argument("--micro-batch-size", type=int, default=4)
+    p.add_argument("--micro-batch-size", type=int, default=4,
+                   help="rows per micro-batch of the validation loss")
     p.add_argument("--limit", type=int, default=16, help="decoded examples (0 = all)")
-    p.add_argument("--modes", default="refusion,ar")
+    p.add_argument("--modes", default="refusion,ar", help="comma list of decoding modes")
     p.add_argument("--json", action="store_true", help="print one JSON document")
     p.add_argument("--json-out", default=None, help="also write the JSON document to this file")
     add_decoding_args(p)
@@ -298,7 +302,10 @@ def main(argv=None) -> int:
             args.gen_length = -(-args.gen_length // args.slot_size) * args.slot_size
         with contextlib.redirect_stdout(sys.stderr):  # keep library prints off stdout
             loaded = load_for_inference(args.model, args.tokenizer, DTYPES[args.dtype])
-        report: dict = {"model": str(args.model)}
+        report: dict = {"model": str(args.model),
+                        "settings": {**decoding_settings(args, modes), "limit": args.limit,
+                                     "split": args.split, "task": args.task,
+                                     "data": args.data}}
         t0 = time.perf_counter()
         limit = args.limit or 10 ** 9
         if args.task == "humaneval":

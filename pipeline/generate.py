@@ -22,6 +22,8 @@ EOS ids are the tokenizer's.
 multiple of `--slot-size` (the generation region is whole slots, REFUSION.md), so
 `--gen-length 10 --slot-size 4` may give 12 tokens.
 `--prompts FILE.jsonl`: one JSON object per line with a "prompt" (or "query") string.
+`--json` / `--json-out`: {"settings": the model and decoding options used (mode, gen_length,
+slot_size, num_blocks, thresholds, temperature, seed, exact_cache, ...), "summary", "results"}.
 TPS = a prompt's generated tokens / wall seconds of its batch (tokens per second), measured
 after one short untimed warm-up decode.
 Exit codes: 0 done; 2 usage or input error (one line on stderr).
@@ -238,18 +240,35 @@ def add_decoding_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gen-length", type=int, default=128,
                    help="tokens to generate at most; in refusion mode rounded up to a multiple "
                         "of --slot-size (the generation region is whole slots)")
-    p.add_argument("--slot-size", type=int, default=4, help="tokens per slot (k)")
+    p.add_argument("--slot-size", type=int, default=4, help="tokens per slot (k; refusion mode)")
     p.add_argument("--num-blocks", type=int, default=2,
-                   help="left-to-right blocks of the generation region")
-    p.add_argument("--slot-threshold", type=float, default=0.6)
-    p.add_argument("--token-threshold", type=float, default=0.3)
-    p.add_argument("--temperature", type=float, default=0.0)
+                   help="left-to-right blocks of the generation region (refusion mode; must "
+                        "divide the number of slots)")
+    p.add_argument("--slot-threshold", type=float, default=0.6,
+                   help="refusion: plan every masked slot whose first-token probability exceeds "
+                        "this, else the best one (>= 0; >= 1 = one slot per step)")
+    p.add_argument("--token-threshold", type=float, default=0.3,
+                   help="refusion: accept a drafted token when its causal probability exceeds "
+                        "this (in [0, 1]; 1 = only each slot's first token)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy; > 0 samples (samples depend on the batch composition, "
+                        "i.e. --batch-size, for the same --seed)")
     p.add_argument("--exact-cache", action="store_true",
                    help="re-encode slots infilled in parallel (exact KV cache)")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    p.add_argument("--tokenizer", default=None, help="tokenizer folder or SentencePiece file")
+    p.add_argument("--batch-size", type=int, default=8, help="prompts decoded together")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
+                   help="parameter dtype")
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer folder or SentencePiece file (None: the model's)")
+
+
+def decoding_settings(args, mode) -> dict:
+    """The settings a decode ran with, recorded in the JSON outputs (`mode`: a mode or a list
+    of modes)."""
+    keys = ("gen_length", "slot_size", "num_blocks", "slot_threshold", "token_threshold",
+            "temperature", "seed", "exact_cache", "batch_size", "dtype", "tokenizer")
+    return {"model": str(args.model), "mode": mode, **{k: getattr(args, k) for k in keys}}
 
 
 def check_decoding_args(args, refusion: bool = True) -> None:
@@ -327,12 +346,14 @@ def main(argv=None) -> int:
     # megatron-core warns at import that optional CUDA extensions are absent (harmless).
     warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
     p = argparse.ArgumentParser(prog="python -m pipeline.generate",
-                                description="Decode prompts with a ReFusion model.")
+                                description="Decode prompts with a ReFusion model.",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", required=True, help="HF folder or training checkpoint")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="one prompt text")
     src.add_argument("--prompts", help="JSONL file, one {\"prompt\": ...} per line")
-    p.add_argument("--mode", choices=("refusion", "ar"), default="refusion")
+    p.add_argument("--mode", choices=("refusion", "ar"), default="refusion",
+                   help="plan-and-infill (refusion) or left-to-right (ar) decoding")
     p.add_argument("--raw", action="store_true", help="feed prompts as plain text")
     p.add_argument("--json", action="store_true", help="print one JSON document")
     p.add_argument("--json-out", default=None, help="also write the JSON document to this file")
@@ -376,7 +397,8 @@ def main(argv=None) -> int:
                "forwards": total_forwards, "seconds": seconds,
                "tpf": total_tokens / total_forwards if total_forwards else 0.0,
                "tps": total_tokens / seconds if seconds else 0.0}
-    doc = {"summary": summary, "results": results}
+    doc = {"settings": decoding_settings(args, args.mode), "summary": summary,
+           "results": results}
     if args.json_out:
         _write_json(args.json_out, doc)
     if args.json:

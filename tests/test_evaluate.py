@@ -140,6 +140,7 @@ def test_modes_get_the_same_rounded_up_gen_length(loaded, tmp_path, capsys):
                "--slot-size", "4", "--num-blocks", "1", "--json"])
     rep = json.loads(capsys.readouterr().out)
     assert rc == 0
+    assert rep["settings"]["gen_length"] == 8 and rep["settings"]["mode"] == ["refusion", "ar"]
     # The random model never emits EOS within 8 tokens here: both modes give 2 x 8 tokens.
     assert rep["qa"]["ar"]["tokens"] == rep["qa"]["refusion"]["tokens"] == 16
 
