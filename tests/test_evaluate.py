@@ -190,3 +190,13 @@ def test_jsonl_record_without_fields_names_all_accepted_keys(loaded, tmp_path, c
     assert rc == 2
     assert err.strip() == (f'error: {f}: record 2 needs a "query" (or "prompt") string and a '
                            f'"response" (or "answer") string')
+
+
+def test_humaneval_cli_warns_that_it_executes_model_code(loaded, capsys):
+    from pipeline.evaluate import HUMANEVAL_WARNING, main
+    rc = main(["--model", str(loaded.folder), "--task", "humaneval", "--limit", "1",
+               "--modes", "ar", "--gen-length", "4", "--json"])
+    cap = capsys.readouterr()
+    assert rc == 0 and json.loads(cap.out)["humaneval"]["ar"]["problems"] == 1
+    assert cap.err.splitlines().count(HUMANEVAL_WARNING) == 1
+    assert "executes model-written code on this host" in HUMANEVAL_WARNING
