@@ -21,6 +21,9 @@ EOS ids are the tokenizer's.
 `--gen-length` is an upper bound on generated tokens; in refusion mode it is rounded up to a
 multiple of `--slot-size` (the generation region is whole slots, REFUSION.md), so
 `--gen-length 10 --slot-size 4` may give 12 tokens.
+Sampling (`--temperature` > 0) draws from one generator per batch, seeded by `--seed`, so a
+prompt's sample depends on the batch it is decoded in (`--batch-size`, the other prompts and
+their order) as well as on the seed; greedy decoding (temperature 0) does not.
 `--prompts FILE.jsonl`: one JSON object per line with a "prompt" (or "query") string.
 `--json` / `--json-out`: {"settings": the model and decoding options used (mode, gen_length,
 slot_size, num_blocks, thresholds, temperature, seed, exact_cache, ...), "summary", "results"}.
