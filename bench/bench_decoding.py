@@ -1,7 +1,8 @@
 """Decoding speed: TPF and tokens/s of plan-and-infill (refusion) vs AR mode, across thresholds.
 
 Prints one line per setting: generated tokens, model forwards, TPF (tokens / forwards), tokens/s
-(tokens / wall seconds of the batched decode), the reference code's TPF figure, and the fraction
+(tokens / wall seconds of the batched decode; each setting is decoded `--repeats` times and the
+median wall time is used, as single timings on a shared machine are noisy), the reference code's TPF figure, and the fraction
 of prompts whose text equals the AR decode of the same model (REFUSION.md "Metrics").
 
 Model: `--model` (an HF folder or checkpoint; an error when it cannot be loaded), else the
@@ -12,10 +13,12 @@ shards' val split when `--data` exists and the model has a tokenizer, else rando
 
     .venv/bin/python bench/bench_decoding.py [--model outputs/demo/hf] [--data outputs/demo/shards]
         [--prompts 8] [--gen-length 64] [--slot-size 4] [--num-blocks 2] [--batch-size 8]
+        [--repeats 3]
 """
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -47,6 +50,8 @@ def main() -> int:
     ap.add_argument("--num-blocks", type=int, default=2,
                     help="blocks of the generation region (must divide the number of slots)")
     ap.add_argument("--batch-size", type=int, default=8, help="prompts decoded together")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="timed decodes per setting; tokens/s uses the median wall time")
     ap.add_argument("--exact-cache", action="store_true",
                     help="re-encode slots infilled in parallel (exact KV cache)")
     args = ap.parse_args()
@@ -56,8 +61,8 @@ def main() -> int:
     try:  # validate before any decoding
         check_decoding_args(argparse.Namespace(**vars(args), temperature=0.0, slot_threshold=0.0,
                                                token_threshold=0.0))
-        if args.prompts < 1:
-            raise UsageError("--prompts must be >= 1")
+        if args.prompts < 1 or args.repeats < 1:
+            raise UsageError("--prompts and --repeats must be >= 1")
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -99,9 +104,10 @@ def main() -> int:
     print(f"model: {source}; {len(prompts)} prompts; gen_length {args.gen_length}, slot_size "
           f"{args.slot_size}, num_blocks {args.num_blocks}, batch {args.batch_size}, "
           f"cache {'exact' if args.exact_cache else 'default (reference)'}; "
-          f"torch threads {torch.get_num_threads()}")
+          f"torch threads {torch.get_num_threads()}; tokens/s: median of {args.repeats} "
+          f"timed decodes per setting")
 
-    def run(fn):
+    def run_once(fn):
         toks, fw, secs, ref_tpf = [], 0, 0.0, []
         for i in range(0, len(prompts), args.batch_size):
             out = fn(prompts[i:i + args.batch_size])
@@ -111,7 +117,14 @@ def main() -> int:
             ref_tpf += [x for x in out.tpf_reference_style if x is not None]
         return toks, fw, secs, (sum(ref_tpf) / len(ref_tpf) if ref_tpf else None)
 
-    run(lambda p: ar_generate(model, p, 4, 0.0, eos_id))  # warm-up
+    def run(fn):
+        """Greedy decodes are deterministic: tokens/forwards of the first run; wall seconds:
+        the median over `--repeats` runs."""
+        runs = [run_once(fn) for _ in range(args.repeats)]
+        toks, fw, _, rt = runs[0]
+        return toks, fw, statistics.median(r[2] for r in runs), rt
+
+    run_once(lambda p: ar_generate(model, p, 4, 0.0, eos_id))  # warm-up
     ar = run(lambda p: ar_generate(model, p, args.gen_length, 0.0, eos_id))
     print(f"{'mode':<10}{'slot_thr':>9}{'tok_thr':>8}{'tokens':>8}{'forwards':>9}{'TPF':>7}"
           f"{'tokens/s':>10}{'ref-TPF':>8}{'same as AR':>11}")

@@ -233,3 +233,15 @@ def test_help_shows_defaults_and_json_records_settings(tp1, folder, capsys):
                  "num_blocks": 1, "slot_threshold": 0.6, "token_threshold": 0.2,
                  "temperature": 0.0, "seed": 5, "exact_cache": True, "batch_size": 8,
                  "dtype": "float32", "tokenizer": None}
+
+
+def test_bench_decoding_reports_the_median_of_repeats(folder, tmp_path):
+    r = _bench("bench_decoding.py", "--model", str(folder), "--data", str(tmp_path / "none"),
+               "--prompts", "2", "--gen-length", "4", "--num-blocks", "1", "--repeats", "2")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert "tokens/s: median of 2 timed decodes per setting" in lines[0]
+    rows = [ln.split() for ln in lines[2:]]
+    assert [x[0] for x in rows] == ["ar"] + ["refusion"] * 7
+    assert all(float(x[6]) > 0 for x in rows)  # tokens/s
+    assert rows[0][3] == "8"  # 2 prompts x 4 tokens (the tiny random model emits no EOS)
