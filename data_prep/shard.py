@@ -33,6 +33,7 @@ import hashlib
 import io
 import json
 import os
+import signal
 import sys
 import tarfile
 import tempfile
@@ -179,8 +180,12 @@ def tokenize_record(tok: Tokenizer, kind: str, payload: tuple[str, ...], max_len
 _WORKER: dict = {}
 
 
-def _init_worker(tokenizer_path: str) -> None:
-    _WORKER["tok"] = load_tokenizer(tokenizer_path)
+def _init_worker(tokenizer_path: str | None) -> None:
+    """Pool worker set-up: Ctrl-C is left to the parent (which stops the pool and reports it
+    in one line); spawned workers load the tokenizer, forked ones inherit it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if tokenizer_path is not None:
+        _WORKER["tok"] = load_tokenizer(tokenizer_path)
 
 
 def _tokenize_batch(batch, max_length: int, long_text: str, tok: Tokenizer | None = None):
@@ -514,7 +519,7 @@ def _ordered_results(batches, args, tok: Tokenizer):
         # fork: workers inherit the loaded tokenizer (a Qwen3 load costs seconds per process);
         # Rust tokenizer threads are kept off so the children cannot inherit a held lock.
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-        ctx, init, initargs = mp.get_context("fork"), None, ()
+        ctx, init, initargs = mp.get_context("fork"), _init_worker, (None,)
         _WORKER["tok"] = tok
     else:
         ctx, init, initargs = mp.get_context("spawn"), _init_worker, (args.tokenizer,)
@@ -691,7 +696,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI entry point; returns the exit code (0 ok, 1 no sample written, 2 user error)."""
+    """CLI entry point; returns the exit code (0 ok, 1 no sample written, 2 user error,
+    130 interrupted by Ctrl-C: complete shards are kept and a rerun resumes)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     problems = []
@@ -715,6 +721,9 @@ def main(argv: list[str] | None = None) -> int:
     except NoSamples as e:
         print(f"shard.py: error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("shard.py: interrupted; rerun the same command to resume", file=sys.stderr)
+        return 130
     return 0
 
 

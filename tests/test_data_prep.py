@@ -525,3 +525,24 @@ def test_utf8_bom_is_dropped(tmp_path, spm_model, capsys):
         P = meta["segments"][0]["prompt_length"]
         got.append(sp.sp.decode(tokens[P:-1].tolist()))
     assert got == ["r1", "r2", "r3", "plain text\n"]
+
+
+def test_ctrl_c_with_workers_one_line_exit_130(tmp_path, spm_model):
+    import signal
+    import time
+    out = tmp_path / "out"
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "data_prep" / "shard.py"), "--input", "stdlib", "--output",
+         str(out), "--tokenizer", spm_model, "--max-length", "256", "--workers", "2",
+         "--no-progress"], stderr=subprocess.PIPE, text=True, start_new_session=True, cwd=tmp_path)
+    deadline = time.time() + 60
+    while not (out / "tokenizer" / "tokenizer.model").exists() and time.time() < deadline:
+        time.sleep(0.05)
+    time.sleep(1.5)  # the workers are busy
+    assert proc.poll() is None, "finished before the interrupt"
+    os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C does: the whole process group
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert err.strip().splitlines()[-1] == "shard.py: interrupted; rerun the same command to resume"
+    assert not list(out.glob("*.tmp-*"))
