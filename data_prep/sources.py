@@ -2,7 +2,8 @@
 
 Owns: resolving `--input` arguments to a sorted list of sources, reading their records
 (JSON list, JSONL, plain text, Parquet, the stdlib corpus) and normalizing each record to a
-query/response pair or a text document, or to a skip reason.
+query/response pair or a text document, or to a skip reason. Memory: JSONL is streamed
+line by line; a JSON list or a text file is read whole (one file at a time).
 Must not touch: tokenization, slots, shards (data_prep/shard.py).
 
 Skip reasons produced here (counted, never fatal):
@@ -228,33 +229,52 @@ def normalize(record, fmt: str, fields: Fields = Fields()) -> tuple:
     return ("text", t)
 
 
-def _json_records(raw: bytes, name: str) -> Iterator[tuple[str, object]]:
-    head = raw.lstrip()[:1]
-    if head == b"[":  # one JSON list (the reference ReFusion data format)
-        try:
-            items = json.loads(raw.decode("utf-8"))
-        except UnicodeDecodeError:
-            yield name, {"_error": "invalid_utf8"}
-            return
-        except json.JSONDecodeError:
-            yield name, {"_error": "malformed_json"}
-            return
-        for i, item in enumerate(items):
-            yield f"{name}#{i}", item
+def _json_list(raw: bytes, name: str) -> Iterator[tuple[str, object]]:
+    try:
+        items = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        yield name, {"_error": "invalid_utf8"}
         return
-    for i, line in enumerate(raw.split(b"\n")):  # JSONL
+    except json.JSONDecodeError:
+        yield name, {"_error": "malformed_json"}
+        return
+    for i, item in enumerate(items):
+        yield f"{name}#{i}", item
+
+
+def _json_records(f, name: str) -> Iterator[tuple[str, object]]:
+    """Records of an open binary JSON file: one JSON list (first non-blank byte `[`, read
+    whole) or JSONL, streamed line by line (record ids `name#line`, from 1)."""
+    n = 0
+    for line in f:
+        if n == 0 and line.startswith(BOM):
+            line = line[len(BOM):]
+        n += 1
         if not line.strip():
             continue
-        rid = f"{name}#{i + 1}"
+        break
+    else:
+        return  # empty or blank
+    if line.lstrip()[:1] == b"[":  # one JSON list (the reference ReFusion data format)
+        yield from _json_list(line + f.read(), name)
+        return
+    while True:
+        rid = f"{name}#{n}"
         try:
             text = line.decode("utf-8")
         except UnicodeDecodeError:
             yield rid, {"_error": "invalid_utf8"}
-            continue
-        try:
-            yield rid, json.loads(text)
-        except json.JSONDecodeError:
-            yield rid, {"_error": "malformed_json"}
+        else:
+            try:
+                yield rid, json.loads(text)
+            except json.JSONDecodeError:
+                yield rid, {"_error": "malformed_json"}
+        for line in f:
+            n += 1
+            if line.strip():
+                break
+        else:
+            return
 
 
 def _parquet_records(source: Source, fields: Fields) -> Iterator[tuple[str, object]]:
@@ -292,16 +312,16 @@ def iter_records(source: Source, fmt: str, fields: Fields = Fields()) -> Iterato
         return
     try:
         with source.fs.open(source.path, "rb", compression="infer") as f:
+            if not lower.endswith(TEXT_EXTS):
+                yield from _json_records(f, source.name)
+                return
             raw = f.read()
     except _READ_ERRORS as e:
         yield source.name, _unreadable(source.name, e)
         return
     if raw.startswith(BOM):  # a UTF-8 byte order mark (Windows editors) is not content
         raw = raw[len(BOM):]
-    if lower.endswith(TEXT_EXTS):
-        try:
-            yield source.name, {fields.text: raw.decode("utf-8")}
-        except UnicodeDecodeError:
-            yield source.name, {"_error": "invalid_utf8"}
-        return
-    yield from _json_records(raw, source.name)
+    try:
+        yield source.name, {fields.text: raw.decode("utf-8")}
+    except UnicodeDecodeError:
+        yield source.name, {"_error": "invalid_utf8"}
