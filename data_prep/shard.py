@@ -412,6 +412,32 @@ def _fingerprint(opts: dict, tok_json: dict) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
+_FLAGS = {"inputs": "--input", "format": "--format", "max_length": "--max-length",
+          "slot_sizes": "--slot-sizes", "seed": "--seed", "val_fraction": "--val-fraction",
+          "pack": "--pack", "long_text": "--long-text", "shard_samples": "--shard-samples",
+          "shard_bytes": "--shard-bytes", "limit": "--limit",
+          "fields": "--query-field/--response-field/--text-field",
+          "stdlib_python": "stdlib Python version"}
+
+
+def _differences(m: dict, opts: dict, tok_json: dict) -> str:
+    """What differs between a manifest's recorded options/tokenizer and this run's, in words:
+    `other options (--seed 0, now 9; ...)` and/or `another tokenizer (...)`."""
+    old = m.get("options")
+    if not isinstance(old, dict):  # an older partial manifest records only the fingerprint
+        return "other options or another tokenizer"
+    show = lambda v: json.dumps(v, ensure_ascii=False)
+    diffs = [f"{_FLAGS.get(k, k)} {show(old.get(k))}, now {show(opts.get(k))}"
+             for k in [*opts, *(k for k in old if k not in opts)] if old.get(k) != opts.get(k)]
+    parts = [f"other options ({'; '.join(diffs)})"] if diffs else []
+    oldtok = m.get("tokenizer")
+    if oldtok != tok_json:
+        oldtok = oldtok if isinstance(oldtok, dict) else {}
+        desc = lambda t: f"{t.get('name')} hash {str(t.get('hash'))[:12]}"
+        parts.append(f"another tokenizer ({desc(oldtok)}, now {desc(tok_json)})")
+    return " and ".join(parts) or "other options or another tokenizer"
+
+
 def _clear(out: Output) -> None:
     """Remove what an earlier run wrote: manifests, `<split>-NNNNNN.tar` shards, tokenizer/."""
     import re
@@ -422,11 +448,13 @@ def _clear(out: Output) -> None:
             out.remove(name)
 
 
-def _resume_state(out: Output, fingerprint: str, overwrite: bool) -> tuple[dict | None, dict]:
+def _resume_state(out: Output, fingerprint: str, overwrite: bool, opts: dict,
+                  tok_json: dict) -> tuple[dict | None, dict]:
     """(complete manifest or None, {split: kept entries}) for this output folder.
 
     A folder made with the same options (same fingerprint) is kept or resumed. One made with
-    other options raises UserError, or is cleared first when `overwrite`.
+    other options raises UserError naming the options (or tokenizer) that differ from `opts`
+    / `tok_json`, or is cleared first when `overwrite`.
     """
     fresh = None, {s: [] for s in SPLITS}
     for n in (MANIFEST, PARTIAL):
@@ -434,15 +462,16 @@ def _resume_state(out: Output, fingerprint: str, overwrite: bool) -> tuple[dict 
             continue
         try:
             m = out.read_json(n)
+            what = None if isinstance(m, dict) else "an unreadable manifest (not an object)"
         except (ValueError, OSError) as e:
-            m = {"fingerprint": f"unreadable ({e})"}
-        if m.get("fingerprint") != fingerprint:
+            m, what = {}, f"an unreadable manifest ({type(e).__name__})"
+        if not isinstance(m, dict) or m.get("fingerprint") != fingerprint:
             if overwrite:
                 _clear(out)
                 return fresh
-            raise UserError(f"{out.path(n)}: this folder holds shards made with other options "
-                            "or another tokenizer (or an unreadable manifest); use another "
-                            "--output or pass --overwrite")
+            what = what or _differences(m, opts, tok_json)
+            raise UserError(f"{out.path(n)}: this folder holds shards made with {what}; use "
+                            "another --output or pass --overwrite")
         if n == MANIFEST:
             listed = [e for split in SPLITS for e in m.get("splits", {}).get(split, [])]
             if all(out.size(e["name"]) == e.get("bytes") for e in listed):
@@ -569,7 +598,7 @@ def run(args) -> dict:
     tok_json["files"] = TOKENIZER_DIR
     fingerprint = _fingerprint(opts, tok_json)
     out = Output(args.output)
-    done, kept = _resume_state(out, fingerprint, args.overwrite)
+    done, kept = _resume_state(out, fingerprint, args.overwrite, opts, tok_json)
     if done is not None:
         _check_not_empty(done)
         print(f"shard.py: already complete (same options), kept {summary(args.output, done)}",
@@ -585,7 +614,7 @@ def run(args) -> dict:
 
     def on_close(_writer):
         state["closed"] += 1
-        out.write_json(PARTIAL, {"fingerprint": fingerprint,
+        out.write_json(PARTIAL, {"fingerprint": fingerprint, "options": opts, "tokenizer": tok_json,
                                  "progress": {s: writers[s].entries for s in SPLITS}})
         if args.stop_after_shards is not None and state["closed"] >= args.stop_after_shards:
             raise _Stop()

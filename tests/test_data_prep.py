@@ -548,3 +548,26 @@ def test_ctrl_c_with_workers_one_line_exit_130(tmp_path, spm_model):
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
     assert err.strip().splitlines()[-1] == "shard.py: interrupted; rerun the same command to resume"
     assert not list(out.glob("*.tmp-*"))
+
+
+def test_refusal_names_the_options_that_differ(tmp_path, spm_model, capsys):
+    src = write_jsonl(tmp_path / "qa.jsonl", QA_ROWS)
+    base = ["--input", src, "--tokenizer", spm_model, "--max-length", 64]
+    out, part = tmp_path / "out", tmp_path / "part"
+    assert run_shard(capsys, *base, "--output", out)[0] == 0
+    code, err = run_shard(capsys, *base, "--output", out, "--seed", 9, "--slot-sizes", "2,3")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert (f"{out}/manifest.json: this folder holds shards made with other options "
+            "(--slot-sizes [4, 8, 16, 32], now [2, 3]; --seed 0, now 9); use another --output "
+            "or pass --overwrite") in err, err
+    code, err = run_shard(capsys, *base[:2], "--tokenizer", qwen3_tokenizer_dir(), *base[4:],
+                          "--output", out)
+    assert code == 2 and "made with another tokenizer (" in err and "--seed" not in err, err
+    # an interrupted folder: the partial manifest records the options too
+    assert run_shard(capsys, *base, "--output", part, "--shard-samples", 2,
+                     "--stop-after-shards", 1)[0] == 0
+    code, err = run_shard(capsys, *base, "--output", part, "--shard-samples", 2, "--pack")
+    assert code == 2 and "manifest.partial.json" in err and "(--pack false, now true)" in err, err
+    (out / "manifest.json").write_text("{not json")
+    code, err = run_shard(capsys, *base, "--output", out)
+    assert code == 2 and "made with an unreadable manifest (JSONDecodeError)" in err, err
