@@ -7,7 +7,6 @@ decoded one by one. The checkpoint's LM head is scaled by 6 so that a random mod
 probabilities spread over (0, 1) and the thresholds take effect; float64 keeps cached and
 recomputed logits equal to ~1e-12, so no greedy decision can flip between the two.
 """
-import os
 
 import pytest
 import torch
@@ -16,22 +15,6 @@ from tiny_qwen3 import make_tiny_qwen3
 
 MASK = 511          # the tiny vocab is 512; the last row serves as the mask token
 SCALE = 6.0
-
-
-@pytest.fixture(scope="module")
-def tp1():
-    from distributed import free_port
-    from pipeline.parallel import destroy_distributed, init_distributed
-    saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT")}
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    init_distributed(tensor_parallel_size=1, backend="gloo")
-    yield
-    destroy_distributed()
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from shard_fixtures import random_samples, write_shards
-from test_generate import make_spm_model_folder, tp1  # noqa: F401  (fixture)
+from test_generate import make_spm_model_folder
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +33,7 @@ def shards(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def loaded(tp1, folder):  # noqa: F811
+def loaded(tp1, folder):
     from pipeline.generate import load_for_inference
     return load_for_inference(folder)
 

@@ -33,22 +33,6 @@ def make_spm_model_folder(folder, seed=1):
 
 
 @pytest.fixture(scope="module")
-def tp1():
-    from distributed import free_port
-    from pipeline.parallel import destroy_distributed, init_distributed
-    saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT")}
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    init_distributed(tensor_parallel_size=1, backend="gloo")
-    yield
-    destroy_distributed()
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-
-
-@pytest.fixture(scope="module")
 def folder(tmp_path_factory):
     return make_spm_model_folder(tmp_path_factory.mktemp("gen") / "model")
 

@@ -1,5 +1,4 @@
 """pipeline.model at TP=1 against transformers' Qwen3ForCausalLM on a tiny random checkpoint."""
-import os
 
 import pytest
 import torch
@@ -7,23 +6,6 @@ import torch
 from tiny_qwen3 import make_tiny_qwen3
 
 ATOL = 1e-4
-
-
-@pytest.fixture(scope="module")
-def tp1():
-    """megatron-core parallel_state at TP=1 in this process (gloo, world size 1, free port)."""
-    from distributed import free_port
-    from pipeline.parallel import destroy_distributed, init_distributed
-    saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT")}
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    init_distributed(tensor_parallel_size=1, backend="gloo")
-    yield
-    destroy_distributed()
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
 
 
 @pytest.fixture(scope="module")
