@@ -19,6 +19,7 @@ EOS is the tokenizer's `eos_token_id` (Qwen3 chat checkpoints: `<|im_end|>`, 151
 """
 from __future__ import annotations
 
+import abc
 import hashlib
 import json
 import os
@@ -72,7 +73,7 @@ def _sha256_files(paths: list[str], extra: str = "") -> str:
     return h.hexdigest()
 
 
-class Tokenizer:
+class Tokenizer(abc.ABC):
     """Common interface over the two tokenizer kinds; build with `load_tokenizer(path)`.
 
     Attributes: `info: TokenizerInfo`, `path: str`.
@@ -82,13 +83,13 @@ class Tokenizer:
     info: TokenizerInfo
     path: str
 
+    @abc.abstractmethod
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`, no special tokens added."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def prompt_ids(self, query: str) -> list[int]:
         """Token ids of the prompt for a query (see the module docstring)."""
-        raise NotImplementedError
 
     def text_sample(self, text: str) -> tuple[list[int], int]:
         """`(ids, prompt_length)` of a text document: `encode(text) + [eos]`, 0."""
@@ -99,12 +100,12 @@ class Tokenizer:
         prompt = self.prompt_ids(query)
         return prompt + self.encode(response) + [self.info.eos_id], len(prompt)
 
+    @abc.abstractmethod
     def save(self, folder: str) -> list[str]:
         """Write files that reload this tokenizer (added tokens included) into local `folder`.
 
         Returns the written file names (relative to `folder`).
         """
-        raise NotImplementedError
 
 
 class HFTokenizer(Tokenizer):
