@@ -197,6 +197,12 @@ def test_slot_threshold_above_1_and_token_threshold_1_are_valid(tp1, folder, cap
     assert rc == 0, err
     (r,) = json.loads(out)["results"]
     assert 1 <= r["tokens"] <= 8
+    kinds = r["forwards_by_kind"]
+    # Each plan and each re-draft is verified once, and each verify commits one token per slot
+    # (one slot planned per step), so a token costs at least two forwards.
+    assert kinds["verify"] == kinds["plan"] + kinds["draft"]
+    assert r["forwards"] == kinds["plan"] + kinds["draft"] + kinds["verify"]
+    assert r["tpf"] <= 0.5
 
 
 def test_help_shows_defaults_and_json_records_settings(tp1, folder, capsys):
