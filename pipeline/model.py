@@ -24,6 +24,7 @@ Tensors are batch-first: `[B, T, hidden]`.
 """
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import asdict, dataclass, fields
 from functools import partial
@@ -37,6 +38,8 @@ from torch import nn
 # --------------------------------------------------------------------------------------------
 # Configuration
 # --------------------------------------------------------------------------------------------
+
+ATTENTION_KINDS = ("auto", "sdpa", "flex", "varlen")
 
 @dataclass
 class ModelConfig:
@@ -56,6 +59,11 @@ class ModelConfig:
         max_position_embeddings: largest position id + 1 the model is meant for (informational:
             RoPE is computed on the fly).
         recompute: activation checkpointing of every block during training.
+        attention: attention kernel of packed training/evaluation forwards (segment ids, no
+            KV cache), one of `ATTENTION_KINDS`: "sdpa" (explicit dense mask, the reference),
+            "flex" (FlexAttention with a document-causal block mask), "varlen" (flash
+            varlen kernel, CUDA only), "auto" (varlen on CUDA, sdpa elsewhere). Decoding
+            (KV cache or explicit masks) always uses SDPA. See `attention`.
         init_std: std of the normal init of linear/embedding weights (residual output
             projections use init_std / sqrt(2 * num_layers), GPT-2 style).
     """
@@ -72,6 +80,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 40960
     recompute: bool = False
+    attention: str = "auto"
     init_std: float = 0.02
 
     def validate(self, tp_size: int = 1, source: str = "model config") -> None:
@@ -84,6 +93,9 @@ class ModelConfig:
                   "num_attention_heads", "num_key_value_heads", "head_dim"):
             if int(getattr(self, f)) <= 0:
                 raise ValueError(f"{source}: {f} must be > 0, got {getattr(self, f)}")
+        if self.attention not in ATTENTION_KINDS:
+            raise ValueError(f"{source}: attention must be one of {list(ATTENTION_KINDS)}, "
+                             f"got {self.attention!r}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"{source}: num_attention_heads {self.num_attention_heads} is not a "
                              f"multiple of num_key_value_heads {self.num_key_value_heads}")
@@ -267,6 +279,175 @@ def build_attention_mask(segment_ids: torch.Tensor | None, batch: int, q_len: in
     return new[:, None]
 
 
+# --------------------------------------------------------------------------------------------
+# Attention kernels (one function, chosen by `ModelConfig.attention`)
+# --------------------------------------------------------------------------------------------
+
+_notified: set[str] = set()
+
+
+def _notice_once(msg: str) -> None:
+    if msg not in _notified:
+        _notified.add(msg)
+        logging.getLogger("pipeline.model").warning(msg)
+
+
+@dataclass
+class AttentionPlan:
+    """How every layer of one forward attends; built once per forward by `plan_attention`.
+
+    Attributes:
+        kind: "causal" (plain causal SDPA, no segments), "sdpa" (SDPA with `mask`), "flex"
+            (FlexAttention with `block_mask`) or "varlen" (flash varlen over `cu_seqlens`).
+        mask: BoolTensor[B, 1, T, S], True = may attend ("sdpa" only).
+        block_mask: `torch.nn.attention.flex_attention.BlockMask` ("flex" only).
+        cu_seqlens: IntTensor[N + 1] start offset of each segment in the flattened `[B * T]`
+            tokens, then B * T ("varlen" only). max_seqlen: longest segment (tokens).
+    """
+
+    kind: str
+    mask: torch.Tensor | None = None
+    block_mask: object = None
+    cu_seqlens: torch.Tensor | None = None
+    max_seqlen: int = 0
+
+
+def resolve_attention(kind: str, device: torch.device, needs_grad: bool) -> str:
+    """The kernel a packed forward uses: "sdpa", "flex" or "varlen".
+
+    "auto" is varlen on CUDA, sdpa elsewhere. varlen off CUDA, and flex on CPU when gradients
+    are needed (torch 2.13 has no FlexAttention backward on CPU), fall back to sdpa with one
+    notice line per process.
+
+    Raises:
+        ValueError: `kind` not in `ATTENTION_KINDS`.
+    """
+    if kind not in ATTENTION_KINDS:
+        raise ValueError(f"attention must be one of {list(ATTENTION_KINDS)}, got {kind!r}")
+    cuda = torch.device(device).type == "cuda"
+    if kind == "auto":
+        return "varlen" if cuda else "sdpa"
+    if kind == "varlen" and not cuda:
+        _notice_once("model.attention=varlen needs CUDA; using sdpa on this device")
+        return "sdpa"
+    if kind == "flex" and not cuda and needs_grad:
+        _notice_once("model.attention=flex has no backward on CPU in this torch; training "
+                     "forwards use sdpa (no-grad forwards still use flex)")
+        return "sdpa"
+    return kind
+
+
+def document_causal_mask_mod(segment_ids: torch.Tensor):
+    """FlexAttention `mask_mod` of packed rows: query q may see key kv of the same row iff they
+    are in the same segment and kv <= q (causal over the fed order); padding (segment 0)
+    sees only itself. Same pattern as `build_attention_mask(segment_ids, ...)`, never
+    materialized. segment_ids: LongTensor[B, T]."""
+    def mask_mod(b, h, q, kv):
+        sq = segment_ids[b, q]
+        return (kv <= q) & (sq == segment_ids[b, kv]) & ((sq != 0) | (q == kv))
+    return mask_mod
+
+
+def varlen_boundaries(segment_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """`cu_seqlens` of packed rows for the varlen kernel, with the rows flattened to `[B * T]`.
+
+    A segment starts at each row start and wherever the segment id changes; every padding token
+    (segment 0) is a segment of its own (so it sees only itself, as in `build_attention_mask`).
+    Assumes (as `collate` guarantees) that each segment is contiguous in its row.
+
+    Args:
+        segment_ids: LongTensor[B, T].
+    Returns:
+        (IntTensor[N + 1] int32 offsets ending with B * T, longest segment in tokens).
+    """
+    b, t = segment_ids.shape
+    flat = segment_ids.reshape(-1)
+    start = torch.ones_like(flat, dtype=torch.bool)
+    start[1:] = flat[1:] != flat[:-1]
+    start[::t] = True
+    start |= flat == 0
+    cu = torch.cat((start.nonzero().flatten(), flat.new_tensor([b * t]))).to(torch.int32)
+    return cu, int((cu[1:] - cu[:-1]).max())
+
+
+def plan_attention(kind: str, segment_ids: torch.Tensor, needs_grad: bool) -> AttentionPlan:
+    """Prepare the packed (document-causal) attention of one forward for `kind`.
+
+    Args:
+        kind: `ModelConfig.attention`; resolved with `resolve_attention`.
+        segment_ids: LongTensor[B, T], 0 = padding, each segment contiguous in its row.
+        needs_grad: the forward will be differentiated (picks the CPU fallback of flex).
+    Returns:
+        AttentionPlan. Only "sdpa" builds the dense `[B, 1, T, T]` mask; "flex" builds a
+        BlockMask from `document_causal_mask_mod` (on CUDA with a compiled
+        `create_block_mask`, which never materializes the dense mask); "varlen" builds
+        `cu_seqlens` (one host sync for the longest segment).
+    """
+    b, t = segment_ids.shape
+    kind = resolve_attention(kind, segment_ids.device, needs_grad)
+    if kind == "flex":
+        from torch.nn.attention.flex_attention import create_block_mask
+        block_mask = create_block_mask(document_causal_mask_mod(segment_ids), b, None, t, t,
+                                       device=segment_ids.device,
+                                       _compile=segment_ids.device.type == "cuda")
+        return AttentionPlan("flex", block_mask=block_mask)
+    if kind == "varlen":
+        cu, longest = varlen_boundaries(segment_ids)
+        return AttentionPlan("varlen", cu_seqlens=cu, max_seqlen=longest)
+    return AttentionPlan("sdpa", mask=build_attention_mask(segment_ids, b, t,
+                                                           device=segment_ids.device))
+
+
+_compiled_flex = None
+
+
+def _flex(q, k, v, block_mask):
+    global _compiled_flex
+    from torch.nn.attention.flex_attention import flex_attention
+    if q.device.type == "cuda":
+        # Eager FlexAttention materializes the scores; the fused kernel needs torch.compile.
+        if _compiled_flex is None:
+            _compiled_flex = torch.compile(flex_attention, dynamic=False)
+        return _compiled_flex(q, k, v, block_mask=block_mask, enable_gqa=True)
+    import warnings
+    with warnings.catch_warnings():  # CPU: the unfused reference is what we want (tests)
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              plan: AttentionPlan) -> torch.Tensor:
+    """Scaled dot-product attention (scale 1/sqrt(D)) of one layer, by `plan.kind`.
+
+    Args:
+        q: `[B, H_q, T, D]`; k, v: `[B, H_kv, S, D]` (H_q a multiple of H_kv: GQA, query head
+            i uses kv head i // (H_q / H_kv), as Qwen3 does). S = T except with a KV cache.
+        plan: from `plan_attention` (or built by `Qwen3.forward` for decoding).
+    Returns:
+        `[B, H_q, T, D]` in q's dtype.
+    """
+    if plan.kind == "causal":
+        # Plain causal: flash attention on GPU handles GQA natively.
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    if plan.kind == "flex":
+        return _flex(q, k, v, plan.block_mask)
+    if plan.kind == "varlen":
+        from torch.nn.attention.varlen import varlen_attn
+        b, hq, t, d = q.shape
+        flat = lambda x: x.transpose(1, 2).reshape(b * t, x.shape[1], d)  # noqa: E731
+        out = varlen_attn(flat(q), flat(k), flat(v), plan.cu_seqlens, plan.cu_seqlens,
+                          plan.max_seqlen, plan.max_seqlen, window_size=(-1, 0),
+                          enable_gqa=True)
+        return out.view(b, t, hq, d).transpose(1, 2)
+    # "sdpa": with a mask the memory-efficient kernel is the GPU choice, and it does not take
+    # GQA: repeat kv heads.
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=plan.mask)
+
+
 class Attention(nn.Module):
     """GQA self-attention with QK-norm and RoPE; heads split over the tensor-parallel group."""
 
@@ -287,8 +468,8 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps, mcfg.params_dtype, reduce_grad_over_tp=True)
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps, mcfg.params_dtype, reduce_grad_over_tp=True)
 
-    def forward(self, x, cos, sin, mask, cache_layer=None):
-        """x: `[B, T, hidden]`; mask: `BoolTensor[B, 1, T, S]` or None (plain causal, no cache);
+    def forward(self, x, cos, sin, plan, cache_layer=None):
+        """x: `[B, T, hidden]`; plan: an `AttentionPlan` (for "sdpa" its mask is `[B, 1, T, S]`);
         cache_layer: `(past_k, past_v, store)` where past_*: `[B, H_kv/tp, S - T, D]` and
         `store(k, v)` keeps the new keys/values as the cache's pending entries."""
         b, t, _ = x.shape
@@ -304,17 +485,7 @@ class Attention(nn.Module):
             store(k, v)
             k = torch.cat((past_k, k), dim=2)
             v = torch.cat((past_v, v), dim=2)
-        if mask is None:
-            # Plain causal: flash attention on GPU handles GQA natively.
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        else:
-            # With a mask the memory-efficient kernel is the GPU choice, and it does not take
-            # GQA: repeat kv heads (q head i uses kv head i // group, as Qwen3 does).
-            group = self.n_q // self.n_kv
-            if group > 1:
-                k = k.repeat_interleave(group, dim=1)
-                v = v.repeat_interleave(group, dim=1)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        out = attention(q, k, v, plan)
         out = out.transpose(1, 2).reshape(b, t, self.n_q * d)
         out, _ = self.o_proj(out)
         return out
@@ -352,8 +523,8 @@ class Block(nn.Module):
                                                 mcfg.params_dtype)
         self.mlp = MLP(cfg, mcfg, init_method, out_init_method)
 
-    def forward(self, x, cos, sin, mask, cache_layer=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache_layer)
+    def forward(self, x, cos, sin, plan, cache_layer=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, plan, cache_layer)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -567,8 +738,8 @@ class Qwen3(nn.Module):
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
                 segment_ids: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None,
-                kv_cache: KVCache | None = None) -> torch.Tensor:
-        """Vocab-parallel logits of the fed tokens.
+                kv_cache: KVCache | None = None, return_hidden: bool = False) -> torch.Tensor:
+        """Vocab-parallel logits of the fed tokens (or the final hidden states).
 
         Args:
             input_ids: LongTensor[B, T], tokens in fed order.
@@ -583,15 +754,21 @@ class Qwen3(nn.Module):
                 plus the new tokens, and the new keys/values become the cache's pending entries
                 (see `KVCache.commit`). Without a mask the new tokens are causal among
                 themselves and see all valid cached entries.
+            return_hidden: return the final-norm hidden states instead of logits, so that the
+                caller applies the output layer (`head_logits`) only where it needs logits
+                (e.g. chunked over labelled tokens, `pipeline.objective.hybrid_loss`).
+        Packed forwards (`segment_ids`, no mask, no cache) attend with the kernel of
+        `cfg.attention` (see `plan_attention`); the others use SDPA.
         Returns:
             FloatTensor[B, T, V / tp] in the parameter dtype: this rank's vocab slice of the
-            logits (`gather_logits` for all of them).
+            logits (`gather_logits` for all of them); with `return_hidden`,
+            FloatTensor[B, T, hidden].
         """
         b, t = input_ids.shape
         x = self.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
         past = kv_cache.width if kv_cache is not None else 0
-        mask = None
+        plan = AttentionPlan("causal")
         if attention_mask is not None:
             if attention_mask.shape[-2:] != (t, past + t):
                 raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, "
@@ -604,19 +781,28 @@ class Qwen3(nn.Module):
             # A row with nothing to attend to would give NaN: let it see itself.
             empty = ~mask.any(-1, keepdim=True)                                # [B, 1, T, 1]
             diag = _eye_offset(t, past + t, past, mask.device)
-            mask = mask | (empty & diag)
-        elif segment_ids is not None or past:
-            mask = build_attention_mask(segment_ids, b, t, past,
-                                        kv_cache.valid_mask() if past else None,
-                                        device=input_ids.device)
+            plan = AttentionPlan("sdpa", mask=mask | (empty & diag))
+        elif past:
+            plan = AttentionPlan("sdpa", mask=build_attention_mask(
+                segment_ids, b, t, past, kv_cache.valid_mask(), device=input_ids.device))
+        elif segment_ids is not None:
+            plan = plan_attention(self.cfg.attention, segment_ids,
+                                  needs_grad=torch.is_grad_enabled())
         for i, layer in enumerate(self.layers):
             cache_layer = kv_cache.layer_view(i) if kv_cache is not None else None
             if self.cfg.recompute and self.training and kv_cache is None:
-                x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, mask,
+                x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, plan,
                                                       use_reentrant=False)
             else:
-                x = layer(x, cos, sin, mask, cache_layer)
-        logits, _ = self.lm_head(self.norm(x))
+                x = layer(x, cos, sin, plan, cache_layer)
+        x = self.norm(x)
+        return x if return_hidden else self.head_logits(x)
+
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The output layer: `hidden: FloatTensor[..., hidden]` (after the final norm, as
+        `forward(..., return_hidden=True)` returns it) -> this rank's vocab slice of the logits
+        `FloatTensor[..., V / tp]`, in the parameter dtype."""
+        logits, _ = self.lm_head(hidden)
         return logits
 
 

@@ -292,3 +292,80 @@ def test_bf16_matches_transformers_bf16(tp1, ckpt):
         theirs = ref(input_ids=ids).logits
     assert ours.dtype == torch.bfloat16
     assert (ours.float() - theirs.float()).abs().max().item() <= 0.04
+
+
+def _packed_reorganized(seed=37):
+    """Two rows of 20: packed segments fed in a reorganized (non-monotonic) position order,
+    then padding (its position ids continuing after the last segment)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = _ids(2, 20, seed=seed)
+    seg = torch.tensor([[1] * 6 + [2] * 9 + [0] * 5, [1] * 11 + [2] * 9])
+    pos = torch.empty(2, 20, dtype=torch.long)
+    for row, spans in ((0, [(0, 6), (6, 15)]), (1, [(0, 11), (11, 20)])):
+        for a, b in spans:
+            pos[row, a:b] = torch.randperm(b - a, generator=g)
+    pos[0, 15:] = torch.arange(9, 14)
+    assert (pos[:, 1:] < pos[:, :-1]).any()
+    return ids, pos, seg
+
+
+def test_flex_forward_equals_sdpa_without_dense_mask(model, monkeypatch):
+    """attention=flex (no-grad forward on CPU) == the sdpa reference on packed, padded rows with
+    reorganized positions, and the flex path never builds the dense [B, 1, T, T] mask."""
+    import pipeline.model as pm
+    ids, pos, seg = _packed_reorganized()
+    model.cfg.attention = "sdpa"
+    with torch.no_grad():
+        ref = model(ids, pos, segment_ids=seg)
+
+    def refuse(*a, **k):
+        raise AssertionError("dense mask built on the flex path")
+    monkeypatch.setattr(pm, "build_attention_mask", refuse)
+    model.cfg.attention = "flex"
+    try:
+        with torch.no_grad():
+            plan = pm.plan_attention("flex", seg, needs_grad=False)
+            out = model(ids, pos, segment_ids=seg)
+    finally:
+        model.cfg.attention = "auto"
+    assert plan.kind == "flex" and plan.mask is None
+    assert (out - ref).abs().max().item() <= 1e-5
+
+
+def test_flex_training_on_cpu_falls_back_to_sdpa(model, caplog):
+    """torch 2.13 has no FlexAttention backward on CPU: a training forward with attention=flex
+    runs the sdpa kernel (one notice line) and gives sdpa's gradients instead of crashing."""
+    import logging
+    import pipeline.model as pm
+    ids, pos, seg = _packed_reorganized(seed=41)
+    grads = []
+    pm._notified.clear()
+    with caplog.at_level(logging.WARNING, logger="pipeline.model"):
+        for kind in ("sdpa", "flex", "flex"):
+            model.cfg.attention = kind
+            model.zero_grad()
+            model(ids, pos, segment_ids=seg).float().pow(2).mean().backward()
+            grads.append({k: p.grad.clone() for k, p in model.named_parameters()})
+    model.cfg.attention = "auto"
+    model.zero_grad()
+    notices = [r for r in caplog.records if "attention=flex" in r.getMessage()]
+    assert len(notices) == 1
+    for k in grads[0]:
+        assert torch.equal(grads[0][k], grads[1][k]), k
+
+
+def test_attention_resolution_and_varlen_boundaries():
+    from pipeline.model import ModelConfig, resolve_attention, varlen_boundaries
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_attention("auto", cpu, True) == "sdpa"
+    assert resolve_attention("auto", cuda, True) == "varlen"
+    assert resolve_attention("varlen", cpu, False) == "sdpa"
+    assert resolve_attention("flex", cpu, False) == "flex"
+    assert resolve_attention("flex", cpu, True) == "sdpa"
+    assert resolve_attention("flex", cuda, True) == "flex"
+    with pytest.raises(ValueError, match="model: attention must be one of"):
+        ModelConfig.from_dict({"attention": "flash"}, source="model")
+    # Row 0: segments 3 + 2, then 2 padding tokens (one segment each); row 1: one segment of 7.
+    seg = torch.tensor([[1, 1, 1, 2, 2, 0, 0], [1] * 7])
+    cu, longest = varlen_boundaries(seg)
+    assert cu.dtype == torch.int32 and cu.tolist() == [0, 3, 5, 6, 7, 14] and longest == 7

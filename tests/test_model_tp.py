@@ -1,6 +1,6 @@
 """pipeline.model at TP=2 (2 gloo processes) against transformers' Qwen3ForCausalLM.
 
-One spawn covers logits (natural, permuted, padded/packed), gradients, the KV cache and the
+One spawn covers logits (natural, permuted, padded/packed; flex vs sdpa), gradients, the KV cache and the
 per-rank state dicts, to pay the process start-up once. The checkpoint has an odd vocab (511
 rows), so TP=2 also exercises vocab padding (512 rows, one zero row).
 """
@@ -55,6 +55,19 @@ def _body(rank, world_size, ckpt, tied_ckpt):
         out["permuted"] = gather_logits(model(ids, perm))
         out["packed"] = gather_logits(model(ids, seg_pos, segment_ids=seg))
         out["greedy"] = _greedy(model, ids[:1, :5], 10)
+        # attention=flex on packed, padded rows with reorganized positions, with the dense-mask
+        # builder disabled: equals the sdpa forward of the same rank.
+        import pipeline.model as pm
+        reorg = torch.stack([torch.randperm(16, generator=torch.Generator().manual_seed(7)),
+                             torch.cat((torch.randperm(7), torch.randperm(9)))])
+        model.cfg.attention = "sdpa"
+        out["sdpa_reorg"] = gather_logits(model(ids, reorg, segment_ids=seg))
+        dense = pm.build_attention_mask
+        pm.build_attention_mask = None  # calling it would raise TypeError
+        model.cfg.attention = "flex"
+        out["flex_reorg"] = gather_logits(model(ids, reorg, segment_ids=seg))
+        pm.build_attention_mask = dense
+        model.cfg.attention = "auto"
     logits = gather_logits(model(ids, pos))[..., :VOCAB]
     loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
     loss.backward()
@@ -90,6 +103,7 @@ def test_tp2_matches_transformers(tmp_path):
         assert (r["permuted"][..., :VOCAB] - ref_perm).abs().max().item() <= ATOL
         # The padded vocab row is zero in the embedding and the head: its logit is exactly 0.
         assert r["natural"][..., VOCAB:].abs().max().item() == 0.0
+        assert (r["flex_reorg"] - r["sdpa_reorg"]).abs().max().item() <= 1e-5
         with torch.no_grad():
             for row, spans in ((0, [(0, 10)]), (1, [(0, 7), (7, 16)])):
                 for a, b in spans:
