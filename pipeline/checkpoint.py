@@ -414,7 +414,7 @@ def _publish(engine, root: Path, partial: Path, step: int, tag: str, world: int,
 
 # Model-config fields that may change on resume (they do not change the network's parameters or
 # function); every other recorded field must match.
-RESUMABLE_MODEL_FIELDS = ("recompute", "init_std")
+RESUMABLE_MODEL_FIELDS = ("recompute", "init_std", "attention")
 
 
 def check_model_config(step_dir: str | os.PathLike, model_config: Any) -> None:

@@ -30,9 +30,14 @@ class ConfigError(ValueError):
 @dataclass
 class ModelSection:
     """Network shape: a preset YAML (`configs/model/*.yaml`, fields of
-    `pipeline.model.ModelConfig`) and/or inline fields that override it."""
+    `pipeline.model.ModelConfig`) and/or inline fields that override it. `attention`: the
+    attention kernel of packed training/evaluation forwards, one of auto|sdpa|flex|varlen
+    (`pipeline.model.plan_attention`; auto = varlen on CUDA, sdpa on CPU; flex trains on CPU
+    through sdpa with a notice; decoding always uses SDPA). None keeps the preset's value (else
+    auto). It is not part of the checkpointed shape: a run may resume with another kernel."""
     preset: Optional[str] = None
     inline: Dict[str, Any] = field(default_factory=dict)
+    attention: Optional[str] = None
 
 
 @dataclass
@@ -260,6 +265,12 @@ def _load_model_fields(cfg: DictConfig, tp: int) -> Dict[str, Any]:
         raise ConfigError("model: give model.preset (a configs/model/*.yaml) or model.inline "
                           "fields (or init.source=hf with no preset to read the HF config)")
     fields["recompute"] = bool(cfg.train.activation_checkpointing)
+    if cfg.model.attention is not None:
+        from pipeline.model import ATTENTION_KINDS
+        if cfg.model.attention not in ATTENTION_KINDS:
+            raise ConfigError(f"model.attention must be one of {'|'.join(ATTENTION_KINDS)}, "
+                              f"got {cfg.model.attention!r}")
+        fields["attention"] = cfg.model.attention
     from pipeline.model import ModelConfig
     try:
         ModelConfig.from_dict(dict(fields), source="model")

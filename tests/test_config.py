@@ -61,6 +61,9 @@ def test_valid_config_and_derived_batch_layout(tmp_path, data_dir):
     plan = validate(load_config(str(path), ["train.global_batch_size=null",
                                             "train.grad_accum_steps=3"]), world_size=4)
     assert plan.global_batch_size == 2 * 3 * 2
+    assert plan.model_fields.get("attention", "auto") == "auto"
+    plan = validate(load_config(str(path), ["model.attention=flex"]), world_size=4)
+    assert plan.model_fields["attention"] == "flex"
     from pipeline.train import deepspeed_config
     ds = deepspeed_config(load_config(str(path)), plan)
     assert ds["train_batch_size"] == ds["train_micro_batch_size_per_gpu"] * \
@@ -93,6 +96,8 @@ def test_valid_config_and_derived_batch_layout(tmp_path, data_dir):
     (["objective.mode=bert"], 1, "objective: objective.mode must be 'refusion' or 'ar'"),
     (["train.offload_params=true", "train.zero_stage=2"], 1, "train.offload_params needs train.zero_stage=3"),
     (["checkpoint.keep=0"], 1, "checkpoint.keep must be >= 1"),
+    (["model.attention=flash"], 1, "model.attention must be one of auto|sdpa|flex|varlen, got 'flash'"),
+    (["log.peak_tflops=0"], 1, "log.peak_tflops must be > 0"),
 ])
 def test_validation_errors_name_the_key(tmp_path, data_dir, overrides, world, expected):
     assert expected in _error(_cfg(tmp_path, data_dir), overrides, world)
