@@ -2,7 +2,8 @@
 
 Owns: turning one prepared sample (natural-order tokens, segments, slot boundaries) into the
 reorganized sequence the model is fed (REFUSION.md "Training example", steps 1-5), packing
-reorganized samples into fixed-shape micro-batch tensors, and the loss (step 6).
+reorganized samples into fixed-shape micro-batch tensors, and the loss (step 6), including
+applying the output layer chunk by chunk on labelled positions only (`labelled_cross_entropy`).
 Must not touch: the model, process groups (it only *reads* megatron-core's `parallel_state`
 to pick the vocab-parallel cross-entropy), shard I/O (see `pipeline.data`).
 
@@ -38,11 +39,13 @@ from typing import Sequence
 import numpy as np
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 IGNORE_INDEX = -100
 
 __all__ = ["IGNORE_INDEX", "ObjectiveConfig", "Reorganized", "sample_rng", "slot_layout",
-           "reorganize_sample", "collate", "token_cross_entropy", "hybrid_loss"]
+           "reorganize_sample", "collate", "token_cross_entropy", "labelled_cross_entropy",
+           "hybrid_loss", "LOSS_CHUNK_TOKENS"]
 
 
 @dataclass
@@ -359,7 +362,68 @@ def token_cross_entropy(logits_shard: torch.Tensor, labels: torch.Tensor) -> tor
     return torch.where(valid, ce, torch.zeros_like(ce))
 
 
-def hybrid_loss(logits_shard: torch.Tensor, batch: dict, cfg: ObjectiveConfig | None = None
+# Tokens per chunk of the output layer + cross-entropy in `labelled_cross_entropy`: at most
+# this many rows of fp32 logits (`chunk x V/tp x 4` bytes, 1.2 GB for Qwen3's 151936-row vocab at
+# TP=1) exist at a time, in forward and in backward.
+LOSS_CHUNK_TOKENS = 2048
+
+
+def _chunk_cross_entropy(hidden: torch.Tensor, target: torch.Tensor, head) -> torch.Tensor:
+    return token_cross_entropy(head(hidden), target)
+
+
+def labelled_cross_entropy(hidden: torch.Tensor, head, labels: torch.Tensor,
+                           chunk_tokens: int = LOSS_CHUNK_TOKENS) -> torch.Tensor:
+    """Per-token cross-entropy of the labelled positions, applying the output layer in chunks.
+
+    Only positions with a label go through `head` (prompt and padding tokens have none), in
+    chunks of `chunk_tokens`; each chunk's logits and their fp32 copy are freed after the chunk
+    and recomputed in backward (`torch.utils.checkpoint`), so no `[B, T, V / tp]` tensor is
+    ever alive. Same values and gradients as `token_cross_entropy(head(hidden), labels)` up to
+    float summation order.
+
+    Args:
+        hidden: FloatTensor[B, T, hidden], the final-norm hidden states
+            (`Qwen3.forward(..., return_hidden=True)`).
+        head: callable `FloatTensor[N, hidden] -> FloatTensor[N, V / tp]` (this rank's vocab
+            slice of the logits, e.g. `Qwen3.head_logits`); every TP rank calls it on the same
+            chunks.
+        labels: LongTensor[B, T], -100 = no label.
+        chunk_tokens: tokens per chunk (>= 1).
+    Returns:
+        FloatTensor[B, T] fp32 cross-entropy in nats, 0 where there is no label.
+    Raises:
+        ValueError: chunk_tokens < 1.
+    """
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    b, t, width = hidden.shape
+    flat = labels.reshape(-1)
+    idx = (flat != IGNORE_INDEX).nonzero().flatten()
+    keep = torch.ones(idx.shape, dtype=torch.float32, device=hidden.device)
+    if idx.numel() == 0:
+        # Keep the output layer in the graph (every parameter gets a gradient, here 0), as the
+        # full-logits loss does: ZeRO-3 expects each parameter's gradient every backward.
+        idx = torch.zeros(1, dtype=torch.long, device=hidden.device)
+        keep = torch.zeros(1, dtype=torch.float32, device=hidden.device)
+    h = hidden.reshape(-1, width).index_select(0, idx)
+    target = torch.where(flat[idx] == IGNORE_INDEX, torch.zeros_like(idx), flat[idx])
+    recompute = torch.is_grad_enabled() and h.requires_grad
+    parts = []
+    for s in range(0, idx.numel(), chunk_tokens):
+        hc, tc = h[s:s + chunk_tokens], target[s:s + chunk_tokens]
+        if recompute:
+            parts.append(torch.utils.checkpoint.checkpoint(_chunk_cross_entropy, hc, tc, head,
+                                                           use_reentrant=False))
+        else:
+            parts.append(_chunk_cross_entropy(hc, tc, head))
+    ce = torch.cat(parts) * keep
+    out = torch.zeros(b * t, dtype=torch.float32, device=hidden.device)
+    return out.index_put((idx,), ce).view(b, t)
+
+
+def hybrid_loss(outputs: torch.Tensor, batch: dict, cfg: ObjectiveConfig | None = None, *,
+                head=None, chunk_tokens: int = LOSS_CHUNK_TOKENS
                 ) -> tuple[torch.Tensor, dict]:
     """The ReFusion loss of a micro-batch (REFUSION.md step 6).
 
@@ -369,10 +433,15 @@ def hybrid_loss(logits_shard: torch.Tensor, batch: dict, cfg: ObjectiveConfig | 
     loss = ar_weight * AR + mdm_weight * MDM. An empty term is 0 (never NaN).
 
     Args:
-        logits_shard: FloatTensor[B, T, V / tp], vocab-parallel logits in fed order (see
-            `token_cross_entropy` for the in-place caveat).
-        batch: a dict from `collate` (tensors are moved to the logits' device).
+        outputs: without `head`, FloatTensor[B, T, V / tp], vocab-parallel logits in fed order
+            (see `token_cross_entropy` for the in-place caveat); with `head`,
+            FloatTensor[B, T, hidden], final-norm hidden states, and the logits are computed
+            only at labelled positions, `chunk_tokens` at a time (`labelled_cross_entropy`:
+            the memory-lean form the trainer uses).
+        batch: a dict from `collate` (tensors are moved to the outputs' device).
         cfg: objective options (weights); default `ObjectiveConfig()`.
+        head: None, or the output layer `FloatTensor[N, hidden] -> FloatTensor[N, V / tp]`.
+        chunk_tokens: tokens per chunk with `head`.
 
     Returns:
         (loss: FloatTensor[] with grad, stats: dict of detached 0-dim tensors `ar_loss,
@@ -380,12 +449,15 @@ def hybrid_loss(logits_shard: torch.Tensor, batch: dict, cfg: ObjectiveConfig | 
         (masked / response tokens), `num_segments, real_tokens, response_tokens`).
     """
     cfg = cfg or ObjectiveConfig()
-    dev = logits_shard.device
+    dev = outputs.device
     labels = batch["labels"].to(dev, non_blocking=True)
     is_masked = batch["is_masked"].to(dev, non_blocking=True)
     weight = batch["loss_weight"].to(dev, non_blocking=True)
     n_seg = batch["num_segments"].to(dev)
-    ce = token_cross_entropy(logits_shard, labels)
+    if head is None:
+        ce = token_cross_entropy(outputs, labels)
+    else:
+        ce = labelled_cross_entropy(outputs, head, labels, chunk_tokens)
     labelled = labels != IGNORE_INDEX
     ar_mask = labelled & ~is_masked
     mdm_mask = labelled & is_masked

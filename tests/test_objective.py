@@ -248,6 +248,70 @@ def test_slot_size_override_and_weights():
     torch.testing.assert_close(loss, 0.25 * st["ar_loss"] + 2.0 * st["mdm_loss"])
 
 
+def _hidden_and_head(shape, hidden=12, seed=0):
+    """Random final hidden states [B, T, hidden] and a full head weight [V, hidden] (fp32,
+    drawn in fp64 so every process gets the same values)."""
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(*shape, hidden, generator=g, dtype=torch.float64).float()
+    w = (torch.randn(V, hidden, generator=g, dtype=torch.float64) / hidden ** 0.5).float()
+    return h, w
+
+
+@pytest.mark.parametrize("mode", ["refusion", "ar"])
+@pytest.mark.parametrize("chunk", [1, 7, 4096])
+def test_chunked_head_loss_equals_full_logits_loss(mode, chunk):
+    """hybrid_loss(hidden, head=...) (output layer on labelled positions only, chunked, chunks
+    recomputed in backward) == hybrid_loss(head(hidden)) in loss, stats and gradients of both
+    the hidden states and the head weight (fp32, 1e-6); includes an all-padding row."""
+    rng = np.random.default_rng(21)
+    cfg = ObjectiveConfig(mode=mode)
+    samples = random_samples(rng, 6, vocab_size=V, max_length=30, min_length=3, max_prompt=8)
+    batch = build_batch(samples, [f"c{i}" for i in range(6)], 1, 0, [[0, 1], [2], [3, 4, 5], []],
+                        80, cfg)
+    h0, w0 = _hidden_and_head((4, 80))
+    results = []
+    for chunked in (False, True):
+        h, w = h0.clone().requires_grad_(True), w0.clone().requires_grad_(True)
+        if chunked:
+            loss, stats = hybrid_loss(h, batch, cfg, head=lambda x: x @ w.T, chunk_tokens=chunk)
+        else:
+            loss, stats = hybrid_loss(h @ w.T, batch, cfg)
+        loss.backward()
+        results.append((loss.detach(), stats, h.grad, w.grad))
+    (l0, s0, gh0, gw0), (l1, s1, gh1, gw1) = results
+    torch.testing.assert_close(l1, l0, rtol=1e-6, atol=1e-6)
+    for k in ("ar_loss", "mdm_loss", "ar_tokens", "mdm_tokens"):
+        torch.testing.assert_close(s1[k], s0[k], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(gh1, gh0, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(gw1, gw0, rtol=1e-6, atol=1e-7)
+    assert int(s0["ar_tokens"]) > 0 and (mode == "ar") == (int(s0["mdm_tokens"]) == 0)
+
+
+def test_chunked_head_sees_only_labelled_rows_in_chunks():
+    """The output layer runs on exactly the labelled positions, at most `chunk_tokens` rows per
+    call (forward, and again for the recompute in backward); no label: one zero-weight row keeps
+    the head in the graph."""
+    from pipeline.objective import labelled_cross_entropy
+    h, w = _hidden_and_head((2, 9))
+    h.requires_grad_(True)
+    labels = torch.full((2, 9), IGNORE_INDEX)
+    labels[0, 2:7] = torch.arange(5)
+    labels[1, 8] = 3
+    rows = []
+
+    def head(x):
+        rows.append(x.shape[0])
+        return x @ w.T
+    ce = labelled_cross_entropy(h, head, labels, chunk_tokens=4)
+    assert rows == [4, 2]
+    ce.sum().backward()
+    assert rows == [4, 2, 4, 2] or rows == [4, 2, 2, 4]
+    assert (ce[labels == IGNORE_INDEX] == 0).all() and (ce[labels != IGNORE_INDEX] > 0).all()
+    rows.clear()
+    none = labelled_cross_entropy(h, head, torch.full((2, 9), IGNORE_INDEX), chunk_tokens=4)
+    assert rows == [1] and float(none.detach().abs().sum()) == 0.0 and none.requires_grad
+
+
 def _tp_body(rank, world_size, data_dir):
     from megatron.core import parallel_state
     from pipeline.data import build_loader
@@ -268,8 +332,29 @@ def _tp_body(rank, world_size, data_dir):
     shard = full[..., tp * V // 2:(tp + 1) * V // 2].clone().requires_grad_(True)
     loss, stats = hybrid_loss(shard, batch)
     loss.backward()
+    # The chunked output layer over this rank's vocab rows of the head weight; the input's
+    # gradient is all-reduced over TP as megatron's ColumnParallelLinear does.
+    from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
+    chunked = {}
+    for mode in ("refusion", "ar"):
+        cfg = ObjectiveConfig(mode=mode)
+        mb = batch if mode == "refusion" else _ar_batch()
+        h0, w0 = _hidden_and_head(tuple(mb["input_ids"].shape))
+        h = h0.requires_grad_(True)
+        w = w0[tp * V // 2:(tp + 1) * V // 2].clone().requires_grad_(True)
+        closs, _ = hybrid_loss(h, mb, cfg, head=lambda x: copy_to_tensor_model_parallel_region(x) @ w.T,
+                               chunk_tokens=5)
+        closs.backward()
+        chunked[mode] = (closs.detach(), h.grad, w.grad)
     return {"loss": loss.detach(), "grad": shard.grad, "batches": batches,
-            "stats": {k: v for k, v in stats.items()}}
+            "stats": {k: v for k, v in stats.items()}, "chunked": chunked}
+
+
+def _ar_batch():
+    rng = np.random.default_rng(5)
+    cfg = ObjectiveConfig(mode="ar")
+    samples = random_samples(rng, 4, vocab_size=V, max_length=20, min_length=3, max_prompt=6)
+    return build_batch(samples, [f"t{i}" for i in range(4)], 0, 0, [[0, 1], [2, 3], []], 40, cfg)
 
 
 def test_vocab_parallel_loss_and_same_batch_on_tp_ranks(tmp_path):
@@ -294,3 +379,17 @@ def test_vocab_parallel_loss_and_same_batch_on_tp_ranks(tmp_path):
             torch.testing.assert_close(out[r]["stats"][k], ref_stats[k], rtol=1e-6, atol=1e-6)
     grad = torch.cat([out[0]["grad"], out[1]["grad"]], dim=-1)
     torch.testing.assert_close(grad, full.grad, rtol=1e-6, atol=1e-7)
+    # Chunked output layer at TP=2 == full logits in one process (loss, hidden and weight grads).
+    for mode in ("refusion", "ar"):
+        cfg = ObjectiveConfig(mode=mode)
+        mb = batch if mode == "refusion" else _ar_batch()
+        h0, w0 = _hidden_and_head(tuple(mb["input_ids"].shape))
+        h, w = h0.requires_grad_(True), w0.requires_grad_(True)
+        ref, _ = hybrid_loss(h @ w.T, mb, cfg)
+        ref.backward()
+        for r in range(2):
+            loss, gh, gw = out[r]["chunked"][mode]
+            torch.testing.assert_close(loss, ref.detach(), rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(gh, h.grad, rtol=1e-6, atol=1e-7)
+        gw = torch.cat([out[0]["chunked"][mode][2], out[1]["chunked"][mode][2]], dim=0)
+        torch.testing.assert_close(gw, w.grad, rtol=1e-6, atol=1e-7)
