@@ -2,9 +2,11 @@
 packed-sequence masks, a reorderable KV cache, and FLOPs per token.
 
 Owns: the network definition (`ModelConfig`, `Qwen3`), attention-mask building, the KV cache used
-by decoding, parameter counts and FLOPs per token. Must not touch: the ReFusion objective (lives in
-`pipeline.objective`), checkpoint formats and Hugging Face names (`pipeline.hf_io`), process-group
-creation (`pipeline.parallel`), optimizers.
+by decoding, the attention kernels (`attention`, chosen by `ModelConfig.attention`), parameter
+counts, FLOPs per token and per packed batch, and the peak FLOP/s of known devices (for MFU).
+Must not touch: the ReFusion objective (lives in `pipeline.objective`), checkpoint formats and
+Hugging Face names (`pipeline.hf_io`), process-group creation (`pipeline.parallel`),
+optimizers.
 
 The definition reads like a single-device Qwen3 (Qwen3 technical report; transformers'
 `Qwen3ForCausalLM` is the reference it is tested against): token embedding -> N x [RMSNorm ->
@@ -164,6 +166,7 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     and the second term is attention scores and values (QK^T and AV: 2 matmuls x 2 FLOPs per
     multiply-add x 3 for forward + backward), counted over the full `seq_len` window (no causal
     halving, as PaLM and nanoGPT do). Activation recompute is not counted (model FLOPs, for MFU).
+    The trainer's MFU uses `training_flops` instead (attention per packed segment, causal).
 
     Args:
         seq_len: tokens per sequence (the attention window), e.g. the packed row length.
@@ -176,6 +179,77 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
         + 3 * h * cfg.intermediate_size) + cfg.vocab_size * h
     attention = 12 * cfg.num_layers * cfg.num_attention_heads * d * seq_len
     return float(6 * matmul_params + attention)
+
+
+def segment_lengths(segment_ids: torch.Tensor) -> torch.Tensor:
+    """Lengths of the packed segments of a micro-batch, padding (segment 0) left out.
+
+    Args:
+        segment_ids: LongTensor[B, T] as `collate` builds them (segments numbered 1, 2, ... per
+            row, each contiguous).
+    Returns:
+        LongTensor[N] tokens per segment, row-major.
+    """
+    seg = segment_ids.detach().to("cpu", torch.long)
+    base = (seg.max() + 1) if seg.numel() else 1
+    key = (torch.arange(seg.shape[0])[:, None] * base + seg)[seg > 0]
+    return torch.unique(key, return_counts=True)[1] if key.numel() else key
+
+
+def training_flops(cfg: ModelConfig, segment_lengths: torch.Tensor | list[int]) -> float:
+    """Model FLOPs of one training forward + backward over packed segments (for MFU).
+
+    `6 * N * tokens + 12 * L * H_q * D * sum_s s (s + 1) / 2`, with `tokens = sum_s s`: the
+    PaLM appendix B / nanoGPT `estimate_mfu` count (N as in `flops_per_token`: weights in matrix
+    multiplies, 2 FLOPs per multiply-add, x3 for forward + backward), except that attention is
+    counted per packed segment and causally: a token at offset i of its segment attends to the
+    i + 1 tokens up to itself (QK^T and AV: 2 matmuls x 2 FLOPs x D per query-key pair per head
+    per layer, x3), instead of the full row window of `flops_per_token`. Padding is not counted;
+    activation recompute is not counted (model FLOPs).
+
+    Args:
+        segment_lengths: tokens of each segment (`segment_lengths(segment_ids)`).
+    Returns:
+        FLOPs (float).
+    """
+    s = torch.as_tensor(segment_lengths, dtype=torch.float64)
+    tokens, pairs = float(s.sum()), float((s * (s + 1) / 2).sum())
+    dense = flops_per_token(cfg, 0) * tokens
+    return dense + 12.0 * cfg.num_layers * cfg.num_attention_heads * cfg.head_dim * pairs
+
+
+# Dense (no sparsity) BF16 tensor-core peak of one device in TFLOP/s, from the vendor
+# datasheets (NVIDIA H100, H200, A100, GH200, B200, L40S product datasheets: half the
+# "with sparsity" figure). First row whose substrings all occur in the lower-cased
+# `torch.cuda.get_device_name()` wins, so variants come before their family. PCIe and NVL
+# parts run at lower clocks/power than SXM and have their own rows; an H100 whose name names no
+# variant is unknown (None), not guessed.
+PEAK_BF16_TFLOPS: tuple[tuple[tuple[str, ...], float], ...] = (
+    (("h100", "pcie"), 756.5),
+    (("h100", "nvl"), 835.5),
+    (("h100", "sxm"), 989.5),
+    (("h100", "hbm3"), 989.5),      # "NVIDIA H100 80GB HBM3": the SXM5 board
+    (("gh200",), 989.5),
+    (("h200", "nvl"), 835.5),
+    (("h200",), 989.5),             # "NVIDIA H200": SXM
+    (("h800", "pcie"), 756.5),
+    (("h800",), 989.5),
+    (("a100",), 312.0),             # SXM4 and PCIe share the datasheet peak
+    (("a800",), 312.0),
+    (("b200",), 2250.0),
+    (("l40s",), 362.05),
+)
+
+
+def peak_tflops_of_device(name: str) -> float | None:
+    """Dense BF16 peak TFLOP/s of a device by its name (`torch.cuda.get_device_name()`), from
+    `PEAK_BF16_TFLOPS`; None when the name matches no row (then MFU is not reported unless
+    `log.peak_tflops` gives the figure)."""
+    low = name.lower()
+    for keys, tflops in PEAK_BF16_TFLOPS:
+        if all(k in low for k in keys):
+            return tflops
+    return None
 
 
 # --------------------------------------------------------------------------------------------

@@ -56,11 +56,6 @@ EXIT_CONFIG = 2
 EXIT_NONFINITE = 3
 EXIT_INTERRUPTED = 130
 
-# Dense bf16 peak of one device, TFLOP/s (vendor datasheets, no sparsity). Matched as substrings
-# of torch.cuda.get_device_name(); `log.peak_tflops` overrides.
-PEAK_BF16_TFLOPS = {"H200": 989.4, "H100": 989.4, "H800": 989.4, "GH200": 989.4,
-                    "B200": 2250.0, "A100": 312.0, "A800": 312.0, "L40S": 362.05}
-
 
 # --------------------------------------------------------------------------------------------
 # Pure helpers (unit-tested without processes)
@@ -223,17 +218,20 @@ def copy_into_model(model, shards: Iterator[tuple[str, Any]], source: str) -> No
 
 
 def peak_flops_per_device(cfg) -> float | None:
-    """Peak FLOP/s of one device: `log.peak_tflops` when set, else the table by CUDA device
-    name, else None (CPU or unknown GPU: MFU is reported as null)."""
+    """Peak FLOP/s of one device: `log.peak_tflops` when set, else the table of known parts by
+    CUDA device name (`pipeline.model.PEAK_BF16_TFLOPS`), else None with one notice (CPU or
+    unknown GPU: MFU is reported as null, never a guessed figure)."""
     if cfg.log.peak_tflops is not None:
         return float(cfg.log.peak_tflops) * 1e12
     import torch
-    if torch.cuda.is_available():
-        name = torch.cuda.get_device_name()
-        for key, tf in PEAK_BF16_TFLOPS.items():
-            if key in name:
-                return tf * 1e12
-    return None
+    from pipeline.model import peak_tflops_of_device
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    tflops = peak_tflops_of_device(name)
+    if tflops is None:
+        log.info("MFU not reported: no peak TFLOP/s known for device %r; set log.peak_tflops",
+                 name)
+        return None
+    return tflops * 1e12
 
 
 def peak_memory_bytes() -> int:
@@ -424,6 +422,7 @@ class Trainer:
         """Run one optimizer step (GA micro-batches). Returns (metrics, nonfinite, signal)."""
         import torch
         import torch.distributed as dist
+        from pipeline.model import segment_lengths, training_flops
         from pipeline.objective import hybrid_loss
 
         cfg, plan, eng = self.cfg, self.plan, self.engine
@@ -432,16 +431,17 @@ class Trainer:
         per_micro: list = []          # detached [loss, ar, mdm] per micro-batch (on device)
         keys_of: list[list[str]] = []
         tokens = rows = 0
-        seq_len = 0
+        model_flops = 0.0             # this rank's micro-batches, attention per packed segment
         for micro in range(plan.grad_accum_steps):
             batch = self._next_batch()
             keys_of.append(list(batch.get("keys", [])))
             b = self._batch_to_device(batch)
-            seq_len = int(b["input_ids"].shape[1])
             tokens += int(batch["real_tokens"])
             rows += int(batch["input_ids"].shape[0])
-            logits = eng(b["input_ids"], b["position_ids"], segment_ids=b["segment_ids"])
-            loss, stats = hybrid_loss(logits, b, self.objective_cfg)
+            model_flops += training_flops(self.mcfg, segment_lengths(batch["segment_ids"]))
+            hidden = eng(b["input_ids"], b["position_ids"], segment_ids=b["segment_ids"],
+                         return_hidden=True)
+            loss, stats = hybrid_loss(hidden, b, self.objective_cfg, head=eng.module.head_logits)
             if micro == 0 and self.info.rank == 0 and step_no in set(cfg.debug.nan_at_steps):
                 loss = loss * float("nan")
             per_micro.append(torch.stack([loss.detach().float(), stats["ar_loss"].float(),
@@ -452,10 +452,11 @@ class Trainer:
         vals = torch.stack(per_micro).double()                            # [GA, 3]
         finite = torch.isfinite(vals[:, 0])
         # one all-reduce over the world: [loss, ar, mdm sums over finite micro-batches,
-        # real tokens, rows, non-finite micro-batches, signal flag]
+        # real tokens, rows, non-finite micro-batches, signal flag, model FLOPs]
         sums = torch.cat([torch.where(finite[:, None], vals, torch.zeros_like(vals)).sum(0),
                           vals.new_tensor([tokens, rows, float((~finite).sum()),
-                                           1.0 if self.signal_received else 0.0])])
+                                           1.0 if self.signal_received else 0.0,
+                                           model_flops])])
         dist.all_reduce(sums)
         sums = sums.cpu()
         bad = [(i, keys_of[i]) for i in range(len(keys_of)) if not bool(finite[i])]
@@ -484,8 +485,7 @@ class Trainer:
         self.step = step_no
         self.consumed_samples += rows
         self.consumed_tokens += tokens
-        from pipeline.model import flops_per_token
-        flops = flops_per_token(self.mcfg, seq_len) * tokens / dt / plan.world_size
+        flops = sums[7].item() / tp / dt / plan.world_size   # model FLOP/s per device
         gnorm = eng.get_global_grad_norm()
         metrics = {
             "kind": "train", "step": step_no,
@@ -522,8 +522,10 @@ class Trainer:
                 if have.item() == 0:
                     break
                 b = self._batch_to_device(batch)
-                logits = eng(b["input_ids"], b["position_ids"], segment_ids=b["segment_ids"])
-                loss, stats = hybrid_loss(logits, b, self.objective_cfg)
+                hidden = eng(b["input_ids"], b["position_ids"], segment_ids=b["segment_ids"],
+                             return_hidden=True)
+                loss, stats = hybrid_loss(hidden, b, self.objective_cfg,
+                                          head=eng.module.head_logits)
                 sums += torch.stack([loss.detach().double(), stats["ar_loss"].double(),
                                      stats["mdm_loss"].double(), loss.new_ones(()).double()])
                 n += 1

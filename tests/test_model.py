@@ -369,3 +369,40 @@ def test_attention_resolution_and_varlen_boundaries():
     seg = torch.tensor([[1, 1, 1, 2, 2, 0, 0], [1] * 7])
     cu, longest = varlen_boundaries(seg)
     assert cu.dtype == torch.int32 and cu.tolist() == [0, 3, 5, 6, 7, 14] and longest == 7
+
+
+def test_training_flops_counts_causal_attention_per_segment():
+    """training_flops == 6 N tokens + 12 L H D x (query-key pairs the packed mask allows),
+    counted by brute force on `build_attention_mask` (padding left out)."""
+    from pipeline.model import (ModelConfig, build_attention_mask, flops_per_token,
+                                segment_lengths, training_flops)
+    cfg = ModelConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    seg = torch.tensor([[1] * 5 + [2] * 3 + [3] * 1 + [0] * 3,
+                        [1] * 12,
+                        [0] * 12])
+    lengths = segment_lengths(seg)
+    assert lengths.tolist() == [5, 3, 1, 12]
+    mask = build_attention_mask(seg, 3, 12)[:, 0]                     # [B, T, T]
+    pairs = int(mask[seg > 0].sum())
+    tokens = int((seg > 0).sum())
+    assert pairs == 15 + 6 + 1 + 78
+    expected = flops_per_token(cfg, 0) * tokens + 12 * 3 * 4 * 8 * pairs
+    assert training_flops(cfg, lengths) == expected
+    # One full row: the causal count is (T + 1) / (2 T) of the row-window (PaLM) count.
+    row = training_flops(cfg, [12]) - flops_per_token(cfg, 0) * 12
+    assert row * 2 * 12 == (flops_per_token(cfg, 12) - flops_per_token(cfg, 0)) * 12 * 13
+    assert training_flops(cfg, segment_lengths(torch.zeros(2, 4, dtype=torch.long))) == 0.0
+
+
+@pytest.mark.parametrize("name, tflops", [
+    ("NVIDIA H100 80GB HBM3", 989.5), ("NVIDIA H100 SXM5 94GB", 989.5),
+    ("NVIDIA H100 PCIe", 756.5), ("NVIDIA H100 NVL", 835.5),
+    ("NVIDIA H200", 989.5), ("NVIDIA H200 NVL", 835.5), ("NVIDIA GH200 480GB", 989.5),
+    ("NVIDIA A100-SXM4-80GB", 312.0), ("NVIDIA A100 80GB PCIe", 312.0),
+    ("NVIDIA A100-PCIE-40GB", 312.0),
+    ("NVIDIA H100", None), ("Tesla T4", None), ("cpu", None),
+])
+def test_peak_tflops_table(name, tflops):
+    from pipeline.model import peak_tflops_of_device
+    assert peak_tflops_of_device(name) == tflops
