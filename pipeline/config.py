@@ -32,9 +32,9 @@ class ModelSection:
     """Network shape: a preset YAML (`configs/model/*.yaml`, fields of
     `pipeline.model.ModelConfig`) and/or inline fields that override it. `attention`: the
     attention kernel of packed training/evaluation forwards, one of auto|sdpa|flex|varlen
-    (`pipeline.model.plan_attention`; auto = varlen on CUDA, sdpa on CPU; flex trains on CPU
-    through sdpa with a notice; decoding always uses SDPA). None keeps the preset's value (else
-    auto). It is not part of the checkpointed shape: a run may resume with another kernel."""
+    (`pipeline.model.resolve_attention`; auto = varlen on CUDA in bf16, else sdpa; flex trains
+    on CPU through sdpa with a notice; decoding always uses SDPA). None keeps the preset's value
+    (else auto). It is not part of the checkpointed shape: a run may resume with another kernel."""
     preset: Optional[str] = None
     inline: Dict[str, Any] = field(default_factory=dict)
     attention: Optional[str] = None

@@ -64,8 +64,9 @@ class ModelConfig:
         attention: attention kernel of packed training/evaluation forwards (segment ids, no
             KV cache), one of `ATTENTION_KINDS`: "sdpa" (explicit dense mask, the reference),
             "flex" (FlexAttention with a document-causal block mask), "varlen" (flash
-            varlen kernel, CUDA only), "auto" (varlen on CUDA, sdpa elsewhere). Decoding
-            (KV cache or explicit masks) always uses SDPA. See `attention`.
+            varlen kernel, CUDA and bf16/fp16 only), "auto" (varlen on CUDA in bf16/fp16, sdpa
+            elsewhere). Decoding (KV cache or explicit masks) always uses SDPA. See
+            `resolve_attention` for the fallbacks.
         init_std: std of the normal init of linear/embedding weights (residual output
             projections use init_std / sqrt(2 * num_layers), GPT-2 style).
     """
@@ -386,12 +387,14 @@ class AttentionPlan:
     max_seqlen: int = 0
 
 
-def resolve_attention(kind: str, device: torch.device, needs_grad: bool) -> str:
+def resolve_attention(kind: str, device: torch.device, needs_grad: bool,
+                      dtype: torch.dtype = torch.bfloat16) -> str:
     """The kernel a packed forward uses: "sdpa", "flex" or "varlen".
 
-    "auto" is varlen on CUDA, sdpa elsewhere. varlen off CUDA, and flex on CPU when gradients
-    are needed (torch 2.13 has no FlexAttention backward on CPU), fall back to sdpa with one
-    notice line per process.
+    "auto" is varlen on CUDA in bf16/fp16, sdpa otherwise. varlen off CUDA or in fp32 (the
+    flash kernel takes half precision only), and flex on CPU when gradients are needed (torch
+    2.13 has no FlexAttention backward on CPU), fall back to sdpa with one notice line per
+    process.
 
     Raises:
         ValueError: `kind` not in `ATTENTION_KINDS`.
@@ -399,10 +402,12 @@ def resolve_attention(kind: str, device: torch.device, needs_grad: bool) -> str:
     if kind not in ATTENTION_KINDS:
         raise ValueError(f"attention must be one of {list(ATTENTION_KINDS)}, got {kind!r}")
     cuda = torch.device(device).type == "cuda"
+    half = dtype in (torch.bfloat16, torch.float16)
     if kind == "auto":
-        return "varlen" if cuda else "sdpa"
-    if kind == "varlen" and not cuda:
-        _notice_once("model.attention=varlen needs CUDA; using sdpa on this device")
+        return "varlen" if cuda and half else "sdpa"
+    if kind == "varlen" and not (cuda and half):
+        _notice_once(f"model.attention=varlen needs CUDA and bf16/fp16 (have {device}, "
+                     f"{dtype}); using sdpa")
         return "sdpa"
     if kind == "flex" and not cuda and needs_grad:
         _notice_once("model.attention=flex has no backward on CPU in this torch; training "
@@ -444,13 +449,15 @@ def varlen_boundaries(segment_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
     return cu, int((cu[1:] - cu[:-1]).max())
 
 
-def plan_attention(kind: str, segment_ids: torch.Tensor, needs_grad: bool) -> AttentionPlan:
+def plan_attention(kind: str, segment_ids: torch.Tensor, needs_grad: bool,
+                   dtype: torch.dtype = torch.bfloat16) -> AttentionPlan:
     """Prepare the packed (document-causal) attention of one forward for `kind`.
 
     Args:
         kind: `ModelConfig.attention`; resolved with `resolve_attention`.
         segment_ids: LongTensor[B, T], 0 = padding, each segment contiguous in its row.
         needs_grad: the forward will be differentiated (picks the CPU fallback of flex).
+        dtype: dtype of q, k, v (varlen needs bf16/fp16).
     Returns:
         AttentionPlan. Only "sdpa" builds the dense `[B, 1, T, T]` mask; "flex" builds a
         BlockMask from `document_causal_mask_mod` (on CUDA with a compiled
@@ -458,7 +465,7 @@ def plan_attention(kind: str, segment_ids: torch.Tensor, needs_grad: bool) -> At
         `cu_seqlens` (one host sync for the longest segment).
     """
     b, t = segment_ids.shape
-    kind = resolve_attention(kind, segment_ids.device, needs_grad)
+    kind = resolve_attention(kind, segment_ids.device, needs_grad, dtype)
     if kind == "flex":
         from torch.nn.attention.flex_attention import create_block_mask
         block_mask = create_block_mask(document_causal_mask_mod(segment_ids), b, None, t, t,
@@ -861,7 +868,7 @@ class Qwen3(nn.Module):
                 segment_ids, b, t, past, kv_cache.valid_mask(), device=input_ids.device))
         elif segment_ids is not None:
             plan = plan_attention(self.cfg.attention, segment_ids,
-                                  needs_grad=torch.is_grad_enabled())
+                                  needs_grad=torch.is_grad_enabled(), dtype=x.dtype)
         for i, layer in enumerate(self.layers):
             cache_layer = kv_cache.layer_view(i) if kv_cache is not None else None
             if self.cfg.recompute and self.training and kv_cache is None:

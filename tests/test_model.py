@@ -359,6 +359,9 @@ def test_attention_resolution_and_varlen_boundaries():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert resolve_attention("auto", cpu, True) == "sdpa"
     assert resolve_attention("auto", cuda, True) == "varlen"
+    assert resolve_attention("auto", cuda, True, torch.float32) == "sdpa"
+    assert resolve_attention("varlen", cuda, True, torch.float32) == "sdpa"
+    assert resolve_attention("varlen", cuda, True, torch.bfloat16) == "varlen"
     assert resolve_attention("varlen", cpu, False) == "sdpa"
     assert resolve_attention("flex", cpu, False) == "flex"
     assert resolve_attention("flex", cpu, True) == "sdpa"
