@@ -409,3 +409,18 @@ def test_training_flops_counts_causal_attention_per_segment():
 def test_peak_tflops_table(name, tflops):
     from pipeline.model import peak_tflops_of_device
     assert peak_tflops_of_device(name) == tflops
+
+
+def test_trainer_peak_flops_explicit_or_none_with_notice(caplog):
+    """`log.peak_tflops` wins; without it an unknown device (here the CPU) gives no MFU (None)
+    and one notice, not a guessed figure."""
+    import logging
+    from types import SimpleNamespace
+    from pipeline.train import peak_flops_per_device
+    assert peak_flops_per_device(SimpleNamespace(log=SimpleNamespace(peak_tflops=500.0))) == 5e14
+    if torch.cuda.is_available():
+        pytest.skip("the None case needs a device without a table entry")
+    with caplog.at_level(logging.INFO, logger="pipeline.train"):
+        assert peak_flops_per_device(SimpleNamespace(log=SimpleNamespace(peak_tflops=None))) is None
+    assert any("MFU not reported" in r.getMessage() and "log.peak_tflops" in r.getMessage()
+               for r in caplog.records)
