@@ -424,3 +424,31 @@ def test_trainer_peak_flops_explicit_or_none_with_notice(caplog):
         assert peak_flops_per_device(SimpleNamespace(log=SimpleNamespace(peak_tflops=None))) is None
     assert any("MFU not reported" in r.getMessage() and "log.peak_tflops" in r.getMessage()
                for r in caplog.records)
+
+
+def test_hidden_states_and_chunked_head_give_the_logits_gradients(model):
+    """forward(return_hidden=True) + head_logits per chunk of labelled tokens
+    (`objective.labelled_cross_entropy`) == the CE of the full logits: values and every
+    parameter's gradient (fp32; megatron's vocab-parallel CE at TP=1)."""
+    from pipeline.objective import IGNORE_INDEX, labelled_cross_entropy, token_cross_entropy
+    ids, pos, seg = _packed_reorganized(seed=43)
+    labels = _ids(2, 20, seed=47)
+    labels[:, :3] = IGNORE_INDEX
+    labels[seg == 0] = IGNORE_INDEX
+    model.train()
+    runs = []
+    for chunked in (False, True):
+        model.zero_grad()
+        if chunked:
+            hidden = model(ids, pos, segment_ids=seg, return_hidden=True)
+            assert hidden.shape == (2, 20, model.cfg.hidden_size)
+            ce = labelled_cross_entropy(hidden, model.head_logits, labels, chunk_tokens=6)
+        else:
+            ce = token_cross_entropy(model(ids, pos, segment_ids=seg), labels)
+        (ce.sum() / (labels != IGNORE_INDEX).sum()).backward()   # the mean, as the loss is
+        runs.append((ce.detach(), {k: p.grad.clone() for k, p in model.named_parameters()}))
+    model.eval()
+    model.zero_grad()
+    torch.testing.assert_close(runs[1][0], runs[0][0], rtol=1e-6, atol=1e-6)
+    for k in runs[0][1]:
+        torch.testing.assert_close(runs[1][1][k], runs[0][1][k], rtol=1e-6, atol=1e-6, msg=k)
