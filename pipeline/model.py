@@ -459,18 +459,16 @@ def plan_attention(kind: str, segment_ids: torch.Tensor, needs_grad: bool,
         needs_grad: the forward will be differentiated (picks the CPU fallback of flex).
         dtype: dtype of q, k, v (varlen needs bf16/fp16).
     Returns:
-        AttentionPlan. Only "sdpa" builds the dense `[B, 1, T, T]` mask; "flex" builds a
-        BlockMask from `document_causal_mask_mod` (on CUDA with a compiled
-        `create_block_mask`, which never materializes the dense mask); "varlen" builds
+        AttentionPlan. Only "sdpa" builds our dense `[B, 1, T, T]` mask; "flex" builds a
+        BlockMask from `document_causal_mask_mod` (`_block_mask_builder`: compiled on CUDA;
+        the eager builder used on CPU evaluates the mask densely inside torch); "varlen" builds
         `cu_seqlens` (one host sync for the longest segment).
     """
     b, t = segment_ids.shape
     kind = resolve_attention(kind, segment_ids.device, needs_grad, dtype)
     if kind == "flex":
-        from torch.nn.attention.flex_attention import create_block_mask
-        block_mask = create_block_mask(document_causal_mask_mod(segment_ids), b, None, t, t,
-                                       device=segment_ids.device,
-                                       _compile=segment_ids.device.type == "cuda")
+        block_mask = _block_mask_builder(segment_ids.device)(
+            document_causal_mask_mod(segment_ids), b, None, t, t, device=segment_ids.device)
         return AttentionPlan("flex", block_mask=block_mask)
     if kind == "varlen":
         cu, longest = varlen_boundaries(segment_ids)
@@ -480,6 +478,20 @@ def plan_attention(kind: str, segment_ids: torch.Tensor, needs_grad: bool,
 
 
 _compiled_flex = None
+_compiled_block_mask = None
+
+
+def _block_mask_builder(device: torch.device):
+    """`create_block_mask`, compiled on CUDA (as the FlexAttention docs advise: the compiled
+    builder fuses evaluating `mask_mod` with the per-block reduction, instead of the eager
+    builder's full `[B, 1, T, T]` boolean tensor); eager elsewhere (CPU tests)."""
+    global _compiled_block_mask
+    from torch.nn.attention.flex_attention import create_block_mask
+    if device.type != "cuda":
+        return create_block_mask
+    if _compiled_block_mask is None:
+        _compiled_block_mask = torch.compile(create_block_mask)
+    return _compiled_block_mask
 
 
 def _flex(q, k, v, block_mask):
