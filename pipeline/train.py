@@ -86,11 +86,20 @@ def deepspeed_config(cfg, plan) -> dict:
     `mpu`'s data-parallel size). The lr is set by the trainer every step (`lr_at`), so no
     DeepSpeed scheduler. With `optim.impl=torch` the client `torch.optim.AdamW` is used
     (`zero_allow_untested_optimizer`, `zero_force_ds_cpu_optimizer: false` so offload accepts it).
+    bf16 with `deepspeed.fp32_grad_accum` (the default): `data_types.grad_accum_dtype` and
+    `communication_data_type` are fp32. ZeRO bucket sizes: `zero_sizes`.
     """
     t, o = cfg.train, cfg.optim
     zero: dict[str, Any] = {"stage": int(t.zero_stage)}
+    sizes = zero_sizes(cfg.deepspeed, int(plan.model_fields["hidden_size"]))
     if t.zero_stage >= 1:
         zero["contiguous_gradients"] = True
+        zero["reduce_bucket_size"] = sizes["reduce_bucket_size"]
+    if t.zero_stage == 3:
+        zero.update({"stage3_prefetch_bucket_size": sizes["prefetch_bucket_size"],
+                     "stage3_param_persistence_threshold": sizes["param_persistence_threshold"],
+                     "stage3_max_live_parameters": sizes["max_live_parameters"],
+                     "stage3_max_reuse_distance": sizes["max_reuse_distance"]})
     if t.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": _cuda()}
     if t.offload_params:
@@ -108,11 +117,28 @@ def deepspeed_config(cfg, plan) -> dict:
         "steps_per_print": 2 ** 31 - 1,
         "wall_clock_breakdown": False,
     }
+    if t.precision == "bf16" and cfg.deepspeed.fp32_grad_accum:
+        ds["communication_data_type"] = "fp32"
+        if t.zero_stage >= 1:  # DeepSpeed 0.19 refuses bf16 params with fp32 accumulation at stage 0
+            ds["data_types"] = {"grad_accum_dtype": "fp32"}
     if o.impl == "deepspeed":
         ds["optimizer"] = {"type": "AdamW", "params": {
             "lr": o.lr, "betas": [o.beta1, o.beta2], "eps": o.eps,
             "weight_decay": o.weight_decay}}
     return ds
+
+
+def zero_sizes(ds_cfg, hidden_size: int) -> dict[str, int]:
+    """ZeRO communication sizes in elements: the `deepspeed.*` value when set, else derived
+    from the hidden size h as DeepSpeed's Hugging Face integration fills "auto"
+    (transformers `HfTrainerDeepSpeedConfig`): reduce bucket h^2, ZeRO-3 prefetch bucket
+    0.9 h^2, persistence threshold 10 h; max live parameters / reuse distance 1e9
+    (DeepSpeed's defaults)."""
+    h = int(hidden_size)
+    derived = {"reduce_bucket_size": h * h, "prefetch_bucket_size": int(0.9 * h * h),
+               "param_persistence_threshold": 10 * h, "max_live_parameters": 10 ** 9,
+               "max_reuse_distance": 10 ** 9}
+    return {k: int(ds_cfg[k]) if ds_cfg[k] is not None else v for k, v in derived.items()}
 
 
 def _cuda() -> bool:
