@@ -128,6 +128,14 @@ def deepspeed_config(cfg, plan) -> dict:
     return ds
 
 
+def should_evaluate(step: int, eval_interval: int, stop_pending: bool) -> bool:
+    """Whether to validate after optimizer step `step`: every `eval_interval` steps (0 = never),
+    but not when a stop signal is pending (all ranks agreed on it in the step's all-reduce):
+    the time left before the job is killed (`slurm/pretrain.sh` SIGNAL_MARGIN) goes to the
+    checkpoint, not to a validation pass."""
+    return bool(eval_interval) and step % eval_interval == 0 and not stop_pending
+
+
 def zero_sizes(ds_cfg, hidden_size: int) -> dict[str, int]:
     """ZeRO communication sizes in elements: the `deepspeed.*` value when set, else derived
     from the hidden size h as DeepSpeed's Hugging Face integration fills "auto"
@@ -637,7 +645,7 @@ class Trainer:
                     code = EXIT_NONFINITE
                     break
                 self._record(metrics)
-                if cfg.train.eval_interval and self.step % cfg.train.eval_interval == 0:
+                if should_evaluate(self.step, cfg.train.eval_interval, sig):
                     self._record(self.evaluate())
                 if sig:
                     name = (signal.Signals(self.signal_received).name if self.signal_received
