@@ -80,3 +80,48 @@ def test_bf16_zero3_engine_has_fp32_grads_and_derived_sizes(tmp_path):
     assert (switched["reduce_bucket_size"], switched["prefetch"], switched["persistence"]) == \
         (5000, 3000, 100000)
     assert "embed_tokens.weight" in switched["persistent"]   # 2048 elements < 100000
+
+
+def test_deepspeed_section_refuses_bad_sizes_in_one_line(tmp_path):
+    import pytest
+    from pipeline.config import ConfigError, load_config, validate
+    data = tmp_path / "data"
+    write_shards(str(data), {"train": random_samples(np.random.default_rng(0), 4, vocab_size=64,
+                                                     max_length=32)}, samples_per_shard=4)
+    cfg_path = tmp_path / "run.yaml"
+    cfg_path.write_text(CONFIG.format(run=tmp_path / "run", data=data))
+    for override, message in (
+            ("deepspeed.reduce_bucket_size=0", "deepspeed.reduce_bucket_size must be >= 1"),
+            ("deepspeed.prefetch_bucket_size=-5", "deepspeed.prefetch_bucket_size must be >= 1"),
+            ("deepspeed.param_persistence_threshold=-1",
+             "deepspeed.param_persistence_threshold must be >= 0")):
+        with pytest.raises(ConfigError) as e:
+            validate(load_config(str(cfg_path), [override]), world_size=1)
+        assert message in str(e.value) and "\n" not in str(e.value)
+    validate(load_config(str(cfg_path), ["deepspeed.param_persistence_threshold=0"]), world_size=1)
+
+
+def test_deepspeed_dict_by_precision_and_stage(tmp_path):
+    """fp32 runs get no dtype keys; ZeRO stage 0 (no fp32 accumulation for bf16 params in
+    DeepSpeed 0.19) gets only the fp32 all-reduce; stages 1-2 get the reduce bucket only."""
+    from pipeline.config import load_config, validate
+    from pipeline.train import deepspeed_config
+    data = tmp_path / "data"
+    write_shards(str(data), {"train": random_samples(np.random.default_rng(0), 4, vocab_size=64,
+                                                     max_length=32)}, samples_per_shard=4)
+    cfg_path = tmp_path / "run.yaml"
+    cfg_path.write_text(CONFIG.format(run=tmp_path / "run", data=data))
+
+    def ds(*overrides):
+        cfg = load_config(str(cfg_path), list(overrides))
+        return deepspeed_config(cfg, validate(cfg, world_size=1))
+
+    fp32 = ds("train.precision=fp32")
+    assert "communication_data_type" not in fp32 and "data_types" not in fp32
+    stage0 = ds("train.zero_stage=0")
+    assert stage0["communication_data_type"] == "fp32" and "data_types" not in stage0
+    assert set(stage0["zero_optimization"]) == {"stage"}
+    stage2 = ds("train.zero_stage=2")
+    assert stage2["data_types"] == {"grad_accum_dtype": "fp32"}
+    assert stage2["zero_optimization"]["reduce_bucket_size"] == 32 * 32
+    assert not any(k.startswith("stage3_") for k in stage2["zero_optimization"])
