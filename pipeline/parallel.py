@@ -97,9 +97,10 @@ def bind_local_device(local_rank: int) -> torch.device:
 def init_megatron_groups(tensor_parallel_size: int, backend: str, timeout_s: float) -> None:
     """megatron-core's TP/DP groups over the existing default group (no-op when they exist).
 
-    `backend` is the default group's backend: "nccl" skips megatron's extra gloo groups
-    (`create_gloo_process_groups=False`; a getter of a gloo group then raises AssertionError),
-    any other backend keeps megatron's default (gloo groups created).
+    `backend` is the default group's backend (`dist.get_backend()`): one that includes NCCL
+    ("nccl", "cpu:gloo,cuda:nccl") skips megatron's extra gloo groups
+    (`create_gloo_process_groups=False`; a getter of a gloo group then raises AssertionError);
+    "gloo" keeps megatron's default (gloo groups created).
     """
     from megatron.core import parallel_state
 
@@ -108,7 +109,7 @@ def init_megatron_groups(tensor_parallel_size: int, backend: str, timeout_s: flo
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tensor_parallel_size,
         distributed_timeout_minutes=max(1, int(timeout_s // 60)),
-        create_gloo_process_groups=backend != "nccl")
+        create_gloo_process_groups="nccl" not in str(backend))
 
 
 def init_distributed(tensor_parallel_size: int = 1, backend: str | None = None,
