@@ -12,8 +12,8 @@
 #     packed rows) once per attention kernel (`model.attention=sdpa`, `varlen`, `flex`) and
 #     prints tokens/s, MFU and peak memory of each (the steps after the first
 #     GPU_CHECK_WARMUP), and the time of the final checkpoint save;
-#  3. measures the gradient agreement of each kernel with sdpa on one packed batch (bf16, with
-#     fp32 sdpa as the truth, so the bf16 noise floor is printed beside it);
+#  3. prints the agreement of each kernel's logits and gradients with sdpa's on one packed
+#     batch (bench/attention_check.py attention_parity; skipped when that is not in the tree);
 #  4. runs bench/bench_train_step.py on the same GPU and data (its reference-style padded step
 #     and our packed plain-torch step) and prints the trainer's tokens/s as a ratio of the
 #     reference-style step's;
@@ -219,68 +219,41 @@ if [ -z "$ATTNS" ] && ! over_budget "train"; then
 fi
 
 # ---- 3. gradient agreement with sdpa on one packed batch ----------------------------------
+# bench/attention_check.py's attention_parity: one model, one packed batch, each kernel's logits
+# and gradients against sdpa's (same weights, same dtype).
 if [ -n "$ATTN_KEY" ] && ! over_budget "gradient agreement"; then
-  MASTER_ADDR=127.0.0.1 MASTER_PORT="$(free_port)" \
-    timeout "$(left)" "$PYTHON" - "$PRESET" "$DATA" "$SEQ" "$MBS" "$DEVICE" $ATTNS > "$WORK/grads.log" 2>&1 <<'EOF'
-import dataclasses, sys
+  if ! grep -qs "def attention_parity" bench/attention_check.py; then
+    say "gradient agreement: skipped (bench/attention_check.py attention_parity not in this tree)"
+  else
+    MASTER_ADDR=127.0.0.1 MASTER_PORT="$(free_port)" \
+      timeout "$(left)" "$PYTHON" - "$PRESET" "$SEQ" "$MBS" "$DEVICE" $ATTNS > "$WORK/grads.log" 2>&1 <<'EOF'
+import sys
 import torch
-from pipeline.data import build_loader
-from pipeline.model import ModelConfig, Qwen3
-from pipeline.objective import hybrid_loss
+sys.path.insert(0, "bench")
+from attention_check import attention_parity
+from pipeline.model import ModelConfig
 from pipeline.parallel import init_distributed
-preset, data, seq, mbs, device = sys.argv[1:6]
-kinds = [k for k in sys.argv[6:] if k != "sdpa"]
+preset, seq, mbs, device = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+kinds = [k for k in sys.argv[5:] if k != "sdpa"]
 init_distributed(1, backend="gloo")
-cfg = dataclasses.replace(ModelConfig.from_yaml(preset), recompute=False)
-batch = next(iter(build_loader(data, "train", int(mbs), int(seq), seed=0, num_workers=0,
-                               pack=True, shuffle=False, infinite=False,
-                               vocab_size=cfg.vocab_size)))
-batch = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in batch.items()}
-torch.manual_seed(0)
-state = Qwen3(cfg).state_dict()                       # one random init (fp32, CPU) for all
-
-
-def grads(kind, dtype):
-    model = Qwen3(dataclasses.replace(cfg, attention=kind), init_weights=False)
-    model.load_state_dict(state)
-    model.to(device=device, dtype=dtype)
-    logits = model(batch["input_ids"], batch["position_ids"], segment_ids=batch["segment_ids"])
-    loss, _ = hybrid_loss(logits, batch)
-    loss.backward()
-    return loss.detach().item(), {n: p.grad.float() for n, p in model.named_parameters()}
-
-
-def rel(g, ref):
-    num = sum(float((g[n] - ref[n]).pow(2).sum()) for n in ref) ** 0.5
-    den = sum(float(ref[n].pow(2).sum()) for n in ref) ** 0.5
-    worst = max(float((g[n] - ref[n]).norm() / ref[n].norm().clamp_min(1e-30)) for n in ref)
-    return num / den, worst
-
-
-loss32, truth = grads("sdpa", torch.float32)
-loss16, sdpa16 = grads("sdpa", torch.bfloat16)
-floor, floor_worst = rel(sdpa16, truth)
-tokens = int((batch["segment_ids"] > 0).sum())
-print(f"gradient agreement on one packed batch ({mbs} rows x {seq}, {tokens} real tokens), "
-      f"relative L2 error of all gradients (worst tensor):")
-print(f"    sdpa bf16 vs sdpa fp32 (the bf16 noise floor): {floor:.2e} ({floor_worst:.2e}); "
-      f"loss {loss16:.5f} vs {loss32:.5f}")
-bad = 0
+cfg = ModelConfig.from_yaml(preset)
+grads = device != "cpu"           # torch has no flex backward on the CPU
+res = attention_parity(cfg, kinds, rows=mbs, row_length=seq, dtype=torch.bfloat16,
+                       device=device, grads=grads)
+print(f"gradient agreement with sdpa (bench/attention_check.py: one random packed batch, "
+      f"{mbs} x {seq}, bf16, same weights; relative L2 difference, worst parameter):")
 for kind in kinds:
-    loss_k, g = grads(kind, torch.bfloat16)
-    vs32, vs32_worst = rel(g, truth)
-    vs16, _ = rel(g, sdpa16)
-    ok = vs32 <= 2 * floor + 1e-3
-    bad += not ok
-    print(f"    {kind} bf16 vs sdpa fp32: {vs32:.2e} ({vs32_worst:.2e}); vs sdpa bf16: {vs16:.2e}; "
-          f"loss {loss_k:.5f} -> {'agrees' if ok else 'DIFFERS'} (limit 2 x floor + 1e-3)")
-    del g
-sys.exit(1 if bad else 0)
+    r = res[kind]
+    g = (f"gradients {r['grad_rel']:.2e} ({r['grad_worst']}), max abs {r['grad_max_abs']:.2e}"
+         if r["grad_rel"] is not None else "gradients not compared (forward only on the CPU)")
+    print(f"    {kind}: logits {r['logits_rel']:.2e}; {g}; step {r['seconds']:.3f} s "
+          f"(sdpa {res['sdpa']['seconds']:.3f} s)")
 EOF
-  rc=$?
-  stamp "gradient agreement finished (exit $rc)"
-  grep -E "^(gradient agreement|    )" "$WORK/grads.log" | tee -a "$REPORT"
-  [ $rc -eq 0 ] || fail "gradient agreement (exit $rc)" "$WORK/grads.log"
+    rc=$?
+    stamp "gradient agreement finished (exit $rc)"
+    grep -E "^(gradient agreement|    )" "$WORK/grads.log" | tee -a "$REPORT"
+    [ $rc -eq 0 ] || fail "gradient agreement (exit $rc)" "$WORK/grads.log"
+  fi
 fi
 
 # ---- 4. bench_train_step.py on the same device and data, as a ratio -----------------------
