@@ -63,6 +63,14 @@ def _env_int(*names: str, default: int) -> int:
     return default
 
 
+def _free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def local_device_index(local_rank: int, visible_devices: int) -> int:
     """The CUDA device index of a task: `local_rank mod visible_devices`.
 
@@ -118,7 +126,8 @@ def init_distributed(tensor_parallel_size: int = 1, backend: str | None = None,
 
     Reads the launcher's environment: torchrun (RANK, WORLD_SIZE, LOCAL_RANK) or srun
     (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID); MASTER_ADDR/MASTER_PORT must be set for
-    more than one process (defaults 127.0.0.1:29500 for a single process).
+    more than one process (a single process without them uses 127.0.0.1 and a free port, so
+    that lone runs on a shared machine do not collide on 29500).
 
     Args:
         tensor_parallel_size: size of each tensor-parallel group; must divide the world size.
@@ -147,7 +156,8 @@ def init_distributed(tensor_parallel_size: int = 1, backend: str | None = None,
     device = bind_local_device(local_rank)
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29500")
+        if "MASTER_PORT" not in os.environ:  # a lone process needs no agreed port: take a free one
+            os.environ["MASTER_PORT"] = str(_free_port()) if world_size == 1 else "29500"
         dist.init_process_group(backend=backend, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
     init_megatron_groups(tensor_parallel_size, dist.get_backend(), timeout_s)

@@ -82,3 +82,30 @@ def _gloo_groups_body(rank, world_size):
 
 def test_no_megatron_gloo_groups_with_nccl():
     assert run_distributed(_gloo_groups_body, world_size=2) == [(False, 2, 2), (False, 2, 2)]
+
+
+def test_single_process_without_master_port_takes_a_free_port():
+    """A bare one-process run (no launcher variables) starts even when 29500 is taken."""
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    code = ("import os, socket\n"
+            "s = socket.socket()\n"
+            "try:\n"
+            "    s.bind(('127.0.0.1', 29500)); s.listen()\n"   # hold 29500 (or it is held already)
+            "except OSError:\n"
+            "    pass\n"
+            "from pipeline.parallel import destroy_distributed, init_distributed\n"
+            "info = init_distributed(1)\n"
+            "print(info.world_size, os.environ['MASTER_PORT'])\n"
+            "destroy_distributed()\n")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MASTER_PORT", "MASTER_ADDR", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["PYTHONPATH"] = str(root)
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    world, port = r.stdout.split()[-2:]
+    assert world == "1" and port != "29500"
