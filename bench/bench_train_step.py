@@ -2,7 +2,7 @@
 
 Prints, for each arm, optimizer steps, real (non-padding) tokens, wall seconds, tokens/s (total
 and the median of per-step figures) and padding fraction (padding tokens / all fed tokens),
-then the tokens/s ratios. One process, fp32,
+then the tokens/s ratios. One process (CPU fp32 by default; --device, --dtype),
 plain `torch.optim.AdamW` (no DeepSpeed: the arms differ only in data layout and where the
 ReFusion reorganization runs, which is what is measured).
 
@@ -20,6 +20,7 @@ baseline's sample reading is not timed; our loader (reading + reorganization + p
 
     .venv/bin/python bench/bench_train_step.py [--data outputs/demo/shards] [--steps 6]
         [--model-config configs/model/demo.yaml] [--rows 2] [--row-length TOKENS]
+        [--device cpu|cuda[:N]] [--dtype fp32|bf16] [--json FIGURES.json]
 """
 from __future__ import annotations
 
@@ -39,9 +40,10 @@ import torch.nn.functional as F  # noqa: E402
 
 
 def reference_style_forward(model, samples, mask_id: int, pad_id: int, eps: float = 1e-3,
-                            slot_sizes=(4, 8, 16, 32)):
+                            slot_sizes=(4, 8, 16, 32), device="cpu"):
     """The baseline: per-sample Python reorganization inside the forward (global RNG), padded
-    batch, per-sample loss loop. `samples`: list of (LongTensor[L] tokens, prompt_length).
+    batch, per-sample loss loop. `samples`: list of (LongTensor[L] tokens, prompt_length), on
+    the CPU; the padded batch and the loss inputs are moved to `device`.
     Returns (loss, real tokens, fed tokens)."""
     rows, poss, labs, weights, masked_flags = [], [], [], [], []
     for tokens, P in samples:
@@ -84,16 +86,18 @@ def reference_style_forward(model, samples, mask_id: int, pad_id: int, eps: floa
         n = r.shape[0]
         input_ids[b, :n], position_ids[b, :n], segment_ids[b, :n] = r, poss[b], 1
         position_ids[b, n:] = torch.arange(n, T)
-    logits = model(input_ids, position_ids, segment_ids=segment_ids)
+    logits = model(input_ids.to(device), position_ids.to(device),
+                   segment_ids=segment_ids.to(device))
     ar_sum, ar_n, mdm = 0.0, 0, 0.0
     for b in range(B):
         n = rows[b].shape[0]
-        ce = F.cross_entropy(logits[b, :n].float(), labs[b].clamp(min=0), reduction="none")
-        valid = labs[b] != -100
-        ar_mask = valid & ~masked_flags[b]
+        lab, w, mf = labs[b].to(device), weights[b].to(device), masked_flags[b].to(device)
+        ce = F.cross_entropy(logits[b, :n].float(), lab.clamp(min=0), reduction="none")
+        valid = lab != -100
+        ar_mask = valid & ~mf
         ar_sum = ar_sum + ce[ar_mask].sum()
         ar_n += int(ar_mask.sum())
-        mdm = mdm + (ce * weights[b])[masked_flags[b]].sum()
+        mdm = mdm + (ce * w)[mf].sum()
     loss = ar_sum / max(ar_n, 1) + mdm / B
     real = sum(r.shape[0] for r in rows)
     return loss, real, B * T
@@ -114,6 +118,11 @@ def main() -> int:
     ap.add_argument("--row-length", type=int, default=0,
                     help="tokens per packed row (ours; 0 = the manifest max_length)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda[:N] (timed with the device "
+                    "synchronized)")
+    ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"],
+                    help="parameter and activation dtype of both arms")
+    ap.add_argument("--json", default=None, help="also write the per-arm figures to this file")
     args = ap.parse_args()
     if not (Path(args.data) / "manifest.json").is_file():
         print(f"error: {args.data}/manifest.json not found; build the demo shards first "
@@ -138,13 +147,25 @@ def main() -> int:
               f"{man['max_length']} ({args.data}/manifest.json); use >= {man['max_length']}",
               file=sys.stderr)
         return 2
+    try:
+        device = torch.device(args.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError("CUDA is not available")
+    except RuntimeError as e:
+        print(f"error: --device {args.device}: {e}", file=sys.stderr)
+        return 2
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     init_distributed(1, backend="gloo")
     cfg = ModelConfig.from_yaml(args.model_config)
     cfg.vocab_size = max(cfg.vocab_size, -(-int(tok["vocab_size"]) // 64) * 64)
     torch.manual_seed(0)
-    model_a = Qwen3(cfg).train()
-    model_b = Qwen3(cfg).train()
+    model_a = Qwen3(cfg).to(device=device, dtype=dtype).train()
+    model_b = Qwen3(cfg, init_weights=False).to(device=device, dtype=dtype).train()
     model_b.load_state_dict(model_a.state_dict())
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
     opt_a = torch.optim.AdamW(model_a.parameters(), lr=1e-4)
     opt_b = torch.optim.AdamW(model_b.parameters(), lr=1e-4)
     loader = iter(build_loader(args.data, "train", args.rows, T, seed=0, num_workers=0,
@@ -160,14 +181,16 @@ def main() -> int:
     # The arms alternate step by step, so both see the same machine load.
     for step in range(args.steps + 1):
         # ours: packed rows, reorganization in the loader (timed: it is part of our step)
+        sync()
         t0 = time.perf_counter()
-        batch = next(loader)
+        batch = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in next(loader).items()}
         logits = model_a(batch["input_ids"], batch["position_ids"],
                          segment_ids=batch["segment_ids"])
         loss, st = hybrid_loss(logits, batch)
         loss.backward()
         opt_a.step()
         opt_a.zero_grad(set_to_none=True)
+        sync()
         dt = time.perf_counter() - t0
         real_a = int(st["real_tokens"])
         if step:
@@ -185,12 +208,14 @@ def main() -> int:
                 piece = toks[seg["start"]:seg["end"]]
                 samples.append((piece, int(seg["prompt_length"])))
                 n += piece.shape[0]
+        sync()
         t0 = time.perf_counter()
         loss, real, fed = reference_style_forward(model_b, samples, int(tok["mask_id"]),
-                                                  int(tok["pad_id"]))
+                                                  int(tok["pad_id"]), device=device)
         loss.backward()
         opt_b.step()
         opt_b.zero_grad(set_to_none=True)
+        sync()
         dt = time.perf_counter() - t0
         if step:
             base["steps"] += 1
@@ -200,7 +225,7 @@ def main() -> int:
             base["rates"].append(real / dt)
     print(f"model {Path(args.model_config).name}: hidden {cfg.hidden_size}, layers "
           f"{cfg.num_layers}, vocab {cfg.vocab_size}; data {args.data} (row length {T}); "
-          f"torch threads {torch.get_num_threads()}")
+          f"device {device}, {args.dtype}; torch threads {torch.get_num_threads()}")
     print(f"{'arm':<28}{'steps':>6}{'real tokens':>13}{'seconds':>9}{'tokens/s':>10}"
           f"{'median':>9}{'padding':>9}")
     med = {}
@@ -212,6 +237,15 @@ def main() -> int:
     mratio = med["ours (packed, vectorized)"] / med["reference-style (padded)"]
     print(f"tokens/s ratio ours / reference-style: {ratio:.2f}x (total), {mratio:.2f}x (median "
           f"of per-step tokens/s; steps are noisy on a shared machine)")
+    if args.json:
+        import json
+        out = {name: {"steps": r["steps"], "real_tokens": r["real"], "fed_tokens": r["fed"],
+                      "seconds": r["seconds"], "tokens_per_s": r["real"] / r["seconds"],
+                      "median_tokens_per_s": med[label]}
+               for name, label, r in (("ours", "ours (packed, vectorized)", ours),
+                                      ("reference", "reference-style (padded)", base))}
+        out.update(device=str(device), dtype=args.dtype, row_length=T, rows=args.rows)
+        Path(args.json).write_text(json.dumps(out, indent=1))
     return 0
 
 

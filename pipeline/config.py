@@ -111,6 +111,36 @@ class TrainSection:
 
 
 @dataclass
+class DeepSpeedSection:
+    """DeepSpeed numerics and ZeRO communication sizes (`pipeline.train.deepspeed_config`).
+
+    `fp32_grad_accum`: with `train.precision=bf16`, accumulate gradients over micro-batches and
+    reduce them over the data-parallel group in fp32 (DeepSpeed `data_types.grad_accum_dtype`
+    and `communication_data_type`), as Megatron does; false keeps both in bf16 (DeepSpeed's
+    default: half the gradient-partition memory and traffic, but bf16's 8-bit mantissa drops
+    small per-rank contributions). Ignored with fp32. With `train.zero_stage=0` only the
+    all-reduce becomes fp32 (DeepSpeed 0.19 accumulates in the parameter dtype without ZeRO).
+
+    Sizes are in elements (parameters), not bytes; null derives them from the model's hidden
+    size h as DeepSpeed's Hugging Face integration does for "auto" (DeepSpeed's fixed defaults,
+    5e8 / 5e7 / 1e5, fit neither a tiny nor an 8B model: a 5e8-element fp32 reduce bucket is
+    2 GB per GPU). Qwen3-8B (h = 4096): 16.8M, 15.1M, 40,960.
+    - `reduce_bucket_size` (h^2): gradient elements reduced per bucket (ZeRO 1-3).
+    - `prefetch_bucket_size` (0.9 h^2): parameter elements all-gathered ahead of use (ZeRO-3).
+    - `param_persistence_threshold` (10 h): parameters with fewer elements are not
+      partitioned (norm weights stay whole on every rank; ZeRO-3).
+    - `max_live_parameters` / `max_reuse_distance` (null = DeepSpeed's 1e9): gathered
+      parameter elements kept alive / reuse distance before release (ZeRO-3).
+    """
+    fp32_grad_accum: bool = True
+    reduce_bucket_size: Optional[int] = None
+    prefetch_bucket_size: Optional[int] = None
+    param_persistence_threshold: Optional[int] = None
+    max_live_parameters: Optional[int] = None
+    max_reuse_distance: Optional[int] = None
+
+
+@dataclass
 class CheckpointSection:
     """Where and how often to checkpoint. `dir` defaults to `<run_dir>/checkpoints`;
     `interval` in optimizer steps (0 = only at the end and on a signal); `keep` = how many
@@ -155,6 +185,7 @@ class RunConfig:
     objective: Dict[str, Any] = field(default_factory=dict)
     optim: OptimSection = field(default_factory=OptimSection)
     train: TrainSection = field(default_factory=TrainSection)
+    deepspeed: DeepSpeedSection = field(default_factory=DeepSpeedSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     wandb: WandbSection = field(default_factory=WandbSection)
     log: LogSection = field(default_factory=LogSection)
@@ -334,6 +365,12 @@ def _validate(cfg: DictConfig, world_size: int | None) -> Plan:
     need(not t.offload_params or t.zero_stage == 3, "train.offload_params needs train.zero_stage=3")
     need(not t.offload_optimizer or t.zero_stage >= 1, "train.offload_optimizer needs train.zero_stage >= 1")
     need(cfg.log.peak_tflops is None or cfg.log.peak_tflops > 0, "log.peak_tflops must be > 0")
+    for k in ("reduce_bucket_size", "prefetch_bucket_size", "max_live_parameters",
+              "max_reuse_distance"):
+        v = cfg.deepspeed[k]
+        need(v is None or v >= 1, f"deepspeed.{k} must be >= 1 (elements) or null, got {v}")
+    v = cfg.deepspeed.param_persistence_threshold
+    need(v is None or v >= 0, f"deepspeed.param_persistence_threshold must be >= 0 or null, got {v}")
 
     # parallel layout and batch arithmetic
     tp = t.tensor_parallel_size

@@ -12,6 +12,17 @@ Traps this module exists to avoid (../shared/FINDINGS.md):
 - without `mpu=` DeepSpeed treats every rank as data-parallel: pass `MegatronMPU()`;
 - `deepspeed.zero.Init(mpu=...)` alone partitions over the whole world: also pass
   `data_parallel_group=parallel_state.get_data_parallel_group()`.
+
+Device choice (the one home for it): a task may see fewer GPUs than its node-local rank
+(`srun --gpus-per-task=1` or `--gpu-bind` leave each task one visible GPU, numbered 0), so the
+device index is `LOCAL_RANK mod visible GPU count` (`local_device_index`). `bind_local_device`
+selects it and rewrites `LOCAL_RANK` to that index before any DeepSpeed call, because DeepSpeed
+uses `LOCAL_RANK` itself as a device index (engine `set_device`, `zero.Init`'s local device);
+the node-local rank stays in `ParallelInfo.local_rank` (and in `SLURM_LOCALID` under srun).
+
+With NCCL, megatron-core's extra gloo groups are not created (`create_gloo_process_groups`):
+nothing here uses them, and their TCP set-up can hang on multi-NIC nodes. With gloo (CPU) the
+default groups are gloo anyway and megatron's behaviour is left as it was.
 """
 from __future__ import annotations
 
@@ -29,10 +40,10 @@ class ParallelInfo:
 
     Attributes:
         rank / world_size: global rank and number of processes.
-        local_rank: rank on this node (selects the GPU).
+        local_rank: rank on this node (the launcher's LOCAL_RANK / SLURM_LOCALID).
         tp_rank / tp_size: tensor-parallel rank and group size.
         dp_rank / dp_size: data-parallel rank and group size (world_size = tp_size * dp_size).
-        device: `cuda:<local_rank>` when CUDA is available, else `cpu`.
+        device: `cuda:<local_rank mod visible GPUs>` when CUDA is available, else `cpu`.
     """
 
     rank: int
@@ -52,18 +63,78 @@ def _env_int(*names: str, default: int) -> int:
     return default
 
 
+def _free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def local_device_index(local_rank: int, visible_devices: int) -> int:
+    """The CUDA device index of a task: `local_rank mod visible_devices`.
+
+    With `--gpus-per-node` every task sees all GPUs of its node and gets `cuda:<local_rank>`;
+    with `--gpus-per-task=1` / `--gpu-bind` each task sees one GPU and gets `cuda:0`.
+
+    Raises:
+        ValueError: `visible_devices < 1` or `local_rank < 0`.
+    """
+    if visible_devices < 1:
+        raise ValueError(f"no visible GPU (visible_devices={visible_devices})")
+    if local_rank < 0:
+        raise ValueError(f"local rank must be >= 0, got {local_rank}")
+    return local_rank % visible_devices
+
+
+def bind_local_device(local_rank: int) -> torch.device:
+    """Select this process's device and make `LOCAL_RANK` name it (for DeepSpeed).
+
+    CUDA available: `torch.cuda.set_device(i)` with `i = local_device_index(local_rank,
+    torch.cuda.device_count())`, `os.environ["LOCAL_RANK"] = str(i)`, returns `cuda:i`.
+    CPU: returns `cpu` and leaves the environment alone.
+    """
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    index = local_device_index(local_rank, torch.cuda.device_count())
+    os.environ["LOCAL_RANK"] = str(index)  # DeepSpeed reads it as a device index
+    torch.cuda.set_device(index)
+    return torch.device(f"cuda:{index}")
+
+
+def init_megatron_groups(tensor_parallel_size: int, backend: str, timeout_s: float) -> None:
+    """megatron-core's TP/DP groups over the existing default group (no-op when they exist).
+
+    `backend` is the default group's backend (`dist.get_backend()`): one that includes NCCL
+    ("nccl", "cpu:gloo,cuda:nccl") skips megatron's extra gloo groups
+    (`create_gloo_process_groups=False`; a getter of a gloo group then raises AssertionError);
+    "gloo" keeps megatron's default (gloo groups created).
+    """
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        return
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tensor_parallel_size,
+        distributed_timeout_minutes=max(1, int(timeout_s // 60)),
+        create_gloo_process_groups="nccl" not in str(backend))
+
+
 def init_distributed(tensor_parallel_size: int = 1, backend: str | None = None,
                      timeout_s: float = 1800.0) -> ParallelInfo:
     """Start torch.distributed (if needed) and megatron-core's TP/DP groups.
 
     Reads the launcher's environment: torchrun (RANK, WORLD_SIZE, LOCAL_RANK) or srun
     (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID); MASTER_ADDR/MASTER_PORT must be set for
-    more than one process (defaults 127.0.0.1:29500 for a single process).
+    more than one process (a single process without them uses 127.0.0.1 and a free port, so
+    that lone runs on a shared machine do not collide on 29500).
 
     Args:
         tensor_parallel_size: size of each tensor-parallel group; must divide the world size.
         backend: "nccl" or "gloo"; default nccl when CUDA is available, else gloo.
         timeout_s: collective timeout in seconds.
+
+    The device is chosen (and LOCAL_RANK rewritten for DeepSpeed) by `bind_local_device`.
 
     Returns:
         ParallelInfo for this process.
@@ -82,18 +153,14 @@ def init_distributed(tensor_parallel_size: int = 1, backend: str | None = None,
     use_cuda = torch.cuda.is_available()
     if backend is None:
         backend = "nccl" if use_cuda else "gloo"
-    device = torch.device(f"cuda:{local_rank}") if use_cuda else torch.device("cpu")
-    if use_cuda:
-        torch.cuda.set_device(device)
+    device = bind_local_device(local_rank)
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29500")
+        if "MASTER_PORT" not in os.environ:  # a lone process needs no agreed port: take a free one
+            os.environ["MASTER_PORT"] = str(_free_port()) if world_size == 1 else "29500"
         dist.init_process_group(backend=backend, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=tensor_parallel_size,
-            distributed_timeout_minutes=max(1, int(timeout_s // 60)))
+    init_megatron_groups(tensor_parallel_size, dist.get_backend(), timeout_s)
     return ParallelInfo(
         rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank,
         tp_rank=parallel_state.get_tensor_model_parallel_rank(),

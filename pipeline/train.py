@@ -81,11 +81,20 @@ def deepspeed_config(cfg, plan) -> dict:
     `mpu`'s data-parallel size). The lr is set by the trainer every step (`lr_at`), so no
     DeepSpeed scheduler. With `optim.impl=torch` the client `torch.optim.AdamW` is used
     (`zero_allow_untested_optimizer`, `zero_force_ds_cpu_optimizer: false` so offload accepts it).
+    bf16 with `deepspeed.fp32_grad_accum` (the default): `data_types.grad_accum_dtype` and
+    `communication_data_type` are fp32. ZeRO bucket sizes: `zero_sizes`.
     """
     t, o = cfg.train, cfg.optim
     zero: dict[str, Any] = {"stage": int(t.zero_stage)}
+    sizes = zero_sizes(cfg.deepspeed, int(plan.model_fields["hidden_size"]))
     if t.zero_stage >= 1:
         zero["contiguous_gradients"] = True
+        zero["reduce_bucket_size"] = sizes["reduce_bucket_size"]
+    if t.zero_stage == 3:
+        zero.update({"stage3_prefetch_bucket_size": sizes["prefetch_bucket_size"],
+                     "stage3_param_persistence_threshold": sizes["param_persistence_threshold"],
+                     "stage3_max_live_parameters": sizes["max_live_parameters"],
+                     "stage3_max_reuse_distance": sizes["max_reuse_distance"]})
     if t.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": _cuda()}
     if t.offload_params:
@@ -103,11 +112,36 @@ def deepspeed_config(cfg, plan) -> dict:
         "steps_per_print": 2 ** 31 - 1,
         "wall_clock_breakdown": False,
     }
+    if t.precision == "bf16" and cfg.deepspeed.fp32_grad_accum:
+        ds["communication_data_type"] = "fp32"
+        if t.zero_stage >= 1:  # DeepSpeed 0.19 refuses bf16 params with fp32 accumulation at stage 0
+            ds["data_types"] = {"grad_accum_dtype": "fp32"}
     if o.impl == "deepspeed":
         ds["optimizer"] = {"type": "AdamW", "params": {
             "lr": o.lr, "betas": [o.beta1, o.beta2], "eps": o.eps,
             "weight_decay": o.weight_decay}}
     return ds
+
+
+def should_evaluate(step: int, eval_interval: int, stop_pending: bool) -> bool:
+    """Whether to validate after optimizer step `step`: every `eval_interval` steps (0 = never),
+    but not when a stop signal is pending (all ranks agreed on it in the step's all-reduce):
+    the time left before the job is killed (`slurm/pretrain.sh` SIGNAL_MARGIN) goes to the
+    checkpoint, not to a validation pass."""
+    return bool(eval_interval) and step % eval_interval == 0 and not stop_pending
+
+
+def zero_sizes(ds_cfg, hidden_size: int) -> dict[str, int]:
+    """ZeRO communication sizes in elements: the `deepspeed.*` value when set, else derived
+    from the hidden size h as DeepSpeed's Hugging Face integration fills "auto"
+    (transformers `HfTrainerDeepSpeedConfig`): reduce bucket h^2, ZeRO-3 prefetch bucket
+    0.9 h^2, persistence threshold 10 h; max live parameters / reuse distance 1e9
+    (DeepSpeed's defaults)."""
+    h = int(hidden_size)
+    derived = {"reduce_bucket_size": h * h, "prefetch_bucket_size": int(0.9 * h * h),
+               "param_persistence_threshold": 10 * h, "max_live_parameters": 10 ** 9,
+               "max_reuse_distance": 10 ** 9}
+    return {k: int(ds_cfg[k]) if ds_cfg[k] is not None else v for k, v in derived.items()}
 
 
 def _cuda() -> bool:
@@ -613,7 +647,7 @@ class Trainer:
                     code = EXIT_NONFINITE
                     break
                 self._record(metrics)
-                if cfg.train.eval_interval and self.step % cfg.train.eval_interval == 0:
+                if should_evaluate(self.step, cfg.train.eval_interval, sig):
                     self._record(self.evaluate())
                 if sig:
                     name = (signal.Signals(self.signal_received).name if self.signal_received
@@ -663,7 +697,13 @@ def _broadcast_object(obj):
 
 def _setup_logging(rank0: bool) -> None:
     """Our INFO lines on rank 0's stdout; other ranks print warnings only. DeepSpeed's logger is
-    turned down to warnings (its per-step chatter)."""
+    turned down to warnings (its per-step chatter), and torch 2.13's FutureWarnings about the
+    collectives DeepSpeed 0.19 calls (`reduce_scatter_tensor`, `all_gather_into_tensor`) are
+    ignored: they are not ours to act on and come back once per ZeRO bucket (hundreds of lines
+    per step at 8B)."""
+    import warnings
+    warnings.filterwarnings("ignore", category=FutureWarning, message=r"`torch\.distributed\."
+                            r"(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated")
     logger = logging.getLogger("pipeline")
     logger.handlers.clear()
     h = logging.StreamHandler(sys.stdout)

@@ -6,29 +6,47 @@
 #   sbatch slurm/pretrain.sh CONFIG.yaml [key=value ...]                       # CPU defaults
 #   sbatch --nodes=4 --ntasks-per-node=8 --gpus-per-node=8 --cpus-per-task=12 \
 #          --time=24:00:00 slurm/pretrain.sh configs/qwen3_8b.yaml train.max_steps=20000
-# Request GPUs per node (--gpus-per-node), not per task: every task then sees the node's GPUs
-# and the trainer picks cuda:LOCAL_RANK (--gpus-per-task / --gpu-bind would hide them).
 # Command-line sbatch options override the #SBATCH lines below. The defaults are CPU-friendly
-# (one node, two tasks, no GPU request) so the same script runs on a one-node CPU cluster.
+# (one node, two tasks, no GPU request) so the same script runs on a one-node CPU cluster; on a
+# GPU cluster enable the GPU block below (or pass its options to sbatch).
+#
+# Settings a GPU cluster needs (the "GPU block"):
+# - One task per GPU: --ntasks-per-node=8 --gpus-per-node=8. Every task then sees the node's
+#   GPUs and uses cuda:LOCAL_RANK. With --gpus-per-task=1 or --gpu-bind a task sees one GPU;
+#   the trainer then uses LOCAL_RANK mod (visible GPUs) = cuda:0 and rewrites LOCAL_RANK to that
+#   index for DeepSpeed (pipeline/parallel.py is the one home of that choice).
+# - Cores: --cpus-per-task=12 (>= 8 per GPU task: the trainer's Python thread, DeepSpeed's
+#   ZeRO-3 hooks, data.num_workers loader processes, the NCCL proxy). Since Slurm 22.05 `srun`
+#   does not inherit --cpus-per-task from sbatch, so this script passes it explicitly:
+#   CPUS_PER_TASK = $CPUS_PER_TASK, else the job's SLURM_CPUS_PER_TASK, else the node's
+#   allocated cores / tasks per node (what the allocation gives; 1 each on a 2-core test node).
+#   A GPU job with fewer than 8 cores per task gets a warning line in the log.
+# - Time-limit margin (SIGNAL_MARGIN): the `--signal=B:USR1@300` line below. Slurm sends
+#   SIGUSR1 that many seconds before the time limit; the trainer finishes its step, skips a due
+#   validation, saves and exits. 300 s (the default; raise it for slow filesystems) must cover
+#   one step plus a full save: an 8B ZeRO-3 checkpoint is about 115 GB (bf16 weights + fp32
+#   master weights + two Adam moments = 14 bytes/parameter), written by all ranks in parallel.
+#   Override per job: sbatch --signal=B:USR1@600 ...
 #
 # What it does:
 # - MASTER_ADDR = first host of the allocation, MASTER_PORT = 20000 + job id mod 20000 (both
 #   overridable); `srun` starts one task per device through slurm/task.sh, which sets RANK /
 #   WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE from SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID
 #   (srun relays a signal to every process of the step).
-# - Before the time limit Slurm sends SIGUSR1 to this batch shell (--signal=B:USR1@120, i.e.
-#   120 s ahead); it is forwarded to every training process, which agree on it, checkpoint and
-#   exit 0; then this script runs `scontrol requeue $SLURM_JOB_ID`, and the requeued job
-#   resumes from the latest checkpoint (same command, auto-resume). SIGTERM (scancel,
-#   preemption) is forwarded too (the trainer checkpoints) but does not requeue by itself.
+# - SIGNAL_MARGIN seconds before the time limit Slurm sends SIGUSR1 to this batch shell; it is
+#   forwarded to every training process, which agree on it, checkpoint and exit 0; then this
+#   script runs `scontrol requeue $SLURM_JOB_ID`, and the requeued job resumes from the latest
+#   checkpoint (same command, auto-resume). SIGTERM (scancel, preemption) is forwarded too (the
+#   trainer checkpoints) but does not requeue by itself.
 # - The requeued job appends to the same log (--open-mode=append).
 #
 # Environment knobs (all optional):
 #   REFUSION_ROOT        repository root (default: the sbatch submit directory)
 #   PYTHON               interpreter (default: $REFUSION_ROOT/.venv/bin/python)
 #   TASKS_PER_NODE       training tasks per node (default: the allocation's SLURM_NTASKS_PER_NODE)
+#   CPUS_PER_TASK        cores per training task passed to srun (default: see "Cores" above)
 #   MASTER_ADDR, MASTER_PORT
-#   SRUN_EXTRA_ARGS      extra srun options, e.g. "--cpu-bind=cores"
+#   SRUN_EXTRA_ARGS      extra srun options, e.g. "--cpu-bind=cores" or "--gpu-bind=closest"
 #   REQUEUE_ON_SIGNAL    1 (default) requeue after a SIGUSR1-triggered checkpoint; 0 to not
 #   TORCH_EXTENSIONS_DIR DeepSpeed's JIT-op cache (default: $REFUSION_ROOT/.cache/torch_extensions)
 #   WANDB_MODE etc. pass through (sbatch exports the submitting environment).
@@ -36,11 +54,12 @@
 #SBATCH --job-name=refusion-pretrain
 #SBATCH --nodes=1
 #SBATCH --ntasks-per-node=2
-#SBATCH --cpus-per-task=1
-##SBATCH --gpus-per-node=8          # GPU clusters: enable (or pass on the sbatch line) and set
-##SBATCH --ntasks-per-node=8        # one task per GPU
+##SBATCH --gpus-per-node=8          # GPU block: enable these three (or pass them to sbatch):
+##SBATCH --ntasks-per-node=8        #   one task per GPU,
+##SBATCH --cpus-per-task=12         #   >= 8 cores per GPU task
 #SBATCH --time=00:30:00
-#SBATCH --signal=B:USR1@120
+# SIGNAL_MARGIN: seconds between SIGUSR1 and the time limit (>= 300; see above)
+#SBATCH --signal=B:USR1@300
 #SBATCH --requeue
 #SBATCH --open-mode=append
 #SBATCH --output=logs/%x-%j.out
@@ -68,13 +87,23 @@ export MASTER_ADDR=${MASTER_ADDR:-$(scontrol show hostnames "$SLURM_JOB_NODELIST
 export MASTER_PORT=${MASTER_PORT:-$(( 20000 + SLURM_JOB_ID % 20000 ))}
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$ROOT/.cache/torch_extensions}
 export PYTHONUNBUFFERED=1
-# No GPU in the allocation (and none visible): DeepSpeed's CPU accelerator, one thread per task.
+# Cores per task, passed to srun explicitly (srun >= 22.05 does not inherit sbatch's
+# --cpus-per-task): CPUS_PER_TASK, else the job's --cpus-per-task, else an even split of this
+# node's allocated cores (SLURM_CPUS_ON_NODE) over its tasks.
+ALLOC_CPUS=${SLURM_CPUS_ON_NODE:-$TASKS_PER_NODE}
+ALLOC_CPUS=${ALLOC_CPUS%%(*}
+CPUS_PER_TASK=${CPUS_PER_TASK:-${SLURM_CPUS_PER_TASK:-$(( ALLOC_CPUS / TASKS_PER_NODE ))}}
+[ "$CPUS_PER_TASK" -ge 1 ] 2>/dev/null || CPUS_PER_TASK=1
+export SRUN_CPUS_PER_TASK=$CPUS_PER_TASK
 if [ -z "${SLURM_GPUS_ON_NODE:-}${SLURM_JOB_GPUS:-}${SLURM_STEP_GPUS:-}" ] && ! command -v nvidia-smi >/dev/null 2>&1; then
+  # No GPU in the allocation (and none visible): DeepSpeed's CPU accelerator.
   export DS_ACCELERATOR=${DS_ACCELERATOR:-cpu}
-  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-${SLURM_CPUS_PER_TASK:-1}}
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$CPUS_PER_TASK}
+elif [ "$CPUS_PER_TASK" -lt 8 ]; then
+  log "warning: $CPUS_PER_TASK core(s) per GPU task; the trainer, ZeRO-3 hooks and loader workers want >= 8 (sbatch --cpus-per-task=12)"
 fi
 
-log "job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on $NNODES node(s) x $TASKS_PER_NODE task(s); master $MASTER_ADDR:$MASTER_PORT"
+log "job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on $NNODES node(s) x $TASKS_PER_NODE task(s) x $CPUS_PER_TASK core(s); master $MASTER_ADDR:$MASTER_PORT"
 log "config $CONFIG overrides: $*"
 
 SIGNALLED=""
@@ -93,7 +122,7 @@ trap 'forward TERM' TERM
 export TASKS_PER_NODE
 # shellcheck disable=SC2086
 srun --nodes="$NNODES" --ntasks="$NTASKS" --ntasks-per-node="$TASKS_PER_NODE" \
-     --kill-on-bad-exit=1 ${SRUN_EXTRA_ARGS:-} \
+     --cpus-per-task="$CPUS_PER_TASK" --kill-on-bad-exit=1 ${SRUN_EXTRA_ARGS:-} \
      "$ROOT/slurm/task.sh" "$PYTHON" -m pipeline.train --config "$CONFIG" "$@" &
 SRUN_PID=$!
 

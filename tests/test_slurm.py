@@ -2,7 +2,7 @@
 signal, requeue, resume from the checkpoint (not from scratch), finish.
 
 Starts the cluster with ../shared/tools/local_slurm/start_local_slurm.sh (relative to the
-repository root); skipped with a reason when that script is absent or we are not root.
+repository root; LOCAL_SLURM_START overrides the path); skipped with a reason when that script is absent or we are not root.
 `sbatch --wait` and exit codes are not trusted (without a cgroup.conf a job step can fail while
 sbatch reports success): every check reads the job's log, metrics.jsonl and checkpoint folder.
 A requeued job waits for the cluster's cred_expire (30 s) before it starts again.
@@ -22,7 +22,8 @@ import pytest
 from shard_fixtures import random_samples, write_shards
 
 ROOT = Path(__file__).resolve().parents[1]
-START = ROOT.parent / "shared" / "tools" / "local_slurm" / "start_local_slurm.sh"
+START = Path(os.environ.get("LOCAL_SLURM_START",
+                           ROOT.parent / "shared" / "tools" / "local_slurm" / "start_local_slurm.sh"))
 SCRIPT = ROOT / "slurm" / "pretrain.sh"
 
 CONFIG = """\
@@ -34,7 +35,7 @@ model:
 data: {{dir: {data}, num_workers: 1, shuffle_buffer: 8}}
 optim: {{lr: 1.0e-3, warmup_steps: 1}}
 train: {{max_steps: {max_steps}, micro_batch_size: 2, precision: fp32, zero_stage: 3,
-        tensor_parallel_size: 1}}
+        tensor_parallel_size: 1, eval_interval: 1, eval_batches: 1}}
 checkpoint: {{interval: 0, keep: 2}}
 wandb: {{mode: disabled}}
 """
@@ -81,6 +82,18 @@ def _train_lines(metrics: Path) -> list[dict]:
     return out
 
 
+def _val_steps(metrics: Path) -> list[int]:
+    out = []
+    for line in metrics.read_text().splitlines():
+        try:
+            m = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if m.get("kind") == "val":
+            out.append(m["step"])
+    return out
+
+
 def _job_state(job: str) -> str:
     r = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True)
     return r.stdout.strip()
@@ -91,7 +104,8 @@ def test_sbatch_signal_checkpoint_requeue_resume(tmp_path):
     rng = np.random.default_rng(0)
     data, run, logs = tmp_path / "data", tmp_path / "run", tmp_path / "logs"
     logs.mkdir()
-    write_shards(str(data), {"train": random_samples(rng, 64, vocab_size=64, max_length=32)},
+    write_shards(str(data), {"train": random_samples(rng, 64, vocab_size=64, max_length=32),
+                             "val": random_samples(rng, 4, vocab_size=64, max_length=32)},
                  samples_per_shard=16)
     cfg = tmp_path / "run.yaml"
     cfg.write_text(CONFIG.format(run=run, data=data, max_steps=100000))
@@ -107,7 +121,7 @@ def test_sbatch_signal_checkpoint_requeue_resume(tmp_path):
     try:
         # 1. it trains: wait for a few optimizer steps in metrics.jsonl
         _wait_for("3 training steps", lambda: len(_train_lines(metrics)) >= 3, 240, log)
-        # 2. the time-limit warning, as --signal=B:USR1@120 delivers it: SIGUSR1 to the batch shell
+        # 2. the time-limit warning, as --signal=B:USR1@300 delivers it: SIGUSR1 to the batch shell
         subprocess.run(["scancel", "--signal=USR1", "--batch", job], check=True, timeout=30)
         _wait_for("the requeue", lambda: "requeueing job" in log.read_text(), 180, log)
         first = _train_lines(metrics)
@@ -124,6 +138,8 @@ def test_sbatch_signal_checkpoint_requeue_resume(tmp_path):
 
     text = log.read_text()
     assert "restart 1" in text
+    # srun got the cores explicitly: the 2-core node split over its 2 tasks
+    assert "on 1 node(s) x 2 task(s) x 1 core(s)" in text
     assert text.count("training tasks exited with status 0") == 2
     assert re.search(rf"resumed from \S+step_{saved:09d} at step {saved}\b", text), text[-3000:]
     lines = _train_lines(metrics)
@@ -133,6 +149,9 @@ def test_sbatch_signal_checkpoint_requeue_resume(tmp_path):
     assert [m["consumed_samples"] for m in resumed] == [(saved + 1) * GLOBAL_BATCH,
                                                          (saved + 2) * GLOBAL_BATCH]
     assert (ckdir / "latest").read_text().strip() == f"step_{saved + 2:09d}"
+    # validation after every step (eval_interval=1) except the step that met the stop signal
+    # (the margin goes to the checkpoint); the resumed job validates again
+    assert _val_steps(metrics) == [s for s in range(1, saved + 3) if s != saved]
 
 
 @pytest.mark.parametrize("args,env,message", [
@@ -141,9 +160,68 @@ def test_sbatch_signal_checkpoint_requeue_resume(tmp_path):
     (["no/such.yaml"], {"SLURM_JOB_ID": "1"}, "config file not found: no/such.yaml"),
 ])
 def test_pretrain_sh_usage_errors(args, env, message):
+    import sys
     base = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    base["PYTHON"] = sys.executable   # the check order does not depend on a .venv in this tree
     r = subprocess.run(["bash", str(SCRIPT), *args], cwd=ROOT, env={**base, **env},
                        capture_output=True, text=True, timeout=30)
     assert r.returncode == 2
     assert r.stderr.startswith("slurm/pretrain.sh: error: ") and message in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_signal_margin_default_covers_a_save():
+    """The template's SIGNAL_MARGIN (--signal=B:USR1@N) is at least 300 s."""
+    lines = [ln for ln in SCRIPT.read_text().splitlines() if ln.startswith("#SBATCH --signal=")]
+    assert len(lines) == 1
+    m = re.fullmatch(r"#SBATCH --signal=B:USR1@(\d+)", lines[0].strip())
+    assert m and int(m.group(1)) >= 300, lines
+
+
+@pytest.mark.parametrize("step,interval,pending,expected", [
+    (4, 2, False, True), (4, 2, True, False),   # due, but a stop signal is pending: skipped
+    (3, 2, False, False), (3, 2, True, False), (5, 0, False, False), (1, 1, False, True),
+])
+def test_should_evaluate_skips_when_a_stop_signal_is_pending(step, interval, pending, expected):
+    from pipeline.train import should_evaluate
+    assert should_evaluate(step, interval, pending) is expected
+
+
+FAKE_SRUN = """#!/usr/bin/env bash
+printf '%s\\n' "$@" > "$SRUN_ARGS_FILE"
+"""
+
+
+@pytest.mark.parametrize("env,cores,warns", [
+    ({"SLURM_CPUS_ON_NODE": "2"}, 1, False),                        # the 2-core test node
+    ({"SLURM_CPUS_ON_NODE": "96", "SLURM_GPUS_ON_NODE": "8"}, 12, False),  # --exclusive GPU node
+    ({"SLURM_CPUS_ON_NODE": "96", "SLURM_CPUS_PER_TASK": "10"}, 10, False),  # sbatch --cpus-per-task
+    ({"SLURM_CPUS_ON_NODE": "8", "SLURM_GPUS_ON_NODE": "8"}, 1, True),  # 1 core per GPU task
+    ({"SLURM_CPUS_ON_NODE": "96", "CPUS_PER_TASK": "6"}, 6, False),  # explicit knob wins
+])
+def test_srun_gets_cpus_per_task(tmp_path, env, cores, warns):
+    """pretrain.sh passes --cpus-per-task to srun (Slurm >= 22.05 does not inherit it), derived
+    from the allocation; a GPU job with < 8 cores per task gets a warning line. `srun` and
+    `scontrol` are replaced by scripts that record their arguments (no cluster needed)."""
+    import sys
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, body in (("srun", FAKE_SRUN), ("scontrol", "#!/usr/bin/env bash\necho node0\n")):
+        (bin_dir / name).write_text(body)
+        (bin_dir / name).chmod(0o755)
+    args_file = tmp_path / "srun_args"
+    tpn = "8" if "SLURM_GPUS_ON_NODE" in env or env.get("SLURM_CPUS_ON_NODE") == "96" else "2"
+    base = {k: v for k, v in os.environ.items()
+            if not k.startswith("SLURM_") and k not in ("CPUS_PER_TASK", "OMP_NUM_THREADS")}
+    run_env = {**base, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SRUN_ARGS_FILE": str(args_file),
+               "SLURM_JOB_ID": "7", "SLURM_JOB_NUM_NODES": "1", "SLURM_NTASKS_PER_NODE": tpn,
+               "SLURM_JOB_NODELIST": "node0", "PYTHON": sys.executable, **env}
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("run_dir: x\n")
+    r = subprocess.run(["bash", str(SCRIPT), str(cfg)], cwd=ROOT, env=run_env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    srun_args = args_file.read_text().splitlines()
+    assert f"--cpus-per-task={cores}" in srun_args, srun_args
+    assert f"--ntasks-per-node={tpn}" in srun_args
+    assert ("core(s) per GPU task" in r.stdout) is warns, r.stdout
