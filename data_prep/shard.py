@@ -23,19 +23,27 @@ records those shards hold (they are not tokenized again), and writes the rest. T
 manifest is replaced by `manifest.json` at the end. (A resumed run still reads and hashes
 every input record, which is cheap next to tokenization, so duplicates and splits come out
 the same.) The hidden option `--stop-after-shards N` stops as if killed after N shards, for
-resume tests. Memory: the duplicate filter keeps 16 bytes per accepted record.
+resume tests.
+Memory: the duplicate filter and the key-collision check share one `data_prep.dedup.DigestSet`
+(16-byte digests in a sorted numpy array plus a small buffer): about 16-32 bytes per accepted
+record, measured by `bench/bench_data_prep.py` (peak RSS at two corpus sizes).
+`--limit N` stops after the N-th accepted record (one that is written: after dedup and the
+over-length filter), in input order; skip counts cover exactly the records before it.
+Special-token strings in content are encoded as text (data_prep/tokenizer_io.py); records that
+held one are counted in manifest["counts"]["special_token_text"].
+The output folder's writes: data_prep/writer.py (a full disk or quota: one line, exit code 3,
+the partial shard removed, complete shards kept for the rerun).
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import hashlib
-import io
 import json
 import os
 import signal
 import sys
-import tarfile
 import tempfile
 import time
 from dataclasses import dataclass
@@ -47,16 +55,21 @@ if __package__ in (None, ""):  # run as a script: import the repository's data_p
 import fsspec
 import numpy as np
 
+from data_prep.dedup import DUPLICATE, KEY_COLLISION, DigestSet
 from data_prep.sources import (Fields, InputError, OneLineParser, Source, iter_records, normalize,
                                resolve_inputs)
 from data_prep.tokenizer_io import Tokenizer, TokenizerError, load_tokenizer
+# the writing half lives in data_prep/writer.py; re-exported names are used by tests/benches
+from data_prep.writer import (_KEY_HEX, Item, Output, OutputError, OutputFull, SplitWriter,  # noqa: F401
+                              encode_sample, full_disk_error, make_segments, slot_size,
+                              write_sample)
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 PARTIAL = "manifest.partial.json"
 TOKENIZER_DIR = "tokenizer"
 SPLITS = ("train", "val")
-_KEY_HEX = 20  # 80-bit keys
+EXIT_OUTPUT_FULL = 3  # the output filesystem is full (ENOSPC) or over quota (EDQUOT)
 
 
 class UserError(Exception):
@@ -94,67 +107,7 @@ def split_of(digest: bytes, val_fraction: float) -> str:
     return "val" if int.from_bytes(digest[:8], "big") < val_fraction * 2.0 ** 64 else "train"
 
 
-def slot_size(seed: int, key: str, segment_index: int, slot_sizes: tuple[int, ...]) -> int:
-    """Slot length k (tokens) of one segment, drawn from `slot_sizes` by (seed, key, segment)."""
-    h = hashlib.sha256(f"{seed}:{key}:{segment_index}".encode()).digest()
-    return slot_sizes[int.from_bytes(h[:8], "little") % len(slot_sizes)]
-
-
-def make_segments(lengths: list[tuple[int, int]], key: str, seed: int,
-                  slot_sizes: tuple[int, ...]) -> list[dict]:
-    """Segments of one sample from `(length, prompt_length)` of its parts, in order.
-
-    Returns `[{"start", "end", "prompt_length", "slot_starts"}]` (ARCHITECTURE.md): offsets
-    index the sample's tokens; slots of k tokens (the last may be shorter) cover
-    `[start + prompt_length, end)`. Raises ValueError when a part has no response token.
-    """
-    segments, pos = [], 0
-    for j, (n, p) in enumerate(lengths):
-        if not 0 <= p < n:
-            raise ValueError(f"segment {j} of {key}: prompt_length {p} leaves no response in {n} tokens")
-        k = slot_size(seed, key, j, slot_sizes)
-        segments.append({"start": pos, "end": pos + n, "prompt_length": p,
-                         "slot_starts": list(range(pos + p, pos + n, k))})
-        pos += n
-    return segments
-
-
-def encode_sample(key: str, tokens: np.ndarray, segments: list[dict]) -> dict:
-    """The webdataset sample dict: `__key__`, `tokens.npy` (uint32[L] .npy bytes), `json`."""
-    buf = io.BytesIO()
-    np.save(buf, np.ascontiguousarray(tokens, dtype=np.uint32), allow_pickle=False)
-    meta = json.dumps({"segments": segments}, separators=(",", ":")).encode()
-    return {"__key__": key, "tokens.npy": buf.getvalue(), "json": meta}
-
-
-def write_sample(tar: tarfile.TarFile, sample: dict) -> None:
-    """Append one sample to an open tar as `<key>.<ext>` members, extensions sorted.
-
-    Headers are fixed (mtime 0, uid/gid 0, owner "refusion", mode 0644, USTAR) so equal
-    samples give equal bytes; this is the layout webdataset's TarWriter writes (without its
-    per-member PAX headers, which cost more than the samples here).
-    """
-    key = sample["__key__"]
-    for ext in sorted(k for k in sample if k != "__key__"):
-        data = sample[ext]
-        info = tarfile.TarInfo(f"{key}.{ext}")
-        info.size, info.mtime, info.mode = len(data), 0, 0o644
-        info.uid = info.gid = 0
-        info.uname = info.gname = "refusion"
-        tar.addfile(info, io.BytesIO(data))
-
-
 # ----------------------------------------------------------------------------- tokenization
-
-@dataclass
-class Item:
-    """One tokenized unit: a query/response pair or one chunk of a text document."""
-    split: str
-    record: int       # index of the record within its split (after dedup), for resume
-    chunk: int        # chunk index within the record (0 unless a long text was split)
-    key: str
-    ids: np.ndarray   # uint32[n]
-    prompt_length: int
 
 
 def tokenize_record(tok: Tokenizer, kind: str, payload: tuple[str, ...], max_length: int,
@@ -189,205 +142,10 @@ def _init_worker(tokenizer_path: str | None) -> None:
 
 
 def _tokenize_batch(batch, max_length: int, long_text: str, tok: Tokenizer | None = None):
+    """Results of `tokenize_record` for the records of a batch (None where not tokenized)."""
     tok = tok or _WORKER["tok"]
-    return [tokenize_record(tok, kind, payload, max_length, long_text)
-            for (_, _, _, kind, payload) in batch]
-
-
-# ----------------------------------------------------------------------------- output
-
-class Output:
-    """The output folder (local path or fsspec URL); every write is temp-name + rename."""
-
-    def __init__(self, url: str):
-        self.url = url
-        try:
-            self.fs, self.root = fsspec.core.url_to_fs(url)
-        except (ValueError, ImportError) as e:
-            raise UserError(f"output {url}: {e}")
-        self.root = self.root.rstrip("/") or "/"
-        protocol = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
-        self.local = protocol in ("file", "local")
-        try:
-            self.fs.makedirs(self.root, exist_ok=True)
-        except OSError as e:
-            raise UserError(f"output {url}: cannot create ({e})")
-
-    def path(self, name: str) -> str:
-        return f"{self.root}/{name}"
-
-    def exists(self, name: str) -> bool:
-        return self.fs.exists(self.path(name))
-
-    def size(self, name: str) -> int | None:
-        try:
-            return int(self.fs.size(self.path(name)))
-        except (FileNotFoundError, OSError):
-            return None
-
-    def read_json(self, name: str):
-        with self.fs.open(self.path(name), "rb") as f:
-            return json.loads(f.read().decode("utf-8"))
-
-    def tmp_name(self, name: str) -> str:
-        return f"{name}.tmp-{os.getpid()}"
-
-    def commit(self, tmp: str, name: str) -> None:
-        if self.local:  # atomic replace
-            os.replace(self.path(tmp), self.path(name))
-            return
-        if self.fs.exists(self.path(name)):
-            self.fs.rm(self.path(name))
-        self.fs.mv(self.path(tmp), self.path(name))
-
-    def write_bytes(self, name: str, data: bytes) -> None:
-        tmp = self.tmp_name(name)
-        if "/" in name:
-            self.fs.makedirs(self.path(name.rsplit("/", 1)[0]), exist_ok=True)
-        with self.fs.open(self.path(tmp), "wb") as f:
-            f.write(data)
-        self.commit(tmp, name)
-
-    def write_json(self, name: str, obj) -> None:
-        self.write_bytes(name, (json.dumps(obj, indent=1, sort_keys=False) + "\n").encode())
-
-    def remove(self, name: str) -> None:
-        if self.fs.exists(self.path(name)):
-            self.fs.rm(self.path(name), recursive=True)
-
-    def remove_stale_temps(self) -> None:
-        for p in self.fs.find(self.root, maxdepth=2):
-            if ".tmp-" in p.rsplit("/", 1)[-1]:
-                self.fs.rm(p)
-
-
-class _HashingFile:
-    """File wrapper counting bytes and sha256 of what is written."""
-
-    def __init__(self, f):
-        self.f, self.sha, self.size = f, hashlib.sha256(), 0
-
-    def write(self, data) -> int:
-        self.sha.update(data)
-        self.size += len(data)
-        return self.f.write(data)
-
-    def tell(self) -> int:
-        return self.size
-
-
-class SplitWriter:
-    """Packs items of one split into samples and samples into shards (see module docstring).
-
-    entries: the split's complete shards so far (`{"name", "samples", "tokens", "bytes",
-    "sha256", "next": [record, chunk], "skipped": {reason: n}}`), `next` being the position
-    of the first item not held by this or an earlier shard.
-    """
-
-    def __init__(self, split: str, out: Output, opts: dict, entries: list[dict], on_close):
-        self.split, self.out, self.opts, self.on_close = split, out, opts, on_close
-        self.entries = list(entries)
-        last = self.entries[-1] if self.entries else {"next": [0, 0], "skipped": {}}
-        self.start = tuple(last["next"])
-        self.last_pos = self.start
-        self.skipped = collections.Counter(last["skipped"])  # committed (held before `next`)
-        self.pending_skips: list[tuple[int, str]] = []
-        self.buf: list[Item] = []
-        self.buf_len = 0
-        self.tar = None
-        self.keys: set[str] = set()
-        self.written_samples = 0
-
-    # items and skips arrive in record order
-    def skip(self, record: int, reason: str) -> None:
-        self.pending_skips.append((record, reason))
-
-    def add(self, item: Item) -> None:
-        if not self.opts["pack"]:
-            self._emit([item])
-            return
-        if self.buf and self.buf_len + len(item.ids) > self.opts["max_length"]:
-            self._flush_pack()
-        self.buf.append(item)
-        self.buf_len += len(item.ids)
-
-    def finish(self) -> None:
-        self._flush_pack()
-        if self.tar is not None:
-            self._close_shard()
-
-    def abort(self) -> None:
-        """Drop the open shard (its temporary file) after an error or a requested stop."""
-        if self.tar is not None:
-            self.tar.close()
-            self.cur_file.close()
-            self.tar = None
-            self.out.remove(self.cur_tmp)
-
-    def skipped_total(self) -> collections.Counter:
-        c = collections.Counter(self.skipped)
-        c.update(reason for _, reason in self.pending_skips)
-        return c
-
-    def _flush_pack(self) -> None:
-        if self.buf:
-            items = self.buf
-            self.buf, self.buf_len = [], 0
-            self._emit(items)
-
-    def _next_pos(self) -> tuple[int, int]:
-        return (self.buf[0].record, self.buf[0].chunk) if self.buf else self.last_pos
-
-    def _emit(self, items: list[Item]) -> None:
-        if len(items) == 1:
-            key = items[0].key
-        else:
-            key = "p" + hashlib.sha256("|".join(i.key for i in items).encode()).hexdigest()[:_KEY_HEX]
-        if key in self.keys:
-            raise RuntimeError(f"duplicate sample key {key} (hash collision); report this")
-        self.keys.add(key)
-        tokens = np.concatenate([i.ids for i in items])
-        segments = make_segments([(len(i.ids), i.prompt_length) for i in items], key,
-                                 self.opts["seed"], tuple(self.opts["slot_sizes"]))
-        sample = encode_sample(key, tokens, segments)
-        if self.tar is None:
-            self._open_shard()
-        write_sample(self.tar, sample)
-        self.cur_samples += 1
-        self.cur_tokens += int(tokens.size)
-        self.cur_bytes += sum(512 + -(-len(v) // 512) * 512 for k, v in sample.items() if k != "__key__")
-        self.last_pos = (items[-1].record, items[-1].chunk + 1)
-        if (self.cur_samples >= self.opts["shard_samples"]
-                or self.cur_bytes >= self.opts["shard_bytes"]):
-            self._close_shard()
-
-    def _open_shard(self) -> None:
-        self.cur_name = f"{self.split}-{len(self.entries):06d}.tar"
-        self.cur_tmp = self.out.tmp_name(self.cur_name)
-        self.cur_file = self.out.fs.open(self.out.path(self.cur_tmp), "wb")
-        self.cur_hash = _HashingFile(self.cur_file)
-        self.tar = tarfile.open(fileobj=self.cur_hash, mode="w|", format=tarfile.USTAR_FORMAT)
-        self.cur_samples = self.cur_tokens = self.cur_bytes = 0
-
-    def _close_shard(self) -> None:
-        self.tar.close()
-        self.cur_file.close()
-        self.tar = None
-        self.out.commit(self.cur_tmp, self.cur_name)
-        nxt = self._next_pos()
-        keep = []
-        for record, reason in self.pending_skips:
-            if record < nxt[0]:
-                self.skipped[reason] += 1
-            else:
-                keep.append((record, reason))
-        self.pending_skips = keep
-        self.entries.append({"name": self.cur_name, "samples": self.cur_samples,
-                             "tokens": self.cur_tokens, "bytes": self.cur_hash.size,
-                             "sha256": self.cur_hash.sha.hexdigest(), "next": list(nxt),
-                             "skipped": dict(sorted(self.skipped.items()))})
-        self.written_samples += self.cur_samples
-        self.on_close(self)
+    return [tokenize_record(tok, r.kind, r.payload, max_length, long_text) if r.tokenize else None
+            for r in batch]
 
 
 # ----------------------------------------------------------------------------- pipeline
@@ -491,45 +249,70 @@ def _resume_state(out: Output, fingerprint: str, overwrite: bool, opts: dict,
     return fresh
 
 
-def _stage_a(sources: list[Source], fmt: str, fields: Fields, val_fraction: float,
-             limit: int | None, counts: collections.Counter):
-    """Read, normalize, dedup and split records; yields (split, index_in_split, key, kind, payload).
+@dataclass
+class Record:
+    """One accepted record as it travels from reading to the writers (in input order).
 
-    Skips are added to `counts` by reason.
+    skips_before: stage-A skip reasons (malformed_json, duplicate, ...) met since the previous
+    record; they are counted when this record is consumed, so a `--limit` stop counts exactly
+    the records before the stopping point, whatever `--workers`. special_text: the record's
+    content holds a special-token string (counted as `special_token_text`). tokenize: False for
+    a record held by a kept shard (resume), which is not tokenized again.
     """
-    seen: set[bytes] = set()
+    split: str
+    index: int      # within its split, after dedup
+    key: str
+    kind: str       # "qa" | "text"
+    payload: tuple
+    skips_before: tuple = ()
+    special_text: bool = False
+    tokenize: bool = True
+
+
+def _stage_a(sources: list[Source], fmt: str, fields: Fields, val_fraction: float,
+             tok: Tokenizer, tail: collections.Counter):
+    """Read, normalize, dedup and split records; yields `Record`s in input order.
+
+    Skip reasons met after the last record are added to `tail` when the inputs end. Memory:
+    the duplicate filter (`data_prep.dedup.DigestSet`) keeps ~16 bytes per accepted record
+    (module docstring).
+    """
+    seen = DigestSet(width=16, key_bytes=_KEY_HEX // 2)
     n_split = {s: 0 for s in SPLITS}
-    accepted = 0
+    skips: list[str] = []
     for source in sources:
         for _, raw in iter_records(source, fmt, fields):
             norm = normalize(raw, fmt, fields)
             if norm[0] == "skip":
-                counts[norm[1]] += 1
+                skips.append(norm[1])
                 continue
             kind, payload = norm[0], norm[1:]
             digest = record_digest(kind, payload)
-            short = digest[:16]
-            if short in seen:
-                counts["duplicate"] += 1
+            seen_as = seen.add(digest[:16])
+            if seen_as == DUPLICATE:
+                skips.append("duplicate")
                 continue
-            seen.add(short)
+            if seen_as == KEY_COLLISION:
+                raise RuntimeError(f"duplicate sample key {digest.hex()[:_KEY_HEX]} (hash "
+                                   "collision); report this")
             split = split_of(digest, val_fraction)
             index = n_split[split]
             n_split[split] += 1
-            yield split, index, digest.hex()[:_KEY_HEX], kind, payload
-            accepted += 1
-            if limit is not None and accepted >= limit:
-                return
+            yield Record(split, index, digest.hex()[:_KEY_HEX], kind, payload, tuple(skips),
+                         tok.has_special_text(*payload))
+            skips = []
+    tail.update(skips)
 
 
-def _batches(stream, resume_from: dict, max_records: int = 256, max_chars: int = 1 << 20):
+def _batches(stream, resume_from: dict | None, max_records: int = 256, max_chars: int = 1 << 20):
+    """Records in batches for the tokenizer workers; with `resume_from` ({split: (record,
+    chunk)}), records before it are marked `tokenize=False` (held by kept shards)."""
     batch, chars = [], 0
     for rec in stream:
-        split, index = rec[0], rec[1]
-        if index < resume_from[split][0]:
-            continue  # held by a kept shard: not tokenized again
+        if resume_from is not None and rec.index < resume_from[rec.split][0]:
+            rec.tokenize, rec.payload = False, ()  # held by a kept shard: not tokenized again
         batch.append(rec)
-        chars += sum(len(p) for p in rec[4])
+        chars += sum(len(p) for p in rec.payload)
         if len(batch) >= max_records or chars >= max_chars:
             yield batch
             batch, chars = [], 0
@@ -580,7 +363,9 @@ def summary(where: str, manifest: dict) -> str:
         parts.append(f"{split} {sum(e['samples'] for e in es)} samples / "
                      f"{sum(e['tokens'] for e in es)} tokens in {len(es)} shard(s)")
     skipped = ", ".join(f"{k} {v}" for k, v in manifest["skipped"].items()) or "none"
-    return f"{where}: {'; '.join(parts)}; skipped: {skipped}"
+    special = manifest.get("counts", {}).get("special_token_text", 0)
+    note = f"; {special} record(s) held special-token text (encoded as text)" if special else ""
+    return f"{where}: {'; '.join(parts)}; skipped: {skipped}{note}"
 
 
 def run(args) -> dict:
@@ -608,7 +393,13 @@ def run(args) -> dict:
     n_kept = sum(len(v) for v in kept.values())
     if n_kept:
         print(f"shard.py: resuming: keeping {n_kept} complete shard(s)", file=sys.stderr)
-    _save_tokenizer(out, tok)
+    try:
+        _save_tokenizer(out, tok)
+    except OSError as e:
+        full = full_disk_error(out, e)
+        if full is None:
+            raise
+        raise full from None
 
     state = {"closed": 0}
 
@@ -621,27 +412,48 @@ def run(args) -> dict:
 
     writers = {s: SplitWriter(s, out, opts, kept[s], on_close) for s in SPLITS}
     counts: collections.Counter = collections.Counter()
-    stream = _stage_a(sources, args.format, fields, args.val_fraction, args.limit, counts)
-    resume_from = {s: writers[s].start for s in SPLITS}
+    tail: collections.Counter = collections.Counter()
+    stream = _stage_a(sources, args.format, fields, args.val_fraction, tok, tail)
+    # --limit counts accepted records, kept shards' records included: with a limit they are
+    # tokenized again on resume (to know which were over-length); without, they are not.
+    resume_from = None if args.limit is not None else {s: writers[s].start for s in SPLITS}
+    accepted, special = 0, 0
     from tqdm import tqdm
     bar = tqdm(unit="rec", desc="shard", disable=args.no_progress or None, file=sys.stderr)
     try:
-        for batch, results in _ordered_results(_batches(stream, resume_from), args, tok):
-            for (split, index, key, _, _), res in zip(batch, results):
-                w = writers[split]
-                if isinstance(res, str):
-                    w.skip(index, res)
-                    continue
-                for c, (ids, p) in enumerate(res):
-                    if (index, c) < w.start:
+        with contextlib.closing(_ordered_results(_batches(stream, resume_from), args, tok)) as results:
+            for batch, res_list in results:
+                for rec, res in zip(batch, res_list):
+                    counts.update(rec.skips_before)
+                    special += rec.special_text
+                    w = writers[rec.split]
+                    if isinstance(res, str):
+                        if rec.index >= w.start[0]:  # earlier ones are counted by kept shards
+                            w.skip(rec.index, res)
                         continue
-                    w.add(Item(split, index, c, key if c == 0 else f"{key}-{c}", ids, p))
-            bar.update(len(batch))
+                    accepted += 1
+                    for c, (ids, p) in enumerate(res or ()):
+                        if (rec.index, c) < w.start:
+                            continue
+                        w.add(Item(rec.split, rec.index, c,
+                                   rec.key if c == 0 else f"{rec.key}-{c}", ids, p))
+                    if args.limit is not None and accepted >= args.limit:
+                        break
+                bar.update(len(batch))
+                if args.limit is not None and accepted >= args.limit:
+                    break
+            else:
+                counts.update(tail)  # skips after the last record (the inputs were read to the end)
         for s in SPLITS:
             writers[s].finish()
     except _Stop:
         print(f"shard.py: stopped after {state['closed']} shard(s) (--stop-after-shards)", file=sys.stderr)
         return {}
+    except OSError as e:
+        full = full_disk_error(out, e)
+        if full is None:
+            raise
+        raise full from None
     finally:
         bar.close()
         for w in writers.values():
@@ -655,10 +467,18 @@ def run(args) -> dict:
         "options": opts,
         "splits": {s: [{k: e[k] for k in ("name", "samples", "tokens", "bytes", "sha256")}
                        for e in writers[s].entries] for s in SPLITS},
-        "skipped": dict(sorted(skipped.items())), "fingerprint": fingerprint,
+        "skipped": dict(sorted(skipped.items())),
+        "counts": {"special_token_text": special},
+        "fingerprint": fingerprint,
     }
-    out.write_json(MANIFEST, manifest)
-    out.remove(PARTIAL)
+    try:
+        out.write_json(MANIFEST, manifest)
+        out.remove(PARTIAL)
+    except OSError as e:
+        full = full_disk_error(out, e)
+        if full is None:
+            raise
+        raise full from None
     _check_not_empty(manifest)
     print(f"shard.py: wrote {summary(args.output, manifest)} ({time.time() - t0:.1f} s)",
           file=sys.stderr)
@@ -712,7 +532,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="text longer than --max-length: cut into chunks (default) or skip")
     p.add_argument("--shard-samples", type=int, default=100_000, help="samples per shard (max)")
     p.add_argument("--shard-bytes", type=_size, default=_size("256M"), help="bytes per shard (max)")
-    p.add_argument("--limit", type=int, default=None, help="stop after N accepted records")
+    p.add_argument("--limit", type=int, default=None,
+                   help="stop after N accepted records: records that become samples, after "
+                        "every filter (duplicates, over-length, ...); a long text cut into "
+                        "chunks counts once, so without --pack N records give >= N samples")
     p.add_argument("--query-field", default="query")
     p.add_argument("--response-field", default="response")
     p.add_argument("--text-field", default="text")
@@ -726,7 +549,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point; returns the exit code (0 ok, 1 no sample written, 2 user error,
-    130 interrupted by Ctrl-C: complete shards are kept and a rerun resumes)."""
+    3 the output filesystem is full or over quota, 130 interrupted by Ctrl-C; after 3 and 130
+    complete shards are kept and a rerun resumes)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     problems = []
@@ -744,9 +568,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("; ".join(problems))
     try:
         run(args)
-    except (UserError, InputError, TokenizerError) as e:
+    except (UserError, InputError, TokenizerError, OutputError) as e:
         print(f"shard.py: error: {e}", file=sys.stderr)
         return 2
+    except OutputFull as e:
+        print(f"shard.py: error: {e}", file=sys.stderr)
+        return EXIT_OUTPUT_FULL
     except NoSamples as e:
         print(f"shard.py: error: {e}", file=sys.stderr)
         return 1

@@ -18,6 +18,7 @@ warning on stderr naming it; records read before the damage are kept).
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import lzma
 import posixpath
@@ -49,6 +50,33 @@ def _unreadable(name: str, error: BaseException) -> dict:
     print(f"warning: {name}: unreadable file ({type(error).__name__}: {detail}); "
           "rest of the file skipped", file=sys.stderr)
     return {"_error": "unreadable_file"}
+
+
+# fsspec protocol -> the package that provides its filesystem (README "Remote data")
+FS_PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "http": "aiohttp",
+               "https": "aiohttp", "abfs": "adlfs", "az": "adlfs", "hf": "huggingface_hub",
+               "sftp": "paramiko", "ssh": "paramiko"}
+
+
+def missing_fs_package(url: str, error: BaseException) -> str:
+    """One line for a URL whose fsspec filesystem cannot be made (`url_to_fs` raised `error`,
+    an ImportError for a missing package or a ValueError for an unknown protocol)."""
+    protocol = url.split("://", 1)[0].lower() if "://" in url else "file"
+    detail = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    if isinstance(error, ImportError):
+        pkg = FS_PACKAGES.get(protocol)
+        hint = f"pip install {pkg}" if pkg else "install the fsspec package for it"
+        return f"the {protocol}:// filesystem needs a package that is not installed ({detail}); {hint}"
+    return detail
+
+
+def url_to_fs(url: str, what: str = "input"):
+    """`fsspec.core.url_to_fs(url)`, or InputError with one line (`<what> <url>: ...`) when the
+    protocol is unknown or its filesystem package is missing."""
+    try:
+        return fsspec.core.url_to_fs(url)
+    except (ValueError, ImportError) as e:
+        raise InputError(f"{what} {url}: {missing_fs_package(url, e)}") from None
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -153,7 +181,7 @@ def resolve_inputs(inputs: list[str], output: str | None = None) -> list[Source]
         try:
             fs, _, paths = fsspec.get_fs_token_paths(value)
         except (ValueError, ImportError) as e:
-            raise InputError(f"input {value}: {e}")
+            raise InputError(f"input {value}: {missing_fs_package(value, e)}") from None
         protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
         oroot = _output_root(output, fs)
         stripped = fs._strip_protocol(value)
@@ -242,10 +270,28 @@ def _json_list(raw: bytes, name: str) -> Iterator[tuple[str, object]]:
         yield f"{name}#{i}", item
 
 
+def _lines(f) -> Iterator[bytes]:
+    """Lines of a binary stream, split at `\n`, `\r\n` or `\r` (old Mac), each returned
+    with one `\n` at its end (none on a last line without terminator). Latin-1 maps bytes to
+    code points one to one and UTF-8 never uses the bytes 0x0A / 0x0D inside a character, so
+    the bytes come back unchanged; Python's universal newlines do the splitting (in C)."""
+    text = io.TextIOWrapper(f, encoding="latin-1", newline=None)
+    try:
+        for line in text:
+            yield line.encode("latin-1")
+    finally:
+        try:
+            text.detach()  # the caller closes `f`
+        except (ValueError, OSError):
+            pass
+
+
 def _json_records(f, name: str) -> Iterator[tuple[str, object]]:
     """Records of an open binary JSON file: one JSON list (first non-blank byte `[`, read
-    whole) or JSONL, streamed line by line (record ids `name#line`, from 1)."""
+    whole) or JSONL, streamed line by line (record ids `name#line`, from 1; lines end at
+    `\n`, `\r\n` or `\r`)."""
     n = 0
+    f = _lines(f)
     for line in f:
         if n == 0 and line.startswith(BOM):
             line = line[len(BOM):]
@@ -256,7 +302,7 @@ def _json_records(f, name: str) -> Iterator[tuple[str, object]]:
     else:
         return  # empty or blank
     if line.lstrip()[:1] == b"[":  # one JSON list (the reference ReFusion data format)
-        yield from _json_list(line + f.read(), name)
+        yield from _json_list(line + b"".join(f), name)
         return
     while True:
         rid = f"{name}#{n}"

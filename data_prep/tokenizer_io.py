@@ -16,6 +16,25 @@ Sample layout (the reference ReFusion `train.py` does the same for Hugging Face 
   `[bos, <|user|>] + encode(query) + [<|assistant|>]`.
 - text: `encode(text) + [eos]`, prompt_length 0 (REFUSION.md: P = 0 for raw text).
 EOS is the tokenizer's `eos_token_id` (Qwen3 chat checkpoints: `<|im_end|>`, 151645).
+
+Special-token strings in content are text: `encode` and the query inside `prompt_ids` never
+produce a special id, whatever the text holds (`<|im_end|>`, `<|mask|>`, `<|user|>`, ...);
+special ids appear only where this module places them (the template's markers, bos, the
+SentencePiece turn pieces, EOS). `special_strings()` lists the strings concerned:
+- Hugging Face: every added token marked special (Qwen3: `<|endoftext|>`, `<|im_start|>`,
+  `<|im_end|>`, the vision markers, and the added `<|beginoftext|>`, `<|mask|>`). Content is
+  encoded with `split_special_tokens=True`. Added tokens that are not special (Qwen3:
+  `<think>`, `<tool_call>`, `<|fim_prefix|>`, ...) are ordinary vocabulary and stay one token,
+  as Qwen3 itself encodes them. The prompt is the chat template rendered around a placeholder;
+  the template's own special tokens are kept, the query is encoded as text, and the text between
+  two template markers (e.g. `user\n` + query) is encoded as one piece, as the tokenizer does
+  for the whole rendered string, so prompts without special strings equal
+  `apply_chat_template(tokenize=True)` exactly.
+- SentencePiece: `<pad>`, `<unk>`, `<s>`, `</s>` (control/unknown pieces, never matched in
+  text) and `<|mask|>`, `<|user|>`, `<|assistant|>`, which `train_tokenizer.py` makes
+  user-defined symbols (always matched in raw text). The model is loaded with those three
+  turned into control pieces (same ids, file unchanged), so text holding them is encoded
+  character by character like any other text.
 """
 from __future__ import annotations
 
@@ -23,6 +42,7 @@ import abc
 import hashlib
 import json
 import os
+import re
 from dataclasses import dataclass, field
 
 # ReFusion's added tokens, in the reference order (<|beginoftext|> then <|mask|>).
@@ -85,7 +105,24 @@ class Tokenizer(abc.ABC):
 
     @abc.abstractmethod
     def encode(self, text: str) -> list[int]:
-        """Token ids of `text`, no special tokens added."""
+        """Token ids of `text` as ordinary text: no special token added, and special-token
+        strings inside `text` are encoded as text (see the module docstring)."""
+
+    @abc.abstractmethod
+    def special_strings(self) -> list[str]:
+        """The special-token strings that content text may hold (module docstring)."""
+
+    def special_text_pattern(self) -> "re.Pattern":
+        """A compiled regex matching any of `special_strings()` (longest first)."""
+        if getattr(self, "_special_re", None) is None:
+            alts = sorted(set(self.special_strings()), key=len, reverse=True)
+            self._special_re = re.compile("|".join(map(re.escape, alts)) or r"(?!x)x")
+        return self._special_re
+
+    def has_special_text(self, *texts: str) -> bool:
+        """True when any of `texts` contains a special-token string (counted by shard.py)."""
+        pat = self.special_text_pattern()
+        return any(pat.search(t) is not None for t in texts)
 
     @abc.abstractmethod
     def prompt_ids(self, query: str) -> list[int]:
@@ -140,17 +177,50 @@ class HFTokenizer(Tokenizer):
             bos_id=tok.convert_tokens_to_ids(HF_BOS_TOKEN), added_tokens=added)
 
     def encode(self, text: str) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=False)
+        return self.tok.encode(text, add_special_tokens=False, split_special_tokens=True)
 
-    def prompt_ids(self, query: str) -> list[int]:
+    def special_strings(self) -> list[str]:
+        return [t.content for t in self.tok.added_tokens_decoder.values() if t.special]
+
+    # a query placeholder no template changes (private-use code points)
+    _PLACEHOLDER = "\ue000refusion-query\ue001"
+
+    def _template_parts(self) -> tuple[list, list]:
+        """The chat template around the query: (prefix parts, suffix parts), each a list of
+        str (template text) or int (a special token's id), in order."""
+        if getattr(self, "_parts", None) is not None:
+            return self._parts
         if not getattr(self.tok, "chat_template", None):
             raise TokenizerError(f"tokenizer {self.path} has no chat template; "
                                  "query/response inputs need one")
-        out = self.tok.apply_chat_template([{"role": "user", "content": query}],
-                                           add_generation_prompt=True, tokenize=True)
-        if hasattr(out, "keys"):  # transformers 5 returns a BatchEncoding
-            out = out["input_ids"]
-        return list(out)
+        text = self.tok.apply_chat_template([{"role": "user", "content": self._PLACEHOLDER}],
+                                            add_generation_prompt=True, tokenize=False)
+        if text.count(self._PLACEHOLDER) != 1:
+            raise TokenizerError(f"tokenizer {self.path}: the chat template does not put the "
+                                 "user message into the prompt verbatim")
+        pat, ids = self.special_text_pattern(), self.tok.convert_tokens_to_ids
+
+        def split(t: str) -> list:
+            out, pos = [], 0
+            for m in pat.finditer(t):
+                out += [t[pos:m.start()], ids(m.group())]
+                pos = m.end()
+            return out + [t[pos:]]
+        prefix, suffix = text.split(self._PLACEHOLDER)
+        self._parts = (split(prefix), split(suffix))
+        return self._parts
+
+    def prompt_ids(self, query: str) -> list[int]:
+        prefix, suffix = self._template_parts()
+        # the text run holding the query: template text + query + template text, one piece
+        parts = prefix[:-1] + [prefix[-1] + query + suffix[0]] + suffix[1:]
+        out: list[int] = []
+        for p in parts:
+            if isinstance(p, int):
+                out.append(p)
+            elif p:
+                out += self.encode(p)
+        return out
 
     def save(self, folder: str) -> list[str]:
         return [os.path.relpath(p, folder) for p in self.tok.save_pretrained(folder)
@@ -162,11 +232,20 @@ class SPMTokenizer(Tokenizer):
 
     def __init__(self, path: str):
         import sentencepiece as spm
+        from sentencepiece import sentencepiece_model_pb2 as pb
         sp = spm.SentencePieceProcessor()
         try:
-            sp.Load(path)
+            with open(path, "rb") as f:
+                proto = pb.ModelProto.FromString(f.read())
+            # our turn/mask pieces as control pieces: same ids, never matched in raw text
+            for piece in proto.pieces:
+                if piece.piece in (SPM_MASK, SPM_USER, SPM_ASSISTANT) \
+                        and piece.type == pb.ModelProto.SentencePiece.USER_DEFINED:
+                    piece.type = pb.ModelProto.SentencePiece.CONTROL
+            sp.LoadFromSerializedProto(proto.SerializeToString())
         except Exception as e:
-            raise TokenizerError(f"cannot load SentencePiece model {path}: {e}")
+            raise TokenizerError(f"cannot load SentencePiece model {path}: "
+                                 f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
         self.sp, self.path = sp, path
         ids = {}
         for piece in (SPM_MASK, SPM_USER, SPM_ASSISTANT):
@@ -186,6 +265,10 @@ class SPMTokenizer(Tokenizer):
 
     def encode(self, text: str) -> list[int]:
         return self.sp.EncodeAsIds(text)
+
+    def special_strings(self) -> list[str]:
+        return [self.sp.IdToPiece(i) for i in range(self.sp.GetPieceSize())
+                if self.sp.IsControl(i) or self.sp.IsUnknown(i)]
 
     def prompt_ids(self, query: str) -> list[int]:
         head = [self.info.bos_id] if self.info.bos_id is not None else []

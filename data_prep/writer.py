@@ -1,0 +1,340 @@
+"""Shard writing for data preparation: the output folder, slot boundaries, tar samples, shards.
+
+Owns: the output folder (local path or fsspec URL; every write is temp name + rename, a
+failed write removes its temporary file, a full disk or quota becomes `OutputFull`), slot
+sizes and segments of a sample, the tar layout of a sample, and `SplitWriter`, which packs
+items into samples and samples into `<split>-NNNNNN.tar` shards with their manifest entries.
+Must not touch: reading, dedup, tokenization, the CLI (data_prep/shard.py).
+"""
+from __future__ import annotations
+
+import collections
+import errno
+import hashlib
+import io
+import json
+import os
+import shutil
+import tarfile
+from dataclasses import dataclass
+
+import fsspec
+import numpy as np
+
+from data_prep.dedup import DigestSet
+
+_KEY_HEX = 20  # 80-bit keys
+
+def slot_size(seed: int, key: str, segment_index: int, slot_sizes: tuple[int, ...]) -> int:
+    """Slot length k (tokens) of one segment, drawn from `slot_sizes` by (seed, key, segment)."""
+    h = hashlib.sha256(f"{seed}:{key}:{segment_index}".encode()).digest()
+    return slot_sizes[int.from_bytes(h[:8], "little") % len(slot_sizes)]
+
+
+def make_segments(lengths: list[tuple[int, int]], key: str, seed: int,
+                  slot_sizes: tuple[int, ...]) -> list[dict]:
+    """Segments of one sample from `(length, prompt_length)` of its parts, in order.
+
+    Returns `[{"start", "end", "prompt_length", "slot_starts"}]` (ARCHITECTURE.md): offsets
+    index the sample's tokens; slots of k tokens (the last may be shorter) cover
+    `[start + prompt_length, end)`. Raises ValueError when a part has no response token.
+    """
+    segments, pos = [], 0
+    for j, (n, p) in enumerate(lengths):
+        if not 0 <= p < n:
+            raise ValueError(f"segment {j} of {key}: prompt_length {p} leaves no response in {n} tokens")
+        k = slot_size(seed, key, j, slot_sizes)
+        segments.append({"start": pos, "end": pos + n, "prompt_length": p,
+                         "slot_starts": list(range(pos + p, pos + n, k))})
+        pos += n
+    return segments
+
+
+def encode_sample(key: str, tokens: np.ndarray, segments: list[dict]) -> dict:
+    """The webdataset sample dict: `__key__`, `tokens.npy` (uint32[L] .npy bytes), `json`."""
+    buf = io.BytesIO()
+    np.save(buf, np.ascontiguousarray(tokens, dtype=np.uint32), allow_pickle=False)
+    meta = json.dumps({"segments": segments}, separators=(",", ":")).encode()
+    return {"__key__": key, "tokens.npy": buf.getvalue(), "json": meta}
+
+
+def write_sample(tar: tarfile.TarFile, sample: dict) -> None:
+    """Append one sample to an open tar as `<key>.<ext>` members, extensions sorted.
+
+    Headers are fixed (mtime 0, uid/gid 0, owner "refusion", mode 0644, USTAR) so equal
+    samples give equal bytes; this is the layout webdataset's TarWriter writes (without its
+    per-member PAX headers, which cost more than the samples here).
+    """
+    key = sample["__key__"]
+    for ext in sorted(k for k in sample if k != "__key__"):
+        data = sample[ext]
+        info = tarfile.TarInfo(f"{key}.{ext}")
+        info.size, info.mtime, info.mode = len(data), 0, 0o644
+        info.uid = info.gid = 0
+        info.uname = info.gname = "refusion"
+        tar.addfile(info, io.BytesIO(data))
+
+
+
+@dataclass
+class Item:
+    """One tokenized unit: a query/response pair or one chunk of a text document."""
+    split: str
+    record: int       # index of the record within its split (after dedup), for resume
+    chunk: int        # chunk index within the record (0 unless a long text was split)
+    key: str
+    ids: np.ndarray   # uint32[n]
+    prompt_length: int
+
+
+
+# ----------------------------------------------------------------------------- output
+
+FULL_ERRNOS = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "disk quota exceeded"}
+
+
+class OutputError(Exception):
+    """The output folder cannot be used (bad URL, missing filesystem package, not creatable);
+    one-line message, exit code 2."""
+
+
+class OutputFull(Exception):
+    """The output filesystem is full (ENOSPC) or over quota (EDQUOT); one-line message naming
+    the folder, the file being written, the cause and the free space seen. Exit code 3."""
+
+
+def full_disk_error(out: "Output", error: BaseException) -> OutputFull | None:
+    """An `OutputFull` for `error` when it (or its cause) is ENOSPC / EDQUOT, else None."""
+    e = error
+    while e is not None and not (isinstance(e, OSError) and e.errno in FULL_ERRNOS):
+        e = e.__cause__ or e.__context__
+    if e is None:
+        return None
+    free = ""
+    if out.local:
+        try:
+            free = f", {shutil.disk_usage(out.root).free} bytes free"
+        except OSError:
+            pass
+    where = f" while writing {out.current}" if out.current else ""
+    return OutputFull(f"output {out.url}: {FULL_ERRNOS[e.errno]}{where}{free}; complete shards "
+                      "are kept and the partial file was removed: free space (or raise the quota) "
+                      "and rerun the same command to resume")
+
+
+class Output:
+    """The output folder (local path or fsspec URL); every write is temp-name + rename, and a
+    failed write removes its temporary file. `current`: the name being written (messages)."""
+
+    def __init__(self, url: str):
+        self.url, self.current = url, None
+        try:
+            self.fs, self.root = fsspec.core.url_to_fs(url)
+        except (ValueError, ImportError) as e:
+            from data_prep.sources import missing_fs_package
+            raise OutputError(f"output {url}: {missing_fs_package(url, e)}")
+        self.root = self.root.rstrip("/") or "/"
+        protocol = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
+        self.local = protocol in ("file", "local")
+        try:
+            self.fs.makedirs(self.root, exist_ok=True)
+        except OSError as e:
+            raise OutputError(f"output {url}: cannot create ({e})")
+
+    def path(self, name: str) -> str:
+        return f"{self.root}/{name}"
+
+    def exists(self, name: str) -> bool:
+        return self.fs.exists(self.path(name))
+
+    def size(self, name: str) -> int | None:
+        try:
+            return int(self.fs.size(self.path(name)))
+        except (FileNotFoundError, OSError):
+            return None
+
+    def read_json(self, name: str):
+        with self.fs.open(self.path(name), "rb") as f:
+            return json.loads(f.read().decode("utf-8"))
+
+    def tmp_name(self, name: str) -> str:
+        return f"{name}.tmp-{os.getpid()}"
+
+    def commit(self, tmp: str, name: str) -> None:
+        if self.local:  # atomic replace
+            os.replace(self.path(tmp), self.path(name))
+            return
+        if self.fs.exists(self.path(name)):
+            self.fs.rm(self.path(name))
+        self.fs.mv(self.path(tmp), self.path(name))
+
+    def write_bytes(self, name: str, data: bytes) -> None:
+        tmp = self.tmp_name(name)
+        self.current = name
+        if "/" in name:
+            self.fs.makedirs(self.path(name.rsplit("/", 1)[0]), exist_ok=True)
+        try:
+            with self.fs.open(self.path(tmp), "wb") as f:
+                f.write(data)
+        except BaseException:
+            self.discard(tmp)
+            raise
+        self.commit(tmp, name)
+        self.current = None
+
+    def discard(self, name: str) -> None:
+        """Remove `name` if it exists, ignoring errors (cleanup after a failed write)."""
+        try:
+            self.remove(name)
+        except OSError:
+            pass
+
+    def write_json(self, name: str, obj) -> None:
+        self.write_bytes(name, (json.dumps(obj, indent=1, sort_keys=False) + "\n").encode())
+
+    def remove(self, name: str) -> None:
+        if self.fs.exists(self.path(name)):
+            self.fs.rm(self.path(name), recursive=True)
+
+    def remove_stale_temps(self) -> None:
+        for p in self.fs.find(self.root, maxdepth=2):
+            if ".tmp-" in p.rsplit("/", 1)[-1]:
+                self.fs.rm(p)
+
+
+class _HashingFile:
+    """File wrapper counting bytes and sha256 of what is written."""
+
+    def __init__(self, f):
+        self.f, self.sha, self.size = f, hashlib.sha256(), 0
+
+    def write(self, data) -> int:
+        self.sha.update(data)
+        self.size += len(data)
+        return self.f.write(data)
+
+    def tell(self) -> int:
+        return self.size
+
+
+class SplitWriter:
+    """Packs items of one split into samples and samples into shards (see module docstring).
+
+    entries: the split's complete shards so far (`{"name", "samples", "tokens", "bytes",
+    "sha256", "next": [record, chunk], "skipped": {reason: n}}`), `next` being the position
+    of the first item not held by this or an earlier shard.
+    """
+
+    def __init__(self, split: str, out: Output, opts: dict, entries: list[dict], on_close):
+        self.split, self.out, self.opts, self.on_close = split, out, opts, on_close
+        self.entries = list(entries)
+        last = self.entries[-1] if self.entries else {"next": [0, 0], "skipped": {}}
+        self.start = tuple(last["next"])
+        self.last_pos = self.start
+        self.skipped = collections.Counter(last["skipped"])  # committed (held before `next`)
+        self.pending_skips: list[tuple[int, str]] = []
+        self.buf: list[Item] = []
+        self.buf_len = 0
+        self.tar = None
+        self.pack_keys = DigestSet()  # packed keys, ~16 bytes each
+        self.written_samples = 0
+
+    # items and skips arrive in record order
+    def skip(self, record: int, reason: str) -> None:
+        self.pending_skips.append((record, reason))
+
+    def add(self, item: Item) -> None:
+        if not self.opts["pack"]:
+            self._emit([item])
+            return
+        if self.buf and self.buf_len + len(item.ids) > self.opts["max_length"]:
+            self._flush_pack()
+        self.buf.append(item)
+        self.buf_len += len(item.ids)
+
+    def finish(self) -> None:
+        self._flush_pack()
+        if self.tar is not None:
+            self._close_shard()
+
+    def abort(self) -> None:
+        """Drop the open shard (its temporary file) after an error or a requested stop. The
+        tar is not finished (that would write more to a full disk); close errors are ignored."""
+        if self.tar is not None:
+            # mark the tar and its stream closed so their finalizers write nothing either
+            self.tar.closed = True
+            if hasattr(self.tar.fileobj, "closed"):
+                self.tar.fileobj.closed = True
+            self.tar = None
+            try:
+                self.cur_file.close()
+            except OSError:
+                pass
+            self.out.discard(self.cur_tmp)
+
+    def skipped_total(self) -> collections.Counter:
+        c = collections.Counter(self.skipped)
+        c.update(reason for _, reason in self.pending_skips)
+        return c
+
+    def _flush_pack(self) -> None:
+        if self.buf:
+            items = self.buf
+            self.buf, self.buf_len = [], 0
+            self._emit(items)
+
+    def _next_pos(self) -> tuple[int, int]:
+        return (self.buf[0].record, self.buf[0].chunk) if self.buf else self.last_pos
+
+    def _emit(self, items: list[Item]) -> None:
+        if len(items) == 1:
+            key = items[0].key  # a record key: unique, checked by the reader's DigestSet
+        else:
+            digest = hashlib.sha256("|".join(i.key for i in items).encode()).digest()
+            key = "p" + digest.hex()[:_KEY_HEX]
+            if self.pack_keys.add(digest[:16]) != "new":
+                raise RuntimeError(f"duplicate sample key {key} (hash collision); report this")
+        tokens = np.concatenate([i.ids for i in items])
+        segments = make_segments([(len(i.ids), i.prompt_length) for i in items], key,
+                                 self.opts["seed"], tuple(self.opts["slot_sizes"]))
+        sample = encode_sample(key, tokens, segments)
+        if self.tar is None:
+            self._open_shard()
+        write_sample(self.tar, sample)
+        self.cur_samples += 1
+        self.cur_tokens += int(tokens.size)
+        self.cur_bytes += sum(512 + -(-len(v) // 512) * 512 for k, v in sample.items() if k != "__key__")
+        self.last_pos = (items[-1].record, items[-1].chunk + 1)
+        if (self.cur_samples >= self.opts["shard_samples"]
+                or self.cur_bytes >= self.opts["shard_bytes"]):
+            self._close_shard()
+
+    def _open_shard(self) -> None:
+        self.cur_name = f"{self.split}-{len(self.entries):06d}.tar"
+        self.cur_tmp = self.out.tmp_name(self.cur_name)
+        self.out.current = self.cur_name
+        self.cur_file = self.out.fs.open(self.out.path(self.cur_tmp), "wb")
+        self.cur_hash = _HashingFile(self.cur_file)
+        self.tar = tarfile.open(fileobj=self.cur_hash, mode="w|", format=tarfile.USTAR_FORMAT)
+        self.cur_samples = self.cur_tokens = self.cur_bytes = 0
+
+    def _close_shard(self) -> None:
+        self.tar.close()
+        self.cur_file.close()
+        self.tar = None
+        self.out.commit(self.cur_tmp, self.cur_name)
+        self.out.current = None
+        nxt = self._next_pos()
+        keep = []
+        for record, reason in self.pending_skips:
+            if record < nxt[0]:
+                self.skipped[reason] += 1
+            else:
+                keep.append((record, reason))
+        self.pending_skips = keep
+        self.entries.append({"name": self.cur_name, "samples": self.cur_samples,
+                             "tokens": self.cur_tokens, "bytes": self.cur_hash.size,
+                             "sha256": self.cur_hash.sha.hexdigest(), "next": list(nxt),
+                             "skipped": dict(sorted(self.skipped.items()))})
+        self.written_samples += self.cur_samples
+        self.on_close(self)
