@@ -55,7 +55,10 @@ class DataSection:
     `pipeline.data.build_loader` reads them. `max_length`: tokens per row (None = the
     manifest's max_length); `pack`: pack several samples per row; `num_workers`: loader worker
     processes per rank (part of the resumable state: keep it when resuming);
-    `shuffle_buffer`: window shuffle size in samples."""
+    `shuffle_buffer`: window shuffle size in samples. `verify_shards`: "error" (default) stops
+    with one line naming a shard whose sha256 differs from manifest.json, "warn" prints that line
+    and trains on, "off" skips the check (each shard is hashed once per loader process when first
+    read: `pipeline.shard_io`)."""
     dir: str = MISSING
     train_split: str = "train"
     val_split: str = "val"
@@ -63,6 +66,7 @@ class DataSection:
     pack: bool = False
     num_workers: int = 1
     shuffle_buffer: int = 1000
+    verify_shards: str = "error"
 
 
 @dataclass
@@ -422,6 +426,8 @@ def _validate(cfg: DictConfig, world_size: int | None) -> Plan:
     # data
     need(cfg.data.num_workers >= 0, f"data.num_workers must be >= 0, got {cfg.data.num_workers}")
     need(cfg.data.shuffle_buffer >= 1, f"data.shuffle_buffer must be >= 1, got {cfg.data.shuffle_buffer}")
+    need(cfg.data.verify_shards in ("error", "warn", "off"),
+         f"data.verify_shards must be error, warn or off, got {cfg.data.verify_shards!r}")
     from pipeline.data import DataError, check_tokenizer, read_manifest
     try:
         manifest = read_manifest(cfg.data.dir)

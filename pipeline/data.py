@@ -42,6 +42,7 @@ shards it touches), never replays the epoch.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import hashlib
 import io
 import json
@@ -57,6 +58,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from pipeline import shard_io
 from pipeline.objective import ObjectiveConfig, collate, reorganize_sample
 
 __all__ = ["DataError", "read_manifest", "check_tokenizer", "ShardLoader", "build_loader"]
@@ -72,9 +74,7 @@ class DataError(ValueError):
 
 
 def _fs(data_dir: str):
-    import fsspec
-    fs, root = fsspec.core.url_to_fs(data_dir)
-    return fs, root.rstrip("/")
+    return shard_io.open_fs(data_dir)  # one-line DataError for a missing fsspec package
 
 
 def read_manifest(data_dir: str) -> dict:
@@ -171,6 +171,8 @@ class _Spec:
     pad_id: int
     vocab_limit: int
     objective: ObjectiveConfig
+    shard_meta: tuple = ()   # per shard: (sha256 or None, bytes or None) from the manifest
+    verify: str = "error"    # shard_io.VERIFY_MODES
 
 
 @dataclass
@@ -183,7 +185,7 @@ class _PieceIndex:
     json_size: np.ndarray
 
 
-def _index_piece(fs, path: str, piece: _Piece) -> _PieceIndex:
+def _index_piece(fs, path: str, piece: _Piece, expected_bytes: int | None = None) -> _PieceIndex:
     """Scan the tar headers (data is skipped by seeking) and locate samples
     `piece.start .. piece.stop-1`.
 
@@ -193,6 +195,10 @@ def _index_piece(fs, path: str, piece: _Piece) -> _PieceIndex:
     """
     def bad(msg):
         return DataError(f"shard {path}: {msg}")
+
+    def hint():  # truncated, or damaged in place (shard_io)
+        h = shard_io.damage_hint(fs, path, expected_bytes)
+        return f"; {h}" if h else ""
 
     keys, offs = [], {"tokens.npy": [], "json": []}
     index, key, found = -1, None, {}
@@ -234,12 +240,12 @@ def _index_piece(fs, path: str, piece: _Piece) -> _PieceIndex:
     except FileNotFoundError:
         raise bad("missing") from None
     except tarfile.TarError as e:
-        raise bad(f"corrupt or truncated tar ({e})") from None
-    except (EOFError, OSError) as e:
-        raise bad(f"truncated or unreadable ({e})") from None
+        raise bad(f"unreadable tar ({e}){hint()}") from None
+    except (EOFError, OSError, ValueError) as e:
+        raise DataError(shard_io.no_range_message(path, e) or f"shard {path}: unreadable ({e}){hint()}") from None
     if len(keys) != piece.count:
         raise bad(f"has {index + 1 if index < piece.stop else 'more'} samples, the manifest says "
-                  f"{piece.stop} or more (truncated?)")
+                  f"{piece.stop} or more{hint()}")
     arr = {e: np.asarray(v, dtype=np.int64).reshape(-1, 2) for e, v in offs.items()}
     return _PieceIndex(keys=keys, tok_off=arr["tokens.npy"][:, 0], tok_size=arr["tokens.npy"][:, 1],
                        json_off=arr["json"][:, 0], json_size=arr["json"][:, 1])
@@ -299,7 +305,10 @@ class _SampleStream:
         piece = self.pieces[p]
         path = f"{spec.root}/{spec.shards[piece.shard][0]}"
         if p not in self._indexes:
-            self._indexes[p] = _index_piece(spec.fs, path, piece)
+            sha, size = spec.shard_meta[piece.shard] if spec.shard_meta else (None, None)
+            shard_io.verify_shard(spec.fs, path, sha, spec.verify, size,  # whole shard, once
+                                  {m[0]: n for (n, _), m in zip(spec.shards, spec.shard_meta) if m[0]})
+            self._indexes[p] = _index_piece(spec.fs, path, piece, size)
         idx, i = self._indexes[p], local_index - int(self.piece_first[p])
         f = self._files.get(p)
         if f is None:
@@ -318,7 +327,9 @@ class _SampleStream:
             tokens = np.load(io.BytesIO(raw_tokens), allow_pickle=False)
             meta = json.loads(raw_json.decode("utf-8"))
         except (ValueError, OSError, EOFError, UnicodeDecodeError) as e:
-            raise DataError(f"shard {path}: sample {key} is truncated or undecodable ({e})") from None
+            h = shard_io.damage_hint(spec.fs, path, (spec.shard_meta[piece.shard] if spec.shard_meta else (None, None))[1])
+            raise DataError(shard_io.no_range_message(path, e)
+                            or f"shard {path}: sample {key} is undecodable ({e}){'; ' + h if h else ''}") from None
         if tokens.ndim != 1 or tokens.dtype.kind not in "ui" or not isinstance(meta, dict) \
                 or "segments" not in meta:
             raise DataError(f"shard {path}: sample {key}: tokens.npy must be a 1-D integer array "
@@ -450,7 +461,10 @@ class _StreamDataset(IterableDataset):
         wid = info.id if info is not None else 0
         local = (wid + self.rotate) % n_local
         epoch, n = self.positions[local]
-        return _stream_batches(self.spec, local, epoch, n)
+        spec = self.spec
+        if info is not None:  # a forked worker: an async filesystem (http, s3) needs its own instance
+            spec = dataclasses.replace(spec, fs=shard_io.fs_for_this_process(spec.fs))
+        return _stream_batches(spec, local, epoch, n)
 
 
 class ShardLoader:
@@ -568,7 +582,7 @@ def build_loader(data_dir: str, split: str, micro_batch_size: int, max_length: i
                  objective_cfg: ObjectiveConfig | None = None, pack: bool = False,
                  shuffle_buffer: int = 1000, shuffle: bool = True, infinite: bool = True,
                  vocab_size: int | None = None, tokenizer_hash: str | None = None,
-                 prefetch_factor: int = 4) -> ShardLoader:
+                 prefetch_factor: int = 4, verify_shards: str = "error") -> ShardLoader:
     """The training/eval loader of one data-parallel rank (the same on every TP rank).
 
     Args:
@@ -590,6 +604,8 @@ def build_loader(data_dir: str, split: str, micro_batch_size: int, max_length: i
         vocab_size: model embedding rows, checked against the manifest (None = no check).
         tokenizer_hash: if given, must equal manifest tokenizer.hash.
         prefetch_factor: micro-batches each worker prepares ahead.
+        verify_shards: "error" (default) / "warn" / "off": check each shard's sha256 against
+            the manifest when a loader process first reads it (`pipeline.shard_io`).
 
     Returns:
         A `ShardLoader`.
@@ -600,6 +616,8 @@ def build_loader(data_dir: str, split: str, micro_batch_size: int, max_length: i
     """
     if not 0 <= dp_rank < dp_size:
         raise DataError(f"dp_rank {dp_rank} is not in [0, dp_size={dp_size})")
+    if verify_shards not in shard_io.VERIFY_MODES:
+        raise DataError(f"verify_shards {verify_shards!r} is not one of {', '.join(shard_io.VERIFY_MODES)}")
     if micro_batch_size < 1 or num_workers < 0 or shuffle_buffer < 1 or seed < 0:
         raise DataError("micro_batch_size and shuffle_buffer must be >= 1, num_workers and seed >= 0")
     manifest = read_manifest(data_dir)
@@ -635,7 +653,9 @@ def build_loader(data_dir: str, split: str, micro_batch_size: int, max_length: i
                  max_length=int(max_length), pack=bool(pack), window=int(shuffle_buffer),
                  shuffle=bool(shuffle), infinite=bool(infinite), mask_id=int(tok["mask_id"]),
                  pad_id=int(tok["pad_id"]), vocab_limit=int(tok["vocab_size"]),
-                 objective=objective_cfg or ObjectiveConfig())
+                 objective=objective_cfg or ObjectiveConfig(),
+                 shard_meta=tuple((s.get("sha256"), s.get("bytes")) for s in manifest["splits"][split]),
+                 verify=verify_shards)
     fingerprint = hashlib.sha256(json.dumps([manifest["tokenizer"], manifest["splits"][split]],
                                             sort_keys=True).encode()).hexdigest()[:16]
     return ShardLoader(spec, manifest, fingerprint, dp_rank, dp_size, num_workers, prefetch_factor,

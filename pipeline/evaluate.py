@@ -110,17 +110,20 @@ def shard_qa_examples(data_dir: str, split: str, limit: int) -> list[dict]:
     Returns:
         [{"prompt_ids": list[int], "reference_ids": list[int] (response, EOS included)}].
     """
-    import webdataset as wds
+    import io as _io
+
+    import numpy as np
+
     from pipeline.data import read_manifest
+    from pipeline.shard_io import iter_shard_samples
     manifest = read_manifest(data_dir)
-    urls = [str(Path(data_dir) / s["name"]) for s in manifest["splits"].get(split, [])]
-    if not urls:
+    entries = manifest["splits"].get(split, [])
+    if not entries:
         raise UsageError(f"{data_dir}/manifest.json: no split {split!r}")
     out = []
-    ds = wds.WebDataset(urls, shardshuffle=False, empty_check=False).decode()
-    for sample in ds:
-        toks = [int(x) for x in sample["tokens.npy"]]
-        for seg in sample["json"]["segments"]:
+    for sample in iter_shard_samples(str(data_dir), entries):  # any fsspec URL, digests checked
+        toks = [int(x) for x in np.load(_io.BytesIO(sample["tokens.npy"]), allow_pickle=False)]
+        for seg in json.loads(sample["json"])["segments"]:
             p = int(seg["prompt_length"])
             if p > 0:
                 a = int(seg["start"])
@@ -315,7 +318,7 @@ def main(argv=None) -> int:
         limit = args.limit or 10 ** 9
         if args.task == "humaneval":
             report["humaneval"] = humaneval_eval(loaded, args, modes)
-        elif Path(args.data).is_dir():
+        elif Path(args.data).is_dir() or "://" in str(args.data):  # a shard folder (or URL)
             from pipeline.data import DataError
             try:
                 report["loss"] = validation_loss(loaded.model, args.data, args.split,

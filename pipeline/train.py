@@ -418,7 +418,7 @@ class Trainer:
                             seed=self.cfg.train.seed, num_workers=d.num_workers if train else 0,
                             objective_cfg=self.objective_cfg, pack=d.pack,
                             shuffle_buffer=d.shuffle_buffer, shuffle=train, infinite=train,
-                            vocab_size=self.mcfg.vocab_size)
+                            vocab_size=self.mcfg.vocab_size, verify_shards=d.verify_shards)
 
     def _init_wandb(self) -> None:
         cfg = self.cfg
