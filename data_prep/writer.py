@@ -136,10 +136,14 @@ class Output:
         self.root = self.root.rstrip("/") or "/"
         protocol = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
         self.local = protocol in ("file", "local")
+        if protocol in ("http", "https"):
+            raise OutputError(f"output {url}: http(s):// is read-only; write the shards to a "
+                              "local folder, s3:// or gs:// (and serve that folder over HTTP)")
         try:
             self.fs.makedirs(self.root, exist_ok=True)
-        except OSError as e:
-            raise OutputError(f"output {url}: cannot create ({e})")
+        except (OSError, NotImplementedError) as e:  # NotImplementedError: read-only (http)
+            raise OutputError(f"output {url}: cannot create ({type(e).__name__}"
+                              f"{': ' + str(e) if str(e) else ''}; is this filesystem writable?)")
 
     def path(self, name: str) -> str:
         return f"{self.root}/{name}"

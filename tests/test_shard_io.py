@@ -160,6 +160,11 @@ def test_data_prep_reads_http_and_memory_inputs(tmp_path, http_server, capsys, s
         assert code == 0, capsys.readouterr().err
         outs[name] = {k: v for k, v in folder_bytes(out).items() if k.endswith(".tar")}
     assert outs["local"] and outs["http"] == outs["local"] == outs["mem"]
+    capsys.readouterr()
+    code = shard.main(["--input", str(src), "--output", f"{base}/out", "--tokenizer", str(spm),
+                       "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "read-only" in err, err
     # and the training loader reads what data prep wrote, over HTTP
     want = one_pass(str(tmp_path / "out_local"), vocab_size=None)
     got = one_pass(http_server(tmp_path) + "/out_local", vocab_size=None)
