@@ -15,6 +15,7 @@ inputs and options (no sentence shuffling; the first `--max-sentences` pieces ar
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import os
@@ -28,7 +29,7 @@ if __package__ in (None, ""):  # run as a script: import the repository's data_p
 import fsspec
 
 from data_prep.sources import (Fields, InputError, OneLineParser, iter_records, normalize,
-                               resolve_inputs)
+                               resolve_inputs, url_to_fs)
 from data_prep.tokenizer_io import SPM_ASSISTANT, SPM_MASK, SPM_USER
 
 
@@ -112,11 +113,18 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--vocab-size must be >= 16")
     fields = Fields(args.query_field, args.response_field, args.text_field)
     try:
+        url_to_fs(args.output, "--output")  # a missing fsspec package: say so before training
         info = train(args.input, args.output, args.vocab_size, args.format, fields,
                      args.max_sentences, args.piece_chars)
     except (InputError, ValueError) as e:
         print(f"train_tokenizer.py: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):  # as data_prep/shard.py: exit code 3
+            print(f"train_tokenizer.py: error: --output {args.output}: {os.strerror(e.errno)}",
+                  file=sys.stderr)
+            return 3
+        raise
     except RuntimeError as e:  # SentencePiece refuses, e.g. vocab larger than the text allows
         msg = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
         print(f"train_tokenizer.py: error: sentencepiece: {msg}", file=sys.stderr)

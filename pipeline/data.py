@@ -304,10 +304,10 @@ class _SampleStream:
         p = int(np.searchsorted(self.piece_first, local_index, side="right") - 1)
         piece = self.pieces[p]
         path = f"{spec.root}/{spec.shards[piece.shard][0]}"
+        sha, size = spec.shard_meta[piece.shard] if spec.shard_meta else (None, None)
         if p not in self._indexes:
-            sha, size = spec.shard_meta[piece.shard] if spec.shard_meta else (None, None)
             shard_io.verify_shard(spec.fs, path, sha, spec.verify, size,  # whole shard, once
-                                  {m[0]: n for (n, _), m in zip(spec.shards, spec.shard_meta) if m[0]})
+                                  zip((n for n, _ in spec.shards), (m[0] for m in spec.shard_meta)))
             self._indexes[p] = _index_piece(spec.fs, path, piece, size)
         idx, i = self._indexes[p], local_index - int(self.piece_first[p])
         f = self._files.get(p)
@@ -327,9 +327,9 @@ class _SampleStream:
             tokens = np.load(io.BytesIO(raw_tokens), allow_pickle=False)
             meta = json.loads(raw_json.decode("utf-8"))
         except (ValueError, OSError, EOFError, UnicodeDecodeError) as e:
-            h = shard_io.damage_hint(spec.fs, path, (spec.shard_meta[piece.shard] if spec.shard_meta else (None, None))[1])
-            raise DataError(shard_io.no_range_message(path, e)
-                            or f"shard {path}: sample {key} is undecodable ({e}){'; ' + h if h else ''}") from None
+            h = shard_io.damage_hint(spec.fs, path, size)
+            raise DataError(shard_io.no_range_message(path, e) or f"shard {path}: sample {key} is "
+                            f"undecodable ({e}){'; ' + h if h else ''}") from None
         if tokens.ndim != 1 or tokens.dtype.kind not in "ui" or not isinstance(meta, dict) \
                 or "segments" not in meta:
             raise DataError(f"shard {path}: sample {key}: tokens.npy must be a 1-D integer array "

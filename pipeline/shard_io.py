@@ -113,7 +113,7 @@ def _file_sha256(fs, path: str) -> tuple[str, int]:
 
 
 def verify_shard(fs, path: str, expected: str | None, mode: str,
-                 expected_bytes: int | None = None, others: dict | None = None) -> None:
+                 expected_bytes: int | None = None, others=()) -> None:
     """Check the sha256 of shard `path` against `expected` (manifest.json), once per process.
 
     Args:
@@ -121,7 +121,8 @@ def verify_shard(fs, path: str, expected: str | None, mode: str,
         expected: its `sha256` in manifest.json (hex); None = not recorded, not checked.
         mode: "error" (raise), "warn" (one `warning:` line on stderr, once per shard) or "off".
         expected_bytes: its `bytes` in manifest.json, for the message.
-        others: {sha256: shard name} of the split's shards, to name a swapped shard.
+        others: (shard name, sha256) pairs of the split's shards (read only on a mismatch),
+            to name a swapped shard.
 
     Raises:
         DataError: (mode "error") one line naming the shard, both digests and the likely cause
@@ -143,7 +144,7 @@ def verify_shard(fs, path: str, expected: str | None, mode: str,
     if got == expected:
         _VERIFIED.add(key)
         return
-    other = (others or {}).get(got)
+    other = next((name for name, sha in others if sha == got), None)
     if other:
         why = f"its content is shard {other} of the manifest (swapped or renamed shards?)"
     elif expected_bytes is not None and size != expected_bytes:

@@ -191,7 +191,15 @@ def test_missing_filesystem_package_is_one_line_everywhere(tmp_path, capsys, spm
                            "--tokenizer", spm_model, "--no-progress"])
         err = capsys.readouterr().err
         assert code == 2 and len(err.strip().splitlines()) == 1 and "pip install s3fs" in err, err
-    # the trainer's config check and the evaluate CLI (as a user runs them)
+    from data_prep import train_tokenizer
+    code = train_tokenizer.main(["--input", str(tmp_path / "x.jsonl"), "--output", f"{url}/t.model"])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "pip install s3fs" in err, err
+    from pipeline.evaluate import shard_qa_examples  # its CLI turns DataError into one line
+    with pytest.raises(DataError) as e:
+        shard_qa_examples(url, "val", 4)
+    assert "pip install s3fs" in str(e.value)
+    # the trainer's config check
     from pipeline.config import ConfigError, load_config, validate
     cfg = tmp_path / "run.yaml"
     cfg.write_text(json.dumps({"run_dir": str(tmp_path / "run"), "data": {"dir": url},
