@@ -13,7 +13,8 @@ timed). `--tokenizer qwen3` uses the real Qwen3 tokenizer from qwen-token-counte
     .venv/bin/python bench/bench_data_prep.py --memory [--records 200000,1000000]
 
 Memory per record: shards synthetic JSONL corpora of two sizes (distinct short texts, packed
-into 4096-token samples so the output stays small), each run in a fresh process, and prints
+into 4096-token samples so the output stays small; `--unpacked`: one sample per record, the
+per-sample key check included), each run in a fresh process, and prints
 each run's peak RSS (`VmHWM`, Linux) and the growth per record between the two sizes, next to
 what a Python `set` of 16-byte digests (the former duplicate filter) and the current
 `DigestSet` hold for the larger size (tracemalloc / nbytes).
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import shutil
 import sys
 import tempfile
 import time
@@ -45,15 +47,16 @@ _CHILD = """
 import sys
 sys.path.insert(0, {root!r})
 from data_prep import shard
-code = shard.main(["--input", {src!r}, "--output", {out!r}, "--tokenizer", {tok!r}, "--pack",
-                   "--max-length", "4096", "--no-progress"])
+code = shard.main(["--input", {src!r}, "--output", {out!r}, "--tokenizer", {tok!r}, *{pack!r},
+                   "--max-length", "4096", "--shard-samples", "1000000", "--no-progress"])
 # VmHWM: this process image's peak RSS (ru_maxrss would include the parent's at the fork)
 status = dict(l.split(":", 1) for l in open("/proc/self/status") if l.startswith("Vm"))
 print("RSS", int(status["VmHWM"].split()[0]) * 1024, code)
 """
 
 
-def memory(sizes: list[int], tmp: Path, tok: str, code_root: str | None = None) -> None:
+def memory(sizes: list[int], tmp: Path, tok: str, code_root: str | None = None,
+           pack: bool = True) -> None:
     """Peak RSS and RSS at the end of shard.py at each corpus size (fresh processes, Linux)
     and the growth in bytes per record. `code_root`: another checkout to measure (compare)."""
     import hashlib as _h
@@ -70,13 +73,15 @@ def memory(sizes: list[int], tmp: Path, tok: str, code_root: str | None = None) 
                 f.write('{"text": "record %d of the corpus"}\n' % i)
         out = tmp / f"m{n}"
         t0 = time.perf_counter()
-        r = subprocess.run([sys.executable, "-c", _CHILD.format(root=root, src=str(src), out=str(out),
-                                                                tok=tok)],
+        child = _CHILD.format(root=root, src=str(src), out=str(out), tok=tok,
+                              pack=["--pack"] if pack else [])
+        r = subprocess.run([sys.executable, "-c", child],
                            capture_output=True, text=True)
         line = [ln for ln in r.stdout.splitlines() if ln.startswith("RSS")]
         if not line or not line[0].endswith(" 0"):
             raise SystemExit(f"shard.py failed: {r.stderr.strip()[-500:]}")
         rss[n] = int(line[0].split()[1])
+        shutil.rmtree(out)
         print(f"{n} records: peak RSS {rss[n] / 2**20:.1f} MiB ({time.perf_counter() - t0:.1f} s)")
     a, b = sizes[0], sizes[-1]
     print(f"growth of the peak RSS between {a} and {b} records: "
@@ -101,6 +106,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--memory", action="store_true", help="peak RSS per record at two sizes")
     ap.add_argument("--records", default="200000,1000000", help="corpus sizes for --memory")
+    ap.add_argument("--unpacked", action="store_true",
+                    help="--memory without --pack: one sample (~2.5 kB of tar) per record")
     ap.add_argument("--code-root", default=None, help=argparse.SUPPRESS)  # compare a checkout
     ap.add_argument("--tokenizer", default=None, help="HF folder, .model file, or 'qwen3'")
     ap.add_argument("--limit", type=int, default=3000, help="records to shard (stdlib order)")
@@ -116,7 +123,8 @@ def main() -> int:
             tok = str(tmp / "spm.model")
             train_tokenizer.train(["stdlib"], tok, vocab_size=4000, max_sentences=20000)
         if args.memory:
-            memory([int(x) for x in args.records.split(",")], tmp, tok, args.code_root)
+            memory([int(x) for x in args.records.split(",")], tmp, tok, args.code_root,
+                   pack=not args.unpacked)
             return 0
         digests = {}
         print(f"tokenizer {tok}, stdlib records {args.limit}, max_length {args.max_length}")
