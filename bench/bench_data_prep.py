@@ -86,20 +86,19 @@ def memory(sizes: list[int], tmp: Path, tok: str, code_root: str | None = None,
     a, b = sizes[0], sizes[-1]
     print(f"growth of the peak RSS between {a} and {b} records: "
           f"{(rss[b] - rss[a]) / (b - a):.1f} bytes per record")
-    digests = [_h.sha256(str(i).encode()).digest()[:16] for i in range(b)]
-    tracemalloc.start()
-    s = set(digests)
-    set_bytes = tracemalloc.get_traced_memory()[0]
-    tracemalloc.stop()
-    del s
-    ds = DigestSet()
-    for d in digests:
-        ds.add(d)
-    buf = sum(64 + 2 * 49 for _ in ds.buffer)  # dict slot + two bytes objects, approx.
-    print(f"duplicate filter for {b} records: python set of 16-byte digests {set_bytes / b:.1f} "
-          f"bytes/record (plus the 16-byte bytes objects themselves, ~49 each); DigestSet "
-          f"{(ds.nbytes() + buf) / b:.1f} bytes/record (array {ds.nbytes()} B, buffer "
-          f"{len(ds.buffer)} digests)")
+    def held(make) -> tuple[float, float]:  # (held at the end, peak) bytes per digest
+        tracemalloc.start()
+        obj = make()
+        for i in range(b):
+            obj.add(_h.sha256(str(i).encode()).digest()[:16])
+        cur, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        return cur / b, peak / b
+    set_cur, set_peak = held(set)
+    ds_cur, ds_peak = held(DigestSet)
+    print(f"duplicate filter alone, {b} digests (tracemalloc): python set of 16-byte bytes "
+          f"{set_cur:.1f} bytes/record (peak {set_peak:.1f}); DigestSet {ds_cur:.1f} "
+          f"(peak {ds_peak:.1f})")
 
 
 def main() -> int:
