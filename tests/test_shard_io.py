@@ -300,3 +300,23 @@ def test_damaged_tar_is_not_called_truncated(tmp_path):
     with pytest.raises(DataError) as e:
         one_pass(str(d), verify_shards="off")
     assert f"truncated: {len(blob) // 2} of {len(blob)} bytes" in str(e.value)
+
+
+def test_streamed_reader_checks_digests(tmp_path, capsys):
+    """`iter_shard_samples` (pipeline.evaluate's reader) hashes what it streams."""
+    d = make_folder(tmp_path / "shards", n=25, per_shard=10)
+    entries = json.loads((d / "manifest.json").read_text())["splits"]["train"]
+    got = list(shard_io.iter_shard_samples(str(d), entries))
+    assert [s["__key__"] for s in got] == [f"train{i:07d}" for i in range(25)]
+    with tarfile.open(d / "train-000002.tar") as tf:  # the same bytes tarfile reads
+        ref = {m.name: tf.extractfile(m).read() for m in tf.getmembers()}
+    assert got[24]["tokens.npy"] == ref["train0000024.tokens.npy"]
+    shard = d / "train-000001.tar"
+    blob = bytearray(shard.read_bytes())
+    blob[_token_offset(shard, 2)] ^= 4
+    shard.write_bytes(bytes(blob))
+    with pytest.raises(DataError) as e:
+        list(shard_io.iter_shard_samples(str(d), entries))
+    assert "\n" not in str(e.value) and f"shard {shard}: sha256" in str(e.value)
+    assert len(list(shard_io.iter_shard_samples(str(d), entries, verify="warn"))) == 25
+    assert capsys.readouterr().err.count("warning: shard") == 1
