@@ -64,7 +64,14 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
-import lm_eval.models  # noqa: F401  (the harness's own model names, before we add ours)
+try:
+    import lm_eval.models  # noqa: F401  (the harness's own model names, before we add ours)
+except ImportError as _e:  # the optional `eval` extra
+    if __name__ == "__main__":
+        print(f"error: lm-evaluation-harness is not installed ({_e}); "
+              f"pip install 'refusion-pipeline[eval]'", file=sys.stderr)
+        sys.exit(2)
+    raise
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 

@@ -15,7 +15,6 @@ import torch
 
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-pytest.importorskip("lm_eval")
 
 from test_generate import make_spm_model_folder  # noqa: E402
 from tiny_qwen3 import make_tiny_qwen3  # noqa: E402
@@ -120,9 +119,9 @@ _hf_logprobs.cache = {}
 @pytest.mark.parametrize("mode", ["ar", "refusion"])
 def test_generations_equal_pipeline_generate_and_results_carry_settings(setup, capsys, mode,
                                                                          tmp_path):
-    expected = [r["text"] for r in _generate([
-        "--model", str(setup.folder), "--prompts", str(setup.prompts), "--mode", mode,
-        "--raw"] + DECODE)]
+    results = _generate(["--model", str(setup.folder), "--prompts", str(setup.prompts),
+                         "--mode", mode, "--raw"] + DECODE)
+    expected = [r["text"] for r in results]
     if mode == "ar":
         assert expected == setup.ar
     rc, out, err = _lm_eval(capsys, ["--model", str(setup.folder), "--mode", mode] + DECODE + [
@@ -146,8 +145,6 @@ def test_generations_equal_pipeline_generate_and_results_carry_settings(setup, c
     assert ours["settings"]["slot_threshold"] == 0.1 and ours["settings"]["batch_size"] == 3
     g = ours["generation"]
     assert g["prompts"] == len(QUESTIONS)
-    results = _generate(["--model", str(setup.folder), "--prompts", str(setup.prompts),
-                                 "--mode", mode, "--raw"] + DECODE)
     assert g["tokens"] == sum(r["tokens"] for r in results)
     assert g["forwards"] == sum(r["forwards"] for r in results)
     assert g["tpf"] == pytest.approx(g["tokens"] / g["forwards"])
@@ -282,6 +279,8 @@ def test_harness_cli_runs_model_refusion(setup, tmp_path, capsys):
     (["--tasks", "tiny_gen,tiny_gn"], "--tasks tiny_gn: no such task"),
     (["--tasks", "gsm8kk"], "did you mean gsm8k"),
     (["--tasks", "tiny_mc", "--num-blocks", "3"], "--num-blocks 3 must divide"),
+    (["--tasks", "tiny_mc", "--model", "/nonexistent/model"], "--model /nonexistent/model"),
+    (["--tasks", "tiny_mc", "--include_path", "/nonexistent/tasks"], "/nonexistent/tasks: not a"),
 ])
 def test_bad_tasks_and_options_exit_2_with_one_line(setup, capsys, extra, message):
     rc, _, err = _lm_eval(capsys, ["--model", str(setup.folder), "--include_path",
