@@ -145,12 +145,15 @@ class RefusionLM(TemplateLM):
         except ValueError:
             raise UsageError(f"batch_size {batch_size!r}: give an integer (no 'auto' for "
                              f"model refusion)")
-        s = SimpleNamespace(
-            model=str(pretrained), mode=mode, gen_length=int(gen_length),
-            slot_size=int(slot_size), num_blocks=int(num_blocks),
-            slot_threshold=float(slot_threshold), token_threshold=float(token_threshold),
-            temperature=float(temperature), exact_cache=_as_bool(exact_cache), seed=int(seed),
-            batch_size=bs, dtype=str(dtype), tokenizer=tokenizer)
+        try:
+            s = SimpleNamespace(
+                model=str(pretrained), mode=mode, gen_length=int(gen_length),
+                slot_size=int(slot_size), num_blocks=int(num_blocks),
+                slot_threshold=float(slot_threshold), token_threshold=float(token_threshold),
+                temperature=float(temperature), exact_cache=_as_bool(exact_cache),
+                seed=int(seed), batch_size=bs, dtype=str(dtype), tokenizer=tokenizer)
+        except ValueError as e:
+            raise UsageError(f"--model_args: {e}")
         check_decoding_args(s, refusion=mode == "refusion")
         device = torch.device(device) if device else None
         if device is None or (device.type == "cuda" and not torch.cuda.is_available()):
@@ -507,13 +510,18 @@ def evaluate(model_args: dict, tasks: list[str], args) -> dict | None:
 
 def harness_main(argv=None) -> int:
     """The harness's own CLI (`lm_eval run|ls|validate ...`) with `--model refusion`
-    registered (this module is imported). Console script: `refusion-lm-eval`."""
+    registered (this module is imported). Console script: `refusion-lm-eval`. Returns the
+    exit code: 0, or 2 after one line on stderr for a bad `--model_args` of ours (the
+    harness's own errors are reported its way)."""
     from lm_eval.__main__ import cli_evaluate
     argv = list(sys.argv[1:] if argv is None else argv)
     saved = sys.argv
     sys.argv = ["lm_eval"] + argv
     try:
         cli_evaluate()
+    except UsageError as e:  # our model's option checks
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     finally:
         sys.argv = saved
     return 0
