@@ -256,13 +256,15 @@ class RefusionLM(TemplateLM):
             pos = torch.arange(t).expand(len(inps), t)
             dev = self._device
             logits = gather_logits(model(ids.to(dev), pos.to(dev), segment_ids=seg.to(dev)))
-            logits = logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32)
+            wide = torch.float64 if logits.dtype == torch.float64 else torch.float32
             for b, i in enumerate(idx):
                 n, c = len(inps[b]), conts[b]
                 if not c:
                     out[i] = (0.0, True)
                     continue
-                lp = F.log_softmax(logits[b, n - len(c):n], dim=-1)
+                # Only the continuation's rows are widened (the full logits of a batch of long
+                # sequences are gigabytes).
+                lp = F.log_softmax(logits[b, n - len(c):n].to(wide), dim=-1)
                 target = torch.tensor(c, device=lp.device)
                 score = lp.gather(-1, target[:, None])[:, 0].sum().item()
                 greedy = bool((lp.argmax(-1) == target).all())
