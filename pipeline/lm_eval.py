@@ -117,8 +117,11 @@ class RefusionLM(TemplateLM):
             exact_cache, seed: decoding options, as `python -m pipeline.generate`
             (defaults: its defaults).
         batch_size: prompts decoded / sequences scored together (int).
-        dtype: "float32" | "bfloat16" | "float16" | "float64" (parameter dtype).
-        device: torch device string (None: cuda when available, else cpu).
+        dtype: "float32" | "bfloat16" | "float16" | "float64" (parameter dtype; None: bf16 on
+            CUDA, fp32 on the CPU).
+        device: "auto" / None (CUDA when available, else the CPU), "cpu", "cuda", "cuda:N".
+            CUDA asked for where there is none falls back to the CPU with a warning (the
+            harness CLI passes cuda:0 by default, as it does for its own HF model).
         tokenizer: tokenizer path (None: the model's).
         max_batch_size: accepted (the harness passes it) and unused.
 
@@ -128,7 +131,7 @@ class RefusionLM(TemplateLM):
 
     def __init__(self, pretrained=None, mode: str = "refusion", gen_length=128, slot_size=4,
                  num_blocks=2, slot_threshold=0.6, token_threshold=0.3, temperature=0.0,
-                 exact_cache=False, seed=0, batch_size=8, dtype="float32", device=None,
+                 exact_cache=False, seed=0, batch_size=8, dtype=None, device=None,
                  tokenizer=None, max_batch_size=None, **kwargs):
         super().__init__()
         if kwargs:
@@ -138,7 +141,7 @@ class RefusionLM(TemplateLM):
             raise UsageError("--model_args: pretrained=PATH (HF folder or checkpoint) is needed")
         if mode not in ("refusion", "ar"):
             raise UsageError(f"mode {mode!r}: expected refusion or ar")
-        if str(dtype) not in DTYPES:
+        if dtype is not None and str(dtype) not in DTYPES:
             raise UsageError(f"dtype {dtype!r}: expected one of {', '.join(sorted(DTYPES))}")
         try:
             bs = int(batch_size) if batch_size is not None else 8
@@ -151,15 +154,15 @@ class RefusionLM(TemplateLM):
                 slot_size=int(slot_size), num_blocks=int(num_blocks),
                 slot_threshold=float(slot_threshold), token_threshold=float(token_threshold),
                 temperature=float(temperature), exact_cache=_as_bool(exact_cache),
-                seed=int(seed), batch_size=bs, dtype=str(dtype), tokenizer=tokenizer)
+                seed=int(seed), batch_size=bs, dtype=None if dtype is None else str(dtype),
+                tokenizer=tokenizer)
         except ValueError as e:
             raise UsageError(f"--model_args: {e}")
         check_decoding_args(s, refusion=mode == "refusion")
-        device = torch.device(device) if device else None
-        if device is None or (device.type == "cuda" and not torch.cuda.is_available()):
-            if device is not None:  # the harness CLI's default is cuda:0, as for its HF model
-                _log.warning("device %s is not available; using cpu", device)
-            device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        # The harness CLI passes cuda:0 by default, also on a CPU machine.
+        device = pick_device(device, cuda_fallback=True)
+        if s.dtype is None:
+            s.dtype = "bfloat16" if device.type == "cuda" else "float32"
         self.settings = s
         self.loaded = _load(s.model, s.tokenizer, DTYPES[s.dtype], device)
         self._device = device
@@ -350,10 +353,32 @@ class RefusionLM(TemplateLM):
         return {"refusion": {"settings": settings, "generation": self.generation_figures()}}
 
 
+def pick_device(spec, cuda_fallback: bool = False) -> torch.device:
+    """The device a `--device` value names: "auto" / None = CUDA when available, else the CPU;
+    "cpu"; "cuda" / "cuda:N". CUDA asked for where there is none: the CPU with a warning when
+    `cuda_fallback`, else UsageError (also raised for an unknown value)."""
+    spec = "auto" if spec is None else str(spec).strip().lower()
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(spec)
+    except RuntimeError:
+        raise UsageError(f"--device {spec}: expected auto, cpu, cuda or cuda:N")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        if not cuda_fallback:
+            raise UsageError(f"--device {spec}: CUDA is not available here")
+        _log.warning("device %s: CUDA is not available here; using the cpu", spec)
+        return torch.device("cpu")
+    return device
+
+
 def _load(model, tokenizer, dtype, device):
-    """`load_for_inference` with stdout kept clean (DeepSpeed prints while consolidating a
-    checkpoint), then the model moved to `device`."""
+    """`load_for_inference` on `device` (moved there after loading where `load_for_inference`
+    takes no device), stdout kept clean (DeepSpeed prints while consolidating a checkpoint)."""
+    import inspect
     with contextlib.redirect_stdout(sys.stderr):
+        if "device" in inspect.signature(load_for_inference).parameters:
+            return load_for_inference(model, tokenizer, dtype, device=device)
         loaded = load_for_inference(model, tokenizer, dtype)
     loaded.model.to(device)
     return loaded
@@ -411,8 +436,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="generation: plan-and-infill (refusion) or left-to-right (ar)")
     add_decoding_args(p)
     if "--device" not in p._option_string_actions:
-        p.add_argument("--device", default=None, help="torch device (default: cuda if "
-                       "available, else cpu)")
+        p.add_argument("--device", default="auto",
+                       help="auto (CUDA when available), cpu, cuda or cuda:N")
     # The harness's flags, same names and meaning as `lm_eval run`.
     h = p.add_argument_group("lm-evaluation-harness options")
     h.add_argument("--tasks", default=None, help="comma-separated task names or YAML files")
@@ -447,9 +472,7 @@ def main(argv=None) -> int:
         check_decoding_args(args, refusion=args.mode == "refusion")
         if args.limit is not None and not args.limit > 0:
             raise UsageError(f"--limit {args.limit} must be > 0")
-        if (args.device and args.device.startswith("cuda")
-                and not torch.cuda.is_available()):
-            raise UsageError(f"--device {args.device}: CUDA is not available on this machine")
+        pick_device(args.device)
         if args.output_path is None and args.log_samples:
             raise UsageError("--log_samples needs --output_path")
         tasks = resolve_tasks(args.tasks, args.include_path)

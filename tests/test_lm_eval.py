@@ -281,6 +281,7 @@ def test_harness_cli_runs_model_refusion(setup, tmp_path, capsys):
     (["--tasks", "tiny_mc", "--num-blocks", "3"], "--num-blocks 3 must divide"),
     (["--tasks", "tiny_mc", "--model", "/nonexistent/model"], "--model /nonexistent/model"),
     (["--tasks", "tiny_mc", "--include_path", "/nonexistent/tasks"], "/nonexistent/tasks: not a"),
+    (["--tasks", "tiny_mc", "--device", "gpu"], "--device gpu: expected auto, cpu, cuda"),
 ])
 def test_bad_tasks_and_options_exit_2_with_one_line(setup, capsys, extra, message):
     rc, _, err = _lm_eval(capsys, ["--model", str(setup.folder), "--include_path",
