@@ -258,16 +258,17 @@ class RefusionLM(TemplateLM):
                 seg[b, :len(x)] = 1
             pos = torch.arange(t).expand(len(inps), t)
             dev = self._device
-            logits = gather_logits(model(ids.to(dev), pos.to(dev), segment_ids=seg.to(dev)))
-            wide = torch.float64 if logits.dtype == torch.float64 else torch.float32
+            # Hidden states, then the output layer only at each row's continuation positions
+            # (the full logits of a batch of long sequences would be gigabytes).
+            hidden = model(ids.to(dev), pos.to(dev), segment_ids=seg.to(dev), return_hidden=True)
             for b, i in enumerate(idx):
                 n, c = len(inps[b]), conts[b]
                 if not c:
                     out[i] = (0.0, True)
                     continue
-                # Only the continuation's rows are widened (the full logits of a batch of long
-                # sequences are gigabytes).
-                lp = F.log_softmax(logits[b, n - len(c):n].to(wide), dim=-1)
+                logits = gather_logits(model.head_logits(hidden[b, n - len(c):n]))
+                wide = torch.float64 if logits.dtype == torch.float64 else torch.float32
+                lp = F.log_softmax(logits.to(wide), dim=-1)
                 target = torch.tensor(c, device=lp.device)
                 score = lp.gather(-1, target[:, None])[:, 0].sum().item()
                 greedy = bool((lp.argmax(-1) == target).all())
