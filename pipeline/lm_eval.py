@@ -200,11 +200,29 @@ class RefusionLM(TemplateLM):
         return str(self.loaded.tokenizer.path).replace("/", "__")
 
     def tok_encode(self, string: str, add_special_tokens=None, **kwargs) -> list[int]:
-        """Token ids of plain text (no chat wrapping); the SentencePiece BOS in front unless
-        `add_special_tokens` is False (as `pipeline.generate --raw`)."""
+        """Token ids of prompt text as the harness renders it (no chat wrapping added here).
+
+        Special-token strings in it become their ids, as the harness's own HF model encodes
+        (a chat-templated context holds the template's markers as text): Hugging Face
+        tokenizers parse their special tokens; for SentencePiece the turn strings `<|user|>` /
+        `<|assistant|>` become their pieces and the text between is encoded as text (so a
+        rendered one-turn chat equals `Tokenizer.prompt_ids`). Text without special strings
+        encodes as `pipeline.generate --raw` does; the SentencePiece BOS goes in front unless
+        `add_special_tokens` is False.
+        """
         tok = self.loaded.tokenizer
-        ids = tok.encode(string)
-        if self._spm and add_special_tokens is not False and tok.info.bos_id is not None:
+        if not self._spm:
+            return self.tokenizer.encode(string, add_special_tokens=False)
+        import re
+        from data_prep.tokenizer_io import SPM_ASSISTANT, SPM_USER
+        turns = {SPM_USER: tok.user_id, SPM_ASSISTANT: tok.assistant_id}
+        ids = []
+        for part in re.split("(" + "|".join(map(re.escape, turns)) + ")", string):
+            if part in turns:
+                ids.append(turns[part])
+            elif part:
+                ids.extend(tok.encode(part))
+        if add_special_tokens is not False and tok.info.bos_id is not None:
             ids = [tok.info.bos_id] + ids
         return ids
 

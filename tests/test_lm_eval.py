@@ -230,14 +230,19 @@ def test_loglikelihood_rolling_and_greedy_flag(setup, monkeypatch):
                                   rel=1e-4)
 
 
-def test_chat_template_as_pipeline_generate(tp1, capsys, tmp_path):
-    """--apply_chat_template on a Qwen3 tokenizer folder: the harness's chat turn rendered by
-    our apply_chat_template and encoded decodes what `pipeline.generate` (chat-wrapped
-    prompts) decodes."""
-    folder = make_tiny_qwen3(tmp_path / "qwen", seed=3, with_tokenizer=True, hidden_size=16,
-                             head_dim=8, intermediate_size=32, num_attention_heads=2,
-                             num_key_value_heads=1)
-    qs = ["Write a function.", "What is 2 + 2?"]
+@pytest.mark.parametrize("kind", ["hf", "spm"])
+def test_chat_template_as_pipeline_generate(setup, capsys, tmp_path, kind):
+    """--apply_chat_template: the harness's chat turn, rendered by our apply_chat_template and
+    encoded, decodes what `pipeline.generate` (chat-wrapped prompts) decodes. HF: a Qwen3
+    tokenizer folder (its template); SentencePiece: the data pipeline's turn pieces."""
+    if kind == "hf":
+        folder = make_tiny_qwen3(tmp_path / "qwen", seed=3, with_tokenizer=True, hidden_size=16,
+                                 head_dim=8, intermediate_size=32, num_attention_heads=2,
+                                 num_key_value_heads=1)
+        rendered = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
+        qs = ["Write a function.", "What is 2 + 2?"]
+    else:
+        folder, rendered, qs = setup.folder, "<|user|>{}<|assistant|>", QUESTIONS[:2]
     _write_jsonl(tmp_path / "p.jsonl", [{"prompt": q} for q in qs])
     expected = [r["text"] for r in _generate([
         "--model", str(folder), "--prompts", str(tmp_path / "p.jsonl"), "--mode", "ar",
@@ -253,7 +258,7 @@ def test_chat_template_as_pipeline_generate(tp1, capsys, tmp_path):
     assert rc == 0, err
     doc, samples = _read_output(tmp_path / "out", "tiny_chat")
     assert [s["arguments"]["gen_args_0"]["arg_0"] for s in samples] == [
-        f"<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n" for q in qs]
+        rendered.format(q) for q in qs]
     assert [s["resps"][0][0] for s in samples] == [_cut(t, ["\n\n\n\n"]) for t in expected]
     assert doc["config"]["refusion"]["settings"]["mode"] == "ar"
 
