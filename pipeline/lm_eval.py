@@ -15,9 +15,10 @@ Must not touch: the decoding algorithms (`pipeline.decoding`), model loading
 (`pipeline.generate.load_for_inference`), task definitions and metrics (the harness's).
 
 The harness (lm-eval 0.4.x) asks a model for three things:
-- `generate_until(context, {"until": [...], ...})`: the context is encoded as plain text (as
-  `pipeline.generate --raw`: SentencePiece BOS in front when the tokenizer has one), left-
-  truncated to `max_length - gen_length` tokens, decoded in batches of `--batch_size` with
+- `generate_until(context, {"until": [...], ...})`: the context is encoded as
+  `pipeline.generate --raw` encodes text (SentencePiece BOS in front when the tokenizer has
+  one), except that special-token strings in it become their ids (`RefusionLM.tok_encode`),
+  left-truncated to `max_length - gen_length` tokens, decoded in batches of `--batch_size` with
   `pipeline.generate.decode_batch` (the same call as `python -m pipeline.generate`: refusion
   plan-and-infill or ar), the text cut at the first occurrence of any `until` string. The
   generation length is `--gen-length` (refusion: rounded up to whole slots), not the task's
