@@ -212,17 +212,18 @@ def test_help_shows_defaults_and_json_records_settings(tp1, folder, capsys):
     assert e.value.code == 0
     help_text = " ".join(capsys.readouterr().out.split())
     for piece in ("(default: refusion)", "(default: 128)", "(default: 0.6)", "(default: 0.3)",
-                  "(default: 0.0)", "(default: 8)", "(default: float32)"):
+                  "(default: 0.0)", "(default: 8)", "(default: auto)",
+                  "default: bfloat16 on CUDA, float32 on the CPU"):
         assert piece in help_text
     rc, out, _ = _run(capsys, ["--model", str(folder), "--prompt", "x", "--gen-length", "8",
                                "--num-blocks", "1", "--token-threshold", "0.2", "--seed", "5",
-                               "--exact-cache", "--json"])
+                               "--exact-cache", "--json", "--device", "cpu"])
     assert rc == 0
     s = json.loads(out)["settings"]
     assert s == {"model": str(folder), "mode": "refusion", "gen_length": 8, "slot_size": 4,
                  "num_blocks": 1, "slot_threshold": 0.6, "token_threshold": 0.2,
                  "temperature": 0.0, "seed": 5, "exact_cache": True, "batch_size": 8,
-                 "dtype": "float32", "tokenizer": None}
+                 "device": "cpu", "dtype": "float32", "tokenizer": None}  # fp32: the CPU default
 
 
 def test_bench_decoding_reports_the_median_of_repeats(folder, tmp_path):
