@@ -36,14 +36,19 @@ import os
 import shutil
 import sys
 import tempfile
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from pipeline import hf_io
-from pipeline.model import ModelConfig
+# megatron-core warns at import that optional CUDA extensions are absent (harmless); set here,
+# before the import, so that the spawned TP ranks (which import this module) stay quiet too.
+warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+
+from pipeline import hf_io  # noqa: E402
+from pipeline.model import ModelConfig  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -138,6 +143,10 @@ def from_hf_folder(src: Path, args) -> ExportSource:
     # Per-rank files go next to the output (the system temp folder may be too small for 8B);
     # they stay until the merged tensors are written (`ExportSource.close`).
     tmp = Path(tempfile.mkdtemp(prefix=".export-tp-", dir=args.work_dir))
+    import logging
+    spawn_log = logging.getLogger("torch.multiprocessing.spawn")
+    level = spawn_log.level
+    spawn_log.setLevel(logging.ERROR)   # its "Terminating process ..." after a rank failed
     try:
         mp.start_processes(_hf_rank, args=(args.tp, _free_port(), str(src), str(tmp), dtype),
                            nprocs=args.tp, join=True, start_method="spawn")
@@ -147,6 +156,8 @@ def from_hf_folder(src: Path, args) -> ExportSource:
             if isinstance(e, mp.ProcessRaisedException) and f"[Errno {err}]" in str(e):
                 raise OSError(err, os.strerror(err), str(tmp)) from None
         raise
+    finally:
+        spawn_log.setLevel(level)
 
     def read(native, rank, start=None, stop=None):
         # reopened per read: pages read through the memory map do not stay resident
@@ -295,6 +306,14 @@ def export(src, out, tp: int = 1, tokenizer=None, dtype: str | None = None,
             source.close()
 
 
+def _size(n: int) -> str:
+    """A byte count for people: `1.5 GiB`, `12.0 MiB`, `3.0 KiB`, `512 bytes`."""
+    for unit, k in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if n >= k:
+            return f"{n / k:.1f} {unit}"
+    return f"{n} bytes"
+
+
 class DiskFullError(OSError):
     """The output's filesystem is full, or the user's quota is: exit code 3, one line naming
     the output folder, the cause, the free space seen and the size of the weights. The partial
@@ -306,9 +325,8 @@ class DiskFullError(OSError):
         except OSError:
             free = None
         cause = ("disk quota exceeded" if err == errno.EDQUOT else "no space left on device")
-        mib = lambda n: f"{n / 2 ** 20:,.0f} MiB"  # noqa: E731
-        seen = f"{mib(free)} free on its filesystem" if free is not None else "free space unknown"
-        want = f"; the weights take {mib(need_bytes)}" if need_bytes else ""
+        seen = f"{_size(free)} free on its filesystem" if free is not None else "free space unknown"
+        want = f"; the weights take {_size(need_bytes)}" if need_bytes else ""
         super().__init__(err, f"{out}: {cause} while writing the export ({seen}{want}); "
                               f"no partial output left")
 

@@ -737,6 +737,10 @@ def save_tokenizer(tokenizer_src, out, added_tokens=REFUSION_TOKENS) -> dict[str
 _ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.bfloat16: "BF16",
               torch.float16: "F16", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16",
               torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
+# safetensors' dtype order (its Rust `Dtype` enum, ascending); its writer lays out the data by
+# this order descending, then by name (checked against `save_file` in tests/test_hf_io.py).
+_ST_ORDER = ("BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "I16", "U16", "F16", "BF16", "I32",
+             "U32", "F32", "F64", "I64", "U64")
 
 
 def write_safetensors(path, entries: dict[str, LazyTensor], metadata: dict | None = None
@@ -746,8 +750,8 @@ def write_safetensors(path, entries: dict[str, LazyTensor], metadata: dict | Non
     Byte for byte what `safetensors.torch.save_file` writes for the same tensors (checked by
     tests/test_hf_io.py): an 8-byte little-endian header length, the JSON header (compact;
     `__metadata__` first, then the tensors in data order, padded with spaces to a multiple of
-    8 bytes), then the raw little-endian data ordered by dtype size (largest first), then
-    name. Only the tensor being written is held in memory (peak: its size, plus what its
+    8 bytes), then the raw little-endian data ordered as safetensors orders it (by its dtype
+    order, descending, then by name). Only the tensor being written is held in memory (peak: its size, plus what its
     producer needs to build it).
 
     Args:
@@ -764,7 +768,7 @@ def write_safetensors(path, entries: dict[str, LazyTensor], metadata: dict | Non
     for name, e in entries.items():
         if e.dtype not in _ST_DTYPES:
             raise ValueError(f"{name}: dtype {e.dtype} cannot be stored in safetensors")
-    order = sorted(entries, key=lambda n: (-entries[n].dtype.itemsize, n))
+    order = sorted(entries, key=lambda n: (-_ST_ORDER.index(_ST_DTYPES[entries[n].dtype]), n))
     header: dict = {}
     if metadata:
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
