@@ -540,9 +540,12 @@ class _Zero3RankReader:
     (`zero3_partitioned_param_info`): DP rank d holds elements `[d * p, (d + 1) * p)` of the
     flattened parameter, the last one zero-padded. DeepSpeed's own `lazy_mode` maps every
     optimizer file once and keeps it mapped, so every page read stays resident until the end
-    (the rank's whole fp32 weights at the peak); here the files are mapped with
-    `torch.load(mmap=True)` and dropped whenever more than `remap_bytes` have been read
-    through them, so the resident set stays near one parameter.
+    (the rank's whole fp32 weights at the peak). Here the files are mapped with
+    `torch.load(mmap=True)` only to find each flat group's byte offset in the file (Linux:
+    the mapping's address in /proc/self/maps); the values are then read with `os.preadv`
+    straight into the output, so no mapped page is touched and the resident set stays near
+    the parameter being read. Without a known offset the values are copied from the map and
+    the files are unmapped whenever more than `remap_bytes` have been read through it.
 
     Raises:
         CheckpointError: files missing, not ZeRO-3, or a DP file count that does not match.
@@ -591,6 +594,7 @@ class _Zero3RankReader:
         del ms, osd
         self.remap_bytes = remap_bytes
         self._flat: dict[int, list[torch.Tensor]] = {}
+        self._offsets: dict[int, list[int | None]] = {}
         self._read_bytes = 0
 
     def _load(self, dp: int) -> dict:
@@ -599,18 +603,27 @@ class _Zero3RankReader:
 
     def _groups(self, dp: int) -> list[torch.Tensor]:
         if dp not in self._flat:
-            self._flat[dp] = list(self._load(dp)["fp32_flat_groups"])
+            groups = list(self._load(dp)["fp32_flat_groups"])
+            self._flat[dp] = groups
+            self._offsets[dp] = [_file_offset(g, self.optim_files[dp]) for g in groups]
         return self._flat[dp]
 
     def _copy_flat(self, dp: int, start: int, out: torch.Tensor) -> None:
-        """out[:] = elements [start, start + len(out)) of DP rank dp's concatenated groups."""
+        """out[:] = elements [start, start + len(out)) of DP rank dp's concatenated groups:
+        read from the file with pread where the group's byte offset in it is known (no page
+        of the memory map touched, so nothing stays resident), else copied from the map."""
         groups, done, n = self._groups(dp), 0, out.numel()
         while done < n:
             pos = start + done
             g = next(i for i in range(len(groups)) if pos < self.group_starts[i + 1])
             local = pos - self.group_starts[g]
             take = min(n - done, groups[g].numel() - local)
-            out[done:done + take].copy_(groups[g][local:local + take])
+            base = self._offsets[dp][g]
+            if base is not None and groups[g].dtype == torch.float32:
+                _pread_into(self.optim_files[dp], base + local * 4, out[done:done + take])
+            else:
+                out[done:done + take].copy_(groups[g][local:local + take])
+                self._read_bytes += take * 4
             done += take
 
     def read(self, name: str, start: int | None = None, stop: int | None = None) -> torch.Tensor:
@@ -626,7 +639,6 @@ class _Zero3RankReader:
             a, b = max(lo, dp * per), min(hi, (dp + 1) * per)
             if a < b:
                 self._copy_flat(dp, offset + a - dp * per, out[a - lo:b - lo])
-        self._read_bytes += out.numel() * 4
         if self._read_bytes > self.remap_bytes:
             self.close()
         return out.view((stop - start,) + tuple(shape[1:])) if shape else out.view(())
@@ -634,7 +646,42 @@ class _Zero3RankReader:
     def close(self) -> None:
         """Unmap the optimizer files (pages read through them stop counting as resident)."""
         self._flat.clear()
+        self._offsets.clear()
         self._read_bytes = 0
+
+
+def _file_offset(t: torch.Tensor, path: Path) -> int | None:
+    """Byte offset in `path` of the first element of `t`, a tensor memory-mapped from that
+    file by `torch.load(mmap=True)`: found through the mapping's range in /proc/self/maps
+    (Linux); None when it cannot be established (then the caller reads through the map)."""
+    try:
+        real = os.path.realpath(path)
+        ptr = t.data_ptr()
+        with open("/proc/self/maps") as f:
+            for line in f:
+                parts = line.split(maxsplit=5)
+                if len(parts) == 6 and parts[5].rstrip("\n") == real:
+                    lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                    if lo <= ptr < hi and ptr + t.numel() * t.element_size() <= hi:
+                        return ptr - lo + int(parts[2], 16)
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def _pread_into(path: Path, offset: int, out: torch.Tensor) -> None:
+    """Fill the contiguous CPU tensor `out` with the bytes of `path` at `offset`."""
+    view = memoryview(out.view(torch.uint8).numpy()).cast("B")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        done = 0
+        while done < len(view):
+            n = os.preadv(fd, [view[done:]], offset + done)
+            if n <= 0:
+                raise CheckpointError(f"{path}: ends before byte {offset + len(view)}")
+            done += n
+    finally:
+        os.close(fd)
 
 
 class _NotStreamable(Exception):
