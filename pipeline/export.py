@@ -12,7 +12,9 @@ Source kinds (one function each, `SOURCES`; detection in `detect_source`):
   processes (gloo) each build `pipeline.model.Qwen3` as one rank of a TP group of N, load only
   their slices, and hand back their native parameters, which are merged into HF tensors.
 - `checkpoint`: a training checkpoint (root or step folder, `pipeline.checkpoint` layout):
-  DeepSpeed's zero_to_fp32 per TP rank, then the TP merge of `pipeline.hf_io`; its tokenizer
+  the fp32 master weights of each TP rank read one parameter at a time (ZeRO-3:
+  `pipeline.checkpoint.open_tp_ranks`; ZeRO 0-2: DeepSpeed's zero_to_fp32), then the TP merge
+  of `pipeline.hf_io`; its tokenizer
   is the copy in the run's shard folder (`<data.dir>/tokenizer`) when that still exists.
 Without any tokenizer the folder gets none, and one warning line says so.
 
