@@ -9,8 +9,10 @@ ReFusion tokens added). Must not touch: training, the network definition, checkp
 
 Source kinds (one function each, `SOURCES`; detection in `detect_source`):
 - `hf`: a Hugging Face Qwen3 folder. The weights make a round trip through our model: N
-  processes (gloo) each build `pipeline.model.Qwen3` as one rank of a TP group of N, load only
-  their slices, and hand back their native parameters, which are merged into HF tensors.
+  processes (gloo) each build `pipeline.model.Qwen3` as one rank of a TP group of N on the meta
+  device (its parameter names and per-rank shapes, no weights), read their slices one parameter
+  at a time, check each against the model and stream them into a per-rank safetensors file;
+  the parent merges those into HF tensors one tensor at a time.
 - `checkpoint`: a training checkpoint (root or step folder, `pipeline.checkpoint` layout):
   the fp32 master weights of each TP rank read one parameter at a time (ZeRO-3:
   `pipeline.checkpoint.open_tp_ranks`; ZeRO 0-2: DeepSpeed's zero_to_fp32), then the TP merge
