@@ -4,6 +4,9 @@ Prints one line per setting: generated tokens, model forwards, TPF (tokens / for
 (tokens / wall seconds of the batched decode; each setting is decoded `--repeats` times and the
 median wall time is used, as single timings on a shared machine are noisy), the reference code's TPF figure, and the fraction
 of prompts whose text equals the AR decode of the same model (REFUSION.md "Metrics").
+`--device auto` (default) decodes on CUDA when available, else on the CPU; the dtype defaults
+to bfloat16 on CUDA, float32 on the CPU (`--dtype`); wall times are read with the device
+synchronized (`pipeline.decoding`).
 
 Model: `--model` (an HF folder or checkpoint; an error when it cannot be loaded), else the
 demo's export `outputs/demo/hf` when it exists, else a tiny random Qwen3 (tests/tiny_qwen3.py)
@@ -13,7 +16,7 @@ shards' val split when `--data` exists and the model has a tokenizer, else rando
 
     .venv/bin/python bench/bench_decoding.py [--model outputs/demo/hf] [--data outputs/demo/shards]
         [--prompts 8] [--gen-length 64] [--slot-size 4] [--num-blocks 2] [--batch-size 8]
-        [--repeats 3]
+        [--repeats 3] [--device auto|cpu|cuda[:N]] [--dtype float32|bfloat16|float16]
 """
 from __future__ import annotations
 
@@ -54,26 +57,33 @@ def main() -> int:
                     help="timed decodes per setting; tokens/s uses the median wall time")
     ap.add_argument("--exact-cache", action="store_true",
                     help="re-encode slots infilled in parallel (exact KV cache)")
+    ap.add_argument("--device", default="auto",
+                    help="auto (CUDA when available), cpu, cuda or cuda:N")
+    ap.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
+                    help="parameter dtype (default: bfloat16 on CUDA, float32 on the CPU)")
     args = ap.parse_args()
     from pipeline.decoding import ar_generate, refusion_generate
-    from pipeline.generate import (UsageError, _init_single_process, check_decoding_args,
-                                   load_for_inference)
+    from pipeline.generate import (DTYPES, UsageError, _empty_model, _init_single_process,
+                                   check_decoding_args, default_dtype, load_for_inference,
+                                   resolve_device)
     try:  # validate before any decoding
         check_decoding_args(argparse.Namespace(**vars(args), temperature=0.0, slot_threshold=0.0,
                                                token_threshold=0.0))
         if args.prompts < 1 or args.repeats < 1:
             raise UsageError("--prompts and --repeats must be >= 1")
+        device = resolve_device(args.device)
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
+    dtype = DTYPES[args.dtype] if args.dtype else default_dtype(device)
     _init_single_process()
     model_path = args.model
     if model_path is None and (ROOT / "outputs/demo/hf/config.json").is_file():
         model_path = str(ROOT / "outputs/demo/hf")
     if model_path is not None:
         try:
-            loaded = load_for_inference(model_path)
+            loaded = load_for_inference(model_path, dtype=dtype, device=device)
         except UsageError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
@@ -92,7 +102,7 @@ def main() -> int:
         from pipeline.model import Qwen3
         from tiny_qwen3 import make_tiny_qwen3
         folder = make_tiny_qwen3(Path(tempfile.mkdtemp()) / "tiny", seed=0)
-        model = Qwen3(config_from_hf(folder), init_weights=False)
+        model = _empty_model(Qwen3, config_from_hf(folder), dtype, device)
         load_hf_into_model(model, folder)
         model.eval()
         mask_id, eos_id = 511, None
@@ -104,8 +114,9 @@ def main() -> int:
     print(f"model: {source}; {len(prompts)} prompts; gen_length {args.gen_length}, slot_size "
           f"{args.slot_size}, num_blocks {args.num_blocks}, batch {args.batch_size}, "
           f"cache {'exact' if args.exact_cache else 'default (reference)'}; "
-          f"torch threads {torch.get_num_threads()}; tokens/s: median of {args.repeats} "
-          f"timed decodes per setting")
+          f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'host'}), "
+          f"{str(dtype).replace('torch.', '')}; torch threads {torch.get_num_threads()}; "
+          f"tokens/s: median of {args.repeats} timed decodes per setting (device synchronized)")
 
     def run_once(fn):
         toks, fw, secs, ref_tpf = [], 0, 0.0, []

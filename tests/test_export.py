@@ -51,3 +51,59 @@ def test_export_user_errors(tmp_path, capsys):
     assert (busy / "x").read_text() == "keep"
     assert main([str(src), str(tmp_path / "o"), "--tp", "4"]) == 2  # 2 KV heads, TP 4
     assert "not a multiple of the tensor-parallel size 4" in capsys.readouterr().err
+
+
+def _export_cli(src, out, *extra):
+    return subprocess.run([sys.executable, "-m", "pipeline.export", str(src), str(out), *extra],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+
+def test_export_on_a_full_filesystem_is_one_line_exit_3_and_leaves_nothing(tmp_path):
+    """A real full disk: a 256 KiB tmpfs (mounting needs root; skipped otherwise). The TP
+    ranks' per-rank files fill it: one line naming OUT and the cause, exit 3, nothing left."""
+    import os
+    src = make_tiny_qwen3(tmp_path / "src", seed=1)           # about 0.6 MB of fp32 weights
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs",
+                                            str(disk)], capture_output=True).returncode != 0:
+        import pytest
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        out = disk / "out"
+        proc = _export_cli(src, out, "--tp", "2")
+        assert proc.returncode == 3, proc.stderr[-3000:]
+        err = proc.stderr.strip().splitlines()
+        assert len(err) == 1, proc.stderr
+        assert err[0].startswith(f"export: error: {out}: no space left on device")
+        assert "KiB free" in err[0] or "MiB free" in err[0]
+        assert list(disk.iterdir()) == []                        # no partial output, no temp
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
+
+
+def test_export_disk_full_while_writing_the_folder(tmp_path, capsys, monkeypatch):
+    """ENOSPC from the folder writer itself (the last safetensors file): exit 3, one line with
+    the free space seen and the size of the weights, the temporary folder removed."""
+    import errno
+
+    from pipeline import export, hf_io
+    src = make_tiny_qwen3(tmp_path / "src", seed=2, num_hidden_layers=1)
+    capsys.readouterr()                                  # transformers' progress bar
+    real = hf_io.write_safetensors
+
+    def full(path, entries, metadata=None):
+        real(path, entries, metadata)
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+    monkeypatch.setattr(hf_io, "write_safetensors", full)
+    out = tmp_path / "o"
+    assert export.main([str(src), str(out)]) == 3
+    err = [e for e in capsys.readouterr().err.strip().splitlines()
+           if not e.startswith("export: warning: no tokenizer")]   # src has no tokenizer
+    assert len(err) == 1 and err[0].startswith(f"export: error: {out}: no space left on device")
+    assert "free on its filesystem; the weights take" in err[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+    monkeypatch.setattr(hf_io, "write_safetensors", lambda *a, **k: (_ for _ in ()).throw(
+        OSError(errno.EDQUOT, "Disk quota exceeded")))
+    assert export.main([str(src), str(out)]) == 3
+    assert "disk quota exceeded" in capsys.readouterr().err

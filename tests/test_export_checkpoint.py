@@ -177,3 +177,55 @@ def test_export_checkpoint_without_tokenizer_warns(fake_run, tmp_path, capsys):
     assert len(err) == 1 and err[0].startswith("export: warning: no tokenizer written"), err
     assert "--tokenizer" in err[0]
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+
+
+def test_zero3_per_tensor_reader_equals_deepspeed_zero_to_fp32(trained):
+    """Our per-parameter ZeRO-3 reader against DeepSpeed's own consolidation of the same TP
+    rank (`get_fp32_state_dict_from_zero_checkpoint`): every parameter and row range exactly,
+    also when the optimizer files are unmapped after every read."""
+    from pipeline import checkpoint
+    _, _, ckdir = trained
+    step = ckdir / "step_000000003"
+    for tp_rank in (0, 1):
+        want = checkpoint._per_tp_rank_state_dict(step, tp_rank)     # DeepSpeed's zero_to_fp32
+        for remap in (0, 128 * 2 ** 20):
+            rd = checkpoint._Zero3RankReader(step, tp_rank, remap_bytes=remap)
+            assert rd.dp == 2 and set(rd.shapes) == set(want)
+            for name, w in want.items():
+                assert torch.equal(rd.read(name), w), (tp_rank, name)
+                if w.dim() == 2 and w.shape[0] > 3:
+                    assert torch.equal(rd.read(name, 1, w.shape[0] - 1), w[1:-1]), name
+            rd.close()
+    readers, _ = checkpoint.open_tp_ranks(ckdir)
+    assert all(isinstance(r, checkpoint._Zero3RankReader) for r in readers)
+
+
+def test_checkpoint_loads_for_inference_like_its_export(trained, tp1, tmp_path, monkeypatch):
+    """Issue 9: a training checkpoint loads straight into the model (no Hugging Face folder
+    written, no whole-model state in memory): the same weights, bit for bit, and the same
+    decoded tokens as its exported folder, in fp32 and in bf16."""
+    from pipeline import export, hf_io
+    from pipeline.decoding import ar_generate, refusion_generate
+    from pipeline.generate import load_model
+    _, _, ckdir = trained
+    folder = tmp_path / "hf"
+    assert export.main([str(ckdir), str(folder), "--dtype", "float32"]) == 0
+
+    def no_folder(*a, **k):
+        raise AssertionError("a Hugging Face folder was written")
+    monkeypatch.setattr(hf_io, "save_hf_folder", no_folder)
+    monkeypatch.setattr(hf_io, "write_safetensors", no_folder)
+    prompts = [PROBE[0, :5].tolist(), PROBE[1, :3].tolist()]
+    for dtype in (torch.float32, torch.bfloat16):
+        from_ckpt, cfg, _ = load_model(ckdir, dtype, device="cpu")
+        from_hf, _, _ = load_model(folder, dtype, device="cpu")
+        a, b = dict(from_ckpt.named_parameters()), dict(from_hf.named_parameters())
+        assert set(a) == set(b)
+        for k in a:
+            assert a[k].dtype == dtype and torch.equal(a[k], b[k]), k
+        for m in (from_ckpt, from_hf):
+            assert m.lm_head.weight is not m.embed_tokens.weight   # untied model stays untied
+        outs = [(ar_generate(m, prompts, 8, 0.0, None).tokens,
+                 refusion_generate(m, prompts, 8, 4, 1, 0.5, 0.3, 0.0, 2, 1).tokens)
+                for m in (from_ckpt, from_hf)]
+        assert outs[0] == outs[1] and len(outs[0][0][0]) == 8

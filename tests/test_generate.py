@@ -212,17 +212,18 @@ def test_help_shows_defaults_and_json_records_settings(tp1, folder, capsys):
     assert e.value.code == 0
     help_text = " ".join(capsys.readouterr().out.split())
     for piece in ("(default: refusion)", "(default: 128)", "(default: 0.6)", "(default: 0.3)",
-                  "(default: 0.0)", "(default: 8)", "(default: float32)"):
+                  "(default: 0.0)", "(default: 8)", "(default: auto)",
+                  "default: bfloat16 on CUDA, float32 on the CPU"):
         assert piece in help_text
     rc, out, _ = _run(capsys, ["--model", str(folder), "--prompt", "x", "--gen-length", "8",
                                "--num-blocks", "1", "--token-threshold", "0.2", "--seed", "5",
-                               "--exact-cache", "--json"])
+                               "--exact-cache", "--json", "--device", "cpu"])
     assert rc == 0
     s = json.loads(out)["settings"]
     assert s == {"model": str(folder), "mode": "refusion", "gen_length": 8, "slot_size": 4,
                  "num_blocks": 1, "slot_threshold": 0.6, "token_threshold": 0.2,
                  "temperature": 0.0, "seed": 5, "exact_cache": True, "batch_size": 8,
-                 "dtype": "float32", "tokenizer": None}
+                 "device": "cpu", "dtype": "float32", "tokenizer": None}  # fp32: the CPU default
 
 
 def test_bench_decoding_reports_the_median_of_repeats(folder, tmp_path):
@@ -235,3 +236,80 @@ def test_bench_decoding_reports_the_median_of_repeats(folder, tmp_path):
     assert [x[0] for x in rows] == ["ar"] + ["refusion"] * 7
     assert all(float(x[6]) > 0 for x in rows)  # tokens/s
     assert rows[0][3] == "8"  # 2 prompts x 4 tokens (the tiny random model emits no EOS)
+
+
+def test_device_resolution(monkeypatch):
+    """--device auto|cpu|cuda[:N]: auto = CUDA when available (local rank modulo the visible
+    GPUs), bf16 the default dtype on CUDA, fp32 on the CPU; bad values are UsageErrors."""
+    from pipeline.generate import UsageError, default_dtype, resolve_device
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device("auto") == torch.device("cpu") == resolve_device(None)
+    assert resolve_device("cpu") == torch.device("cpu")
+    for bad, msg in (("cuda", "CUDA is not available"), ("cuda:1", "CUDA is not available"),
+                     ("tpu", "expected auto, cpu, cuda or cuda:N"),
+                     ("cuda:x", "expected auto, cpu, cuda or cuda:N")):
+        with pytest.raises(UsageError, match=msg):
+            resolve_device(bad)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert resolve_device("auto") == torch.device("cuda", 1)        # 3 mod 2 visible GPUs
+    monkeypatch.delenv("LOCAL_RANK")
+    assert resolve_device("auto") == torch.device("cuda", 0)
+    assert resolve_device("cuda") == torch.device("cuda", 1)        # the current device
+    assert resolve_device("CUDA:0") == torch.device("cuda", 0)
+    with pytest.raises(UsageError, match="only 2 CUDA device"):
+        resolve_device("cuda:2")
+    assert resolve_device("cpu") == torch.device("cpu")
+    assert default_dtype(torch.device("cuda", 0)) == torch.bfloat16
+    assert default_dtype(torch.device("cpu")) == torch.float32
+
+
+def test_cuda_device_without_cuda_is_one_line(tp1, folder, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    rc, out, err = _run(capsys, ["--model", str(folder), "--prompt", "x", "--device", "cuda"])
+    assert rc == 2 and out == ""
+    assert err.strip().splitlines() == [
+        f"error: --device cuda: CUDA is not available here (torch {torch.__version__}, CUDA "
+        f"build {torch.version.cuda}); use --device cpu or auto"]
+
+
+def test_bf16_on_cpu_decoding_tensors_follow_the_model(tp1, folder, monkeypatch):
+    """A bf16 model (on the CPU): parameters and KV cache in bf16, every tensor the model sees
+    on the parameters' device, weights equal to the fp32 load cast to bf16, tokens decoded."""
+    from pipeline import decoding
+    from pipeline.generate import load_for_inference
+    from pipeline.model import KVCache
+    fp32 = load_for_inference(folder, device="cpu")
+    assert {p.dtype for p in fp32.model.parameters()} == {torch.float32}   # CPU default
+    loaded = load_for_inference(folder, dtype=torch.bfloat16, device="cpu")
+    params = dict(loaded.model.named_parameters())
+    for k, p in fp32.model.named_parameters():
+        assert params[k].dtype == torch.bfloat16 and torch.equal(params[k], p.to(torch.bfloat16))
+    dev = next(loaded.model.parameters()).device
+    seen, caches = [], []
+    real_for_model = KVCache.for_model.__func__
+
+    def for_model(cls, model, batch_size, capacity):
+        c = real_for_model(cls, model, batch_size, capacity)
+        caches.append(c)
+        return c
+    monkeypatch.setattr(KVCache, "for_model", classmethod(for_model))
+
+    def hook(module, args, kwargs):
+        seen.extend(t for t in list(args) + list(kwargs.values()) if torch.is_tensor(t))
+    h = loaded.model.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        ids = [loaded.tokenizer.prompt_ids("hello"), loaded.tokenizer.prompt_ids("x = 1")]
+        out_r = decoding.refusion_generate(loaded.model, ids, 8, 4, 2, 0.5, 0.3, 0.0,
+                                           loaded.mask_id, None)
+        out_a = decoding.ar_generate(loaded.model, ids, 6, 0.7, None, seed=3)
+    finally:
+        h.remove()
+    assert seen and all(t.device == dev for t in seen)
+    assert caches and all(k.dtype == torch.bfloat16 and k.device == dev
+                          for c in caches for k in c.keys + c.values)
+    assert [len(t) for t in out_r.tokens] == [8, 8] and [len(t) for t in out_a.tokens] == [6, 6]
+    assert out_r.seconds > 0 and out_a.seconds > 0

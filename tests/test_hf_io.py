@@ -250,3 +250,61 @@ def test_spm_export_keeps_no_hf_file_that_encodes_differently(tmp_path, shard_to
         ours = load_tokenizer(str(folder))
         assert isinstance(ours, SPMTokenizer) and ours.info.eos_id == 3
         assert ours.encode("  two") == sp.EncodeAsIds("  two")
+
+
+def test_write_safetensors_is_byte_identical_to_safetensors_save_file(tmp_path):
+    """The streaming writer against the library's own writer: same bytes for mixed dtypes
+    (order by dtype size, then name), 0-d and empty tensors, metadata."""
+    from safetensors.torch import save_file
+
+    from pipeline.hf_io import LazyTensor, write_safetensors
+    g = torch.Generator().manual_seed(0)
+    tensors = {"b.weight": torch.randn(3, 5, generator=g).to(torch.bfloat16),
+               "a.weight": torch.randn(4, 2, generator=g),
+               "z": torch.arange(7), "h": torch.randn(6, generator=g).half(),
+               "flag": torch.tensor(True), "empty": torch.zeros(0, 3),
+               "d": torch.randn(2, 2, generator=g).double(), "i8": torch.tensor([1, -2],
+                                                                              dtype=torch.int8)}
+    save_file(tensors, str(tmp_path / "ref.safetensors"), metadata={"format": "pt"})
+    calls = []
+
+    def lazy(name, t):
+        def load(dtype=None):
+            calls.append(name)
+            return t.to(dtype or t.dtype)
+        return LazyTensor(tuple(t.shape), t.dtype, load)
+
+    write_safetensors(tmp_path / "ours.safetensors", {k: lazy(k, v) for k, v in tensors.items()},
+                      metadata={"format": "pt"})
+    assert (tmp_path / "ours.safetensors").read_bytes() == \
+        (tmp_path / "ref.safetensors").read_bytes()
+    assert sorted(calls) == sorted(tensors)          # each tensor produced exactly once
+
+
+def test_lazy_merge_casts_piecewise_like_a_full_cast(tmp_path):
+    """`lazy_merged_state(...).load(bf16)` (cast per rank piece on the copy) equals merging in
+    fp32 and casting the full tensor, for TP 2 with vocab padding dropped."""
+    from pipeline.hf_io import (config_from_hf, iter_tp_shard, lazy_merged_state,
+                                merge_tp_state_dicts, tp_shard_shapes)
+    src = make_tiny_qwen3(tmp_path / "src", seed=5, vocab_size=301, **SMALL)
+    cfg = config_from_hf(src, tp_size=2)                   # 302 rows: one padding row
+    shards = [dict(iter_tp_shard(src, cfg, r, 2)) for r in (0, 1)]
+    assert {k: tuple(v.shape) for k, v in shards[0].items()} == tp_shard_shapes(cfg, 2)
+    full = merge_tp_state_dicts(shards, cfg, vocab_rows=301)
+    reads = []
+
+    def read(name, rank, start=None, stop=None):
+        reads.append((name, rank, start, stop))
+        t = shards[rank][name]
+        return t if start is None else t[start:stop]
+
+    lazy = lazy_merged_state(read, tp_shard_shapes(cfg, 2), torch.float32, cfg, 2,
+                             vocab_rows=301)
+    assert list(lazy) == list(full)
+    for k, v in full.items():
+        assert lazy[k].shape == tuple(v.shape), k
+        assert torch.equal(lazy[k].load(torch.bfloat16), v.to(torch.bfloat16)), k
+    assert full["model.embed_tokens.weight"].shape[0] == 301
+    # a q tensor reads only the q rows of each rank's fused qkv
+    q_reads = [r for r in reads if r[0] == "layers.0.self_attn.qkv_proj.weight"]
+    assert q_reads[0][2:] == (0, cfg.num_attention_heads * cfg.head_dim // 2)
