@@ -40,11 +40,9 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import logging
 import math
 import os
-import secrets
 import signal
 import sys
 import time
@@ -302,7 +300,7 @@ class Trainer:
     def __init__(self, cfg, plan):
         self.cfg, self.plan = cfg, plan
         self.signal_received = 0
-        self.wandb_run = None
+        self.monitor = None           # pipeline.monitor.Monitor (metrics.jsonl, wandb), set up in setup()
         self.wandb_run_id: str | None = None
         self.step = 0                 # optimizer steps done
         self.consumed_samples = 0     # rows (packed sequences) consumed, global
@@ -421,21 +419,21 @@ class Trainer:
                             vocab_size=self.mcfg.vocab_size, verify_shards=d.verify_shards)
 
     def _init_wandb(self) -> None:
+        """Start (or resume, same run id) the wandb run through `pipeline.monitor.Monitor`
+        (rank 0); its failure is a TrainError on every rank (one line, exit 2)."""
+        from omegaconf import OmegaConf
+        from pipeline.monitor import Monitor
         cfg = self.cfg
+        self.monitor = Monitor(cfg.run_dir, self.is_rank0, cfg.wandb,
+                               OmegaConf.to_container(cfg, resolve=True))
         if cfg.wandb.mode == "disabled":
             return
         run_id, err = None, None
         if self.is_rank0:
-            import wandb
-            from omegaconf import OmegaConf
-            run_id = self.wandb_run_id or secrets.token_hex(6)
             try:
-                self.wandb_run = wandb.init(
-                    project=cfg.wandb.project, entity=cfg.wandb.entity, name=cfg.wandb.name,
-                    id=run_id, resume="allow", dir=cfg.run_dir, mode=cfg.wandb.mode,
-                    config=OmegaConf.to_container(cfg, resolve=True))
-            except Exception as e:  # e.g. online mode without credentials
-                err = f"wandb.init failed (wandb.mode={cfg.wandb.mode}): {_first_line(e)}"
+                run_id = self.monitor.start_wandb(self.wandb_run_id, self.step)
+            except RuntimeError as e:  # e.g. online mode without credentials or network
+                err = _first_line(e)
         run_id, err = _broadcast_object((run_id, err))
         if err:
             raise TrainError(err)
@@ -592,14 +590,8 @@ class Trainer:
         if not self.is_rank0:
             return
         metrics = dict(metrics, time_unix_s=time.time())
-        with open(os.path.join(self.cfg.run_dir, "metrics.jsonl"), "a") as f:
-            f.write(json.dumps(metrics) + "\n")
-            f.flush()
-        if self.wandb_run is not None:
-            prefix = "train/" if metrics["kind"] == "train" else ""
-            self.wandb_run.log({prefix + k: v for k, v in metrics.items()
-                                if k not in ("kind", "step", "time_unix_s") and v is not None},
-                               step=metrics["step"])
+        self.monitor.append(metrics)   # metrics.jsonl; MonitorError on a full disk
+        self.monitor.log(metrics)      # wandb; never raises (one warning line on failure)
         if metrics["kind"] == "train":
             # The console line shows losses averaged over the steps since the previous line
             # (Megatron-style; one step's MDM term is noisy); metrics.jsonl/wandb keep every step.
@@ -668,8 +660,8 @@ class Trainer:
             it = getattr(self, "_train_iter", None)
             if it is not None:  # stops the loader workers now (pipeline.data: sentinel, join)
                 it.close()
-            if self.wandb_run is not None:
-                self.wandb_run.finish(exit_code=code)
+            if getattr(self, "monitor", None) is not None:
+                self.monitor.finish(code)   # never raises
         return code
 
 
