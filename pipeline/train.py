@@ -300,6 +300,7 @@ class Trainer:
     def __init__(self, cfg, plan):
         self.cfg, self.plan = cfg, plan
         self.signal_received = 0
+        self.run_lock = None          # pipeline.runlock.RunLock (rank 0)
         self.monitor = None           # pipeline.monitor.Monitor (metrics.jsonl, wandb), set up in setup()
         self.wandb_run_id: str | None = None
         self.step = 0                 # optimizer steps done
@@ -345,6 +346,7 @@ class Trainer:
         self.mcfg = ModelConfig.from_dict(dict(plan.model_fields), source="model")
         self.ckdir = plan.checkpoint_dir
         os.makedirs(cfg.run_dir, exist_ok=True)
+        self._lock_run_dir()
 
         # Resume decided before building: a resumed run does not need initial weights.
         latest = ckpt.find_latest(self.ckdir) if (cfg.checkpoint.resume and self.is_rank0) else None
@@ -404,6 +406,26 @@ class Trainer:
             log.info("resumed from %s at step %d", state["checkpoint_dir"], self.step)
         self._init_wandb()
         self.peak_flops = peak_flops_per_device(cfg)
+
+    def _lock_run_dir(self) -> None:
+        """One job per run directory (`pipeline.runlock`): rank 0 takes `<run_dir>/run.lock`;
+        when a live job holds it, every rank raises TrainError (one line naming the holder)."""
+        err = None
+        if self.is_rank0:
+            from pipeline.runlock import RunLock, RunLockError
+            try:
+                self.run_lock = RunLock(self.cfg.run_dir).acquire()
+            except RunLockError as e:
+                err = str(e)
+            else:
+                held = self.run_lock.took_over
+                if held is not None:
+                    log.warning("took over the run lock of %s (host %s, pid %s, SLURM job %s): %s",
+                                self.cfg.run_dir, held.get("host"), held.get("pid"),
+                                held.get("slurm_job_id"), held["reason"])
+        err = _broadcast_object(err)
+        if err:
+            raise TrainError(err)
 
     def _build_loader(self, split: str, train: bool):
         """A `pipeline.data` loader of `split` for this data-parallel rank (the TP ranks of a DP
@@ -717,6 +739,14 @@ def _launcher_env() -> None:
                                  ("LOCAL_RANK", "SLURM_LOCALID", "0")):
         if ours not in os.environ:
             os.environ[ours] = os.environ.get(slurm, default)
+    if (os.environ["WORLD_SIZE"] == "1" and "MASTER_PORT" not in os.environ
+            and "SLURM_PROCID" not in os.environ):
+        # a bare single process: a free port, so two such runs on one host do not collide
+        import socket
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("LOCAL_WORLD_SIZE", os.environ.get("SLURM_NTASKS_PER_NODE", "1")
                           if "SLURM_PROCID" in os.environ else os.environ["WORLD_SIZE"])
 
@@ -753,6 +783,8 @@ def main(argv: list[str] | None = None) -> int:
               f"written for the current step", file=sys.stderr, flush=True)
         code = EXIT_INTERRUPTED
     finally:
+        if trainer.run_lock is not None:
+            trainer.run_lock.release()
         from pipeline.parallel import destroy_distributed
         try:
             destroy_distributed()

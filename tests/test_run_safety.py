@@ -109,3 +109,90 @@ def test_preemption_with_wandb_checkpoints_and_keeps_history(data):
     for step in range(1, reached + 3):
         assert hist[step]["train/loss"] == m[("train", step)]["loss"], step
     assert json.loads((run_dir / "wandb_state.json").read_text())["confirmed_step"] == reached + 2
+
+
+# ------------------------------------------------------------------ one job per run directory
+
+def _lock_file(run_dir: Path, **holder) -> Path:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    p = run_dir / "run.lock"
+    p.write_text(json.dumps(holder) + "\n")
+    return p
+
+
+def test_run_lock_refuses_a_live_holder_and_takes_over_stale_ones(tmp_path, monkeypatch):
+    import socket
+    from pipeline.runlock import RunLock, RunLockError
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    host = socket.gethostname()
+    # a live process on this host (our parent) holds it: refused, one line naming the holder
+    _lock_file(tmp_path / "a", host=host, pid=os.getppid(), slurm_job_id="77", token="x")
+    with pytest.raises(RunLockError) as e:
+        RunLock(str(tmp_path / "a")).acquire()
+    msg = str(e.value)
+    assert "\n" not in msg and f"host {host}, pid {os.getppid()}, SLURM job 77" in msg
+    assert f"remove {tmp_path / 'a' / 'run.lock'}" in msg
+    # another host with a fresh heartbeat: refused; the same with a heartbeat older than stale_s:
+    # taken over
+    p = _lock_file(tmp_path / "b", host="other-node", pid=1, slurm_job_id=None, token="y")
+    with pytest.raises(RunLockError):
+        RunLock(str(tmp_path / "b"), stale_s=60).acquire()
+    old = time.time() - 120
+    os.utime(p, (old, old))
+    lock = RunLock(str(tmp_path / "b"), stale_s=60).acquire()
+    assert lock.took_over["host"] == "other-node" and "no heartbeat" in lock.took_over["reason"]
+    assert lock.holds()
+    # while held, a second taker is refused; release removes the file
+    with pytest.raises(RunLockError):
+        RunLock(str(tmp_path / "b"), stale_s=60).acquire()
+    lock.release()
+    assert not p.exists()
+    # a dead process id on this host: taken over at once
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    _lock_file(tmp_path / "c", host=host, pid=dead.pid, slurm_job_id=None, token="z")
+    lock = RunLock(str(tmp_path / "c")).acquire()
+    assert lock.took_over["reason"] == "its process is gone"
+    lock.release()
+    # the same SLURM job (a requeue) takes over its own lock even from a live-looking holder
+    _lock_file(tmp_path / "d", host="other-node", pid=1, slurm_job_id="123", token="w")
+    monkeypatch.setenv("SLURM_JOB_ID", "123")
+    lock = RunLock(str(tmp_path / "d")).acquire()
+    assert lock.took_over["reason"] == "same SLURM job (requeued)"
+    lock.release()
+    # the heartbeat moves the mtime
+    lock = RunLock(str(tmp_path / "e"), heartbeat_s=0.05).acquire()
+    t0 = os.stat(lock.path).st_mtime
+    time.sleep(0.3)
+    assert os.stat(lock.path).st_mtime > t0
+    lock.release()
+
+
+def test_second_job_on_a_run_dir_exits_2_and_bare_runs_pick_free_ports(data):
+    base, d = data
+    config = _write_config(base / "lock.yaml", d, train={"max_steps": 400, "eval_interval": 0},
+                           checkpoint={"interval": 0, "keep": 1})
+    run_dir = base / "locked"
+    first = _start(1, config, run_dir, log_name="first")
+    try:
+        _wait_step(first, run_dir, 1)
+        # same run directory: refused at start-up, one line naming the holder, exit 2
+        second = subprocess.run([sys.executable, "-m", "pipeline.train", "--config", str(config),
+                                 f"run_dir={run_dir}"], cwd=ROOT, env=_env(),
+                                capture_output=True, text=True, timeout=300)
+        assert second.returncode == 2, second.stderr[-3000:]
+        err = [l for l in second.stderr.splitlines() if l.startswith("pipeline.")]
+        assert len(err) == 1 and "Traceback" not in second.stderr, second.stderr[-3000:]
+        assert err[0].startswith("pipeline.train: error: ")
+        assert f"is in use by another job (host " in err[0] and f"pid {first.pid}" in err[0]
+        # another run directory, another bare process on this host: its own free port
+        other = subprocess.run([sys.executable, "-m", "pipeline.train", "--config", str(config),
+                                f"run_dir={base / 'other'}", "train.max_steps=2"], cwd=ROOT,
+                               env=_env(), capture_output=True, text=True, timeout=300)
+        assert other.returncode == 0, other.stderr[-3000:]
+        assert first.poll() is None  # the first job was not disturbed
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGTERM)
+        assert _finish(first, run_dir) == 0, _log(run_dir)
+    assert not (run_dir / "run.lock").exists()  # released at exit
