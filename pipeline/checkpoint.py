@@ -26,8 +26,10 @@ rename) and only then replaces `latest` (temp file + os.replace). A crash at any
 the previous complete checkpoint and `latest` untouched; the loader only ever considers
 folders named exactly `step_<digits>` that hold `refusion_meta.json`, and prefers the one
 `latest` names (so a crash between the rename and the pointer update resumes from the older
-checkpoint, and `latest` can be pointed back by hand). Leftover `.partial` / `.old` folders
-are deleted by the next save.
+checkpoint, and `latest` can be pointed back by hand). Leftover `.partial` / `.old` folders,
+and `step_<N>` folders without `refusion_meta.json` older than the latest complete checkpoint,
+are deleted by the next save (`remove_leftovers`). A save that cannot be written (disk full,
+quota) raises `CheckpointWriteError` on every rank and removes its `.partial` folder.
 """
 from __future__ import annotations
 
@@ -63,6 +65,13 @@ class CheckpointError(ValueError):
     input error for CLIs: one line, exit code 2)."""
 
 
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (disk full, quota exceeded, or another write error) on
+    at least one rank. Raised on every rank with the same one-line message naming the folder,
+    the failing rank(s) and the cause with the free space seen; the `.partial` folder has been
+    removed and the previous complete checkpoint is still the latest."""
+
+
 def tag_for_step(step: int) -> str:
     """The folder name of the checkpoint taken after `step` optimizer steps."""
     return f"step_{step:09d}"
@@ -90,6 +99,31 @@ def _broadcast_from_rank0(obj: Any) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def _gather_errors(error: str | None) -> list[tuple[int, str]]:
+    """Every rank's `(rank, error)` for the ranks whose `error` is not None (collective)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [(0, error)] if error is not None else []
+    box: list = [None] * dist.get_world_size()
+    dist.all_gather_object(box, error)
+    return [(r, e) for r, e in enumerate(box) if e is not None]
+
+
+def _write_failed(partial: Path, root: Path, failures: list[tuple[int, str]]) -> CheckpointWriteError:
+    """Rank 0 removes `partial`; every rank builds the same one-line error."""
+    if _rank() == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+    _barrier()
+    rank, cause = failures[0]
+    others = f" (and {len(failures) - 1} more rank(s))" if len(failures) > 1 else ""
+    latest = find_latest(root)
+    kept = (f"the previous checkpoint {latest.name} is intact and stays the latest" if latest
+            else "no earlier checkpoint exists")
+    return CheckpointWriteError(
+        f"checkpoint {partial}: rank {rank}{others} could not write it: {cause}; the partial "
+        f"folder was removed, {kept}; free space (or use a larger checkpoint.dir) and rerun to "
+        f"resume")
 
 
 def _fsync_dir(path: Path) -> None:
@@ -326,9 +360,13 @@ def save_checkpoint(engine, root_dir: str | os.PathLike, step: int, client_state
 
     Raises:
         ValueError: `keep_last` < 0 or `step` < 0.
-        OSError etc.: on rank 0, whatever failed while publishing; the other ranks then raise
-            CheckpointError (no rank is left waiting in a collective). The previous complete
-            checkpoint stays the latest.
+        CheckpointWriteError: on every rank, when any rank could not write its files or rank 0
+            could not publish them (an OSError: disk full, quota, ...); one line naming the
+            folder, the rank and the cause with the free space seen. The `.partial` folder is
+            removed.
+        Exception: on rank 0, any other failure while publishing; the other ranks then raise
+            CheckpointError (no rank is left waiting in a collective). In every case the
+            previous complete checkpoint stays the latest.
     """
     if keep_last < 0:
         raise ValueError(f"keep_last must be >= 0 (0 keeps all), got {keep_last}")
@@ -343,22 +381,35 @@ def save_checkpoint(engine, root_dir: str | os.PathLike, step: int, client_state
 
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
-        for child in root.iterdir():  # leftovers of crashed saves (never loaded)
-            if child.is_dir() and child.name.endswith((PARTIAL, OLD)):
-                shutil.rmtree(child, ignore_errors=True)
+        remove_leftovers(root)
     _barrier()
 
-    engine.save_checkpoint(str(root), tag=partial_tag, client_state={}, save_latest=False)
-    _crash_point("after_deepspeed_save")
-
-    partial.mkdir(parents=True, exist_ok=True)  # ranks that wrote no DeepSpeed file
-    _atomic_torch_save(partial / f"refusion_rank_{rank:05d}.pt",
-                       {"client_state": client_state, "rng": rng_state(), "rank": rank,
-                        "world_size": world})
+    # Writing: any failure (disk full, quota, ...) on any rank is agreed on below, so every rank
+    # raises the same CheckpointWriteError and nobody is left waiting in a collective.
+    from pipeline.diskspace import write_failure_cause
+    error = None
+    try:
+        engine.save_checkpoint(str(root), tag=partial_tag, client_state={}, save_latest=False)
+    except Exception as e:  # noqa: BLE001 - reported on every rank below
+        error = write_failure_cause(e, partial)
+        _barrier()  # the barrier DeepSpeed's save ends with, where the other ranks wait
+    if error is None:
+        try:
+            _crash_point("after_deepspeed_save")
+            partial.mkdir(parents=True, exist_ok=True)  # ranks that wrote no DeepSpeed file
+            _atomic_torch_save(partial / f"refusion_rank_{rank:05d}.pt",
+                               {"client_state": client_state, "rng": rng_state(), "rank": rank,
+                                "world_size": world})
+        except OSError as e:
+            error = write_failure_cause(e, partial)
+        except RuntimeError as e:  # torch's zip writer hides the errno of a short write
+            error = write_failure_cause(e, partial)
+    failures = _gather_errors(error)  # also: every rank's files are closed before publishing
+    if failures:
+        raise _write_failed(partial, root, failures)
     layout = parameter_layout(engine.module)
     mcfg = _model_config_dict(engine, model_config)
     _, tp_size, _, dp_size = _tp_dp(engine)
-    _barrier()  # every rank's files are closed before rank 0 publishes
     _crash_point("before_publish")
 
     error = None
@@ -368,15 +419,44 @@ def save_checkpoint(engine, root_dir: str | os.PathLike, step: int, client_state
                      keep_last)
             log.info("saved checkpoint %s in %.1f s", root / tag, time.time() - t0)
         except Exception as e:  # tell the other ranks instead of leaving them in a barrier
-            error = f"{type(e).__name__}: {e}"
-            raise
+            if isinstance(e, OSError):  # disk full, quota, ...: the same error on every rank
+                error = ("write", write_failure_cause(e, partial))
+            else:
+                error = ("other", f"{type(e).__name__}: {e}")
+                raise
         finally:
             _broadcast_from_rank0(error)
     else:
         error = _broadcast_from_rank0(None)
-        if error is not None:
-            raise CheckpointError(f"{partial}: rank 0 failed to publish the checkpoint: {error}")
+        if error is not None and error[0] == "other":
+            raise CheckpointError(f"{partial}: rank 0 failed to publish the checkpoint: {error[1]}")
+    if error is not None:
+        raise _write_failed(partial, root, [(0, error[1])])
     return root / tag
+
+
+def remove_leftovers(root: str | os.PathLike) -> list[str]:
+    """Rank 0: delete what crashed or failed saves left under `root` (never loaded): `.partial`
+    and `.old` folders, and `step_<N>` folders without `refusion_meta.json` whose step is older
+    than the latest complete checkpoint (a newer incomplete one is left for inspection).
+
+    Returns:
+        The names removed.
+    """
+    root = Path(root)
+    complete = list_complete(root)
+    newest = complete[-1][0] if complete else None
+    removed = []
+    for child in root.iterdir():
+        if not child.is_dir():
+            continue
+        m = _TAG_RE.match(child.name)
+        stale_incomplete = (m is not None and newest is not None and int(m.group(1)) < newest
+                            and not is_complete(child))
+        if child.name.endswith((PARTIAL, OLD)) or stale_incomplete:
+            shutil.rmtree(child, ignore_errors=True)
+            removed.append(child.name)
+    return removed
 
 
 def _publish(engine, root: Path, partial: Path, step: int, tag: str, world: int, tp_size: int,
@@ -408,6 +488,7 @@ def _publish(engine, root: Path, partial: Path, step: int, tag: str, world: int,
         for _, d in list_complete(root)[:-keep_last]:
             if d.name != tag:
                 shutil.rmtree(d, ignore_errors=True)
+    remove_leftovers(root)
 
 
 # --------------------------------------------------------------------------- load

@@ -24,11 +24,9 @@ and the free space seen (the trainer turns it into its disk-full exit code).
 """
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
-import shutil
 import tempfile
 import time
 from typing import Any
@@ -38,45 +36,10 @@ log = logging.getLogger("pipeline.monitor")
 INIT_TIMEOUT_S = 60.0
 STATE_FILE = "wandb_state.json"
 METRICS_FILE = "metrics.jsonl"
-DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 
 
-class MonitorError(OSError):
+class MonitorError(RuntimeError):
     """metrics.jsonl could not be written (disk full or quota exceeded, or another OS error)."""
-
-
-def free_bytes(path: str) -> int | None:
-    """Free bytes available to this user on the filesystem holding `path` (its nearest existing
-    parent), or None when it cannot be read."""
-    p = os.path.abspath(path)
-    while p and not os.path.exists(p):
-        parent = os.path.dirname(p)
-        if parent == p:
-            break
-        p = parent
-    try:
-        return shutil.disk_usage(p).free
-    except OSError:
-        return None
-
-
-def describe_os_error(e: OSError, path: str) -> str:
-    """`"no space left on device (free space seen: 12.0 KiB)"`-style cause of a write failure."""
-    free = free_bytes(path)
-    seen = f"free space seen: {_size(free)}" if free is not None else "free space unknown"
-    if e.errno == errno.ENOSPC:
-        return f"no space left on device ({seen})"
-    if e.errno == errno.EDQUOT:
-        return f"disk quota exceeded ({seen})"
-    return f"{e.strerror or type(e).__name__} ({seen})"
-
-
-def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
 
 
 def read_metrics(path: str) -> dict[tuple[str, int], dict]:
@@ -136,8 +99,9 @@ class Monitor:
                 f.write(json.dumps(metrics) + "\n")
                 f.flush()
         except OSError as e:
-            raise MonitorError(e.errno, f"{path}: cannot append metrics: "
-                                        f"{describe_os_error(e, path)}") from None
+            from pipeline.diskspace import write_failure_cause
+            raise MonitorError(f"{path}: cannot append metrics: "
+                               f"{write_failure_cause(e, path)}") from None
 
     # -- wandb ----------------------------------------------------------------------------
 

@@ -381,3 +381,80 @@ def test_load_latest_refuses_a_different_model_config(tmp_path):
     for same in (saved, dict(saved, recompute=True, init_std=0.5)):
         with pytest.raises(AssertionError, match="DeepSpeed load attempted"):
             ckpt.load_latest(NoEngine(), tmp_path, model_config=same)
+
+
+def test_remove_leftovers_cleans_incomplete_step_folders_older_than_latest(tmp_path):
+    for step in (2, 4):
+        d = tmp_path / ckpt.tag_for_step(step)
+        d.mkdir()
+        (d / ckpt.META).write_text(json.dumps({"step": step}))
+    for name in ("step_000000001", "step_000000003", "step_000000005",
+                 "step_000000006.partial", "step_000000004.old"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "zero_pp_rank_0_mp_rank_00_model_states.pt").write_bytes(b"x")
+    removed = ckpt.remove_leftovers(tmp_path)
+    assert sorted(removed) == ["step_000000001", "step_000000003", "step_000000004.old",
+                               "step_000000006.partial"]
+    # the complete ones stay, and an incomplete folder newer than the latest is left alone
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "step_000000002", "step_000000004", "step_000000005"]
+
+
+class _FailingEngine(_FakeEngine):
+    """Rank 0's DeepSpeed save fails mid-write (as torch's zip writer does on a full disk)."""
+
+    def save_checkpoint(self, save_dir, tag, client_state, save_latest):
+        import torch.distributed as dist
+        if dist.get_rank() == 0 and tag.startswith("step_000000003"):
+            (Path(save_dir) / tag).mkdir(parents=True, exist_ok=True)
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 5 vs 3")
+        super().save_checkpoint(save_dir, tag, client_state, save_latest)
+
+
+def _disk_full_on_one_rank(rank, world_size, root):
+    import errno
+    import torch.distributed as dist
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    engine = _FailingEngine()
+    stale = Path(root) / "step_000000000"      # an incomplete step folder left by an old crash
+    if rank == 0:
+        stale.mkdir(parents=True)
+    dist.barrier()
+    ckpt.save_checkpoint(engine, root, 1, {"n": 1}, keep_last=2)
+    out = {"stale_removed": not stale.exists()}
+
+    def crash(name):   # rank 1's own file: no space left
+        if name == "after_deepspeed_save" and rank == 1:
+            raise OSError(errno.ENOSPC, "No space left on device")
+    ckpt._crash_point = crash
+    try:
+        ckpt.save_checkpoint(engine, root, 2, {"n": 2}, keep_last=2)
+        out["enospc"] = "no error"
+    except ckpt.CheckpointWriteError as e:
+        out["enospc"] = str(e)
+    ckpt._crash_point = lambda name: None
+    out["partial_2_gone"] = not (Path(root) / "step_000000002.partial").exists()
+    try:   # a failure inside DeepSpeed's save on rank 0 only (the others wait in its barrier)
+        ckpt.save_checkpoint(engine, root, 3, {"n": 3}, keep_last=2)
+        out["inside"] = "no error"
+    except ckpt.CheckpointWriteError as e:
+        out["inside"] = str(e)
+    out["partial_3_gone"] = not (Path(root) / "step_000000003.partial").exists()
+    ckpt.save_checkpoint(engine, root, 4, {"n": 4}, keep_last=2)   # the run goes on afterwards
+    out["latest"] = (Path(root) / "latest").read_text()
+    return out
+
+
+def test_write_failure_on_one_rank_is_one_line_on_every_rank(tmp_path):
+    got = run_distributed(_disk_full_on_one_rank, 2, (str(tmp_path),), timeout_s=120)
+    for r in got:
+        assert r["stale_removed"] and r["partial_2_gone"] and r["partial_3_gone"]
+        assert r["latest"] == "step_000000004"
+    assert got[0]["enospc"] == got[1]["enospc"]   # the same line on every rank
+    msg = got[0]["enospc"]
+    assert "\n" not in msg and msg.startswith(f"checkpoint {tmp_path / 'step_000000002.partial'}: "
+                                              f"rank 1 could not write it: no space left on device "
+                                              f"(free space seen: ")
+    assert "the previous checkpoint step_000000001 is intact and stays the latest" in msg
+    assert got[0]["inside"] == got[1]["inside"]
+    assert "rank 0 could not write it: RuntimeError: [enforce fail" in got[0]["inside"]
