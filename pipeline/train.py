@@ -27,8 +27,14 @@ signal sent to the whole process group (SLURM preemption, scancel, Ctrl-C) reach
 
 Exit codes: 0 done (or checkpointed after SIGTERM/SIGUSR1/SIGINT), 2 config error or a user error
 found after start-up (a checkpoint or loader state from another layout or model shape, an HF
-folder that does not fit, wandb cannot start), 3 non-finite loss with `train.nan_policy=stop` (no
-checkpoint written for that step), 130 a second Ctrl-C.
+folder that does not fit, wandb cannot start, another live job holds the run directory), 3
+non-finite loss with `train.nan_policy=stop` (no checkpoint written for that step), 4 a checkpoint
+or metrics.jsonl could not be written (disk full, quota exceeded: one line naming the folder or
+file, the cause and the free space seen; the partial checkpoint folder removed, the previous one
+intact), 130 a second Ctrl-C. An error raised on one rank only is printed once by that rank; the
+other ranks exit with the same code without a traceback. Under torchrun the launcher turns these
+into its own exit 1 and a traceback; `python -m pipeline.launch` (same arguments) keeps them.
+A wandb failure mid-run is one warning line; training goes on (`pipeline.monitor`).
 
 metrics.jsonl (rank 0, appended; a resumed run appends again from its checkpoint step, so a
 reader keeps the last line per (kind, step)): one JSON object per line with `kind` "train"
@@ -52,6 +58,7 @@ log = logging.getLogger("pipeline.train")
 
 EXIT_CONFIG = 2
 EXIT_NONFINITE = 3
+EXIT_WRITE = 4
 EXIT_INTERRUPTED = 130
 
 
@@ -751,6 +758,52 @@ def _launcher_env() -> None:
                           if "SLURM_PROCID" in os.environ else os.environ["WORLD_SIZE"])
 
 
+_ERROR_KEY = "pipeline_train_error"
+
+
+def _default_store():
+    """The process group's key-value store (torchrun's agent store or rank 0's TCPStore), or
+    None before the process group exists. Store calls need no other rank's participation."""
+    try:
+        import torch.distributed as dist
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            return dist.distributed_c10d._get_default_store()
+    except Exception:
+        pass
+    return None
+
+
+def _report_error(code: int, line: str) -> int:
+    """Print a user-facing error line once for the whole job, whichever rank raised it: the
+    first rank to report it through the store prints (a rank-only error is not lost behind
+    rank 0's silence), the others stay quiet. Without a store (one process, or the store is
+    gone) the line is printed. Returns `code`."""
+    store, first = _default_store(), True
+    if store is not None:
+        try:
+            store.set(_ERROR_KEY + "_code", str(code))
+            first = store.add(_ERROR_KEY, 1) == 1
+        except Exception:
+            first = True
+    if first:
+        rank = os.environ.get("RANK", "0")
+        print(line if rank == "0" else f"{line} (rank {rank})", file=sys.stderr, flush=True)
+    return code
+
+
+def _reported_error_code() -> int | None:
+    """The exit code another rank reported through `_report_error`, or None."""
+    store = _default_store()
+    if store is None:
+        return None
+    try:
+        if store.check([_ERROR_KEY + "_code"]):
+            return int(store.get(_ERROR_KEY + "_code").decode())
+    except Exception:
+        pass
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse `--config PATH [key=value ...]`, validate, train. Returns the exit code."""
     ap = argparse.ArgumentParser(prog="python -m pipeline.train",
@@ -768,20 +821,28 @@ def main(argv: list[str] | None = None) -> int:
             print(f"pipeline.train: config error: {e}", file=sys.stderr)
         return EXIT_CONFIG
     _launcher_env()
-    from pipeline.checkpoint import CheckpointError
+    from pipeline.checkpoint import CheckpointError, CheckpointWriteError
     from pipeline.data import DataError
+    from pipeline.monitor import MonitorError
     trainer = Trainer(cfg, plan)
     try:
         trainer.setup()
         code = trainer.run()
     except (TrainError, CheckpointError, DataError) as e:  # user errors found after start-up
-        if rank0:
-            print(f"pipeline.train: error: {_first_line(e)}", file=sys.stderr, flush=True)
-        code = EXIT_CONFIG
+        code = _report_error(EXIT_CONFIG, f"pipeline.train: error: {_first_line(e)}")
+    except (CheckpointWriteError, MonitorError) as e:  # disk full, quota, other write errors
+        code = _report_error(EXIT_WRITE, f"pipeline.train: error: {_first_line(e)}")
     except KeyboardInterrupt:  # a second Ctrl-C (the first one checkpoints; see _install_signals)
         print(f"pipeline.train: rank {os.environ.get('RANK', '0')}: interrupted; no checkpoint "
               f"written for the current step", file=sys.stderr, flush=True)
         code = EXIT_INTERRUPTED
+    except Exception:
+        # A rank whose peer stopped on a reported error fails in its next collective (gloo:
+        # "Connection closed by peer"); that rank's one line is the story, not this traceback.
+        peer = _reported_error_code()
+        if peer is None:
+            raise
+        code = peer
     finally:
         if trainer.run_lock is not None:
             trainer.run_lock.release()

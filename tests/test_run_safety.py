@@ -81,12 +81,13 @@ def test_preemption_with_wandb_checkpoints_and_keeps_history(data):
     config = _write_config(base / "preempt.yaml", d, train={"max_steps": 60, "eval_interval": 0},
                            checkpoint={"interval": 0, "keep": 2}, wandb={"mode": "offline"},
                            data={"num_workers": 1})
-    proc = _start(2, config, run_dir, log_name="leg1", launcher="torch.distributed.run")
+    proc = _start(2, config, run_dir, log_name="leg1")
     _wait_step(proc, run_dir, 3)
-    # wandb's service is a child of rank 0's trainer; every process below the launcher
-    tree = _descendants(proc.pid)
+    # the launcher, both trainers, their loader workers and wandb's service (a child of rank 0)
+    tree = [proc.pid, *_descendants(proc.pid)]
     cores = [p for p in tree if "wandb-core" in _cmdline(p)]
     assert cores, [_cmdline(p) for p in tree]
+    assert len(tree) >= 6, [_cmdline(p) for p in tree]
     for p in tree:  # as SLURM does: SIGTERM to every process of the job at the same moment
         try:
             os.kill(p, signal.SIGTERM)
@@ -100,8 +101,7 @@ def test_preemption_with_wandb_checkpoints_and_keeps_history(data):
     assert f"checkpointing at step {reached}" in text
     assert "Traceback" not in text, text[-4000:]
     # the next leg: same wandb run, every step of both legs in its history
-    proc = _start(2, config, run_dir, f"train.max_steps={reached + 2}", log_name="leg2",
-                  launcher="torch.distributed.run")
+    proc = _start(2, config, run_dir, f"train.max_steps={reached + 2}", log_name="leg2")
     assert _finish(proc, run_dir) == 0, _log(run_dir)
     ids, hist = _wandb_history(run_dir)
     assert len(ids) == 2 and len(set(ids)) == 1, ids
@@ -196,3 +196,43 @@ def test_second_job_on_a_run_dir_exits_2_and_bare_runs_pick_free_ports(data):
             os.killpg(first.pid, signal.SIGTERM)
         assert _finish(first, run_dir) == 0, _log(run_dir)
     assert not (run_dir / "run.lock").exists()  # released at exit
+
+
+# ------------------------------------------------------------------ launcher and rank-only errors
+
+def test_rank_only_user_error_is_one_line_and_launcher_keeps_its_exit_code(data, tmp_path):
+    """DP rank 1 alone reads a damaged shard (streams own contiguous sample ranges: rank 1 has
+    shards 2-3): its one-line error reaches the user, rank 0 stops without a gloo traceback,
+    and `pipeline.launch` exits 2 (plain torchrun: 1 and a ChildFailedError traceback)."""
+    import shutil
+    base, d = data
+    bad = tmp_path / "data"
+    shutil.copytree(d, bad)
+    tar = bad / "train-000003.tar"
+    tar.write_bytes(tar.read_bytes()[: tar.stat().st_size // 3])
+    config = _write_config(tmp_path / "bad.yaml", bad, train={"max_steps": 20, "eval_interval": 0},
+                           checkpoint={"interval": 0, "keep": 1})
+    proc = _start(2, config, tmp_path / "run", log_name="log")
+    assert _finish(proc, tmp_path / "run") == 2, _log(tmp_path / "run")
+    text = (tmp_path / "run" / "log.txt").read_text()
+    lines = [l for l in text.splitlines() if l.startswith("pipeline.")]
+    assert len(lines) == 1, text[-4000:]
+    assert lines[0].startswith("pipeline.train: error: ") and "train-000003.tar" in lines[0]
+    assert lines[0].endswith("(rank 1)")
+    assert "Traceback" not in text and "ChildFailedError" not in text, text[-4000:]
+
+
+def test_sigterm_to_the_launcher_checkpoints_and_exits_0(data):
+    from pipeline.checkpoint import find_latest
+    base, d = data
+    run_dir = base / "launcher_term"
+    config = _write_config(base / "term.yaml", d, train={"max_steps": 60, "eval_interval": 0},
+                           checkpoint={"interval": 0, "keep": 1})
+    proc = _start(2, config, run_dir, log_name="log")
+    _wait_step(proc, run_dir, 2)
+    os.kill(proc.pid, signal.SIGTERM)   # the launcher only: it forwards to the workers
+    assert _finish(proc, run_dir) == 0, _log(run_dir)
+    reached = max(s for k, s in _metrics(run_dir) if k == "train")
+    assert find_latest(run_dir / "checkpoints").name == f"step_{reached:09d}"
+    text = (run_dir / "log.txt").read_text()
+    assert "Traceback" not in text and "SignalException" not in text, text[-4000:]
