@@ -236,3 +236,72 @@ def test_sigterm_to_the_launcher_checkpoints_and_exits_0(data):
     assert find_latest(run_dir / "checkpoints").name == f"step_{reached:09d}"
     text = (run_dir / "log.txt").read_text()
     assert "Traceback" not in text and "SignalException" not in text, text[-4000:]
+
+
+# ------------------------------------------------------------------ full disks
+
+@pytest.fixture
+def tiny_fs(tmp_path):
+    """A real 4 MiB filesystem (tmpfs), unmounted afterwards; skipped where mounting is not
+    permitted."""
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+def _fill(folder: Path) -> None:
+    with open(folder / "filler", "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(b"\0" * 4096)
+        except OSError:
+            pass
+
+
+def test_metrics_append_on_a_full_disk_is_one_line(tiny_fs):
+    from pipeline.monitor import Monitor, MonitorError
+    m = Monitor(str(tiny_fs), True)
+    m.append({"kind": "train", "step": 1})
+    _fill(tiny_fs)
+    with pytest.raises(MonitorError) as e:
+        for step in range(2, 10000):   # the page of the first lines may still have room
+            m.append({"kind": "train", "step": step, "pad": "x" * 512})
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"{tiny_fs / 'metrics.jsonl'}: cannot append metrics: "
+                                              f"no space left on device (free space seen: ")
+
+
+def test_checkpoint_on_a_full_disk_exits_4_on_every_rank_and_resumes(data, tiny_fs):
+    base, d = data
+    run_dir = base / "diskfull"
+    ck = tiny_fs / "ck"
+    config = _write_config(base / "diskfull.yaml", d, train={"max_steps": 60, "eval_interval": 0},
+                           checkpoint={"interval": 1, "keep": 1000, "dir": str(ck)})
+    proc = _start(2, config, run_dir, log_name="log")
+    assert _finish(proc, run_dir) == 4, _log(run_dir)
+    text = (run_dir / "log.txt").read_text()
+    lines = [l for l in text.splitlines() if l.startswith("pipeline.")]
+    assert len(lines) == 1 and "Traceback" not in text, text[-4000:]
+    from pipeline.checkpoint import find_latest, list_complete
+    latest = find_latest(ck)
+    n = int(latest.name.removeprefix("step_"))
+    assert lines[0].startswith(f"pipeline.train: error: checkpoint {ck / f'step_{n + 1:09d}.partial'}: rank ")
+    assert "could not write it: no space left on device (free space seen: " in lines[0]
+    assert f"the previous checkpoint step_{n:09d} is intact and stays the latest" in lines[0]
+    assert not list(ck.glob("*.partial")) and n >= 1
+    assert max(s for k, s in _metrics(run_dir) if k == "train") == n + 1
+    # make room (keep the latest only) and resume from it: it loads and trains on
+    for step, folder in list_complete(ck)[:-1]:
+        subprocess.run(["rm", "-rf", str(folder)], check=True)
+    proc = _start(2, config, run_dir, f"train.max_steps={n + 1}", "checkpoint.interval=0",
+                  log_name="resume")
+    assert _finish(proc, run_dir) == 0, _log(run_dir)
+    assert f"resumed from {latest}" in (run_dir / "resume.txt").read_text()
+    assert find_latest(ck).name == f"step_{n + 1:09d}"
