@@ -305,3 +305,66 @@ def test_checkpoint_on_a_full_disk_exits_4_on_every_rank_and_resumes(data, tiny_
     assert _finish(proc, run_dir) == 0, _log(run_dir)
     assert f"resumed from {latest}" in (run_dir / "resume.txt").read_text()
     assert find_latest(ck).name == f"step_{n + 1:09d}"
+
+
+# ------------------------------------------------------------------ wandb without network
+
+def test_wandb_init_is_bounded_and_its_failure_says_what_to_do(tmp_path, monkeypatch):
+    """Online wandb without network blocks about 110 s by default (measured); the monitor
+    passes its own init timeout (unless WANDB_INIT_TIMEOUT is set) and turns the failure into
+    one line naming offline mode and `wandb sync`."""
+    from types import SimpleNamespace
+    import wandb
+    from pipeline import monitor
+    seen = {}
+
+    def fake_init(**kw):
+        seen.update(kw)
+        raise wandb.errors.CommError("Failed to get resume status for run x: context deadline "
+                                     "exceeded\nmore detail")
+    monkeypatch.setattr(wandb, "init", fake_init)
+    monkeypatch.delenv("WANDB_INIT_TIMEOUT", raising=False)
+    m = monitor.Monitor(str(tmp_path), True, SimpleNamespace(mode="online", project="p",
+                                                             entity=None, name=None), {})
+    with pytest.raises(RuntimeError) as e:
+        m.start_wandb(None, 0)
+    assert seen["settings"].init_timeout == monitor.INIT_TIMEOUT_S
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("wandb.init failed after ")
+    assert "(wandb.mode=online): Failed to get resume status for run x" in msg
+    assert msg.endswith(f"use wandb.mode=offline and upload later with "
+                        f"`wandb sync {tmp_path}/wandb/offline-run-*`")
+    monkeypatch.setenv("WANDB_INIT_TIMEOUT", "5")     # the user's own bound wins
+    seen.clear()
+    with pytest.raises(RuntimeError):
+        m.start_wandb(None, 0)
+    assert "settings" not in seen
+
+
+def test_wandb_failure_mid_run_is_one_warning_and_metrics_go_on(tmp_path, caplog):
+    from types import SimpleNamespace
+    from pipeline.monitor import Monitor, read_metrics
+
+    class DeadRun:
+        calls = 0
+
+        def log(self, items, step):
+            DeadRun.calls += 1
+            raise ConnectionResetError("Connection lost")
+
+        def finish(self, exit_code):
+            raise ConnectionResetError("Connection lost")
+    m = Monitor(str(tmp_path), True, SimpleNamespace(mode="offline"), {})
+    m.run, m.run_id = DeadRun(), "abc"
+    with caplog.at_level("WARNING", logger="pipeline.monitor"):
+        for step in (1, 2, 3):
+            line = {"kind": "train", "step": step, "loss": 1.0 / step}
+            m.append(line)
+            m.log(line)
+        m.finish(0)
+    assert DeadRun.calls == 1                      # wandb is off after its first failure
+    warnings = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "ConnectionResetError: Connection lost" in warnings[0].getMessage()
+    assert sorted(read_metrics(str(tmp_path / "metrics.jsonl"))) == [("train", 1), ("train", 2),
+                                                                      ("train", 3)]
+    assert not (tmp_path / "wandb_state.json").exists()   # nothing confirmed: the next leg re-logs

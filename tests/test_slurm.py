@@ -225,3 +225,53 @@ def test_srun_gets_cpus_per_task(tmp_path, env, cores, warns):
     assert f"--cpus-per-task={cores}" in srun_args, srun_args
     assert f"--ntasks-per-node={tpn}" in srun_args
     assert ("core(s) per GPU task" in r.stdout) is warns, r.stdout
+
+
+def test_sbatch_wandb_offline_scontrol_requeue_keeps_checkpoint_and_history(tmp_path):
+    """`scontrol requeue` (as preemption does: SIGTERM to every process of the job, wandb's
+    service included) with wandb offline: the leg checkpoints at the step it reached and exits
+    0, the requeued job (same SLURM job id: it takes over its own run lock) resumes, and the
+    one wandb run id holds every step's loss equal to metrics.jsonl (read by `wandb leet
+    inspect`)."""
+    from test_train import _wandb_history
+    _start_cluster()
+    rng = np.random.default_rng(1)
+    data, run, logs = tmp_path / "data", tmp_path / "run", tmp_path / "logs"
+    logs.mkdir()
+    write_shards(str(data), {"train": random_samples(rng, 64, vocab_size=64, max_length=32)},
+                 samples_per_shard=16)
+    cfg = tmp_path / "run.yaml"
+    config = CONFIG.replace("wandb: {{mode: disabled}}", "wandb: {{mode: offline}}")
+    cfg.write_text(config.format(run=run, data=data, max_steps=100000))
+    metrics, ckdir = run / "metrics.jsonl", run / "checkpoints"
+    env = {k: v for k, v in os.environ.items() if k != "WANDB_MODE"}
+    r = subprocess.run(["sbatch", "--parsable", "--time=00:10:00", "--job-name=refusion-wandb",
+                        f"--output={logs}/%x-%j.out", str(SCRIPT), str(cfg), "train.log_interval=1"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 0, r.stderr
+    job = r.stdout.strip().split(";")[0]
+    log = logs / f"refusion-wandb-{job}.out"
+    try:
+        _wait_for("3 training steps", lambda: len(_train_lines(metrics)) >= 3, 240, log)
+        assert list((run / "wandb").glob("offline-run-*"))
+        subprocess.run(["scontrol", "requeue", job], check=True, timeout=30)
+        _wait_for("the first leg to end", lambda: "training tasks exited with status" in
+                  log.read_text(), 180, log)
+        saved = int((ckdir / "latest").read_text().strip().removeprefix("step_"))
+        assert saved == _train_lines(metrics)[-1]["step"] >= 3   # checkpointed where it stopped
+        cfg.write_text(config.format(run=run, data=data, max_steps=saved + 2))
+        _wait_for("the requeued job to finish",
+                  lambda: log.read_text().count("training tasks exited with status") >= 2
+                  and _job_state(job) == "", 300, log)
+    finally:
+        subprocess.run(["scancel", job], capture_output=True, timeout=30)
+    text = log.read_text()
+    assert text.count("training tasks exited with status 0") == 2, text[-6000:]
+    assert "Traceback" not in text, text[-6000:]
+    assert re.search(rf"resumed from \S+step_{saved:09d} at step {saved}\b", text), text[-3000:]
+    lines = {m["step"]: m for m in _train_lines(metrics)}
+    assert sorted(lines) == list(range(1, saved + 3))
+    ids, hist = _wandb_history(run)
+    assert len(ids) == 2 and len(set(ids)) == 1, ids
+    for step in range(1, saved + 3):
+        assert hist[step]["train/loss"] == lines[step]["loss"], step
