@@ -34,7 +34,7 @@ echo "data: tokenizer $SPM_MODEL, shards $SHARDS (manifest: $SHARDS/manifest.jso
 
 # ---------------------------------------------------------------- 2. train
 # A small Qwen3 (configs/model/demo.yaml) trained from scratch with the ReFusion objective on
-# the shards above: 2 processes (torchrun, gloo), DeepSpeed ZeRO-3 over the data-parallel group,
+# the shards above: 2 processes (pipeline.launch = torchrun keeping our exit codes, gloo), DeepSpeed ZeRO-3 over the data-parallel group,
 # wandb offline, checkpoints under $RUN/checkpoints (a rerun resumes from the latest one).
 RUN=${RUN:-$OUT/run}
 NPROC=${NPROC:-2}
@@ -45,7 +45,7 @@ export WANDB_MODE=${WANDB_MODE:-offline}
 
 echo "== 2. train ($NPROC processes, ZeRO-3, $TRAIN_STEPS steps; run dir $RUN)"
 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} PYTHONWARNINGS=${PYTHONWARNINGS:-ignore::FutureWarning} \
-  "$PY" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" -m pipeline.train \
+  "$PY" -m pipeline.launch --standalone --nproc_per_node "$NPROC" -m pipeline.train \
   --config configs/demo.yaml run_dir="$RUN" data.dir="$SHARDS" train.max_steps="$TRAIN_STEPS"
 
 # ---------------------------------------------------------------- 3. export
