@@ -15,7 +15,7 @@ logged steps left a 7-byte `.wandb` file), and every later wandb call raises
   history wandb confirmed (written after a successful `finish`); the next leg resumes the same
   wandb run id and first re-logs, from metrics.jsonl, every step after that confirmed one up to
   its resume step, so the run's history has all steps even when a leg's wandb writer died.
-  (Online, steps the server already has are ignored by wandb with a warning.)
+  (Online, steps below the resumed run's `step`, which the server already has, are skipped.)
 - `wandb.init` is bounded (`WANDB_INIT_TIMEOUT` seconds, default `INIT_TIMEOUT_S`) and a failure
   there is one line saying what to do (offline mode, `wandb sync`).
 
@@ -135,6 +135,10 @@ class Monitor:
                                f"{w.mode}): {text[0] if text else type(e).__name__}{hint}") from None
         self.run_id = run_id
         confirmed = int(state.get("confirmed_step", 0)) if state.get("run_id") == run_id else 0
+        try:  # online resume: the server's history already reaches run.step (wandb would refuse
+            confirmed = max(confirmed, int(getattr(self.run, "step", 0) or 0) - 1)  # lower steps)
+        except Exception:  # noqa: BLE001 - a hint only
+            pass
         if resume_step > confirmed:
             lines = [m for (k, s), m in read_metrics(os.path.join(self.run_dir, METRICS_FILE)).items()
                      if confirmed < s <= resume_step]
