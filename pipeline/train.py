@@ -773,12 +773,28 @@ def _default_store():
     return None
 
 
-def _report_error(code: int, line: str) -> int:
+def _agent_store():
+    """A client of torchrun's agent store (torchrun / pipeline.launch set
+    TORCHELASTIC_USE_AGENT_STORE and point MASTER_ADDR/MASTER_PORT at it), usable before the
+    process group exists; None elsewhere or when it cannot be reached in 10 s."""
+    if (os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true"
+            or os.environ.get("WORLD_SIZE", "1") == "1"):
+        return None
+    try:
+        import datetime
+        from torch.distributed import TCPStore
+        return TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                        is_master=False, timeout=datetime.timedelta(seconds=10))
+    except Exception:
+        return None
+
+
+def _report_error(code: int, line: str, store=None) -> int:
     """Print a user-facing error line once for the whole job, whichever rank raised it: the
     first rank to report it through the store prints (a rank-only error is not lost behind
     rank 0's silence), the others stay quiet. Without a store (one process, or the store is
     gone) the line is printed. Returns `code`."""
-    store, first = _default_store(), True
+    store, first = store if store is not None else _default_store(), True
     if store is not None:
         try:
             store.set(_ERROR_KEY + "_code", str(code))
@@ -817,7 +833,12 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, args.overrides)
         plan = validate(cfg)
     except ConfigError as e:
-        if rank0:
+        # Before any process group: under torchrun / pipeline.launch the agent's store dedupes
+        # (so a config error only one rank sees is still printed, once); otherwise rank 0 prints.
+        store = _agent_store()
+        if store is not None:
+            _report_error(EXIT_CONFIG, f"pipeline.train: config error: {e}", store)
+        elif rank0:
             print(f"pipeline.train: config error: {e}", file=sys.stderr)
         return EXIT_CONFIG
     _launcher_env()

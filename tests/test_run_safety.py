@@ -368,3 +368,19 @@ def test_wandb_failure_mid_run_is_one_warning_and_metrics_go_on(tmp_path, caplog
     assert sorted(read_metrics(str(tmp_path / "metrics.jsonl"))) == [("train", 1), ("train", 2),
                                                                       ("train", 3)]
     assert not (tmp_path / "wandb_state.json").exists()   # nothing confirmed: the next leg re-logs
+
+
+def test_config_error_seen_by_one_rank_only_is_printed_once(data, tmp_path):
+    """rank 1's model preset file is missing (a node without the file): its config error
+    reaches the user as one line and the launcher exits 2."""
+    base, d = data
+    (tmp_path / "preset_0.yaml").write_text(json.dumps({}))
+    config = _write_config(tmp_path / "cfg.yaml", d)
+    proc = _start(2, config, tmp_path / "run",
+                  f"model.preset={tmp_path}/preset_${{oc.env:RANK}}.yaml", log_name="log")
+    assert _finish(proc, tmp_path / "run", timeout=300) == 2, _log(tmp_path / "run")
+    text = (tmp_path / "run" / "log.txt").read_text()
+    lines = [l for l in text.splitlines() if l.startswith("pipeline.")]
+    assert lines == [f"pipeline.train: config error: model.preset: file not found: "
+                     f"{tmp_path}/preset_1.yaml (rank 1)"], text[-3000:]
+    assert "Traceback" not in text, text[-3000:]
