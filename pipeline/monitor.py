@@ -33,7 +33,7 @@ from typing import Any
 
 log = logging.getLogger("pipeline.monitor")
 
-INIT_TIMEOUT_S = 60.0
+INIT_TIMEOUT_S = 30.0
 STATE_FILE = "wandb_state.json"
 METRICS_FILE = "metrics.jsonl"
 
