@@ -7,9 +7,10 @@ auto-resume, SIGTERM/SIGUSR1/SIGINT handling and the NaN policy. Must not touch:
 (`pipeline.model`), the objective (`pipeline.objective`), shard reading (`pipeline.data`), the
 checkpoint format (`pipeline.checkpoint`), config validation (`pipeline.config`).
 
-Launch under torchrun (`torchrun --nproc_per_node N -m pipeline.train ...`) or srun (one task per
+Launch with `python -m pipeline.launch --nproc_per_node N -m pipeline.train ...` (torchrun's
+options; keeps the exit codes below and forwards signals), plain torchrun, or srun (one task per
 device; MASTER_ADDR/MASTER_PORT set by the launcher script); a bare `python -m pipeline.train`
-is one process. The config is validated before any process group exists; a config error is one
+is one process on a free rendezvous port. One job per run directory (`pipeline.runlock`). The config is validated before any process group exists; a config error is one
 line on stderr and exit code 2.
 
 One optimizer step (all ranks):
