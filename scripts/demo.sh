@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The main job on the embedded default corpus (the Python standard library sources).
-# Stages: 1. data (tokenizer + shards), 2. train, 3. export, 4. decode, 5. evaluate, 6. summary.
+# Stages: 1. data (tokenizer + shards), 2. train, 3. export, 4. decode, 5. evaluate, 6. summary,
+# 7. plots (python -m pipeline.report).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -115,3 +116,9 @@ if not last < first:
     sys.exit(1)
 print("OK: the training loss fell")
 PYEOF
+
+# ---------------------------------------------------------------- 7. plots
+echo "== 7. plots"
+"$PY" -m pipeline.report "$RUN" --out "$OUT/report"
+echo "pictures: $OUT/report/loss.png (losses), $OUT/report/throughput.png (tokens/s, memory);" \
+  "summary: $OUT/report/summary.md"
