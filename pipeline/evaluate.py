@@ -159,11 +159,41 @@ def decode_examples(loaded, prompts: list[list[int]], args, mode: str):
                     "tpf": n / forwards if forwards else 0.0, "tps": n / seconds if seconds else 0.0}
 
 
+def token_accuracy(decoded: list[list[int]], references: list[list[int]], eos_id: int
+                   ) -> float | None:
+    """Per-position agreement of decoded answers with their references, over all examples.
+
+    Each answer and reference is cut after its first EOS (inclusive, so stopping at the right
+    place counts as one correct token); position i of a reference counts as correct when the
+    decoded answer has the same id at position i (a missing position is wrong, extra decoded
+    tokens past the reference are not counted).
+
+    Args:
+        decoded: generated ids per example (`list[int]`, natural order).
+        references: reference ids per example, same length as `decoded`.
+        eos_id: the EOS id.
+
+    Returns:
+        correct positions / reference tokens (micro average, in [0, 1]); None without any
+        reference token.
+    """
+    def cut(ids):
+        return ids[:ids.index(eos_id) + 1] if eos_id in ids else ids
+    hits = total = 0
+    for d, r in zip(decoded, references, strict=True):
+        d, r = cut(list(d)), cut(list(r))
+        hits += sum(a == b for a, b in zip(d, r))
+        total += len(r)
+    return hits / total if total else None
+
+
 def exact_match_eval(loaded, examples: list[dict], args, modes) -> dict:
     """Exact match of decoded answers per mode, with TPF/TPS, and refusion-vs-AR agreement.
 
     Args:
-        examples: [{"prompt_ids", "reference" (text) or "reference_ids"}].
+        examples: [{"prompt_ids", "reference" (text) or "reference_ids"}]. When every example
+            has "reference_ids", each mode also reports `token_accuracy` (see
+            `token_accuracy`).
     """
     eos = loaded.eos_id
     refs = [e["reference"] if "reference" in e else loaded.decode(_cut_at_eos(e["reference_ids"],
@@ -177,6 +207,9 @@ def exact_match_eval(loaded, examples: list[dict], args, modes) -> dict:
         hits = sum(a.strip() == b.strip() for a, b in zip(texts[mode], refs))
         res[mode] = {"examples": len(examples), "exact_match": hits / len(examples)
                      if examples else None, **fig}
+        if examples and all("reference_ids" in e for e in examples):
+            res[mode]["token_accuracy"] = token_accuracy(
+                toks, [e["reference_ids"] for e in examples], eos)
     if "refusion" in texts and "ar" in texts and examples:
         res["refusion"]["agreement_with_ar"] = sum(
             a == b for a, b in zip(texts["refusion"], texts["ar"])) / len(examples)

@@ -200,3 +200,38 @@ def test_humaneval_cli_warns_that_it_executes_model_code(loaded, capsys):
     assert rc == 0 and json.loads(cap.out)["humaneval"]["ar"]["problems"] == 1
     assert cap.err.splitlines().count(HUMANEVAL_WARNING) == 1
     assert "executes model-written code on this host" in HUMANEVAL_WARNING
+
+
+def test_token_accuracy_counts_positions_of_the_reference():
+    from pipeline.evaluate import token_accuracy
+    eos = 3
+    # ref 1: 4 tokens (EOS included), 3 agree (the decoded EOS comes one step late);
+    # ref 2: 3 tokens, decoded stops early (missing positions are wrong), 1 agrees;
+    # ref 3: text after the decoded EOS and after the reference EOS is not counted.
+    decoded = [[5, 6, 7, 8, 3], [9], [5, 3, 11, 12]]
+    refs = [[5, 6, 7, 3], [9, 10, 3], [5, 3, 13]]
+    assert token_accuracy(decoded, refs, eos) == pytest.approx((3 + 1 + 2) / (4 + 3 + 2))
+    assert token_accuracy([], [], eos) is None
+    with pytest.raises(ValueError):
+        token_accuracy([[1]], [], eos)
+
+
+def test_exact_match_eval_reports_token_accuracy_of_shard_references(loaded):
+    """References = ar mode's own ids: token accuracy 1.0; one reference changed at one of
+    its n positions: (total - 1) / total."""
+    import argparse
+    from pipeline.evaluate import decode_examples, exact_match_eval
+    from pipeline.generate import add_decoding_args
+    p = argparse.ArgumentParser()
+    add_decoding_args(p)
+    args = p.parse_args(["--gen-length", "6", "--num-blocks", "1", "--slot-size", "2"])
+    prompts = [loaded.tokenizer.prompt_ids(q) for q in ("def f(x):", "import os")]
+    toks, _ = decode_examples(loaded, prompts, args, "ar")
+    ex = [{"prompt_ids": p_, "reference_ids": list(t)} for p_, t in zip(prompts, toks)]
+    assert exact_match_eval(loaded, ex, args, ["ar"])["ar"]["token_accuracy"] == 1.0
+    ex[1]["reference_ids"][0] += 1
+    eos = loaded.eos_id
+    total = sum(len(t[:t.index(eos) + 1] if eos in t else t) for t in toks)
+    got = exact_match_eval(loaded, ex, args, ["ar", "refusion"])
+    assert got["ar"]["token_accuracy"] == pytest.approx((total - 1) / total)
+    assert 0.0 <= got["refusion"]["token_accuracy"] <= 1.0
