@@ -1,5 +1,7 @@
 # Two set-up commands (see README): `make demo` runs the main job, `make test` runs the tests.
-# Each creates and fills its own virtual environment on first use.
+# Each creates and fills its own virtual environment on first use. `make experiment` runs the
+# scaled-down ReFusion-vs-AR recipe (docs/EXPERIMENTS.md; about an hour of 2 idle CPU cores,
+# not part of `make test`); EXPERIMENT_ARGS passes options, e.g. "--pretrain-steps 400".
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -8,7 +10,7 @@ export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 export WANDB_MODE ?= offline
 export PYTHONUNBUFFERED := 1
 
-.PHONY: venv demo test clean
+.PHONY: venv demo test experiment clean
 
 venv: $(VENV)/.installed
 
@@ -22,6 +24,9 @@ $(VENV)/.installed: pyproject.toml
 
 demo: venv
 	bash scripts/demo.sh
+
+experiment: venv
+	$(PY) -m pipeline.experiment $(EXPERIMENT_ARGS)
 
 test: venv
 	$(PY) -m pytest -q tests
