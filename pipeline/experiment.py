@@ -96,10 +96,25 @@ def _env(threads: int) -> dict:
 
 
 def _run(cmd: list[str], threads: int) -> None:
-    _log("$ " + " ".join(cmd))
-    rc = subprocess.call(cmd, cwd=ROOT, env=_env(threads))
-    if rc != 0:
-        raise StageError(f"exit code {rc}: {' '.join(cmd)}")
+    _run_many([cmd], threads)
+
+
+def _run_many(cmds: list[list[str]], threads: int) -> None:
+    """Run commands concurrently from the repository root; raise StageError for the first
+    that failed (after all have ended)."""
+    import socket
+    procs = []
+    for cmd in cmds:
+        _log("$ " + " ".join(cmd))
+        env = _env(threads)
+        with socket.socket() as sock:   # a bare trainer's gloo rendezvous: one free port each
+            sock.bind(("127.0.0.1", 0))
+            env["MASTER_PORT"] = str(sock.getsockname()[1])
+        procs.append((cmd, subprocess.Popen(cmd, cwd=ROOT, env=env)))
+    failed = [(cmd, p.wait()) for cmd, p in procs]
+    for cmd, rc in failed:
+        if rc != 0:
+            raise StageError(f"exit code {rc}: {' '.join(cmd)}")
 
 
 class Experiment:
@@ -110,12 +125,15 @@ class Experiment:
         pretrain_steps, finetune_steps: optimizer steps of stage 1 and of each stage-2 run.
         threads: torch threads per training process (OMP_NUM_THREADS) and for evaluation.
         nproc: training processes (torchrun, DeepSpeed over the data-parallel group).
+        micro_batch_size: packed rows per optimizer step (all three runs).
+        parallel: train the two stage-2 runs concurrently.
         config: the run config YAML shared by the three training runs.
     """
 
     def __init__(self, out: str, pretrain_steps: int, finetune_steps: int, threads: int,
-                 nproc: int, config: str, micro_batch_size: int = 8):
+                 nproc: int, config: str, micro_batch_size: int = 8, parallel: bool = False):
         self.out = Path(out)
+        self.parallel = parallel
         self.micro_batch_size = micro_batch_size
         self.pretrain_steps, self.finetune_steps = pretrain_steps, finetune_steps
         self.threads, self.nproc, self.config = threads, nproc, config
@@ -160,18 +178,30 @@ class Experiment:
         latest = find_latest(self.run_dir(name) / "checkpoints")
         return latest is not None and latest.name == f"step_{steps:09d}"
 
-    def stage_train(self, name: str, steps: int, overrides: list[str]):
-        if self._finished(name, steps):
-            _log(f"train {name}: {steps} steps done, kept")
-            return False
+    def train_command(self, name: str, steps: int, overrides: list[str]) -> list[str]:
         launch = ([sys.executable] if self.nproc == 1 else
                   [sys.executable, "-m", "torch.distributed.run", "--standalone",
                    "--nproc_per_node", str(self.nproc)])
-        _run(launch + ["-m", "pipeline.train", "--config", self.config,
-                       f"run_dir={self.run_dir(name)}", f"data.dir={self.shards}",
-                       f"train.max_steps={steps}",
-                       f"train.micro_batch_size={self.micro_batch_size}"] + overrides,
-             self.threads)
+        return launch + ["-m", "pipeline.train", "--config", self.config,
+                         f"run_dir={self.run_dir(name)}", f"data.dir={self.shards}",
+                         f"train.max_steps={steps}",
+                         f"train.micro_batch_size={self.micro_batch_size}"] + overrides
+
+    def stage_train(self, runs: list[tuple[str, int, list[str]]]):
+        """Train the runs not finished yet, concurrently (`self.parallel`) or one by one."""
+        todo = []
+        for name, steps, overrides in runs:
+            if self._finished(name, steps):
+                _log(f"train {name}: {steps} steps done, kept")
+            else:
+                todo.append(self.train_command(name, steps, overrides))
+        if not todo:
+            return False
+        if self.parallel:
+            _run_many(todo, self.threads)
+        else:
+            for cmd in todo:
+                _run(cmd, self.threads)
 
     def stage_export(self, name: str):
         hf = self.hf_dir(name)
@@ -211,7 +241,7 @@ class Experiment:
         _log(f"evaluation subset: {len(examples)} validation functions with bodies of at most "
              f"{EVAL_MAX_BODY_TOKENS} tokens")
         jobs = {"refusion": [("ar", None)] + [("refusion", s) for s in grid_settings()],
-                "ar_continued": [("ar", None)], "pretrain_ar": [("ar", None)]}
+                "ar_continued": [("ar", None)]}
         results = []
         for model, modes in jobs.items():
             loaded = None
@@ -278,14 +308,17 @@ class Experiment:
 
     def run(self) -> Path:
         self._timed("data", self.stage_data)
-        self._timed("train pretrain_ar", lambda: self.stage_train(
+        self._timed("train pretrain_ar", lambda: self.stage_train([(
             "pretrain_ar", self.pretrain_steps,
             ["init.source=random", "objective.mode=ar",
-             f"optim.warmup_steps={min(30, self.pretrain_steps // 10)}"]))
+             f"optim.warmup_steps={min(30, self.pretrain_steps // 10)}"])]))
         self._timed("export pretrain_ar", lambda: self.stage_export("pretrain_ar"))
-        for name, mode in (("refusion", "refusion"), ("ar_continued", "ar")):
-            self._timed(f"train {name}", lambda: self.stage_train(
-                name, self.finetune_steps, self.finetune_overrides(mode)))
+        arms = (("refusion", "refusion"), ("ar_continued", "ar"))
+        self._timed("train refusion + ar_continued" if self.parallel else "train stage 2",
+                    lambda: self.stage_train([(name, self.finetune_steps,
+                                               self.finetune_overrides(mode))
+                                              for name, mode in arms]))
+        for name, _ in arms:
             self._timed(f"export {name}", lambda: self.stage_export(name))
         self._timed("evaluate", self.stage_eval)
         return self.stage_report()
@@ -467,6 +500,8 @@ def main(argv=None) -> int:
     p.add_argument("--finetune-steps", type=int, default=1500)
     p.add_argument("--micro-batch-size", type=int, default=8,
                    help="rows of 256 tokens per optimizer step (all three runs)")
+    p.add_argument("--parallel", action="store_true",
+                   help="train the two stage-2 runs at the same time (each with --threads)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--nproc", type=int, default=1)
     p.add_argument("--only-report", action="store_true",
@@ -479,7 +514,7 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     exp = Experiment(args.out, args.pretrain_steps, args.finetune_steps, args.threads,
-                     args.nproc, args.config, args.micro_batch_size)
+                     args.nproc, args.config, args.micro_batch_size, args.parallel)
     t0 = time.time()
     try:
         path = exp.stage_report() if args.only_report else exp.run()
