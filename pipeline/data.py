@@ -1,30 +1,41 @@
-"""Shard reading, data-parallel / worker split, shuffling, batching and exact resumption.
+"""Shard reading, one global sample order per epoch, packing, data-parallel split, batching and
+exact (also layout-changing) resumption.
 
 Owns: reading the shard folder written by `data_prep/shard.py` (ARCHITECTURE.md "Shard
-format", local path or fsspec URL), checking it against the model, cutting it into one
-*stream* per (data-parallel rank, loader worker), shuffling, packing or padding samples into
+format", local path or fsspec URL), checking it against the model, the epoch order of the
+split's samples, packing or padding them into rows, dealing rows to data-parallel ranks as
 fixed-shape micro-batches reorganized by `pipeline.objective`, and the loader state.
 Must not touch: the model, the loss, process groups (the caller passes dp_rank / dp_size).
 
-How the data is cut and ordered (everything is computed from the manifest, no data is read):
-- Split samples are numbered 0..N-1 in manifest order (shard by shard). With S = dp_size x
-  max(1, num_workers) streams, stream g = dp_rank * max(1, num_workers) + worker owns the
-  contiguous range [g*N//S, (g+1)*N//S): balanced to one sample, never empty when
-  infinite (N >= S is checked; a one-pass loader allows empty streams), whatever the
-  number of shards, and each stream reads only the shards its range touches. The
-  assignment does not change across epochs.
-- Epoch e of a stream: its samples are cut into chunks of max(1, shuffle_buffer // 16)
-  consecutive samples (never across shards), the chunks are put in an order drawn from
-  (seed, e, g), and the resulting sequence is emitted window by window (`shuffle_buffer`
-  samples), each window in an order drawn from (seed, e, g, window). So a window mixes ~16
-  chunks from anywhere in the stream's range (data_prep keeps input order, so neighbouring
-  samples are alike), and reads stay sequential inside a chunk. A per-shard header index
-  (tar headers only; data skipped by seeking), built when a shard is first needed, gives
-  random access to chunks. A stream loops over epochs on its own (the loader is infinite by
-  default, so data-parallel ranks never wait for each other at an epoch end); the
-  reorganization of a sample uses its own stream's epoch.
-- Worker w of a torch DataLoader yields whole micro-batches of its stream; the DataLoader
-  returns them round-robin (batch i from worker i % num_workers).
+How the data is ordered and cut (computed from the manifest and, when packing, the lengths of
+the samples of one window; it does not depend on dp_size, micro_batch_size or num_workers):
+- Split samples are numbered 0..N-1 in manifest order (shard by shard).
+- Epoch e: the N samples are cut into chunks of max(1, shuffle_buffer // 16) consecutive
+  samples (never across shards), the chunks are put in an order drawn from (seed, e), and the
+  resulting sequence is cut into windows of `shuffle_buffer` samples, each window in an order
+  drawn from (seed, e, window). A window mixes ~16 chunks from anywhere in the split
+  (data_prep keeps input order, so neighbouring samples are alike); reads stay sequential
+  inside a chunk. `shuffle=False`: manifest order.
+- Rows: each window is laid into rows of `max_length` tokens, never across windows or epochs:
+  one sample per row (padded), or packed (`packing`): `next_fit` fills rows in window order
+  and starts a new row when the next sample does not fit; `best_fit` (best-fit decreasing)
+  takes the window's samples longest first and puts each into the open row with the least
+  room that still holds it (a new row if none does), then orders the rows by a draw from
+  (seed, e, window). The epoch's global row list is the windows' rows in window order, and
+  epochs follow each other.
+- Dealing: the global row list is consumed in rounds of dp_size x micro_batch_size rows; in
+  every round data-parallel rank d takes rows [d*B, (d+1)*B) of it as one micro-batch (TP
+  ranks of a DP group build the same loader and get the same batches). Round k after the
+  loader's start is produced by loader worker k % num_workers, and torch's DataLoader returns
+  the workers' batches round-robin, so the batch sequence does not depend on num_workers.
+  A one-pass loader (`infinite=False`) gives every rank a batch in every round that has any
+  row left (all-padding rows fill the rest), so all ranks yield the same number of batches
+  and every sample is in exactly one of them.
+- Reading: a per-shard header index (tar headers only; data skipped by seeking), built when a
+  shard is first needed, gives random access to samples. Unpacked, a worker reads only the
+  samples of its own rows. Packed, the rows depend on the lengths of the whole window: every
+  worker of every rank reads the window's tokens.npy headers (a small read per sample, so
+  that cost grows with dp_size x num_workers), then only the samples of its own rows.
 Signals: loader workers ignore SIGTERM, SIGINT and SIGUSR1 (`_worker_init`). SLURM preemption /
 scancel and a terminal's Ctrl-C signal every process of the job, workers included, and torch's
 own worker handler would make a worker die, killing the trainer's next `next()` before it can
@@ -32,12 +43,18 @@ checkpoint; only the training process reacts, and it shuts its workers down. Wor
 via the DataLoader's sentinel (the iterator is closed, garbage-collected, or reaped by an
 `atexit` hook that runs before multiprocessing's, which could otherwise wait forever for a worker
 that ignores its SIGTERM), leftovers are SIGKILLed, and torch's parent-death watchdog ends a
-worker within seconds when the training process is killed outright.
-State: for each stream, (epoch, number of samples already placed in yielded batches), plus the
-number of batches yielded, and the settings it must be resumed with (checked on load; the shard
-set by its fingerprint `data`). `data_dir`, the folder it was read from, is informational (for
-the message when the shards differ; states without it still load). Resuming reads the current window (indexing the headers of the
-shards it touches), never replays the epoch.
+worker within seconds when the training process is killed outright. The DataLoader gets its own
+torch.Generator (seeded from the run seed), so starting workers never draws from the global
+torch RNG (a resumed run's RNG stays equal to the uninterrupted run's).
+State: the cursor (epoch, window, row within the window) of the first row not yet in a yielded
+round, the batches yielded, consumed samples of this rank, and the settings it must be resumed
+with (checked on load; the shard set by its fingerprint `data`). The cursor is the same on
+every rank after the same number of batches and does not depend on the layout: a state saved
+with one dp_size / micro_batch_size / num_workers continues on another (`allow_reshard=True`)
+with every not yet consumed row of the epoch seen exactly once. Samples prefetched by workers
+but not yielded are not consumed. `data_dir`, the folder it was read from, is informational
+(for the message when the shards differ). Resuming reads the current window (indexing the
+headers of the shards it touches), never replays the epoch.
 """
 from __future__ import annotations
 
@@ -61,11 +78,13 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from pipeline import shard_io
 from pipeline.objective import ObjectiveConfig, collate, reorganize_sample
 
-__all__ = ["DataError", "read_manifest", "check_tokenizer", "ShardLoader", "build_loader"]
+__all__ = ["DataError", "read_manifest", "check_tokenizer", "ShardLoader", "build_loader",
+           "best_fit_decreasing", "next_fit", "PACKINGS"]
 
-STATE_VERSION = 1
+STATE_VERSION = 2
 _SALT_PIECES = 0x5EED01
 _SALT_WINDOW = 0x5EED02
+_SALT_ROWS = 0x5EED03
 
 
 class DataError(ValueError):
@@ -158,12 +177,12 @@ class _Spec:
     root: str
     split: str
     shards: tuple        # ((name, samples), ...)
-    pieces: tuple        # per local stream: tuple[_Piece, ...]
-    stream_ids: tuple    # global stream id of each local stream
     seed: int
+    dp_rank: int
+    dp_size: int
     micro_batch_size: int
     max_length: int
-    pack: bool
+    packing: str         # "none" | "next_fit" | "best_fit"
     window: int
     shuffle: bool
     infinite: bool
@@ -173,6 +192,15 @@ class _Spec:
     objective: ObjectiveConfig
     shard_meta: tuple = ()   # per shard: (sha256 or None, bytes or None) from the manifest
     verify: str = "error"    # shard_io.VERIFY_MODES
+
+
+PACKINGS = ("next_fit", "best_fit")
+
+
+def _open_shard(fs, path: str):
+    """Open one shard for binary, seekable reading: the only place shards are opened (a hook
+    for verification or remote-filesystem error handling wraps this function)."""
+    return fs.open(path, "rb")
 
 
 @dataclass
@@ -213,7 +241,7 @@ def _index_piece(fs, path: str, piece: _Piece, expected_bytes: int | None = None
                 offs[e].append(found[e])
 
     try:
-        with fs.open(path, "rb") as f:
+        with _open_shard(fs, path) as f:
             tf = tarfile.open(fileobj=f, mode="r:")
             while True:
                 member = tf.next()
@@ -251,71 +279,147 @@ def _index_piece(fs, path: str, piece: _Piece, expected_bytes: int | None = None
                        json_off=arr["json"][:, 0], json_size=arr["json"][:, 1])
 
 
-class _SampleStream:
-    """One stream's samples in emission order, from a position; `peek()` / `advance()`.
+class _Order:
+    """The global order of the split's N samples in an epoch, window by window (see the
+    module docstring). Memory: O(N / chunk) integers."""
 
-    Order of epoch e: the stream's samples are cut into chunks of max(1, window // 16) samples
-    (never across shards); the chunk order is a permutation drawn from (seed, e, stream); the
-    resulting sequence is emitted window by window (`window` samples), each window in an order
-    drawn from (seed, e, stream, window index). A window is read chunk by chunk with seeks,
-    through a per-piece header index built on first use.
-    """
-
-    def __init__(self, spec: _Spec, local: int, epoch: int, n: int):
-        self.spec, self.local, self.gid = spec, local, spec.stream_ids[local]
-        self.pieces = spec.pieces[local]
-        counts = np.array([p.count for p in self.pieces], dtype=np.int64)
-        self.piece_first = np.concatenate([[0], np.cumsum(counts)])  # stream-local index of each piece
-        self.size = int(self.piece_first[-1])
+    def __init__(self, spec: _Spec):
+        self.spec = spec
+        counts = np.array([n for _, n in spec.shards], dtype=np.int64)
+        self.shard_first = np.concatenate([[0], np.cumsum(counts)])
+        self.size = int(self.shard_first[-1])
+        self.n_windows = -(-self.size // spec.window)
         C = max(1, spec.window // 16)
         starts, sizes = [], []
-        for first, c in zip(self.piece_first[:-1], counts):
+        for first, c in zip(self.shard_first[:-1], counts):
             s = np.arange(first, first + c, C)
             starts.append(s)
             sizes.append(np.minimum(C, first + c - s))
         self.chunk_start = np.concatenate(starts) if starts else np.zeros(0, np.int64)
         self.chunk_size = np.concatenate(sizes) if sizes else np.zeros(0, np.int64)
-        self.epoch, self.n = epoch, n
-        self._seq_epoch, self._seq = None, None
-        self._window_id, self._window = None, []
+        self._epoch, self._starts, self._pos = None, None, None
+
+    def window(self, epoch: int, w: int) -> np.ndarray:
+        """Global sample ids of window w of `epoch` in emission order, int64[<= window]."""
+        spec, W = self.spec, self.spec.window
+        pos = np.arange(w * W, min(self.size, (w + 1) * W), dtype=np.int64)
+        if not spec.shuffle:
+            return pos
+        if self._epoch != epoch:
+            rng = np.random.default_rng([spec.seed, epoch, _SALT_PIECES])
+            perm = rng.permutation(len(self.chunk_start))
+            self._starts = self.chunk_start[perm]
+            self._pos = np.concatenate([[0], np.cumsum(self.chunk_size[perm])])
+            self._epoch = epoch
+        c = np.searchsorted(self._pos, pos, side="right") - 1
+        ids = self._starts[c] + (pos - self._pos[c])
+        rng = np.random.default_rng([spec.seed, epoch, w, _SALT_WINDOW])
+        return ids[rng.permutation(len(ids))]
+
+
+def best_fit_decreasing(lengths, capacity: int) -> list[list[int]]:
+    """Best-fit-decreasing bin packing: indices into `lengths` grouped into rows of at most
+    `capacity` tokens.
+
+    Items are taken longest first (ties: lower index first); each goes into the open row with
+    the least room that still holds it, or starts a new row. Rows are returned in creation
+    order, each row's items in insertion order. Deterministic. Cost O(n log n).
+
+    Why not a library packer: TRL's `pack_dataset(strategy="bfd")` and NeMo's
+    first-fit-decreasing pack a whole (Arrow / in-memory) dataset offline; our loader packs
+    one shuffle window at a time while streaming and must be resumable at any row, so it
+    needs the rows of one window as a pure function of that window, which is these few lines.
+
+    Args:
+        lengths: sequence of int (tokens per item), each <= capacity.
+        capacity: tokens per row.
+
+    Raises:
+        ValueError: an item longer than `capacity`.
+    """
+    import bisect
+    order = sorted(range(len(lengths)), key=lambda i: (-int(lengths[i]), i))
+    rows: list[list[int]] = []
+    room: list[tuple[int, int]] = []   # sorted (free tokens, row index) of rows with room
+    for i in order:
+        L = int(lengths[i])
+        if L > capacity:
+            raise ValueError(f"item {i} has {L} tokens > row capacity {capacity}")
+        j = bisect.bisect_left(room, (L, -1))
+        if j < len(room):
+            free, r = room.pop(j)
+        else:
+            free, r = capacity, len(rows)
+            rows.append([])
+        rows[r].append(i)
+        if free - L > 0:
+            bisect.insort(room, (free - L, r))
+    return rows
+
+
+def next_fit(lengths, capacity: int) -> list[list[int]]:
+    """Next-fit packing in the given order: a row is closed when the next item does not fit.
+    Same contract as `best_fit_decreasing`."""
+    rows: list[list[int]] = []
+    used = capacity + 1
+    for i, L in enumerate(lengths):
+        L = int(L)
+        if L > capacity:
+            raise ValueError(f"item {i} has {L} tokens > row capacity {capacity}")
+        if used + L > capacity:
+            rows.append([])
+            used = 0
+        rows[-1].append(i)
+        used += L
+    return rows
+
+
+class _Reader:
+    """Random access to samples by global id (per-shard header index, open-file cache)."""
+
+    def __init__(self, spec: _Spec, order: _Order):
+        self.spec, self.order = spec, order
         self._indexes: dict[int, _PieceIndex] = {}
         self._files: dict[int, object] = {}
 
-    @property
-    def position(self) -> tuple[int, int]:
-        return self.epoch, self.n
-
-    def _sequence(self) -> np.ndarray:
-        """Stream-local sample indices in this epoch's chunk order, int64[size]."""
-        if self._seq_epoch != self.epoch:
-            if self.spec.shuffle:
-                rng = np.random.default_rng([self.spec.seed, self.epoch, self.gid, _SALT_PIECES])
-                perm = rng.permutation(len(self.chunk_start))
-                sizes = self.chunk_size[perm]
-                base = np.repeat(self.chunk_start[perm] - (np.cumsum(sizes) - sizes), sizes)
-                self._seq = base + np.arange(self.size, dtype=np.int64)
-            else:
-                self._seq = np.arange(self.size, dtype=np.int64)
-            self._seq_epoch = self.epoch
-        return self._seq
-
-    def _read(self, local_index: int):
+    def _locate(self, gid: int):
         spec = self.spec
-        p = int(np.searchsorted(self.piece_first, local_index, side="right") - 1)
-        piece = self.pieces[p]
-        path = f"{spec.root}/{spec.shards[piece.shard][0]}"
-        sha, size = spec.shard_meta[piece.shard] if spec.shard_meta else (None, None)
-        if p not in self._indexes:
+        s = int(np.searchsorted(self.order.shard_first, gid, side="right") - 1)
+        path = f"{spec.root}/{spec.shards[s][0]}"
+        sha, size = spec.shard_meta[s] if spec.shard_meta else (None, None)
+        if s not in self._indexes:
             shard_io.verify_shard(spec.fs, path, sha, spec.verify, size,  # whole shard, once
                                   zip((n for n, _ in spec.shards), (m[0] for m in spec.shard_meta)))
-            self._indexes[p] = _index_piece(spec.fs, path, piece, size)
-        idx, i = self._indexes[p], local_index - int(self.piece_first[p])
-        f = self._files.get(p)
+            self._indexes[s] = _index_piece(spec.fs, path, _Piece(s, 0, spec.shards[s][1]), size)
+        idx, i = self._indexes[s], gid - int(self.order.shard_first[s])
+        f = self._files.get(s)
         if f is None:
             if len(self._files) >= 8:
                 old = next(iter(self._files))
                 self._files.pop(old).close()
-            f = self._files[p] = spec.fs.open(path, "rb")
+            f = self._files[s] = _open_shard(spec.fs, path)
+        return path, idx, i, f
+
+    def length(self, gid: int) -> tuple[str, str, int]:
+        """(shard path, key, tokens) of global sample `gid`, from the tokens.npy header only
+        (a small read; the whole array when the header is unusual)."""
+        path, idx, i, f = self._locate(gid)
+        key = idx.keys[i]
+        try:
+            f.seek(int(idx.tok_off[i]))
+            head = io.BytesIO(f.read(min(int(idx.tok_size[i]), 512)))
+            version = np.lib.format.read_magic(head)
+            if version == (1, 0):
+                shape, _, _ = np.lib.format.read_array_header_1_0(head)
+                if len(shape) == 1:
+                    return path, key, int(shape[0])
+        except (ValueError, OSError, EOFError):
+            pass  # the full read below reports the error
+        return path, key, int(self.read(gid)[2].shape[0])
+
+    def read(self, gid: int):
+        """(shard path, key, tokens: int ndarray[L], segments) of global sample `gid`."""
+        path, idx, i, f = self._locate(gid)
         key = idx.keys[i]
         try:
             f.seek(int(idx.tok_off[i]))
@@ -327,7 +431,9 @@ class _SampleStream:
             tokens = np.load(io.BytesIO(raw_tokens), allow_pickle=False)
             meta = json.loads(raw_json.decode("utf-8"))
         except (ValueError, OSError, EOFError, UnicodeDecodeError) as e:
-            h = shard_io.damage_hint(spec.fs, path, size)
+            s = int(np.searchsorted(self.order.shard_first, gid, side="right") - 1)
+            size = self.spec.shard_meta[s][1] if self.spec.shard_meta else None
+            h = shard_io.damage_hint(self.spec.fs, path, size)
             raise DataError(shard_io.no_range_message(path, e) or f"shard {path}: sample {key} is "
                             f"undecodable ({e}){'; ' + h if h else ''}") from None
         if tokens.ndim != 1 or tokens.dtype.kind not in "ui" or not isinstance(meta, dict) \
@@ -336,39 +442,37 @@ class _SampleStream:
                             f"and json must have segments")
         return path, key, tokens, meta["segments"]
 
-    def _load_window(self) -> None:
-        W = self.spec.window
-        w = self.n // W
-        if self._window_id == (self.epoch, w):
-            return
-        ids = self._sequence()[w * W:(w + 1) * W]
-        loaded = {int(i): self._read(int(i)) for i in np.sort(ids)}  # file order within chunks
-        if self.spec.shuffle:
-            rng = np.random.default_rng([self.spec.seed, self.epoch, self.gid, w, _SALT_WINDOW])
-            ids = ids[rng.permutation(len(ids))]
-        self._window = [loaded[int(i)] for i in ids]
-        self._window_id = (self.epoch, w)
-
-    def peek(self):
-        """(shard path, key, tokens, segments, epoch) of the next sample, or None at the end."""
-        if self.n >= self.size:
-            if not self.spec.infinite or self.size == 0:
-                return None
-            self.epoch, self.n = self.epoch + 1, 0
-        self._load_window()
-        return (*self._window[self.n % self.spec.window], self.epoch)
-
-    def advance(self) -> None:
-        self.n += 1
-
     def close(self) -> None:
         for f in self._files.values():
             f.close()
         self._files.clear()
 
 
-def _reorganize(spec: _Spec, item):
-    path, key, tokens, segments, epoch = item
+def _window_rows(spec: _Spec, order: _Order, reader: _Reader, epoch: int, w: int):
+    """Rows of window w: (list of rows, each a list of global ids; {gid: read sample} of
+    samples already read, empty: packing reads only the lengths, from the tokens.npy
+    headers, and each worker reads its own rows' samples)."""
+    ids = order.window(epoch, w)
+    if spec.packing == "none":
+        return [[int(i)] for i in ids], {}
+    info = {int(i): reader.length(int(i)) for i in np.sort(ids)}  # file order within chunks
+    lengths = [info[int(i)][2] for i in ids]
+    for i, L in zip(ids, lengths):
+        if L > spec.max_length:
+            path, key = info[int(i)][:2]
+            raise DataError(f"shard {path}: sample {key} has {L} tokens > max_length {spec.max_length}")
+    if spec.packing == "next_fit":
+        rows = next_fit(lengths, spec.max_length)
+    else:
+        rows = best_fit_decreasing(lengths, spec.max_length)
+        if spec.shuffle:  # BFD creates rows longest-first: do not feed them in that trend
+            rng = np.random.default_rng([spec.seed, epoch, w, _SALT_ROWS])
+            rows = [rows[int(r)] for r in rng.permutation(len(rows))]
+    return [[int(ids[i]) for i in row] for row in rows], {}
+
+
+def _reorganize(spec: _Spec, item, epoch: int):
+    path, key, tokens, segments = item
     L = int(tokens.shape[0])
     if L > spec.max_length:
         raise DataError(f"shard {path}: sample {key} has {L} tokens > max_length {spec.max_length}")
@@ -382,43 +486,46 @@ def _reorganize(spec: _Spec, item):
         raise DataError(f"shard {path}: bad segments in sample {key} ({e})") from None
 
 
-def _stream_batches(spec: _Spec, local: int, epoch: int, n: int) -> Iterator[dict]:
-    """Micro-batches of one stream; each carries `_stream` and `_pos` (position after it)."""
-    stream = _SampleStream(spec, local, epoch, n)
-    try:
-        yield from _batches_of(spec, stream)
-    finally:
-        stream.close()
+def _rank_batches(spec: _Spec, cursor: tuple, worker: int, num_workers: int) -> Iterator[dict]:
+    """Micro-batches of this DP rank for rounds k = worker, worker + num_workers, ... counted
+    from `cursor` = (epoch, window, row); each carries `_pos`, the cursor after its round."""
+    order = _Order(spec)
+    reader = _Reader(spec, order)
+    B, R, d = spec.micro_batch_size, spec.micro_batch_size * spec.dp_size, spec.dp_rank
+    epoch, w, r = (int(v) for v in cursor)
+    j = 0          # rows walked since the cursor
+    mine: list = []
 
-
-def _batches_of(spec: _Spec, stream: _SampleStream) -> Iterator[dict]:
-    B, T = spec.micro_batch_size, spec.max_length
-    while True:
-        rows: list[list] = []
-        if not spec.pack:
-            while len(rows) < B and (item := stream.peek()) is not None:
-                rows.append([_reorganize(spec, item)])
-                stream.advance()
-        else:
-            row, used = [], 0
-            while len(rows) < B and (item := stream.peek()) is not None:
-                L = int(item[2].shape[0])
-                if used + L <= T:
-                    row.append(_reorganize(spec, item))
-                    used += L
-                    stream.advance()
-                else:
-                    rows.append(row)
-                    row, used = [], 0
-            if row and len(rows) < B:
-                rows.append(row)
-        if not rows:
-            return
+    def batch(pos):
+        rows = []
+        for e, row, loaded in mine:
+            rows.append([_reorganize(spec, loaded.get(g) or reader.read(g), e) for g in row])
         rows += [[] for _ in range(B - len(rows))]
-        batch = collate(rows, T, spec.pad_id)
-        batch["_stream"] = stream.local
-        batch["_pos"] = stream.position
-        yield batch
+        out = collate(rows, spec.max_length, spec.pad_id)
+        out["_pos"] = pos
+        return out
+
+    try:
+        while order.size:
+            if w >= order.n_windows:
+                if not spec.infinite:
+                    break
+                epoch, w, r = epoch + 1, 0, 0
+            rows, loaded = _window_rows(spec, order, reader, epoch, w)
+            for ri in range(r, len(rows)):
+                k, slot = divmod(j, R)
+                if k % num_workers == worker and slot // B == d:
+                    mine.append((epoch, rows[ri], loaded))
+                j += 1
+                if j % R == 0:
+                    if k % num_workers == worker:
+                        yield batch((epoch, w, ri + 1))
+                    mine = []
+            w, r = w + 1, 0
+        if j % R and (j // R) % num_workers == worker:  # one pass: the last, partial round
+            yield batch((epoch, w, 0))
+    finally:
+        reader.close()
 
 
 def _worker_init(worker_id: int) -> None:
@@ -451,20 +558,24 @@ def _stop_all_workers() -> None:
         _stop_workers(it)
 
 
-class _StreamDataset(IterableDataset):
-    def __init__(self, spec: _Spec, positions: list, rotate: int):
-        self.spec, self.positions, self.rotate = spec, positions, rotate
+class _RankDataset(IterableDataset):
+    def __init__(self, spec: _Spec, cursor: tuple, num_workers: int):
+        self.spec, self.cursor, self.num_workers = spec, cursor, num_workers
 
     def __iter__(self):
         info = get_worker_info()
-        n_local = len(self.spec.stream_ids)
         wid = info.id if info is not None else 0
-        local = (wid + self.rotate) % n_local
-        epoch, n = self.positions[local]
         spec = self.spec
         if info is not None:  # a forked worker: an async filesystem (http, s3) needs its own instance
             spec = dataclasses.replace(spec, fs=shard_io.fs_for_this_process(spec.fs))
-        return _stream_batches(spec, local, epoch, n)
+        return _rank_batches(spec, self.cursor, wid, max(1, self.num_workers))
+
+
+# Settings that define the global row list: a state only continues under the same ones.
+_ORDER_KEYS = ("split", "seed", "max_length", "packing", "shuffle_buffer", "shuffle", "objective",
+               "data")
+# Settings of the layout: the same on a plain resume; another one only with allow_reshard.
+_LAYOUT_KEYS = ("dp_size", "dp_rank", "micro_batch_size")
 
 
 class ShardLoader:
@@ -472,44 +583,47 @@ class ShardLoader:
 
     Build it with `build_loader`. Iterating yields `objective.collate` dicts
     (`LongTensor[B, T]` etc., see ARCHITECTURE.md "Batch"). Breaking out of the loop and
-    iterating again continues where the last yielded batch left off. Exact continuation
-    (the same interleaving of workers) holds for infinite loaders; a one-pass loader resumes
-    every stream at the right sample but may interleave workers differently near its end.
+    iterating again continues where the last yielded batch left off (prefetched batches are
+    not consumed).
 
     Attributes:
         manifest: the folder's manifest. mask_id / pad_id: from it.
-        samples_per_epoch: shard samples this rank sees per epoch (all its streams).
-        consumed_samples: shard samples in the batches yielded so far (this rank).
-        batches: micro-batches yielded so far.
+        samples_per_epoch: shard samples per epoch of the split (all ranks together).
+        consumed_samples: shard samples in the batches this rank yielded.
+        batches: micro-batches yielded so far (equal on every rank: one per round).
+        cursor: (epoch, window, row) of the first row not in a yielded round (same on every rank).
     """
 
-    def __init__(self, spec: _Spec, manifest: dict, fingerprint: str, dp_rank: int, dp_size: int,
-                 num_workers: int, prefetch_factor: int, data_dir: str | None = None):
+    def __init__(self, spec: _Spec, manifest: dict, fingerprint: str, num_workers: int,
+                 prefetch_factor: int, data_dir: str | None = None):
         self.spec, self.manifest, self.fingerprint = spec, manifest, fingerprint
         self.data_dir = data_dir
-        self.dp_rank, self.dp_size, self.num_workers = dp_rank, dp_size, num_workers
+        self.dp_rank, self.dp_size, self.num_workers = spec.dp_rank, spec.dp_size, num_workers
         self.prefetch_factor = prefetch_factor
         self.mask_id, self.pad_id = spec.mask_id, spec.pad_id
-        self.samples_per_epoch = sum(p.count for ps in spec.pieces for p in ps)
-        self._positions = [(0, 0) for _ in spec.pieces]
+        self.samples_per_epoch = sum(n for _, n in spec.shards)
+        self.cursor = (0, 0, 0)
         self.batches = 0
         self.consumed_samples = 0
 
     @property
     def epoch(self) -> int:
-        """The lowest epoch any of this rank's streams is in (0-based)."""
-        return min(e for e, _ in self._positions)
+        """The epoch of the next row (0-based)."""
+        return self.cursor[0]
 
     def __iter__(self) -> Iterator[dict]:
-        n_local = len(self.spec.stream_ids)
-        ds = _StreamDataset(self.spec, list(self._positions), self.batches % n_local)
+        ds = _RankDataset(self.spec, tuple(self.cursor), self.num_workers)
         if self.num_workers > 0:
             # fork: workers start in milliseconds and inherit in-memory fsspec stores; the
             # workers never touch CUDA. Elsewhere (no fork) the platform default is used.
             ctx = "fork" if "fork" in multiprocessing.get_all_start_methods() else None
+            # Own generator: the iterator's base seed must not be drawn from the global torch RNG
+            # (a resumed run would be one draw ahead). Workers use no torch randomness.
+            gen = torch.Generator().manual_seed(self.spec.seed)
             it = iter(DataLoader(ds, batch_size=None, num_workers=self.num_workers,
                                  prefetch_factor=self.prefetch_factor, persistent_workers=False,
-                                 multiprocessing_context=ctx, worker_init_fn=_worker_init))
+                                 multiprocessing_context=ctx, worker_init_fn=_worker_init,
+                                 generator=gen))
             global _ATEXIT_REGISTERED
             if not _ATEXIT_REGISTERED:  # registered after torch's/multiprocessing's: runs first
                 atexit.register(_stop_all_workers)
@@ -527,8 +641,7 @@ class ShardLoader:
                     lines = [ln for ln in str(e).splitlines() if ln.strip()]
                     msg = lines[-1].split("DataError: ", 1)[-1] if lines else str(e)
                     raise DataError(msg) from None
-                local, pos = int(batch.pop("_stream")), tuple(int(v) for v in batch.pop("_pos"))
-                self._positions[local] = pos
+                self.cursor = tuple(int(v) for v in batch.pop("_pos"))
                 self.batches += 1
                 self.consumed_samples += len(batch["keys"])
                 yield batch
@@ -539,32 +652,52 @@ class ShardLoader:
 
     def _config(self) -> dict:
         s = self.spec
-        return {"split": s.split, "seed": s.seed, "dp_size": self.dp_size, "dp_rank": self.dp_rank,
+        return {"split": s.split, "seed": s.seed, "dp_size": s.dp_size, "dp_rank": s.dp_rank,
                 "num_workers": self.num_workers, "micro_batch_size": s.micro_batch_size,
-                "max_length": s.max_length, "pack": s.pack, "shuffle_buffer": s.window,
+                "max_length": s.max_length, "packing": s.packing, "shuffle_buffer": s.window,
                 "shuffle": s.shuffle, "objective": dict(vars(s.objective)), "data": self.fingerprint}
 
     def state_dict(self) -> dict:
-        """Picklable/JSON-able state after the last yielded batch (one per data-parallel rank;
-        the TP ranks of a DP group have equal states)."""
-        return {"version": STATE_VERSION, "config": self._config(),
-                "positions": [list(p) for p in self._positions], "batches": self.batches,
-                "consumed_samples": self.consumed_samples, "data_dir": self.data_dir}
+        """JSON-able state after the last yielded batch. Its `cursor` is the same on every rank
+        after the same number of batches (any rank's state continues any layout); `batches`
+        and `consumed_samples` are this rank's counters."""
+        return {"version": STATE_VERSION, "config": self._config(), "cursor": list(self.cursor),
+                "batches": self.batches, "consumed_samples": self.consumed_samples,
+                "data_dir": self.data_dir}
 
-    def load_state_dict(self, state: dict) -> None:
-        """Continue exactly after the batch the state was taken at.
+    def load_state_dict(self, state: dict, allow_reshard: bool = False) -> None:
+        """Continue after the batch the state was taken at.
+
+        On the same layout (dp_size, dp_rank, micro_batch_size) the batches are bit-identical
+        to an uninterrupted run's; num_workers may differ (it does not change the batches).
+        With `allow_reshard=True` the layout may differ too: the global row list continues at
+        the saved cursor, dealt to the new ranks, so every row of the epoch not yet consumed is
+        seen exactly once (the cursor must come from a point where every old rank yielded the
+        same number of batches, as at a training checkpoint).
+
+        Args:
+            state: from `state_dict()` (any rank's, when resharding).
+            allow_reshard: accept another data-parallel size / rank / micro-batch size.
 
         Raises:
-            DataError: the state comes from a different data-parallel size, worker count,
-                seed, batch shape, objective or shard set (named in the message).
+            DataError: a state of another version, seed, row length, packing, shuffle
+                settings, objective or shard set, or (without allow_reshard) another layout;
+                the message names the field.
         """
         if state.get("version") != STATE_VERSION:
-            raise DataError(f"loader state: version {state.get('version')!r} is not {STATE_VERSION}")
+            raise DataError(f"loader state: version {state.get('version')!r} is not {STATE_VERSION} "
+                            f"(states of the per-stream order before version 2 cannot continue the "
+                            f"global order; restart the data stream or use the older release)")
         saved, now = state["config"], self._config()
-        if saved["dp_size"] != now["dp_size"]:
-            raise DataError(f"loader state: saved with data-parallel size {saved['dp_size']}, this run has "
-                            f"{now['dp_size']}; changing the DP size on resume is not supported")
-        for k in now:
+        if not allow_reshard:
+            if saved["dp_size"] != now["dp_size"]:
+                raise DataError(f"loader state: saved with data-parallel size {saved['dp_size']}, this "
+                                f"run has {now['dp_size']}; changing the DP size on resume needs "
+                                f"allow_reshard (checkpoint.reshard: true)")
+            keys = _ORDER_KEYS + _LAYOUT_KEYS
+        else:
+            keys = _ORDER_KEYS
+        for k in keys:
             if saved.get(k) != now[k]:
                 where = ""
                 if k == "data":  # the shard set: name the folders (states before data_dir: unknown)
@@ -572,7 +705,7 @@ class ShardLoader:
                              f"saved, of {self.data_dir} now)")
                 raise DataError(f"loader state: {k} was {saved.get(k)!r} when saved, is {now[k]!r} now"
                                 f"{where}; resume with the same data settings")
-        self._positions = [tuple(p) for p in state["positions"]]
+        self.cursor = tuple(int(v) for v in state["cursor"])
         self.batches = int(state["batches"])
         self.consumed_samples = int(state["consumed_samples"])
 
@@ -580,9 +713,10 @@ class ShardLoader:
 def build_loader(data_dir: str, split: str, micro_batch_size: int, max_length: int, *,
                  dp_rank: int = 0, dp_size: int = 1, seed: int = 0, num_workers: int = 2,
                  objective_cfg: ObjectiveConfig | None = None, pack: bool = False,
-                 shuffle_buffer: int = 1000, shuffle: bool = True, infinite: bool = True,
-                 vocab_size: int | None = None, tokenizer_hash: str | None = None,
-                 prefetch_factor: int = 4, verify_shards: str = "error") -> ShardLoader:
+                 packing: str = "best_fit", shuffle_buffer: int = 1000, shuffle: bool = True,
+                 infinite: bool = True, vocab_size: int | None = None,
+                 tokenizer_hash: str | None = None, prefetch_factor: int = 4,
+                 verify_shards: str = "error") -> ShardLoader:
     """The training/eval loader of one data-parallel rank (the same on every TP rank).
 
     Args:
@@ -592,15 +726,17 @@ def build_loader(data_dir: str, split: str, micro_batch_size: int, max_length: i
         max_length: tokens per row (T); must be >= the manifest's max_length.
         dp_rank, dp_size: data-parallel rank and size.
         seed: run seed; shuffling and the objective's randomness derive from it.
-        num_workers: DataLoader worker processes (0 = in this process). Part of the state.
+        num_workers: DataLoader worker processes (0 = in this process); does not change the
+            batches.
         objective_cfg: objective options (default: the paper's).
-        pack: greedily pack several shard samples into a row (in stream order; a sample that
-            does not fit starts the next row); otherwise one sample per row, padded.
-        shuffle_buffer: window size of the shuffle, in samples (memory: that many samples per
-            worker).
+        pack: several shard samples per row; otherwise one sample per row, padded.
+        packing: with `pack`: "best_fit" (best-fit decreasing within each shuffle window) or
+            "next_fit" (window order, a sample that does not fit starts the next row).
+        shuffle_buffer: window size of the shuffle and of packing, in samples (memory: that
+            many samples per worker when packing).
         shuffle: False = manifest order (eval).
-        infinite: True = loop over epochs forever (training); False = one pass, the last
-            micro-batch filled with all-padding rows.
+        infinite: True = loop over epochs forever (training); False = one pass, rows of the
+            last round filled with all-padding rows (every rank gets the same batch count).
         vocab_size: model embedding rows, checked against the manifest (None = no check).
         tokenizer_hash: if given, must equal manifest tokenizer.hash.
         prefetch_factor: micro-batches each worker prepares ahead.
@@ -611,8 +747,8 @@ def build_loader(data_dir: str, split: str, micro_batch_size: int, max_length: i
         A `ShardLoader`.
 
     Raises:
-        DataError: bad folder/manifest/split, tokenizer mismatch, too few samples for
-            dp_size x num_workers streams, max_length smaller than the shards'.
+        DataError: bad folder/manifest/split, tokenizer mismatch, an empty split for an
+            infinite loader, max_length smaller than the shards', unknown packing.
     """
     if not 0 <= dp_rank < dp_size:
         raise DataError(f"dp_rank {dp_rank} is not in [0, dp_size={dp_size})")
@@ -620,6 +756,8 @@ def build_loader(data_dir: str, split: str, micro_batch_size: int, max_length: i
         raise DataError(f"verify_shards {verify_shards!r} is not one of {', '.join(shard_io.VERIFY_MODES)}")
     if micro_batch_size < 1 or num_workers < 0 or shuffle_buffer < 1 or seed < 0:
         raise DataError("micro_batch_size and shuffle_buffer must be >= 1, num_workers and seed >= 0")
+    if packing not in PACKINGS:
+        raise DataError(f"packing {packing!r} is not one of {', '.join(PACKINGS)}")
     manifest = read_manifest(data_dir)
     where = f"{data_dir}/manifest.json"
     check_tokenizer(manifest, vocab_size, tokenizer_hash, where)
@@ -630,33 +768,19 @@ def build_loader(data_dir: str, split: str, micro_batch_size: int, max_length: i
                         f"the loader's max_length is {max_length}")
     shards = tuple((s["name"], int(s["samples"])) for s in manifest["splits"][split])
     total = sum(n for _, n in shards)
-    nw = max(1, num_workers)
-    S = dp_size * nw
-    if infinite and total < S:
-        raise DataError(f"{where}: split {split!r} has {total} samples, fewer than dp_size x workers = {S} "
-                        f"streams; use fewer loader workers")
-    starts = np.cumsum([0] + [n for _, n in shards])
-    stream_ids = tuple(dp_rank * nw + w for w in range(nw))
-    pieces = []
-    for g in stream_ids:
-        a, b = g * total // S, (g + 1) * total // S
-        mine = []
-        for i, (_, n) in enumerate(shards):
-            lo, hi = max(a, starts[i]), min(b, starts[i + 1])
-            if lo < hi:
-                mine.append(_Piece(i, int(lo - starts[i]), int(hi - starts[i])))
-        pieces.append(tuple(mine))
+    if infinite and total < 1:
+        raise DataError(f"{where}: split {split!r} has no samples")
     fs, root = _fs(data_dir)
     tok = manifest["tokenizer"]
-    spec = _Spec(fs=fs, root=root, split=split, shards=shards, pieces=tuple(pieces),
-                 stream_ids=stream_ids, seed=int(seed), micro_batch_size=int(micro_batch_size),
-                 max_length=int(max_length), pack=bool(pack), window=int(shuffle_buffer),
-                 shuffle=bool(shuffle), infinite=bool(infinite), mask_id=int(tok["mask_id"]),
-                 pad_id=int(tok["pad_id"]), vocab_limit=int(tok["vocab_size"]),
-                 objective=objective_cfg or ObjectiveConfig(),
+    spec = _Spec(fs=fs, root=root, split=split, shards=shards, seed=int(seed), dp_rank=int(dp_rank),
+                 dp_size=int(dp_size), micro_batch_size=int(micro_batch_size),
+                 max_length=int(max_length), packing=packing if pack else "none",
+                 window=int(shuffle_buffer), shuffle=bool(shuffle), infinite=bool(infinite),
+                 mask_id=int(tok["mask_id"]), pad_id=int(tok["pad_id"]),
+                 vocab_limit=int(tok["vocab_size"]), objective=objective_cfg or ObjectiveConfig(),
                  shard_meta=tuple((s.get("sha256"), s.get("bytes")) for s in manifest["splits"][split]),
                  verify=verify_shards)
     fingerprint = hashlib.sha256(json.dumps([manifest["tokenizer"], manifest["splits"][split]],
                                             sort_keys=True).encode()).hexdigest()[:16]
-    return ShardLoader(spec, manifest, fingerprint, dp_rank, dp_size, num_workers, prefetch_factor,
+    return ShardLoader(spec, manifest, fingerprint, num_workers, prefetch_factor,
                        data_dir=str(data_dir))

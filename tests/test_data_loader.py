@@ -96,16 +96,20 @@ def test_resume_in_fresh_processes_equals_uninterrupted_run(tmp_path):
 def test_one_pass_covers_every_sample_once(num_workers):
     url = f"memory://cover{num_workers}"
     write_shards(url, {"train": random_samples(np.random.default_rng(1), 23)}, samples_per_shard=4)
-    keys = []
+    keys, consumed, batches = [], 0, set()
     for rank in range(3):
         loader = build_loader(url, "train", 2, 48, dp_rank=rank, dp_size=3, seed=0,
                               num_workers=num_workers, shuffle_buffer=3, infinite=False)
         for b in loader:
             keys += b["keys"]
-            # all-padding rows fill the last micro-batch of a stream
+            # all-padding rows fill the last micro-batch of the last round
             assert b["input_ids"].shape == (2, 48)
-        assert loader.consumed_samples == loader.samples_per_epoch
+        consumed += loader.consumed_samples
+        batches.add(loader.batches)
+        assert loader.samples_per_epoch == 23
     assert sorted(keys) == [f"train{i:07d}" for i in range(23)]
+    assert consumed == 23
+    assert batches == {4}  # ceil(23 / (3 ranks x 2 rows)): every rank the same count
 
 
 def test_new_epoch_reshuffles_and_redraws():
@@ -133,9 +137,9 @@ def test_packing_keeps_samples_whole_and_pads_less():
     write_shards(url, {"train": samples}, samples_per_shard=10)
     by_key = {f"train{i:07d}": s for i, s in enumerate(samples)}
     pad_frac = {}
-    for pack in (False, True):
-        loader = build_loader(url, "train", 4, 48, seed=1, num_workers=0, pack=pack, infinite=False,
-                              shuffle_buffer=5)
+    for pack in (False, "next_fit", "best_fit"):
+        loader = build_loader(url, "train", 4, 48, seed=1, num_workers=0, pack=bool(pack),
+                              packing=pack or "best_fit", infinite=False, shuffle_buffer=10)
         real = total = 0
         keys = []
         for b in loader:
@@ -153,7 +157,8 @@ def test_packing_keeps_samples_whole_and_pads_less():
         assert sorted(keys) == sorted(by_key)
         assert real == sum(len(t) for t, _ in samples)
         pad_frac[pack] = 1 - real / total
-    assert pad_frac[True] < pad_frac[False] - 0.2
+    assert pad_frac["next_fit"] < pad_frac[False] - 0.2
+    assert pad_frac["best_fit"] < pad_frac["next_fit"]
 
 
 def test_dp_size_change_and_other_settings_are_refused():
@@ -164,8 +169,17 @@ def test_dp_size_change_and_other_settings_are_refused():
     state = loader.state_dict()
     with pytest.raises(DataError, match="data-parallel size 2.*has 1"):
         build_loader(url, "train", 2, 48, dp_size=1, num_workers=0).load_state_dict(state)
-    with pytest.raises(DataError, match="num_workers"):
-        build_loader(url, "train", 2, 48, dp_size=2, num_workers=1).load_state_dict(state)
+    with pytest.raises(DataError, match="micro_batch_size"):
+        build_loader(url, "train", 1, 48, dp_size=2, num_workers=0).load_state_dict(state)
+    with pytest.raises(DataError, match="packing"):
+        build_loader(url, "train", 2, 48, dp_size=2, num_workers=0, pack=True).load_state_dict(state)
+    with pytest.raises(DataError, match="version 1 is not 2"):
+        build_loader(url, "train", 2, 48, dp_size=2, num_workers=0).load_state_dict(dict(state, version=1))
+    # the worker count does not change the batches: another one resumes exactly
+    full = _take(build_loader(url, "train", 2, 48, dp_rank=0, dp_size=2, num_workers=0), 5)
+    other_workers = build_loader(url, "train", 2, 48, dp_size=2, num_workers=2)
+    other_workers.load_state_dict(state)
+    _same(_take(other_workers, 3), full[2:])
     with pytest.raises(DataError, match="objective"):
         build_loader(url, "train", 2, 48, dp_size=2, num_workers=0,
                      objective_cfg=ObjectiveConfig(eps=0.1)).load_state_dict(state)
@@ -201,8 +215,8 @@ def test_tokenizer_and_shape_checks():
         build_loader(url, "train", 1, 16, vocab_size=128)
     with pytest.raises(DataError, match="no split 'val'"):
         build_loader(url, "val", 1, 48)
-    with pytest.raises(DataError, match="fewer than dp_size x workers"):
-        build_loader(url, "train", 1, 48, dp_size=2, num_workers=8)
+    with pytest.raises(DataError, match="packing 'first_fit' is not one of next_fit, best_fit"):
+        build_loader(url, "train", 1, 48, vocab_size=128, pack=True, packing="first_fit")
     with pytest.raises(DataError, match="no manifest.json"):
         build_loader("memory://nothing-here", "train", 1, 48)
 
