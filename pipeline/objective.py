@@ -268,7 +268,8 @@ def collate(rows: Sequence[Sequence[Reorganized]], max_length: int, pad_id: int)
 
     Row b holds the samples `rows[b]` one after another, then padding up to `max_length`.
     Segment ids number the segments of a row 1, 2, ... (0 = padding); padding position ids
-    continue after the row's last segment (REFUSION.md step 4) and padding is never labelled.
+    continue after the length L of the row's last segment (L, L+1, ...; REFUSION.md step 4, not
+    after the last fed token's position) and padding is never labelled.
 
     Args:
         rows: B lists of `Reorganized` (an empty list gives an all-padding row).
@@ -311,7 +312,12 @@ def collate(rows: Sequence[Sequence[Reorganized]], max_length: int, pad_id: int)
             ps.append(s.p)
             response_tokens += s.response_tokens
         if used < T:
-            last = position_ids[b, used - 1] + 1 if used else 0
+            # after the last segment's length: its position ids are a permutation of 0..L-1 in
+            # fed order (masked slots moved to the end), so L = their maximum + 1
+            last = 0
+            if used:
+                s = samples[-1]
+                last = int(s.position_ids[s.segment == s.segment[-1]].max()) + 1
             position_ids[b, used:] = np.arange(last, last + T - used)
     segment_p = np.concatenate(ps) if ps else np.zeros(0)
     return {

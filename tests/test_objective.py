@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pipeline.objective import (IGNORE_INDEX, ObjectiveConfig, collate, hybrid_loss,
+from pipeline.objective import (IGNORE_INDEX, ObjectiveConfig, Reorganized, collate, hybrid_loss,
                                 reorganize_sample, sample_rng, slot_layout)
 from shard_fixtures import random_samples
 
@@ -393,3 +393,26 @@ def test_vocab_parallel_loss_and_same_batch_on_tp_ranks(tmp_path):
             torch.testing.assert_close(gh, h.grad, rtol=1e-6, atol=1e-7)
         gw = torch.cat([out[0]["chunked"][mode][2], out[1]["chunked"][mode][2]], dim=0)
         torch.testing.assert_close(gw, w.grad, rtol=1e-6, atol=1e-7)
+
+
+def _reorganized(key, input_ids, position_ids, segment, is_masked):
+    n = len(input_ids)
+    return Reorganized(key=key, input_ids=np.array(input_ids), position_ids=np.array(position_ids),
+                       labels=np.full(n, IGNORE_INDEX), is_masked=np.array(is_masked, dtype=bool),
+                       loss_weight=np.zeros(n, np.float32), segment=np.array(segment),
+                       p=np.full(int(max(segment)) + 1, 0.5), response_tokens=n)
+
+
+def test_collate_padding_positions_continue_after_the_last_segment_length():
+    # issue 11: tokens [7, 8], slot 0 masked, slot 1 clean: fed [8, mask] at positions [1, 0];
+    # padding continues after L = 2, not after the last fed position 0
+    s = _reorganized("a", [8, 99], [1, 0], [0, 0], [False, True])
+    b = collate([[s]], 4, pad_id=0)
+    assert b["position_ids"].tolist() == [[1, 0, 2, 3]]
+    # a two-segment sample before it, a packed row: after the row's LAST segment (length 3)
+    two = _reorganized("b", [5, 6, 7, 99], [0, 1, 1, 0], [0, 0, 1, 1], [False] * 3 + [True])
+    last = _reorganized("c", [9, 99, 98], [2, 0, 1], [0, 0, 0], [False, True, True])
+    b = collate([[two, last], []], 9, pad_id=0)
+    assert b["position_ids"][0].tolist() == [0, 1, 1, 0, 2, 0, 1, 3, 4]
+    assert b["position_ids"][1].tolist() == list(range(9))       # all-padding row
+    assert b["segment_ids"][0].tolist() == [1, 1, 2, 2, 3, 3, 3, 0, 0]
