@@ -9,8 +9,10 @@ Owns: the evaluation loops and their figures. Must not touch: the loss (`pipelin
 decoding (`pipeline.decoding`), shard layout (read with webdataset / `pipeline.data`).
 
 - Shard folder: validation loss of the split (`pipeline.data` loader in manifest order, one
-  pass, `pipeline.objective.hybrid_loss`: loss, AR and MDM terms, averaged over micro-batches
-  as the trainer does), then for up to `--limit` query/response segments of that split
+  pass, `pipeline.objective.hybrid_loss`: loss, AR and MDM terms weighted by tokens and
+  segments over the whole split, as the trainer's validation does; independent of
+  `--micro-batch-size`; for a training checkpoint the run's seed and objective are the
+  defaults, so the figure equals the trainer's validation at that step), then for up to `--limit` query/response segments of that split
   (prompt_length > 0): decode the prompt in each mode and compare with the reference response.
 - JSONL: records with "query" (or "prompt") and "response" (or "answer"); the prompt is wrapped
   as the data pipeline wraps queries; exact match only.
@@ -58,10 +60,55 @@ HUMANEVAL_STOP = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#", "\na
 # Validation loss
 
 
+def loss_sums(stats: dict) -> torch.Tensor:
+    """The additive parts of one micro-batch's hybrid loss, from `hybrid_loss`'s stats.
+
+    Returns:
+        FloatTensor[5] (float64, on the stats' device): [sum of AR cross-entropy over AR
+        tokens, AR tokens, sum of weighted MDM cross-entropy, segments (the MDM term's
+        normalizer), real tokens]. Sums over micro-batches (and ranks) give the loss of the
+        union, whatever the batching: see `loss_figures`.
+    """
+    ar_t = stats["ar_tokens"].double()
+    seg = stats["num_segments"].to(ar_t.device).double()
+    return torch.stack([stats["ar_loss"].double() * ar_t, ar_t,
+                        stats["mdm_loss"].double() * seg, seg,
+                        stats["real_tokens"].to(ar_t.device).double()])
+
+
+def loss_figures(sums, cfg=None, prefix: str = "val_") -> dict:
+    """Loss figures of a data set from summed `loss_sums`, weighted as the training loss of a
+    micro-batch is (REFUSION.md step 6), over the whole set instead of one micro-batch:
+    AR = sum AR CE / AR tokens, MDM = sum weighted MDM CE / segments,
+    loss = ar_weight * AR + mdm_weight * MDM (an empty term is 0).
+
+    Args:
+        sums: FloatTensor[5] or sequence of 5 floats (see `loss_sums`).
+        cfg: `pipeline.objective.ObjectiveConfig` (term weights); default the paper's.
+        prefix: key prefix.
+
+    Returns:
+        {prefix+"loss", prefix+"ar_loss", prefix+"mdm_loss"} (nats; None when the set had no
+        labelled token) and prefix+"tokens" (real tokens, int).
+    """
+    from pipeline.objective import ObjectiveConfig
+    cfg = cfg or ObjectiveConfig()
+    ar_sum, ar_t, mdm_sum, seg, tokens = (float(v) for v in sums)
+    ar = ar_sum / ar_t if ar_t else 0.0
+    mdm = mdm_sum / seg if seg else 0.0
+    some = bool(ar_t or seg)
+    return {f"{prefix}loss": cfg.ar_weight * ar + cfg.mdm_weight * mdm if some else None,
+            f"{prefix}ar_loss": ar if some else None, f"{prefix}mdm_loss": mdm if some else None,
+            f"{prefix}tokens": int(round(tokens))}
+
+
 @torch.no_grad()
 def validation_loss(model, data_dir: str, split: str = "val", micro_batch_size: int = 4,
-                    max_batches: int = 0, seed: int = 0) -> dict:
-    """Mean hybrid loss over the split's micro-batches (manifest order, one pass).
+                    max_batches: int = 0, seed: int = 0, objective_cfg=None) -> dict:
+    """Hybrid loss of the split (manifest order, one pass), weighted by tokens and segments
+    (`loss_figures`), so the figure does not depend on `micro_batch_size` (up to float
+    summation order) and equals the trainer's validation of the same weights, seed and
+    objective on any data-parallel size.
 
     Args:
         model: `pipeline.model.Qwen3` (eval mode).
@@ -70,10 +117,11 @@ def validation_loss(model, data_dir: str, split: str = "val", micro_batch_size: 
         micro_batch_size: rows per micro-batch; rows are padded to the manifest's max_length.
         max_batches: stop after this many micro-batches (0 = the whole split).
         seed: objective seed (which slots are masked: a pure function of seed and sample key).
+        objective_cfg: `ObjectiveConfig` of the run (default: the paper's).
 
     Returns:
         {"val_loss", "val_ar_loss", "val_mdm_loss", "val_batches", "val_tokens"} (losses in
-        nats, means over micro-batches; tokens = real tokens seen).
+        nats; tokens = real tokens seen).
 
     Raises:
         pipeline.data.DataError: unreadable folder or split.
@@ -83,23 +131,36 @@ def validation_loss(model, data_dir: str, split: str = "val", micro_batch_size: 
     manifest = read_manifest(data_dir)
     loader = build_loader(data_dir, split, micro_batch_size, int(manifest["max_length"]),
                           seed=seed, num_workers=0, shuffle=False, infinite=False,
-                          vocab_size=model.cfg.vocab_size)
+                          vocab_size=model.cfg.vocab_size, objective_cfg=objective_cfg)
     dev = next(model.parameters()).device
-    sums = [0.0, 0.0, 0.0]
-    n = tokens = 0
+    sums = torch.zeros(5, dtype=torch.float64, device=dev)
+    n = 0
     for batch in loader:
         if max_batches and n >= max_batches:
             break
         logits = model(batch["input_ids"].to(dev), batch["position_ids"].to(dev),
                        segment_ids=batch["segment_ids"].to(dev))
-        loss, stats = hybrid_loss(logits.float(), batch)
-        for i, v in enumerate((loss, stats["ar_loss"], stats["mdm_loss"])):
-            sums[i] += float(v)
-        tokens += int(stats["real_tokens"])
+        _, stats = hybrid_loss(logits.float(), batch, objective_cfg)
+        sums += loss_sums(stats)
         n += 1
-    mean = (lambda x: x / n if n else None)
-    return {"val_loss": mean(sums[0]), "val_ar_loss": mean(sums[1]),
-            "val_mdm_loss": mean(sums[2]), "val_batches": n, "val_tokens": tokens}
+    return {**loss_figures(sums.cpu(), objective_cfg), "val_batches": n}
+
+
+def run_settings(model_path) -> tuple[int | None, dict | None]:
+    """(train.seed, objective section) recorded in a training checkpoint's run config, or
+    (None, None) for a Hugging Face folder or a checkpoint that does not record them."""
+    from pipeline import checkpoint
+    path = Path(model_path)
+    if (path / "config.json").is_file():
+        return None, None
+    try:
+        step = checkpoint.resolve_checkpoint_dir(path)
+        ours = torch.load(Path(step) / "refusion_rank_00000.pt", map_location="cpu",
+                          weights_only=False)
+        cfg = ours["client_state"]["config"]
+        return int(cfg["train"]["seed"]), dict(cfg.get("objective") or {}) or None
+    except Exception:  # noqa: BLE001 - not a checkpoint, or an old one: no recorded settings
+        return None, None
 
 
 # --------------------------------------------------------------------------------------------
@@ -328,8 +389,14 @@ def main(argv=None) -> int:
     p.add_argument("--json", action="store_true", help="print one JSON document")
     p.add_argument("--json-out", default=None, help="also write the JSON document to this file")
     add_decoding_args(p)
-    p.set_defaults(gen_length=64, num_blocks=2)
+    p.set_defaults(gen_length=64, num_blocks=2, seed=None)
+    p._option_string_actions["--seed"].help = (
+        "sampling seed (temperature > 0) and objective seed of the validation loss; default: "
+        "the run's train.seed for a training checkpoint, else 0")
     args = p.parse_args(argv)
+    run_seed, run_objective = run_settings(args.model)
+    if args.seed is None:
+        args.seed = run_seed if run_seed is not None else 0
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     try:
         if not modes or any(m not in ("refusion", "ar") for m in modes):
@@ -356,9 +423,13 @@ def main(argv=None) -> int:
         elif Path(args.data).is_dir() or "://" in str(args.data):  # a shard folder (or URL)
             from pipeline.data import DataError
             try:
+                objective_cfg = None
+                if run_objective:
+                    from pipeline.objective import ObjectiveConfig
+                    objective_cfg = ObjectiveConfig(**run_objective)
                 report["loss"] = validation_loss(loaded.model, args.data, args.split,
                                                  args.micro_batch_size, args.max_batches,
-                                                 args.seed)
+                                                 args.seed, objective_cfg)
                 ex = shard_qa_examples(args.data, args.split, limit)
             except DataError as e:
                 raise UsageError(str(e))

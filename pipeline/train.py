@@ -444,7 +444,7 @@ class Trainer:
         return build_loader(d.dir, split, self.plan.micro_batch_size, self.plan.row_length,
                             dp_rank=self.info.dp_rank, dp_size=self.info.dp_size,
                             seed=self.cfg.train.seed, num_workers=d.num_workers if train else 0,
-                            objective_cfg=self.objective_cfg, pack=d.pack,
+                            objective_cfg=self.objective_cfg, pack=d.pack, packing=d.packing,
                             shuffle_buffer=d.shuffle_buffer, shuffle=train, infinite=train,
                             vocab_size=self.mcfg.vocab_size, verify_shards=d.verify_shards)
 
@@ -565,41 +565,47 @@ class Trainer:
         return metrics, nonfinite, sig
 
     def evaluate(self) -> dict:
-        """Mean validation loss over up to `train.eval_batches` micro-batches per DP rank (0 =
-        the whole split). Every rank runs the same number of forwards (ZeRO-3 gathers weights
-        collectively): the loop stops when any rank's loader is exhausted."""
+        """Validation loss over up to `train.eval_batches` micro-batches per DP rank (0 = the
+        whole split, every sample exactly once whatever the DP size: `pipeline.data` deals one
+        order to the ranks). Loss, AR and MDM terms are weighted by tokens and segments over
+        all ranks' batches (`pipeline.evaluate.loss_figures`), so the figure does not depend
+        on the DP size or micro-batch size. Every rank runs the same number of forwards (ZeRO-3
+        gathers weights collectively): a rank out of batches while another still has one
+        evaluates an all-padding batch, which adds nothing."""
         import torch
         import torch.distributed as dist
-        from pipeline.objective import hybrid_loss
+        from pipeline.evaluate import loss_figures, loss_sums
+        from pipeline.objective import collate, hybrid_loss
         eng, limit = self.engine, self.cfg.train.eval_batches
         eng.eval()
-        sums = torch.zeros(4, dtype=torch.float64, device=self.device)
+        sums = torch.zeros(5, dtype=torch.float64, device=self.device)
         n = 0
-        it = iter(self._build_loader(self.cfg.data.val_split, train=False))
+        loader = self._build_loader(self.cfg.data.val_split, train=False)
+        it = iter(loader)
         with torch.no_grad():
             while limit == 0 or n < limit:
                 batch = next(it, None)
                 have = torch.tensor([0.0 if batch is None else 1.0], device=self.device)
-                dist.all_reduce(have, op=dist.ReduceOp.MIN)
+                dist.all_reduce(have, op=dist.ReduceOp.MAX)
                 if have.item() == 0:
                     break
+                if batch is None:
+                    batch = collate([[] for _ in range(self.plan.micro_batch_size)],
+                                    self.plan.row_length, loader.pad_id)
                 b = self._batch_to_device(batch)
                 hidden = eng(b["input_ids"], b["position_ids"], segment_ids=b["segment_ids"],
                              return_hidden=True)
-                loss, stats = hybrid_loss(hidden, b, self.objective_cfg,
-                                          head=eng.module.head_logits)
-                sums += torch.stack([loss.detach().double(), stats["ar_loss"].double(),
-                                     stats["mdm_loss"].double(), loss.new_ones(()).double()])
+                _, stats = hybrid_loss(hidden, b, self.objective_cfg,
+                                       head=eng.module.head_logits)
+                sums += loss_sums(stats)
                 n += 1
         dist.all_reduce(sums)
-        sums = sums.cpu()
+        sums = (sums / self.plan.tp_size).cpu()  # the TP ranks of a DP group repeat its sums
         eng.train()
-        count = sums[3].item()
-        return {"kind": "val", "step": self.step,
-                "val_loss": sums[0].item() / count if count else None,
-                "val_ar_loss": sums[1].item() / count if count else None,
-                "val_mdm_loss": sums[2].item() / count if count else None,
-                "val_batches": n}
+        figs = loss_figures(sums, self.objective_cfg)
+        return {"kind": "val", "step": self.step, "val_loss": figs["val_loss"],
+                "val_ar_loss": figs["val_ar_loss"], "val_mdm_loss": figs["val_mdm_loss"],
+                "val_batches": n, "val_tokens": figs["val_tokens"]}
 
     def save(self) -> None:
         """Checkpoint now (collective) via `pipeline.checkpoint.save_checkpoint`."""

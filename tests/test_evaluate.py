@@ -45,7 +45,7 @@ def test_validation_loss_equals_transformers_logits_under_the_same_loss(loaded, 
     from pipeline.objective import hybrid_loss
     got = validation_loss(loaded.model, str(shards), "val", micro_batch_size=3, seed=5)
     hf = Qwen3ForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    sums, n, tokens = np.zeros(3), 0, 0
+    sums, n, tokens = np.zeros(4), 0, 0
     for batch in build_loader(str(shards), "val", 3, 40, seed=5, num_workers=0, shuffle=False,
                               infinite=False):
         logits = torch.zeros(*batch["input_ids"].shape, 512)
@@ -61,15 +61,31 @@ def test_validation_loss_equals_transformers_logits_under_the_same_loss(loaded, 
                                         position_ids=batch["position_ids"][b:b + 1, a:e],
                                         attention_mask=torch.ones(1, e - a, dtype=torch.long)
                                         ).logits[0]
-        loss, st = hybrid_loss(logits, batch)
-        sums += [float(loss), float(st["ar_loss"]), float(st["mdm_loss"])]
+        _, st = hybrid_loss(logits, batch)
+        # weighted by tokens (AR) and segments (MDM) over the split, not averaged over batches
+        sums += [float(st["ar_loss"] * st["ar_tokens"]), float(st["ar_tokens"]),
+                 float(st["mdm_loss"] * st["num_segments"]), float(st["num_segments"])]
         tokens += int(st["real_tokens"])
         n += 1
     assert got["val_batches"] == n == 4 and got["val_tokens"] == tokens
-    assert got["val_loss"] == pytest.approx(sums[0] / n, abs=1e-4)
-    assert got["val_ar_loss"] == pytest.approx(sums[1] / n, abs=1e-4)
-    assert got["val_mdm_loss"] == pytest.approx(sums[2] / n, abs=1e-4)
+    ar, mdm = sums[0] / sums[1], sums[2] / sums[3]
+    assert got["val_ar_loss"] == pytest.approx(ar, abs=1e-4)
+    assert got["val_mdm_loss"] == pytest.approx(mdm, abs=1e-4)
+    assert got["val_loss"] == pytest.approx(ar + mdm, abs=1e-4)   # default weights 1, 1
     assert got["val_ar_loss"] > 0 and got["val_mdm_loss"] > 0
+
+
+def test_validation_loss_does_not_depend_on_the_micro_batch_size(loaded, shards):
+    """Issue 11.1: the figure is a property of the weights and the split (9.61 at micro-batch
+    1 vs 10.66 at 3 when it was a mean over batches)."""
+    from pipeline.evaluate import validation_loss
+    figs = [validation_loss(loaded.model, str(shards), "val", micro_batch_size=b, seed=5)
+            for b in (1, 3, 10)]
+    assert [f["val_batches"] for f in figs] == [10, 4, 1]
+    for f in figs[1:]:
+        for k in ("val_loss", "val_ar_loss", "val_mdm_loss"):
+            assert f[k] == pytest.approx(figs[0][k], rel=1e-5), k
+        assert f["val_tokens"] == figs[0]["val_tokens"]
 
 
 def test_cli_on_shards_reports_loss_and_both_modes(loaded, folder, shards, capsys):
