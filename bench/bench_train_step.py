@@ -7,8 +7,12 @@ plain `torch.optim.AdamW` (no DeepSpeed: the arms differ only in data layout and
 ReFusion reorganization runs, which is what is measured).
 
 - ours: `pipeline.data` loader with packing (several samples per row of `max_length` tokens,
-  the reorganization vectorized in numpy outside the model, deterministic from (seed, key,
-  epoch)), model forward with segment masks, `pipeline.objective.hybrid_loss`.
+  `--packing`, default best_fit; the reorganization vectorized in numpy outside the model,
+  deterministic from (seed, key, epoch)), model forward with segment masks,
+  `pipeline.objective.hybrid_loss`.
+- ours with the other packing (next_fit when --packing is best_fit, and the reverse): the same
+  model and loop, so the best_fit / next_fit tokens/s ratio is the effect of packing alone
+  (issue 14: less padding = fewer fed tokens per real token).
 - reference-style baseline (what ML-GSAI/ReFusion does): one sample per row, rows padded to the
   longest sample of the micro-batch (HF `pad_sequence` collator); inside the model's forward a
   Python loop over samples draws t, the slot size and the slot masks from the global RNG and
@@ -21,6 +25,7 @@ baseline's sample reading is not timed; our loader (reading + reorganization + p
     .venv/bin/python bench/bench_train_step.py [--data outputs/demo/shards] [--steps 6]
         [--model-config configs/model/demo.yaml] [--rows 2] [--row-length TOKENS]
         [--device cpu|cuda[:N]] [--dtype fp32|bf16] [--json FIGURES.json]
+        [--packing best_fit|next_fit]
 """
 from __future__ import annotations
 
@@ -117,6 +122,8 @@ def main() -> int:
     ap.add_argument("--rows", type=int, default=2, help="packed rows per micro-batch (ours)")
     ap.add_argument("--row-length", type=int, default=0,
                     help="tokens per packed row (ours; 0 = the manifest max_length)")
+    ap.add_argument("--packing", default="best_fit", choices=("best_fit", "next_fit"),
+                    help="packing of our arm; the other packing runs as a third arm")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda[:N] (timed with the device "
                     "synchronized)")
@@ -161,16 +168,23 @@ def main() -> int:
     torch.manual_seed(0)
     model_a = Qwen3(cfg).to(device=device, dtype=dtype).train()
     model_b = Qwen3(cfg, init_weights=False).to(device=device, dtype=dtype).train()
+    model_c = Qwen3(cfg, init_weights=False).to(device=device, dtype=dtype).train()
     model_b.load_state_dict(model_a.state_dict())
+    model_c.load_state_dict(model_a.state_dict())
 
     def sync():
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     opt_a = torch.optim.AdamW(model_a.parameters(), lr=1e-4)
     opt_b = torch.optim.AdamW(model_b.parameters(), lr=1e-4)
-    loader = iter(build_loader(args.data, "train", args.rows, T, seed=0, num_workers=0,
-                               pack=True, shuffle=False, infinite=True,
-                               vocab_size=cfg.vocab_size))
+    opt_c = torch.optim.AdamW(model_c.parameters(), lr=1e-4)
+    other = "next_fit" if args.packing == "best_fit" else "best_fit"
+
+    def packed_loader(packing):
+        return iter(build_loader(args.data, "train", args.rows, T, seed=0, num_workers=0,
+                                 pack=True, packing=packing, shuffle=False, infinite=True,
+                                 vocab_size=cfg.vocab_size))
+    loader, loader_c = packed_loader(args.packing), packed_loader(other)
     import webdataset as wds
     urls = [str(Path(args.data) / s["name"]) for s in man["splits"]["train"]]
     stream = iter(wds.WebDataset(urls, shardshuffle=False, empty_check=False).decode())
@@ -178,6 +192,7 @@ def main() -> int:
     torch.manual_seed(0)
     ours = {"steps": 0, "real": 0, "fed": 0, "seconds": 0.0, "rates": []}
     base = {"steps": 0, "real": 0, "fed": 0, "seconds": 0.0, "rates": []}
+    alt = {"steps": 0, "real": 0, "fed": 0, "seconds": 0.0, "rates": []}
     # The arms alternate step by step, so both see the same machine load.
     for step in range(args.steps + 1):
         # ours: packed rows, reorganization in the loader (timed: it is part of our step)
@@ -199,6 +214,24 @@ def main() -> int:
             ours["fed"] += batch["input_ids"].numel()
             ours["seconds"] += dt
             ours["rates"].append(real_a / dt)
+        # ours with the other packing (its own stream of the same data)
+        sync()
+        t0 = time.perf_counter()
+        batch_c = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in next(loader_c).items()}
+        logits = model_c(batch_c["input_ids"], batch_c["position_ids"],
+                         segment_ids=batch_c["segment_ids"])
+        loss_c, st_c = hybrid_loss(logits, batch_c)
+        loss_c.backward()
+        opt_c.step()
+        opt_c.zero_grad(set_to_none=True)
+        sync()
+        dt = time.perf_counter() - t0
+        if step:
+            alt["steps"] += 1
+            alt["real"] += int(st_c["real_tokens"])
+            alt["fed"] += batch_c["input_ids"].numel()
+            alt["seconds"] += dt
+            alt["rates"].append(int(st_c["real_tokens"]) / dt)
         # baseline: the next samples of the same stream order, as many real tokens as ours
         samples, n = [], 0
         while n < real_a:
@@ -226,10 +259,13 @@ def main() -> int:
     print(f"model {Path(args.model_config).name}: hidden {cfg.hidden_size}, layers "
           f"{cfg.num_layers}, vocab {cfg.vocab_size}; data {args.data} (row length {T}); "
           f"device {device}, {args.dtype}; torch threads {torch.get_num_threads()}")
+    print(f"ours: packing {args.packing}")
     print(f"{'arm':<28}{'steps':>6}{'real tokens':>13}{'seconds':>9}{'tokens/s':>10}"
           f"{'median':>9}{'padding':>9}")
     med = {}
-    for name, r in (("ours (packed, vectorized)", ours), ("reference-style (padded)", base)):
+    arms = (("ours (packed, vectorized)", ours), (f"ours, {other}", alt),
+            ("reference-style (padded)", base))
+    for name, r in arms:
         med[name] = statistics.median(r["rates"])
         print(f"{name:<28}{r['steps']:>6}{r['real']:>13}{r['seconds']:>9.2f}"
               f"{r['real'] / r['seconds']:>10.0f}{med[name]:>9.0f}{1 - r['real'] / r['fed']:>9.1%}")
@@ -237,14 +273,20 @@ def main() -> int:
     mratio = med["ours (packed, vectorized)"] / med["reference-style (padded)"]
     print(f"tokens/s ratio ours / reference-style: {ratio:.2f}x (total), {mratio:.2f}x (median "
           f"of per-step tokens/s; steps are noisy on a shared machine)")
+    r_bf, r_nf = (ours, alt) if args.packing == "best_fit" else (alt, ours)
+    print(f"tokens/s ratio best_fit / next_fit packing: "
+          f"{(r_bf['real'] / r_bf['seconds']) / (r_nf['real'] / r_nf['seconds']):.2f}x (total), "
+          f"padding {1 - r_bf['real'] / r_bf['fed']:.1%} vs {1 - r_nf['real'] / r_nf['fed']:.1%}")
     if args.json:
         import json
         out = {name: {"steps": r["steps"], "real_tokens": r["real"], "fed_tokens": r["fed"],
                       "seconds": r["seconds"], "tokens_per_s": r["real"] / r["seconds"],
                       "median_tokens_per_s": med[label]}
                for name, label, r in (("ours", "ours (packed, vectorized)", ours),
+                                      (f"ours_{other}", f"ours, {other}", alt),
                                       ("reference", "reference-style (padded)", base))}
-        out.update(device=str(device), dtype=args.dtype, row_length=T, rows=args.rows)
+        out.update(device=str(device), dtype=args.dtype, row_length=T, rows=args.rows,
+                   packing=args.packing)
         Path(args.json).write_text(json.dumps(out, indent=1))
     return 0
 
