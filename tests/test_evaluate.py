@@ -251,3 +251,19 @@ def test_exact_match_eval_reports_token_accuracy_of_shard_references(loaded):
     got = exact_match_eval(loaded, ex, args, ["ar", "refusion"])
     assert got["ar"]["token_accuracy"] == pytest.approx((total - 1) / total)
     assert 0.0 <= got["refusion"]["token_accuracy"] <= 1.0
+
+
+def test_run_settings_of_a_training_checkpoint(tmp_path, folder):
+    """A training checkpoint's recorded train.seed and objective become the validation-loss
+    defaults (the trainer's validation figure for that step); an HF folder has none."""
+    from pipeline.evaluate import run_settings
+    step = tmp_path / "ck" / "step_000000004"
+    step.mkdir(parents=True)
+    torch.save({"client_state": {"config": {"train": {"seed": 11},
+                                            "objective": {"mode": "refusion", "eps": 0.01}}}},
+               step / "refusion_rank_00000.pt")
+    (step / "refusion_meta.json").write_text("{}")
+    (tmp_path / "ck" / "latest").write_text("step_000000004")
+    assert run_settings(tmp_path / "ck") == (11, {"mode": "refusion", "eps": 0.01})
+    assert run_settings(step) == (11, {"mode": "refusion", "eps": 0.01})
+    assert run_settings(folder) == (None, None)
