@@ -51,7 +51,7 @@ def _trainer(info, data_dir, micro_batch_size, pack):
     t.cfg = SimpleNamespace(
         train=SimpleNamespace(eval_batches=0, seed=7),
         data=SimpleNamespace(dir=data_dir, val_split="val", num_workers=0, pack=pack,
-                             packing="best_fit", shuffle_buffer=4))
+                             packing="best_fit", shuffle_buffer=4, verify_shards="error"))
     return t
 
 
