@@ -517,7 +517,8 @@ def check_model_config(step_dir: str | os.PathLike, model_config: Any) -> None:
 
 
 def load_latest(engine, root_dir: str | os.PathLike, load_optimizer_states: bool = True,
-                restore_rng: bool = True, model_config: Any = None) -> dict | None:
+                restore_rng: bool = True, model_config: Any = None,
+                reshard: bool = False) -> dict | None:
     """Resume from the latest complete checkpoint under `root_dir`; collective (all ranks).
 
     Rank 0 chooses the folder (see `find_latest`) and every rank loads that one: DeepSpeed's
@@ -533,6 +534,11 @@ def load_latest(engine, root_dir: str | os.PathLike, load_optimizer_states: bool
         model_config: this run's model config (dataclass, dict or DictConfig); when given, it
             is compared with the recorded one before DeepSpeed loads anything
             (`check_model_config`).
+        reshard: allow a checkpoint of another world size / TP size (ZeRO-3 only): it is
+            converted once (`pipeline.reshard`) and loaded on this layout. The returned state is
+            then old rank 0's client_state plus `"resharded_from"` ({world_size, tp_size,
+            dp_size}) and `"loader_states"` (every old DP rank's `client_state["loader"]`, in DP
+            order); this rank restores the RNG states of old rank `rank % old world size`.
 
     Returns:
         The `client_state` this rank saved, with `"step"` set to the checkpoint's step and
@@ -540,7 +546,8 @@ def load_latest(engine, root_dir: str | os.PathLike, load_optimizer_states: bool
 
     Raises:
         CheckpointError: the checkpoint was written by a job of a different world size or
-            TP size or for a different model config, or DeepSpeed could not load it.
+            TP size (without `reshard`) or for a different model config, or DeepSpeed could
+            not load it, or (`reshard`) it cannot be converted to this layout.
     """
     chosen = None
     if _rank() == 0:
@@ -554,10 +561,13 @@ def load_latest(engine, root_dir: str | os.PathLike, load_optimizer_states: bool
     rank, world = _rank(), _world_size()
     _, tp_size, _, _ = _tp_dp(engine)
     if meta["world_size"] != world or meta["tp_size"] != tp_size:
-        raise CheckpointError(
-            f"{step_dir}: saved by world size {meta['world_size']} with TP {meta['tp_size']}, "
-            f"this job has world size {world} with TP {tp_size}; ZeRO-3 checkpoints resume only "
-            f"on the same layout (export it with `python -m pipeline.export` to change it)")
+        if not reshard:
+            raise CheckpointError(
+                f"{step_dir}: saved by world size {meta['world_size']} with TP {meta['tp_size']}, "
+                f"this job has world size {world} with TP {tp_size}; set checkpoint.reshard=true "
+                f"to continue it on this layout (ZeRO-3), or run on the saved layout")
+        check_model_config(step_dir, model_config)
+        return _load_resharded(engine, step_dir, meta, load_optimizer_states, restore_rng)
     check_model_config(step_dir, model_config)
     load_path, _ = engine.load_checkpoint(str(step_dir.parent), tag=step_dir.name,
                                           load_optimizer_states=load_optimizer_states,
@@ -573,6 +583,44 @@ def load_latest(engine, root_dir: str | os.PathLike, load_optimizer_states: bool
     state["checkpoint_dir"] = str(step_dir)
     _barrier()
     log.info("resumed from %s (step %d)", step_dir, meta["step"])
+    return state
+
+
+def _load_resharded(engine, step_dir: Path, meta: dict, load_optimizer_states: bool,
+                    restore_rng: bool) -> dict:
+    """`load_latest` for a checkpoint of another layout (see `pipeline.reshard`): rank 0
+    converts it (once), every rank loads its TP rank's part, client state from old rank 0."""
+    from pipeline import reshard
+
+    rank, world = _rank(), _world_size()
+    tp_rank, tp_size, _, dp_size = _tp_dp(engine)
+    conv, error = None, None
+    if rank == 0:
+        try:
+            conv = str(reshard.convert_to_universal(step_dir, tp_size))
+        except Exception as e:  # tell every rank, then all raise the same one line
+            error = f"{type(e).__name__}: {e}" if not isinstance(e, ValueError) else str(e)
+    conv, error = _broadcast_from_rank0((conv, error))
+    if error is not None:
+        raise CheckpointError(f"{step_dir}: cannot reshard to TP {tp_size} x DP {dp_size}: {error}")
+    reshard.load_universal(engine, conv, tp_rank, load_optimizer_states)
+    saved = reshard.saved_client_states(step_dir)
+    old_world, old_tp = int(meta["world_size"]), int(meta["tp_size"])
+    if restore_rng:
+        set_rng_state(saved[rank % old_world]["rng"])
+    state = dict(saved[0]["client_state"])
+    state["step"] = meta["step"]
+    state["checkpoint_dir"] = str(step_dir)
+    state["resharded_from"] = {"world_size": old_world, "tp_size": old_tp,
+                               "dp_size": int(meta["dp_size"])}
+    # global rank = dp_rank * tp + tp_rank (megatron-core's default order): TP rank 0 of each
+    # old DP group holds that DP rank's loader state.
+    state["loader_states"] = [saved[d * old_tp]["client_state"].get("loader")
+                              for d in range(int(meta["dp_size"]))]
+    engine.global_steps = int(meta["step"])
+    _barrier()
+    log.info("resumed from %s (step %d) resharded from TP %d x DP %d to TP %d x DP %d",
+             step_dir, meta["step"], old_tp, meta["dp_size"], tp_size, dp_size)
     return state
 
 

@@ -359,13 +359,15 @@ def iter_tp_shard(src, cfg: ModelConfig, tp_rank: int, tp_size: int,
     maps do not stay resident (peak memory: about one parameter slice).
 
     Args:
-        src: Hugging Face folder (config.json + safetensors).
+        src: Hugging Face folder (config.json + safetensors), or an object with the same read
+            interface as `SafetensorsFolder` (`name in src`, `src.get_slice(name)`, `close()`),
+            e.g. in-memory full tensors (`pipeline.reshard`).
         cfg: the model config (e.g. `config_from_hf(src, tp_size)`).
         dtype: cast to this dtype (default: as stored).
     Raises:
         KeyError: a tensor the model needs is missing from the checkpoint (names it).
     """
-    st = SafetensorsFolder(src)
+    st = src if hasattr(src, "get_slice") else SafetensorsFolder(src)
     try:
         for spec in param_specs(cfg):
             t = _read_tp_param(st, src, spec, cfg, tp_rank, tp_size)
