@@ -150,11 +150,16 @@ class DeepSpeedSection:
 class CheckpointSection:
     """Where and how often to checkpoint. `dir` defaults to `<run_dir>/checkpoints`;
     `interval` in optimizer steps (0 = only at the end and on a signal); `keep` = how many
-    recent checkpoints to retain; `resume` = continue from the latest one when it exists."""
+    recent checkpoints to retain; `resume` = continue from the latest one when it exists;
+    `reshard` = allow resuming a ZeRO-3 checkpoint saved with another world size or
+    `train.tensor_parallel_size` (converted once by `pipeline.reshard`; the run's global batch
+    is kept and gradient accumulation recomputed for the new data-parallel size). Off by
+    default, so an accidental layout change stops with one line."""
     dir: Optional[str] = None
     interval: int = 1000
     keep: int = 3
     resume: bool = True
+    reshard: bool = False
 
 
 @dataclass

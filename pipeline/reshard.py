@@ -58,7 +58,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ReshardError", "universal_dir", "convert_to_universal", "load_universal"]
+__all__ = ["ReshardError", "universal_dir", "convert_to_universal", "load_universal",
+           "saved_client_states", "saved_global_batch", "remove_conversions"]
 
 MARKER = "refusion_universal.json"
 KEYS = ("fp32", "exp_avg", "exp_avg_sq")
@@ -275,3 +276,28 @@ def saved_client_states(step_dir: str | os.PathLike) -> list[dict[str, Any]]:
     meta = json.loads((step_dir / "refusion_meta.json").read_text())
     return [torch.load(step_dir / f"refusion_rank_{r:05d}.pt", map_location="cpu",
                        weights_only=False) for r in range(int(meta["world_size"]))]
+
+
+def saved_global_batch(step_dir: str | os.PathLike) -> int | None:
+    """The global batch (rows per optimizer step) of the run that saved `step_dir`: recorded in
+    old rank 0's client_state, else derived from its saved config (micro-batch x accumulation
+    x DP size); None when neither is there."""
+    step_dir = Path(step_dir)
+    meta = json.loads((step_dir / "refusion_meta.json").read_text())
+    cs = torch.load(step_dir / "refusion_rank_00000.pt", map_location="cpu",
+                    weights_only=False)["client_state"]
+    if cs.get("global_batch_size"):
+        return int(cs["global_batch_size"])
+    train = (cs.get("config") or {}).get("train") or {}
+    if train.get("global_batch_size"):
+        return int(train["global_batch_size"])
+    if train.get("micro_batch_size"):
+        return int(train["micro_batch_size"]) * int(train.get("grad_accum_steps") or 1) * \
+            int(meta["dp_size"])
+    return None
+
+
+def remove_conversions(root_dir: str | os.PathLike) -> None:
+    """Delete `<root_dir>/universal` (conversions are only needed until the run has saved a
+    checkpoint of its own layout). Call on one process."""
+    shutil.rmtree(Path(root_dir) / UNIVERSAL, ignore_errors=True)

@@ -53,6 +53,7 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 from typing import Any, Iterator
 
 log = logging.getLogger("pipeline.train")
@@ -359,6 +360,17 @@ class Trainer:
         # Resume decided before building: a resumed run does not need initial weights.
         latest = ckpt.find_latest(self.ckdir) if (cfg.checkpoint.resume and self.is_rank0) else None
         resuming = _broadcast_object(latest is not None)
+        if resuming and cfg.checkpoint.reshard:  # another layout keeps the run's global batch
+            plan_or_error = None
+            if self.is_rank0:
+                try:
+                    plan_or_error = _plan_keeping_global_batch(plan, latest)
+                except TrainError as e:
+                    plan_or_error = str(e)
+            plan_or_error = _broadcast_object(plan_or_error)
+            if isinstance(plan_or_error, str):
+                raise TrainError(plan_or_error)
+            self.plan = plan = plan_or_error
 
         ds_config = deepspeed_config(cfg, plan)
         dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32
@@ -403,13 +415,15 @@ class Trainer:
         self.train_loader = self._build_loader(cfg.data.train_split, train=True)
 
         if resuming:
-            state = ckpt.load_latest(self.engine, self.ckdir, model_config=self.mcfg)
+            state = ckpt.load_latest(self.engine, self.ckdir, model_config=self.mcfg,
+                                     reshard=bool(cfg.checkpoint.reshard))
             if state is None:
                 raise RuntimeError(f"{self.ckdir}: the latest checkpoint vanished while resuming")
             self.step = int(state["step"])
             self.consumed_samples = int(state["consumed_samples"])
             self.consumed_tokens = int(state["consumed_tokens"])
-            self.train_loader.load_state_dict(state["loader"])
+            self.train_loader.load_state_dict(state["loader"],
+                                              allow_reshard="resharded_from" in state)
             self.wandb_run_id = state.get("wandb_run_id")
             log.info("resumed from %s at step %d", state["checkpoint_dir"], self.step)
         self._init_wandb()
@@ -613,6 +627,7 @@ class Trainer:
         from pipeline.checkpoint import save_checkpoint
         state = {"step": self.step, "consumed_samples": self.consumed_samples,
                  "consumed_tokens": self.consumed_tokens,
+                 "global_batch_size": self.plan.global_batch_size,
                  "loader": self.train_loader.state_dict(),
                  "config": OmegaConf.to_container(self.cfg, resolve=True),
                  "wandb_run_id": self.wandb_run_id}
@@ -620,6 +635,9 @@ class Trainer:
         save_checkpoint(self.engine, self.ckdir, self.step, state,
                         keep_last=self.cfg.checkpoint.keep, model_config=self.mcfg)
         self._last_saved = self.step
+        if self.is_rank0 and self.cfg.checkpoint.reshard:  # a conversion is stale now
+            from pipeline.reshard import remove_conversions
+            remove_conversions(self.ckdir)
         log.info("checkpoint step %d saved in %.1f s", self.step, time.time() - t0)
 
     def _record(self, metrics: dict) -> None:
@@ -704,6 +722,35 @@ class Trainer:
 # --------------------------------------------------------------------------------------------
 # Entry point
 # --------------------------------------------------------------------------------------------
+
+def _plan_keeping_global_batch(plan, step_dir):
+    """The plan for resuming `step_dir` on this layout with `checkpoint.reshard`: when the
+    checkpoint was saved on another layout with another global batch, keep the saved global
+    batch and recompute gradient accumulation (global = micro-batch x accumulation x DP).
+
+    Raises:
+        TrainError: the saved global batch is not a multiple of micro-batch x DP size here.
+    """
+    import dataclasses
+
+    from pipeline.reshard import saved_global_batch
+    meta = json.loads((Path(step_dir) / "refusion_meta.json").read_text())
+    if (meta["world_size"], meta["tp_size"]) == (plan.world_size, plan.tp_size):
+        return plan
+    gbs = saved_global_batch(step_dir)
+    if gbs is None or gbs == plan.global_batch_size:
+        return plan
+    per = plan.micro_batch_size * plan.dp_size
+    if gbs % per:
+        raise TrainError(f"checkpoint.reshard: the run's global batch {gbs} cannot be formed "
+                         f"with train.micro_batch_size={plan.micro_batch_size} on data-parallel "
+                         f"size {plan.dp_size} (global batch = micro-batch x grad accumulation x "
+                         f"DP); pick a micro-batch size with {gbs} a multiple of it x {plan.dp_size}")
+    log.info("checkpoint.reshard: keeping the run's global batch %d (was %d on this layout): "
+             "gradient accumulation %d -> %d", gbs, plan.global_batch_size,
+             plan.grad_accum_steps, gbs // per)
+    return dataclasses.replace(plan, grad_accum_steps=gbs // per, global_batch_size=gbs)
+
 
 def _seed_everything(seed: int) -> None:
     import random
