@@ -732,6 +732,8 @@ def _plan_keeping_global_batch(plan, step_dir):
         TrainError: the saved global batch is not a multiple of micro-batch x DP size here.
     """
     import dataclasses
+    import json
+    from pathlib import Path
 
     from pipeline.reshard import saved_global_batch
     meta = json.loads((Path(step_dir) / "refusion_meta.json").read_text())
