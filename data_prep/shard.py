@@ -553,6 +553,10 @@ def main(argv: list[str] | None = None) -> int:
     """CLI entry point; returns the exit code (0 ok, 1 no sample written, 2 user error,
     3 the output filesystem is full or over quota, 130 interrupted by Ctrl-C; after 3 and 130
     complete shards are kept and a rerun resumes)."""
+    # Ctrl-C must reach us even when started with SIGINT ignored (an inherited SIG_IGN, e.g.
+    # from a parent that ignores it): the handling below relies on KeyboardInterrupt.
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     parser = build_parser()
     args = parser.parse_args(argv)
     problems = []

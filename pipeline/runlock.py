@@ -147,9 +147,7 @@ class RunLock:
                 return
         age = self._age_s()
         reason = None
-        if holder.get("host") == self.me["host"] and holder.get("pid") == self.me["pid"]:
-            reason = "held by this process (a trainer built again in the same process)"
-        elif holder.get("slurm_job_id") and holder.get("slurm_job_id") == self.me["slurm_job_id"]:
+        if holder.get("slurm_job_id") and holder.get("slurm_job_id") == self.me["slurm_job_id"]:
             reason = "same SLURM job (requeued)"
         elif (holder.get("host") == self.me["host"] and isinstance(holder.get("pid"), int)
               and not _pid_alive(holder["pid"])):

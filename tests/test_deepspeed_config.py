@@ -5,6 +5,8 @@ reads the engine's own attributes (the ZeRO-3 optimizer's gradient-partition buf
 reduce dtype, bucket sizes, the parameter coordinator's prefetch size, which parameters stay
 unpartitioned), not only the dict we pass to DeepSpeed.
 """
+import os
+
 import numpy as np
 
 from distributed import run_distributed
@@ -48,8 +50,11 @@ def _engine_settings(cfg_path, overrides):
 
 
 def _body(rank, world_size, cfg_path):
+    # Two trainers in one process: each its own run_dir (one job per run directory: the first
+    # trainer's run lock is still held).
+    run2 = os.path.join(os.path.dirname(cfg_path), "run2")
     return [_engine_settings(cfg_path, []),
-            _engine_settings(cfg_path, ["deepspeed.fp32_grad_accum=false",
+            _engine_settings(cfg_path, [f"run_dir={run2}", "deepspeed.fp32_grad_accum=false",
                                         "deepspeed.reduce_bucket_size=5000",
                                         "deepspeed.prefetch_bucket_size=3000",
                                         "deepspeed.param_persistence_threshold=100000"])]
