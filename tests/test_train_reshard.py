@@ -10,7 +10,6 @@ line, exit 2.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,22 +18,10 @@ import numpy as np
 import pytest
 
 from shard_fixtures import random_samples, write_shards
+# The tiny model and the subprocess environment of the other entry-point tests.
+from test_train import MODEL, _env
 
 ROOT = Path(__file__).resolve().parents[1]
-MODEL = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_layers": 2,
-         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
-         "max_position_embeddings": 64, "init_std": 0.1}
-
-
-def _env() -> dict:
-    env = dict(os.environ)
-    env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-               TORCH_EXTENSIONS_DIR=os.environ.get("TORCH_EXTENSIONS_DIR",
-                                                   str(ROOT / ".cache" / "torch_extensions")),
-               PYTHONPATH=str(ROOT), TOKENIZERS_PARALLELISM="false")
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "WANDB_MODE"):
-        env.pop(k, None)
-    return env
 
 
 def _run(nproc: int, config: Path, run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
