@@ -12,8 +12,8 @@ import torch
 
 from pipeline.data import DataError, best_fit_decreasing, build_loader, next_fit
 from shard_fixtures import random_samples, write_shards
+from test_data_loader import _same, _take  # the same batch helpers
 
-TENSORS = ("input_ids", "position_ids", "labels", "segment_ids", "loss_weight", "is_masked")
 N = 37   # samples: no multiple of any round size used below
 PACKS = {"padded": dict(pack=False), "next_fit": dict(pack=True, packing="next_fit"),
          "best_fit": dict(pack=True, packing="best_fit")}
@@ -30,23 +30,6 @@ def url():
 def _loader(url, mode, dp_rank=0, dp_size=1, workers=0, B=2):
     return build_loader(url, "train", B, 48, dp_rank=dp_rank, dp_size=dp_size, seed=7,
                         num_workers=workers, shuffle_buffer=8, **PACKS[mode])
-
-
-def _take(loader, n):
-    out = []
-    for b in loader:
-        out.append(b)
-        if len(out) == n:
-            break
-    return out
-
-
-def _same(a, b):
-    assert len(a) == len(b)
-    for x, y in zip(a, b):
-        assert x["keys"] == y["keys"]
-        for k in TENSORS:
-            assert torch.equal(x[k], y[k]), k
 
 
 def _epoch_keys(rank_batches):
