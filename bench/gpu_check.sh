@@ -46,6 +46,7 @@ free_port() { "$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0
 stamp() { printf '[gpu_check +%ss] %s\n' "$(elapsed)" "$*"; }   # progress, not in the summary
 
 PYTHON=${PYTHON:-$ROOT/.venv/bin/python}
+PYTHON=$(command -v "$PYTHON" || printf %s "$PYTHON")
 [ -x "$PYTHON" ] || die "PYTHON=$PYTHON is not executable (make venv, or set PYTHON)"
 SMOKE=${GPU_CHECK_SMOKE:-0}
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 WANDB_MODE=disabled \

@@ -508,6 +508,18 @@ def _flex(q, k, v, block_mask):
         return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
 
 
+def _varlen_kwargs(varlen_attn) -> dict:
+    """Causal (and GQA where supported) keywords for this torch's `varlen_attn`: torch 2.13
+    takes `window_size=(-1, 0)` and `enable_gqa`; 2.9-2.12 take `is_causal` and no GQA flag
+    (measured on torch 2.11 on an H200, bench/gpu_check.sh)."""
+    import inspect
+    params = inspect.signature(varlen_attn).parameters
+    kw = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    if "enable_gqa" in params:
+        kw["enable_gqa"] = True
+    return kw
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               plan: AttentionPlan) -> torch.Tensor:
     """Scaled dot-product attention (scale 1/sqrt(D)) of one layer, by `plan.kind`.
@@ -527,10 +539,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if plan.kind == "varlen":
         from torch.nn.attention.varlen import varlen_attn
         b, hq, t, d = q.shape
+        kw = _varlen_kwargs(varlen_attn)
+        if "enable_gqa" not in kw and hq != k.shape[1]:   # torch < 2.13: no GQA flag
+            k = k.repeat_interleave(hq // k.shape[1], dim=1)
+            v = v.repeat_interleave(hq // v.shape[1], dim=1)
         flat = lambda x: x.transpose(1, 2).reshape(b * t, x.shape[1], d)  # noqa: E731
         out = varlen_attn(flat(q), flat(k), flat(v), plan.cu_seqlens, plan.cu_seqlens,
-                          plan.max_seqlen, plan.max_seqlen, window_size=(-1, 0),
-                          enable_gqa=True)
+                          plan.max_seqlen, plan.max_seqlen, **kw)
         return out.view(b, t, hq, d).transpose(1, 2)
     # "sdpa": with a mask the memory-efficient kernel is the GPU choice, and it does not take
     # GQA: repeat kv heads.

@@ -452,3 +452,48 @@ def test_hidden_states_and_chunked_head_give_the_logits_gradients(model):
     torch.testing.assert_close(runs[1][0], runs[0][0], rtol=1e-6, atol=1e-6)
     for k in runs[0][1]:
         torch.testing.assert_close(runs[1][1][k], runs[0][1][k], rtol=1e-6, atol=1e-6, msg=k)
+
+
+@pytest.mark.parametrize("signature", ["torch_2_13", "torch_2_11"])
+def test_varlen_attention_matches_masked_sdpa_across_torch_signatures(monkeypatch, signature):
+    """attention(kind="varlen") against the dense-mask sdpa path, with a stand-in for
+    `varlen_attn` in each signature torch has shipped: 2.13 (`window_size`, `enable_gqa`) and
+    2.9-2.12 (`is_causal`, no GQA flag; an H200 run on torch 2.11 failed with
+    "unexpected keyword argument 'enable_gqa'" before `_varlen_kwargs`). The stand-in is a
+    straightforward per-segment causal softmax attention, written here."""
+    import torch.nn.attention.varlen as varlen_mod
+    from pipeline.model import AttentionPlan, attention, build_attention_mask, varlen_boundaries
+
+    def reference(q, k, v, cu, causal, gqa):        # q: [N, Hq, D], k/v: [N, Hkv, D]
+        if k.shape[1] != q.shape[1]:
+            assert gqa, "GQA heads passed to a varlen_attn without enable_gqa"
+            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+            v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+        assert causal
+        out = torch.empty_like(q)
+        for s, e in zip(cu[:-1].tolist(), cu[1:].tolist()):
+            scores = torch.einsum("qhd,khd->hqk", q[s:e], k[s:e]) / q.shape[-1] ** 0.5
+            keep = torch.ones(e - s, e - s, dtype=torch.bool).tril()
+            probs = scores.masked_fill(~keep, float("-inf")).softmax(-1)
+            out[s:e] = torch.einsum("hqk,khd->qhd", probs, v[s:e])
+        return out
+
+    if signature == "torch_2_13":
+        def fake(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None,
+                 scale=None, window_size=(-1, -1), enable_gqa=False):
+            return reference(query, key, value, cu_seq_q, tuple(window_size) == (-1, 0),
+                             enable_gqa)
+    else:
+        def fake(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, is_causal=False,
+                 return_aux=None):
+            return reference(query, key, value, cu_seq_q, is_causal, False)
+    monkeypatch.setattr(varlen_mod, "varlen_attn", fake)
+    g = torch.Generator().manual_seed(3)
+    seg = torch.tensor([[1, 1, 1, 2, 2, 0, 0], [1] * 7])
+    q = torch.randn(2, 4, 7, 8, generator=g)
+    k, v = torch.randn(2, 2, 7, 8, generator=g), torch.randn(2, 2, 7, 8, generator=g)
+    cu, longest = varlen_boundaries(seg)
+    out = attention(q, k, v, AttentionPlan("varlen", cu_seqlens=cu, max_seqlen=longest))
+    want = attention(q, k, v, AttentionPlan("sdpa", mask=build_attention_mask(seg, 2, 7)))
+    real = seg > 0                        # padding rows differ by design (own 1-token segment)
+    assert torch.allclose(out.transpose(1, 2)[real], want.transpose(1, 2)[real], atol=1e-5)
