@@ -33,7 +33,7 @@ tarfile's list of every member written to the open shard).
 over-length filter), in input order; skip counts cover exactly the records before it.
 Special-token strings in content are encoded as text (data_prep/tokenizer_io.py); records that
 held one are counted in manifest["counts"]["special_token_text"].
-The output folder's writes: data_prep/writer.py (a full disk or quota: one line, exit code 3,
+The output folder's writes: data_prep/writer.py (a full disk or quota: one line, exit code 4,
 the partial shard removed, complete shards kept for the rerun).
 """
 from __future__ import annotations
@@ -57,6 +57,8 @@ if __package__ in (None, ""):  # run as a script: import the repository's data_p
 import fsspec
 import numpy as np
 
+from pipeline.diskspace import EXIT_DISK_FULL
+
 from data_prep.dedup import DUPLICATE, KEY_COLLISION, DigestSet
 from data_prep.sources import (Fields, InputError, OneLineParser, Source, iter_records, normalize,
                                resolve_inputs)
@@ -71,7 +73,7 @@ MANIFEST = "manifest.json"
 PARTIAL = "manifest.partial.json"
 TOKENIZER_DIR = "tokenizer"
 SPLITS = ("train", "val")
-EXIT_OUTPUT_FULL = 3  # the output filesystem is full (ENOSPC) or over quota (EDQUOT)
+EXIT_OUTPUT_FULL = EXIT_DISK_FULL  # 4: the output filesystem is full (ENOSPC) or over quota (EDQUOT)
 
 
 class UserError(Exception):
@@ -551,7 +553,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point; returns the exit code (0 ok, 1 no sample written, 2 user error,
-    3 the output filesystem is full or over quota, 130 interrupted by Ctrl-C; after 3 and 130
+    4 the output filesystem is full or over quota, 130 interrupted by Ctrl-C; after 4 and 130
     complete shards are kept and a rerun resumes)."""
     # Ctrl-C must reach us even when started with SIGINT ignored (an inherited SIG_IGN, e.g.
     # from a parent that ignores it): the handling below relies on KeyboardInterrupt.

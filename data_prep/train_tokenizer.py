@@ -28,6 +28,8 @@ if __package__ in (None, ""):  # run as a script: import the repository's data_p
 
 import fsspec
 
+from pipeline.diskspace import EXIT_DISK_FULL
+
 from data_prep.sources import (Fields, InputError, OneLineParser, iter_records, normalize,
                                resolve_inputs, url_to_fs)
 from data_prep.tokenizer_io import SPM_ASSISTANT, SPM_MASK, SPM_USER
@@ -120,10 +122,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"train_tokenizer.py: error: {e}", file=sys.stderr)
         return 2
     except OSError as e:
-        if e.errno in (errno.ENOSPC, errno.EDQUOT):  # as data_prep/shard.py: exit code 3
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):  # as data_prep/shard.py
             print(f"train_tokenizer.py: error: --output {args.output}: {os.strerror(e.errno)}",
                   file=sys.stderr)
-            return 3
+            return EXIT_DISK_FULL
         raise
     except RuntimeError as e:  # SentencePiece refuses, e.g. vocab larger than the text allows
         msg = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__

@@ -12,6 +12,9 @@ import shutil
 import tempfile
 
 DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+# The exit code of every entry point (data prep, tokenizer training, training, export) when its
+# output could not be written because the filesystem is full or the quota is exceeded.
+EXIT_DISK_FULL = 4
 PROBE_BYTES = 1 << 20
 
 

@@ -27,7 +27,7 @@ merged, cast and written on its own (`pipeline.hf_io.lazy_merged_state`,
 `pipeline.hf_io.write_safetensors`): peak memory is about the largest tensor in fp32 plus
 its cast copy, whatever the model size (`bench/bench_export.py` measures it).
 
-Exit codes: 0 done; 2 usage or input error (one line on stderr, no traceback); 3 no space
+Exit codes: 0 done; 2 usage or input error (one line on stderr, no traceback); 4 no space
 left on the output's device, or disk quota exceeded (one line naming OUT, the cause and the
 free space seen; the partial output is removed).
 """
@@ -52,6 +52,7 @@ import torch
 warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
 
 from pipeline import hf_io  # noqa: E402
+from pipeline.diskspace import EXIT_DISK_FULL  # noqa: E402
 from pipeline.model import ModelConfig  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -319,7 +320,7 @@ def _size(n: int) -> str:
 
 
 class DiskFullError(OSError):
-    """The output's filesystem is full, or the user's quota is: exit code 3, one line naming
+    """The output's filesystem is full, or the user's quota is: exit code 4, one line naming
     the output folder, the cause, the free space seen and the size of the weights. The partial
     output was removed (the writer works in a temporary sibling folder)."""
 
@@ -359,7 +360,7 @@ def main(argv=None) -> int:
                      max_shard_bytes=a.max_shard_bytes, overwrite=a.overwrite)
     except DiskFullError as e:
         print(f"export: error: {e.strerror}", file=sys.stderr)
-        return 3
+        return EXIT_DISK_FULL
     except (FileNotFoundError, FileExistsError, ValueError, KeyError) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
         print(f"export: error: {msg}", file=sys.stderr)

@@ -56,11 +56,13 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
+from pipeline.diskspace import EXIT_DISK_FULL
+
 log = logging.getLogger("pipeline.train")
 
 EXIT_CONFIG = 2
 EXIT_NONFINITE = 3
-EXIT_WRITE = 4
+EXIT_WRITE = EXIT_DISK_FULL   # 4: a checkpoint or metrics.jsonl could not be written
 EXIT_INTERRUPTED = 130
 
 

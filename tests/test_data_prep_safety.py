@@ -240,7 +240,7 @@ def test_injected_enospc_is_one_line_exit_3_and_resumes(tmp_path, spm_model, cap
 
     monkeypatch.setattr(writer._HashingFile, "write", failing_write)
     code, err = run_shard(capsys, *args, "--output", out)
-    assert code == shard.EXIT_OUTPUT_FULL == 3
+    assert code == shard.EXIT_OUTPUT_FULL == 4
     lines = err.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in err, err
     assert str(out) in lines[0] and "no space left on the device" in lines[0]
@@ -256,7 +256,7 @@ def test_injected_enospc_is_one_line_exit_3_and_resumes(tmp_path, spm_model, cap
     monkeypatch.setattr(writer._HashingFile, "write",
                         lambda self, d: (_ for _ in ()).throw(OSError(errno.EDQUOT, "quota")))
     code, err = run_shard(capsys, *args, "--output", tmp_path / "q")
-    assert code == 3 and "disk quota exceeded" in err and _no_temps(tmp_path / "q")
+    assert code == 4 and "disk quota exceeded" in err and _no_temps(tmp_path / "q")
 
 
 def test_tiny_tmpfs_full_disk(tmp_path, spm_model, capsys):
@@ -272,7 +272,7 @@ def test_tiny_tmpfs_full_disk(tmp_path, spm_model, capsys):
         assert run_shard(capsys, *args, "--output", ref)[0] == 0
         assert sum(p.stat().st_size for p in ref.rglob("*")) > 1.5e6  # does not fit in 1 MB
         code, err = run_shard(capsys, *args, "--output", out)
-        assert code == 3, err
+        assert code == 4, err
         assert len(err.strip().splitlines()) == 1 and str(out) in err and "no space left" in err, err
         assert _no_temps(out)
         kept = json.loads((out / "manifest.partial.json").read_text())["progress"]["train"]

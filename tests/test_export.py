@@ -72,7 +72,7 @@ def test_export_on_a_full_filesystem_is_one_line_exit_3_and_leaves_nothing(tmp_p
     try:
         out = disk / "out"
         proc = _export_cli(src, out, "--tp", "2")
-        assert proc.returncode == 3, proc.stderr[-3000:]
+        assert proc.returncode == 4, proc.stderr[-3000:]
         err = proc.stderr.strip().splitlines()
         assert len(err) == 1, proc.stderr
         assert err[0].startswith(f"export: error: {out}: no space left on device")
@@ -97,7 +97,7 @@ def test_export_disk_full_while_writing_the_folder(tmp_path, capsys, monkeypatch
         raise OSError(errno.ENOSPC, "No space left on device", str(path))
     monkeypatch.setattr(hf_io, "write_safetensors", full)
     out = tmp_path / "o"
-    assert export.main([str(src), str(out)]) == 3
+    assert export.main([str(src), str(out)]) == 4
     err = [e for e in capsys.readouterr().err.strip().splitlines()
            if not e.startswith("export: warning: no tokenizer")]   # src has no tokenizer
     assert len(err) == 1 and err[0].startswith(f"export: error: {out}: no space left on device")
@@ -105,5 +105,5 @@ def test_export_disk_full_while_writing_the_folder(tmp_path, capsys, monkeypatch
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
     monkeypatch.setattr(hf_io, "write_safetensors", lambda *a, **k: (_ for _ in ()).throw(
         OSError(errno.EDQUOT, "Disk quota exceeded")))
-    assert export.main([str(src), str(out)]) == 3
+    assert export.main([str(src), str(out)]) == 4
     assert "disk quota exceeded" in capsys.readouterr().err
