@@ -968,7 +968,8 @@ def consolidate_state_dict(checkpoint_dir: str | os.PathLike) -> tuple[dict[str,
 def _token_ids_from_run(step_dir: Path) -> dict:
     """config.json token ids (bos/eos/pad/mask) from the shard manifest the run trained on,
     found through the run config stored in rank 0's client_state (`config.data.dir`); {} when
-    it is not recorded or no longer readable."""
+    it is not recorded or no longer readable (one warning line naming the cause: the export
+    then lacks these ids in config.json, and `--tokenizer` supplies them)."""
     try:
         ours = torch.load(step_dir / "refusion_rank_00000.pt", map_location="cpu",
                           weights_only=False)
@@ -976,7 +977,9 @@ def _token_ids_from_run(step_dir: Path) -> dict:
         import fsspec
         with fsspec.open(f"{str(data_dir).rstrip('/')}/manifest.json", "r") as f:
             tok = json.load(f)["tokenizer"]
-    except Exception:
+    except (OSError, KeyError, TypeError, ValueError, ImportError, RuntimeError) as e:
+        log.warning("token ids not taken from the run's shard manifest (%s: %s)",
+                    type(e).__name__, str(e).splitlines()[0] if str(e) else "")
         return {}
     return {f"{k}_token_id": tok[f"{k}_id"] for k in ("bos", "eos", "pad", "mask")
             if tok.get(f"{k}_id") is not None}
