@@ -60,7 +60,7 @@ def _export_cli(src, out, *extra):
 
 def test_export_on_a_full_filesystem_is_one_line_exit_3_and_leaves_nothing(tmp_path):
     """A real full disk: a 256 KiB tmpfs (mounting needs root; skipped otherwise). The TP
-    ranks' per-rank files fill it: one line naming OUT and the cause, exit 3, nothing left."""
+    ranks' per-rank files fill it: one line naming OUT and the cause, exit 4, nothing left."""
     import os
     src = make_tiny_qwen3(tmp_path / "src", seed=1)           # about 0.6 MB of fp32 weights
     disk = tmp_path / "disk"
@@ -83,7 +83,7 @@ def test_export_on_a_full_filesystem_is_one_line_exit_3_and_leaves_nothing(tmp_p
 
 
 def test_export_disk_full_while_writing_the_folder(tmp_path, capsys, monkeypatch):
-    """ENOSPC from the folder writer itself (the last safetensors file): exit 3, one line with
+    """ENOSPC from the folder writer itself (the last safetensors file): exit 4, one line with
     the free space seen and the size of the weights, the temporary folder removed."""
     import errno
 
