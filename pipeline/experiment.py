@@ -22,6 +22,8 @@ resumes from its latest checkpoint):
    fixed QA subset EVAL_SUBSET (exact match, token accuracy, TPF, tokens/s): AR decoding of
    `refusion` and `ar_continued` (the baselines), and ReFusion decoding of `refusion` over
    DECODE_GRID. Each decode result is cached as JSON under `<out>/eval/`.
+3b. diagnosis: `pipeline.evaluate.slot_acceptance` (teacher-forced plan + verify profile of
+   the same subset) for `refusion` and `ar_continued` at each slot size and token threshold.
 4. `report.md` (settings, tables, Pareto frontier of TPF vs exact match, the target check),
    `frontier.png`, `loss.png` (all runs; continuation steps placed after the pretraining steps).
 
@@ -274,6 +276,38 @@ class Experiment:
             del loaded
         return results
 
+    def stage_diagnose(self):
+        """Teacher-forced plan + verify profile (`pipeline.evaluate.slot_acceptance`) of the
+        same subset for `refusion` and, as the contrast without MDM training, `ar_continued`,
+        at each slot size and token threshold of DECODE_GRID; cached under `<out>/diagnose/`."""
+        import torch
+        from pipeline.evaluate import slot_acceptance
+        from pipeline.generate import load_for_inference
+        torch.set_num_threads(self.threads)
+        examples = None
+        ran = False
+        for model in ("refusion", "ar_continued"):
+            loaded = None
+            for k in DECODE_GRID["slot_size"]:
+                path = self.out / "diagnose" / f"{model}__slot_acceptance_k{k}.json"
+                if self._cached(path, model) is not None:
+                    continue
+                examples = examples if examples is not None else self.eval_examples()
+                loaded = loaded or load_for_inference(str(self.hf_dir(model)))
+                r = slot_acceptance(loaded, examples, k, GEN_LENGTH // NUM_BLOCKS,
+                                    DECODE_GRID["token_threshold"])
+                _write_json(path, {"model": model, **r})
+                ran = True
+                _log(f"{model} k={k}: first token {r['first_token_accuracy']:.3f}, drafts by "
+                     f"offset {[round(x, 3) for x in r['draft_accuracy_by_offset']]}, accepted "
+                     f"per slot {r['accepted']}, AR next token {r['ar_next_token_accuracy']:.3f}")
+            del loaded
+        return None if ran else False
+
+    def collect_diagnose(self) -> list[dict]:
+        return [json.loads(p.read_text())
+                for p in sorted((self.out / "diagnose").glob("*__slot_acceptance_k*.json"))]
+
     # ---------------------------------------------------------------- 4. report
     def collect(self) -> dict:
         rows, losses, grid = [], {}, grid_settings()
@@ -321,6 +355,7 @@ class Experiment:
         for name, _ in arms:
             self._timed(f"export {name}", lambda: self.stage_export(name))
         self._timed("evaluate", self.stage_eval)
+        self._timed("diagnose", self.stage_diagnose)
         return self.stage_report()
 
 
@@ -484,6 +519,28 @@ def report_markdown(exp: Experiment, got: dict, runs: dict) -> str:
             L += ["", f"Target (TPF >= {TARGET_TPF} with exact match >= {TARGET_EM_RATIO:.0%} "
                   f"of AR decoding of `{base['model']}`, i.e. >= {need:.3f}): "
                   + (f"reached by {len(hit)} setting(s)." if hit else "not reached.")]
+        L.append("")
+    diag = exp.collect_diagnose()
+    if diag:
+        thr = [str(t) for t in DECODE_GRID["token_threshold"]]
+        L += ["## Why this TPF: one plan + verify step, teacher-forced", "",
+              "`pipeline.evaluate.slot_acceptance`: at every slot of every reference answer, with "
+              "the prompt and the reference before the slot as context (what a decode that got "
+              "everything before right would hold), the plan drafts the slot from masks and one "
+              "verify forward accepts drafted tokens while their causal probability exceeds the "
+              "token threshold. A decode step (plan + verify, 2 forwards) commits a whole slot "
+              "only when all k drafted tokens are accepted; otherwise it commits less per forward.",
+              "", "| model | k | slots | first token correct | draft correct by offset | whole "
+              "slot drafted correctly | tokens accepted per slot (thr " + " / ".join(thr) +
+              ") | of them a correct prefix | AR next-token accuracy |",
+              "|---|---|---|---|---|---|---|---|---|"]
+        for d in diag:
+            offs = " ".join(f"{x:.2f}" for x in d["draft_accuracy_by_offset"] if x is not None)
+            L.append(f"| {d['model']} | {d['slot_size']} | {d['slots']} | "
+                     f"{d['first_token_accuracy']:.3f} | {offs} | {d['exact_slot_drafts']:.3f} | "
+                     + " / ".join(f"{d['accepted'][t]:.2f}" for t in thr) + " | "
+                     + " / ".join(f"{d['accepted_correct'][t]:.2f}" for t in thr) + " | "
+                     f"{d['ar_next_token_accuracy']:.3f} |")
         L.append("")
     L += ["Figures: `frontier.png` (TPF / tokens/s vs exact match and token accuracy), "
           "`loss.png` (training and validation losses of all runs).", ""]

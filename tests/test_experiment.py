@@ -54,7 +54,16 @@ def test_report_stage_writes_tables_figures_and_the_target_check(tmp_path):
         d.joinpath("metrics.jsonl").write_text("".join(json.dumps(
             {"kind": "train", "step": s, "loss": 3.0 + mdm, "ar_loss": 3.0, "mdm_loss": mdm,
              "consumed_tokens": 100 * s}) + "\n" for s in (1, 2)))
+    (tmp_path / "diagnose").mkdir()
+    (tmp_path / "diagnose" / "refusion__slot_acceptance_k4.json").write_text(json.dumps(
+        {"model": "refusion", "slots": 12, "slot_size": 4, "first_token_accuracy": 0.5,
+         "draft_accuracy_by_offset": [0.5, 0.25, 0.125, None], "exact_slot_drafts": 0.125,
+         "accepted": {"0.1": 2.5, "0.5": 1.75, "0.9": 1.25},
+         "accepted_correct": {"0.1": 1.0, "0.5": 0.75, "0.9": 0.5},
+         "ar_next_token_accuracy": 0.625}))
     md = e.stage_report().read_text()
+    assert ("| refusion | 4 | 12 | 0.500 | 0.50 0.25 0.12 | 0.125 | 2.50 / 1.75 / 1.25 | "
+            "1.00 / 0.75 / 0.50 | 0.625 |") in md
     assert (tmp_path / "frontier.png").read_bytes()[:4] == b"\x89PNG"
     assert (tmp_path / "loss.png").read_bytes()[:4] == b"\x89PNG"
     assert "| refusion | refusion | 4 | 0.5 | 0.1 | 1.60 | 100 | 0.190 | 0.440 |" in md
