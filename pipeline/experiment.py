@@ -244,7 +244,7 @@ class Experiment:
              f"{EVAL_MAX_BODY_TOKENS} tokens")
         jobs = {"refusion": [("ar", None)] + [("refusion", s) for s in grid_settings()],
                 "ar_continued": [("ar", None)]}
-        results = []
+        ran = False   # False when everything was cached: the first run's time stays recorded
         for model, modes in jobs.items():
             loaded = None
             loss_path = self.out / "eval" / f"{model}__val_loss.json"
@@ -256,6 +256,7 @@ class Experiment:
             if self._cached(loss_path, model) is None or todo:
                 loaded = load_for_inference(str(self.hf_dir(model)))
             if self._cached(loss_path, model) is None:
+                ran = True
                 t0 = time.time()
                 loss = validation_loss(loaded.model, str(self.shards), "val", 4,
                                        VAL_LOSS_BATCHES, 0)
@@ -264,6 +265,7 @@ class Experiment:
                 _log(f"{model}: validation loss {loss['val_loss']:.4f} (AR "
                      f"{loss['val_ar_loss']:.4f}, MDM {loss['val_mdm_loss']:.4f})")
             for mode, s, path in todo:
+                ran = True
                 args = decode_args(s)
                 check_decoding_args(args, refusion=mode == "refusion")
                 r = exact_match_eval(loaded, examples, args, [mode])
@@ -274,7 +276,7 @@ class Experiment:
                      f"token accuracy {doc['token_accuracy']:.3f} TPF {doc['tpf']:.2f} "
                      f"tokens/s {doc['tps']:.0f}")
             del loaded
-        return results
+        return None if ran else False
 
     def stage_diagnose(self):
         """Teacher-forced plan + verify profile (`pipeline.evaluate.slot_acceptance`) of the
