@@ -48,6 +48,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from pipeline import atomic_io
+
 log = logging.getLogger(__name__)
 
 LATEST = "latest"
@@ -141,17 +143,7 @@ def _fsync_dir(path: Path) -> None:
 
 def _atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write `data` to `path` via a temp file in the same folder + fsync + os.replace."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    atomic_io.write_bytes(path, data, fsync=True)
 
 
 def _atomic_write_json(path: Path, obj: Any) -> None:
@@ -159,15 +151,8 @@ def _atomic_write_json(path: Path, obj: Any) -> None:
 
 
 def _atomic_torch_save(path: Path, obj: Any) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
+    with atomic_io.atomic_path(path) as tmp:
         torch.save(obj, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def _crash_point(name: str) -> None:

@@ -41,9 +41,10 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
+
+from pipeline.atomic_io import write_json, write_text
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -67,23 +68,6 @@ class StageError(RuntimeError):
 
 def _log(msg: str) -> None:
     print(f"[experiment {time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def _write_json(path: Path, doc) -> None:
-    """Atomic JSON write (temporary file in the same folder, then rename)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name, dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        json.dump(doc, f, indent=1)
-    os.replace(tmp, path)
-
-
-def _write_text(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name, dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
 
 
 def _env(threads: int) -> dict:
@@ -151,7 +135,7 @@ class Experiment:
         done = fn()
         if done is not False:     # False: skipped (its earlier time stays recorded)
             self.timings[name] = round(time.time() - t0, 1)
-            _write_json(self.timings_path, self.timings)
+            write_json(self.timings_path, self.timings)
 
     def run_dir(self, name: str) -> Path:
         return self.out / "runs" / name
@@ -261,7 +245,7 @@ class Experiment:
                 loss = validation_loss(loaded.model, str(self.shards), "val", 4,
                                        VAL_LOSS_BATCHES, 0)
                 loss["seconds"] = time.time() - t0
-                _write_json(loss_path, {"model": model, "loss": loss})
+                write_json(loss_path, {"model": model, "loss": loss})
                 _log(f"{model}: validation loss {loss['val_loss']:.4f} (AR "
                      f"{loss['val_ar_loss']:.4f}, MDM {loss['val_mdm_loss']:.4f})")
             for mode, s, path in todo:
@@ -271,7 +255,7 @@ class Experiment:
                 r = exact_match_eval(loaded, examples, args, [mode])
                 doc = {"model": model, "mode": mode, "setting": s, "gen_length": GEN_LENGTH,
                        "num_blocks": NUM_BLOCKS, **r[mode], "samples": r["samples"]}
-                _write_json(path, doc)
+                write_json(path, doc)
                 _log(f"{model} {setting_name(mode, s)}: exact match {doc['exact_match']:.3f} "
                      f"token accuracy {doc['token_accuracy']:.3f} TPF {doc['tpf']:.2f} "
                      f"tokens/s {doc['tps']:.0f}")
@@ -298,7 +282,7 @@ class Experiment:
                 loaded = loaded or load_for_inference(str(self.hf_dir(model)))
                 r = slot_acceptance(loaded, examples, k, GEN_LENGTH // NUM_BLOCKS,
                                     DECODE_GRID["token_threshold"])
-                _write_json(path, {"model": model, **r})
+                write_json(path, {"model": model, **r})
                 ran = True
                 _log(f"{model} k={k}: first token {r['first_token_accuracy']:.3f}, drafts by "
                      f"offset {[round(x, 3) for x in r['draft_accuracy_by_offset']]}, accepted "
@@ -339,7 +323,7 @@ class Experiment:
         got = self.collect()
         plot_frontier(got["rows"], self.out / "frontier.png")
         text = report_markdown(self, got, runs)
-        _write_text(self.out / "report.md", text)
+        write_text(self.out / "report.md", text)
         return self.out / "report.md"
 
     def run(self) -> Path:

@@ -42,7 +42,6 @@ import contextlib
 import json
 import os
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -499,13 +498,9 @@ def check_json_out(path) -> None:
 
 
 def _write_json(path, doc) -> None:
-    """Write `doc` as JSON to `path` atomically (temp file in the same folder, then rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        json.dump(doc, f, indent=1)
-    os.replace(tmp, path)
+    """Write `doc` as JSON to `path` atomically (`pipeline.atomic_io.write_json`)."""
+    from pipeline.atomic_io import write_json
+    write_json(path, doc)
 
 
 def main(argv=None) -> int:

@@ -27,7 +27,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import tempfile
 import time
 from typing import Any
 
@@ -182,7 +181,8 @@ class Monitor:
         state = {"run_id": self.run_id, "confirmed_step": self.last_step,
                  "time_unix_s": time.time()}
         try:
-            _atomic_write_text(os.path.join(self.run_dir, STATE_FILE), json.dumps(state) + "\n")
+            from pipeline.atomic_io import write_text
+            write_text(os.path.join(self.run_dir, STATE_FILE), json.dumps(state) + "\n")
         except OSError as e:
             log.warning("wandb: could not write %s: %s", STATE_FILE, e)
 
@@ -214,13 +214,3 @@ def _silence_wandb() -> None:
         pass
 
 
-def _atomic_write_text(path: str, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", dir=os.path.dirname(path))
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise

@@ -22,7 +22,6 @@ import json
 import math
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 # Training figures: (metrics key, panel title); validation figures likewise.
@@ -99,15 +98,9 @@ def _pyplot():
 
 def _save(fig, path: Path) -> None:
     """Write a figure atomically (temporary file in the same folder, then rename)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name, suffix=".png", dir=path.parent)
-    os.close(fd)
-    try:
+    from pipeline.atomic_io import atomic_path
+    with atomic_path(path, suffix=".png") as tmp:
         fig.savefig(tmp, format="png", dpi=90)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def plot_loss(runs: dict[str, dict[str, list[dict]]], path: str | os.PathLike) -> dict:
@@ -237,10 +230,8 @@ def report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None = None)
     loss = plot_loss({run_dir.name or str(run_dir): metrics}, out / "loss.png")
     thr = plot_throughput(metrics, out / "throughput.png")
     text = summary_markdown(metrics, str(run_dir))
-    fd, tmp = tempfile.mkstemp(prefix="summary", suffix=".md", dir=out)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(tmp, out / "summary.md")
+    from pipeline.atomic_io import write_text
+    write_text(out / "summary.md", text)
     files = [str(out / n) for n in ("loss.png", "throughput.png", "summary.md")]
     return {"loss": loss, "throughput": thr, "files": files}
 
