@@ -1,6 +1,6 @@
 # Two set-up commands (see README): `make demo` runs the main job, `make test` runs the tests.
 # Each creates and fills its own virtual environment on first use. `make experiment` runs the
-# scaled-down ReFusion-vs-AR recipe (docs/EXPERIMENTS.md; about an hour of 2 idle CPU cores,
+# scaled-down ReFusion-vs-AR recipe (docs/EXPERIMENTS.md; 47 minutes on 2 idle CPU cores,
 # not part of `make test`); EXPERIMENT_ARGS passes options, e.g. "--pretrain-steps 400".
 PYTHON ?= python3
 VENV ?= .venv
