@@ -505,6 +505,10 @@ def report_markdown(exp: Experiment, got: dict, runs: dict) -> str:
             L += ["", f"Target (TPF >= {TARGET_TPF} with exact match >= {TARGET_EM_RATIO:.0%} "
                   f"of AR decoding of `{base['model']}`, i.e. >= {need:.3f}): "
                   + (f"reached by {len(hit)} setting(s)." if hit else "not reached.")]
+            if base["exact_match"] == 0:
+                L += ["", "The exact-match side of the target is empty here (the AR baseline's "
+                      "exact match is 0, so any setting meets it): compare token accuracy, and "
+                      "see the diagnosis below for what limits TPF."]
         L.append("")
     diag = exp.collect_diagnose()
     if diag:

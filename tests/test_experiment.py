@@ -69,6 +69,7 @@ def test_report_stage_writes_tables_figures_and_the_target_check(tmp_path):
     assert "| refusion | refusion | 4 | 0.5 | 0.1 | 1.60 | 100 | 0.190 | 0.440 |" in md
     assert "| 99 |" not in md and "9.00" not in md            # results of another grid ignored
     assert "i.e. >= 0.180): reached by 1 setting(s)." in md
+    assert "exact-match side of the target is empty" not in md
     assert "| refusion | 5.0000 | 2.0000 | 3.0000 |" in md
     # The AR run's logged MDM term (0) is not reported as an MDM loss; steps are the run's own.
     assert "| 1. AR pretraining (from scratch) | 2 | 200 | 3.000 (3.000 / -) |" in md
@@ -85,3 +86,15 @@ def test_frontier_plot_draws_one_point_per_setting(tmp_path):
     refusion_tpf = sorted(y for k, (xs, ys) in panel.items() if k.startswith("ReFusion")
                           for y in ys)
     assert refusion_tpf == pytest.approx([1.0 + i / 10 for i in range(len(grid))])
+
+
+def test_target_check_says_when_the_baseline_exact_match_is_zero(tmp_path):
+    e = ex.Experiment(str(tmp_path), pretrain_steps=4, finetune_steps=2, threads=1, nproc=1,
+                      config="configs/experiment.yaml", micro_batch_size=2)
+    (tmp_path / "eval").mkdir()
+    for i, r in enumerate([_row("ar_continued", "ar", None, 1.0, 0.0, 0.14),
+                           _row("refusion", "refusion", ex.grid_settings()[0], 0.7, 0.0, 0.15)]):
+        (tmp_path / "eval" / f"r{i}.json").write_text(json.dumps(r))
+    md = e.stage_report().read_text()
+    assert "i.e. >= 0.000): not reached." in md          # TPF 0.7 < 1.5
+    assert "exact-match side of the target is empty" in md
