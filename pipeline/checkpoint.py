@@ -141,13 +141,9 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write `data` to `path` via a temp file in the same folder + fsync + os.replace."""
-    atomic_io.write_bytes(path, data, fsync=True)
-
-
 def _atomic_write_json(path: Path, obj: Any) -> None:
-    _atomic_write_bytes(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
+    """Checkpoint metadata: sorted keys, fsync before the rename."""
+    atomic_io.write_json(path, obj, fsync=True, sort_keys=True)
 
 
 def _atomic_torch_save(path: Path, obj: Any) -> None:
@@ -466,7 +462,7 @@ def _publish(engine, root: Path, partial: Path, step: int, tag: str, world: int,
     os.rename(partial, final)
     _fsync_dir(root)
     _crash_point("before_latest")
-    _atomic_write_bytes(root / LATEST, tag.encode())
+    atomic_io.write_bytes(root / LATEST, tag.encode(), fsync=True)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
     if keep_last > 0:

@@ -38,14 +38,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-from pipeline.generate import (UsageError, _write_json, add_decoding_args,
+from pipeline.generate import (UsageError, add_decoding_args,
                                check_decoding_args, check_json_out, decoding_settings,
                                load_for_inference, load_model_from_args, read_prompts_jsonl)
 
@@ -557,7 +556,8 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.json_out:
-        _write_json(args.json_out, report)
+        from pipeline.atomic_io import write_json
+        write_json(args.json_out, report)
     if args.json:
         print(json.dumps(report, indent=1))
         return 0

@@ -497,12 +497,6 @@ def check_json_out(path) -> None:
             break
 
 
-def _write_json(path, doc) -> None:
-    """Write `doc` as JSON to `path` atomically (`pipeline.atomic_io.write_json`)."""
-    from pipeline.atomic_io import write_json
-    write_json(path, doc)
-
-
 def main(argv=None) -> int:
     import warnings
     # megatron-core warns at import that optional CUDA extensions are absent (harmless).
@@ -562,7 +556,8 @@ def main(argv=None) -> int:
     doc = {"settings": decoding_settings(args, args.mode), "summary": summary,
            "results": results}
     if args.json_out:
-        _write_json(args.json_out, doc)
+        from pipeline.atomic_io import write_json
+        write_json(args.json_out, doc)
     if args.json:
         print(json.dumps(doc, indent=1))
         return 0

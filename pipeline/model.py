@@ -26,6 +26,7 @@ Tensors are batch-first: `[B, T, hidden]`.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from dataclasses import asdict, dataclass, fields
@@ -508,10 +509,12 @@ def _flex(q, k, v, block_mask):
         return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
 
 
+@functools.lru_cache(maxsize=None)
 def _varlen_kwargs(varlen_attn) -> dict:
     """Causal (and GQA where supported) keywords for this torch's `varlen_attn`: torch 2.13
     takes `window_size=(-1, 0)` and `enable_gqa`; 2.9-2.12 take `is_causal` and no GQA flag
-    (measured on torch 2.11 on an H200, bench/gpu_check.sh)."""
+    (measured on torch 2.11 on an H200, bench/gpu_check.sh). Cached: read once per process,
+    not per layer and forward."""
     import inspect
     params = inspect.signature(varlen_attn).parameters
     kw = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
