@@ -296,7 +296,7 @@ def test_sigterm_then_kill9_resume_exactly(setup, reference):
     # A validation due at the step where the SIGTERM stopped the run is skipped (the time before
     # a preemption goes to the checkpoint), and the resumed run starts after that step.
     assert sorted(ref) == sorted(set(got) | ({("val", stopped)} & set(ref))), note
-    for key in ref:
+    for key in set(ref) & set(got):
         for f in ("loss", "ar_loss", "mdm_loss", "val_loss", "grad_norm", "lr",
                   "consumed_samples", "consumed_tokens"):
             if f in ref[key]:
