@@ -136,7 +136,9 @@ def should_evaluate(step: int, eval_interval: int, stop_pending: bool) -> bool:
     """Whether to validate after optimizer step `step`: every `eval_interval` steps (0 = never),
     but not when a stop signal is pending (all ranks agreed on it in the step's all-reduce):
     the time left before the job is killed (`slurm/pretrain.sh` SIGNAL_MARGIN) goes to the
-    checkpoint, not to a validation pass."""
+    checkpoint, not to a validation pass. The checkpoint then records `eval_pending` and the
+    resumed run validates at that step before training on (same weights, same val loader,
+    so the val curve has no gap)."""
     return bool(eval_interval) and step % eval_interval == 0 and not stop_pending
 
 
@@ -317,6 +319,7 @@ class Trainer:
         self.step = 0                 # optimizer steps done
         self.consumed_samples = 0     # rows (packed sequences) consumed, global
         self.consumed_tokens = 0      # non-padding tokens consumed, global
+        self._eval_pending = False    # a validation a stop signal deferred (should_evaluate)
         self._log_window: list[tuple[float, float, float]] = []  # losses since the last console line
 
     # -- set-up ---------------------------------------------------------------------------
@@ -427,6 +430,7 @@ class Trainer:
             self.train_loader.load_state_dict(state["loader"],
                                               allow_reshard="resharded_from" in state)
             self.wandb_run_id = state.get("wandb_run_id")
+            self._eval_pending = bool(state.get("eval_pending", False))
             log.info("resumed from %s at step %d", state["checkpoint_dir"], self.step)
         self._init_wandb()
         self.peak_flops = peak_flops_per_device(cfg)
@@ -632,7 +636,8 @@ class Trainer:
                  "global_batch_size": self.plan.global_batch_size,
                  "loader": self.train_loader.state_dict(),
                  "config": OmegaConf.to_container(self.cfg, resolve=True),
-                 "wandb_run_id": self.wandb_run_id}
+                 "wandb_run_id": self.wandb_run_id,
+                 "eval_pending": self._eval_pending}
         t0 = time.time()
         save_checkpoint(self.engine, self.ckdir, self.step, state,
                         keep_last=self.cfg.checkpoint.keep, model_config=self.mcfg)
@@ -676,15 +681,23 @@ class Trainer:
 
     def run(self) -> int:
         """Train to `train.max_steps`; returns the process exit code. A run resumed at (or past)
-        `train.max_steps` logs one line and returns 0 without training or saving."""
+        `train.max_steps` logs one line and returns 0 without training or saving (unless a
+        stop signal deferred that step's validation: it runs it and saves the step again)."""
         cfg = self.cfg
         self._last_saved = self.step
         interval = cfg.checkpoint.interval
         code = 0
-        if self.step >= cfg.train.max_steps:
+        if self.step >= cfg.train.max_steps and not self._eval_pending:
             log.info("already at train.max_steps=%d (checkpoint step %d); nothing to do",
                      cfg.train.max_steps, self.step)
         try:
+            if self._eval_pending:  # deferred by a stop signal at this step (should_evaluate)
+                log.info("running the validation at step %d that the stop signal deferred",
+                         self.step)
+                self._record(self.evaluate())
+                self._eval_pending = False
+                if self.step >= cfg.train.max_steps:
+                    self._last_saved = -1  # re-save the final checkpoint without the flag
             while self.step < cfg.train.max_steps:
                 metrics, nonfinite, sig = self.train_step()
                 if nonfinite and cfg.train.nan_policy == "stop":
@@ -697,6 +710,8 @@ class Trainer:
                 self._record(metrics)
                 if should_evaluate(self.step, cfg.train.eval_interval, sig):
                     self._record(self.evaluate())
+                self._eval_pending = bool(sig) and should_evaluate(
+                    self.step, cfg.train.eval_interval, False)
                 if sig:
                     name = (signal.Signals(self.signal_received).name if self.signal_received
                             else "on another rank")
