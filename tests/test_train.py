@@ -15,6 +15,9 @@ What is compared against what:
 - An interrupted run (SIGTERM to one worker at a random step -> exit 0 after a checkpoint; then
   kill -9 of every process at a later random step; then the same command again) against the
   uninterrupted 4-process run: every step's losses equal exactly, final weights bitwise equal.
+- A stop signal during the final step, where a validation is due (in-process Trainer, the
+  signal flagged as its handler does): the validation is deferred to the resumed run, which
+  records the value the final weights give and re-saves, so a third run has nothing to do.
 - wandb offline files, read back with wandb's own reader (`wandb leet inspect --json`): the
   logged losses equal metrics.jsonl; the resumed run continues the same wandb run id.
 - NaN: injected on rank 0 only (debug.nan_at_steps); "skip" must drop the update on every rank
@@ -312,6 +315,56 @@ def test_sigterm_then_kill9_resume_exactly(setup, reference):
     ids, hist = _wandb_history(run_dir)
     assert len(ids) == 3 and len(set(ids)) == 1, (note, ids)  # one wandb run, resumed twice
     assert hist[MAX_STEPS]["train/loss"] == ref[("train", MAX_STEPS)]["loss"]
+
+
+def _signalled_run(rank, world_size, cfg_path, run_dir, signal_before_step):
+    """One process of `pipeline.train.Trainer` on `cfg_path` (TP=1) in `run_dir`; when
+    `signal_before_step` is set, a SIGTERM is flagged just before that step (as the handler
+    does). Returns (exit code, the val loss of the final weights evaluated right after run())."""
+    from pipeline.config import load_config, validate
+    from pipeline.train import Trainer
+    cfg = load_config(cfg_path, [f"run_dir={run_dir}", "train.tensor_parallel_size=1",
+                                 "data.num_workers=2"])
+    trainer = Trainer(cfg, validate(cfg, world_size=world_size))
+    trainer.setup()
+    step = trainer.train_step
+
+    def flagged_step():
+        if trainer.step + 1 == signal_before_step:
+            trainer.signal_received = signal.SIGTERM
+        return step()
+    trainer.train_step = flagged_step
+    try:
+        code = trainer.run()
+        return code, trainer.evaluate()["val_loss"]
+    finally:
+        trainer.run_lock.release()
+
+
+def test_validation_deferred_by_a_signal_at_the_last_step_runs_on_resume(setup, reference):
+    """A stop signal during the final step (a validation due there): the run checkpoints without
+    validating; the next run validates at that step (same value as the final weights give),
+    saves the step again, and a third run has nothing to do (metrics.jsonl unchanged)."""
+    from distributed import run_distributed
+    base, config = setup
+    run_dir = base / "deferred"
+    (code, final_val), = run_distributed(_signalled_run, 1, (str(config), str(run_dir), MAX_STEPS))
+    assert code == 0
+    got = _metrics(run_dir)
+    assert ("train", MAX_STEPS) in got and ("val", MAX_STEPS) not in got
+    assert ("val", MAX_STEPS // 2) in got  # the validation before the signal ran as usual
+    (code, _), = run_distributed(_signalled_run, 1, (str(config), str(run_dir), 0))
+    assert code == 0
+    got = _metrics(run_dir)
+    assert got[("val", MAX_STEPS)]["val_loss"] == final_val
+    ref = _metrics(reference)
+    assert sorted(got) == sorted(ref)
+    assert abs(got[("val", MAX_STEPS)]["val_loss"] - ref[("val", MAX_STEPS)]["val_loss"]) <= 1e-5
+    lines = (run_dir / "metrics.jsonl").read_text()
+    assert sum(json.loads(x)["kind"] == "train" for x in lines.splitlines()) == MAX_STEPS
+    (code, _), = run_distributed(_signalled_run, 1, (str(config), str(run_dir), 0))
+    assert code == 0
+    assert (run_dir / "metrics.jsonl").read_text() == lines  # the flag was cleared by the re-save
 
 
 def test_nan_skip_drops_the_update_on_every_rank(setup):
