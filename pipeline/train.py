@@ -430,7 +430,9 @@ class Trainer:
             self.train_loader.load_state_dict(state["loader"],
                                               allow_reshard="resharded_from" in state)
             self.wandb_run_id = state.get("wandb_run_id")
-            self._eval_pending = bool(state.get("eval_pending", False))
+            # a validation a stop signal deferred at this step, if this run still validates there
+            self._eval_pending = bool(state.get("eval_pending", False)) and should_evaluate(
+                self.step, cfg.train.eval_interval, False)
             log.info("resumed from %s at step %d", state["checkpoint_dir"], self.step)
         self._init_wandb()
         self.peak_flops = peak_flops_per_device(cfg)
