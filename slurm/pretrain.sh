@@ -22,10 +22,11 @@
 #   allocated cores / tasks per node (what the allocation gives; 1 each on a 2-core test node).
 #   A GPU job with fewer than 8 cores per task gets a warning line in the log.
 # - Time-limit margin (SIGNAL_MARGIN): the `--signal=B:USR1@300` line below. Slurm sends
-#   SIGUSR1 that many seconds before the time limit; the trainer finishes its step, skips a due
-#   validation, saves and exits. 300 s (the default; raise it for slow filesystems) must cover
-#   one step plus a full save: an 8B ZeRO-3 checkpoint is about 115 GB (bf16 weights + fp32
-#   master weights + two Adam moments = 14 bytes/parameter), written by all ranks in parallel.
+#   SIGUSR1 that many seconds before the time limit; the trainer finishes its step, defers a due
+#   validation to the resumed job, saves and exits. 300 s (the default; raise it for slow
+#   filesystems) must cover one step plus a full save: an 8B ZeRO-3 checkpoint is about 115 GB
+#   (bf16 weights + fp32 master weights + two Adam moments = 14 bytes/parameter), written by all
+#   ranks in parallel.
 #   Override per job: sbatch --signal=B:USR1@600 ...
 #
 # What it does:

@@ -149,9 +149,12 @@ def test_sbatch_signal_checkpoint_requeue_resume(tmp_path):
     assert [m["consumed_samples"] for m in resumed] == [(saved + 1) * GLOBAL_BATCH,
                                                          (saved + 2) * GLOBAL_BATCH]
     assert (ckdir / "latest").read_text().strip() == f"step_{saved + 2:09d}"
-    # validation after every step (eval_interval=1) except the step that met the stop signal
-    # (the margin goes to the checkpoint); the resumed job validates again
-    assert _val_steps(metrics) == [s for s in range(1, saved + 3) if s != saved]
+    # validation after every step (eval_interval=1): the one due at the step that met the stop
+    # signal was deferred (the margin goes to the checkpoint) and is the resumed job's first line
+    assert _val_steps(metrics) == list(range(1, saved + 3))
+    kinds = [(m["kind"], m["step"]) for m in map(json.loads, metrics.read_text().splitlines())]
+    assert kinds.index(("val", saved)) == kinds.index(("train", saved + 1)) - 1
+    assert "running the validation at step %d that the stop signal deferred" % saved in text
 
 
 @pytest.mark.parametrize("args,env,message", [
