@@ -699,7 +699,7 @@ class Trainer:
                 self._record(self.evaluate())
                 self._eval_pending = False
                 if self.step >= cfg.train.max_steps:
-                    self._last_saved = -1  # re-save the final checkpoint without the flag
+                    self.save()  # the final checkpoint again, without the flag
             while self.step < cfg.train.max_steps:
                 metrics, nonfinite, sig = self.train_step()
                 if nonfinite and cfg.train.nan_policy == "stop":
@@ -712,9 +712,8 @@ class Trainer:
                 self._record(metrics)
                 if should_evaluate(self.step, cfg.train.eval_interval, sig):
                     self._record(self.evaluate())
-                self._eval_pending = bool(sig) and should_evaluate(
-                    self.step, cfg.train.eval_interval, False)
                 if sig:
+                    self._eval_pending = should_evaluate(self.step, cfg.train.eval_interval, False)
                     name = (signal.Signals(self.signal_received).name if self.signal_received
                             else "on another rank")
                     log.info("signal received (%s): checkpointing at step %d and exiting", name,
