@@ -32,7 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from data_prep import shard, train_tokenizer  # noqa: E402
-from data_prep.tokenizer_io import qwen3_tokenizer_dir  # noqa: E402
+from pipeline.tokenizer import qwen3_tokenizer_dir  # noqa: E402
 
 
 def _digest(folder: Path) -> str:

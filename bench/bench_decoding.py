@@ -3,10 +3,10 @@
 Prints one line per setting: generated tokens, model forwards, TPF (tokens / forwards), tokens/s
 (tokens / wall seconds of the batched decode; each setting is decoded `--repeats` times and the
 median wall time is used, as single timings on a shared machine are noisy), the reference code's TPF figure, and the fraction
-of prompts whose text equals the AR decode of the same model (REFUSION.md "Metrics").
+of prompts whose text equals the AR decode of the same model (docs/METHOD.md "TPF, TPS and the other figures").
 `--device auto` (default) decodes on CUDA when available, else on the CPU; the dtype defaults
 to bfloat16 on CUDA, float32 on the CPU (`--dtype`); wall times are read with the device
-synchronized (`pipeline.decoding`).
+synchronized (`pipeline.inference.decoding`).
 
 Model: `--model` (an HF folder or checkpoint; an error when it cannot be loaded), else the
 demo's export `outputs/demo/hf` when it exists, else a tiny random Qwen3 (tests/tiny_qwen3.py)
@@ -62,10 +62,12 @@ def main() -> int:
     ap.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                     help="parameter dtype (default: bfloat16 on CUDA, float32 on the CPU)")
     args = ap.parse_args()
-    from pipeline.decoding import ar_generate, refusion_generate
-    from pipeline.generate import (DTYPES, UsageError, _empty_model, _init_single_process,
-                                   check_decoding_args, default_dtype, load_for_inference,
-                                   resolve_device)
+    from pipeline.inference.decoding import ar_generate, refusion_generate
+    from pipeline.common.cli import DTYPES, UsageError
+    from pipeline.model.weights import empty_model
+    from pipeline.parallel import init_single_process
+    from pipeline.inference.cli import check_decoding_args
+    from pipeline.inference.loading import default_dtype, load_for_inference, resolve_device
     try:  # validate before any decoding
         check_decoding_args(argparse.Namespace(**vars(args), temperature=0.0, slot_threshold=0.0,
                                                token_threshold=0.0))
@@ -77,7 +79,7 @@ def main() -> int:
         return 2
 
     dtype = DTYPES[args.dtype] if args.dtype else default_dtype(device)
-    _init_single_process()
+    init_single_process()
     model_path = args.model
     if model_path is None and (ROOT / "outputs/demo/hf/config.json").is_file():
         model_path = str(ROOT / "outputs/demo/hf")
@@ -98,11 +100,11 @@ def main() -> int:
             prompts = [loaded.tokenizer.prompt_ids(q) for q in
                        ["def add(a, b):", "class Stack:", "def read_lines(path):"]]
     else:
-        from pipeline.hf_io import config_from_hf, load_hf_into_model
+        from pipeline.model.hf import config_from_hf, load_hf_into_model
         from pipeline.model import Qwen3
         from tiny_qwen3 import make_tiny_qwen3
         folder = make_tiny_qwen3(Path(tempfile.mkdtemp()) / "tiny", seed=0)
-        model = _empty_model(Qwen3, config_from_hf(folder), dtype, device)
+        model = empty_model(Qwen3, config_from_hf(folder), dtype, device)
         load_hf_into_model(model, folder)
         model.eval()
         mask_id, eos_id = 511, None

@@ -40,7 +40,8 @@ import json, resource, sys, warnings
 warnings.filterwarnings("ignore")
 sys.path.insert(0, sys.argv[1])
 import torch, safetensors.torch, huggingface_hub, deepspeed.utils.zero_to_fp32  # noqa
-from pipeline import checkpoint, export, hf_io  # noqa
+from pipeline import checkpoint, export
+from pipeline.model import hf as hf_io  # noqa
 from pipeline.model import Qwen3  # noqa
 def status(key):
     for line in open("/proc/self/status"):

@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from data_prep import shard  # noqa: E402
-from data_prep.tokenizer_io import qwen3_tokenizer_dir  # noqa: E402
+from pipeline.tokenizer import qwen3_tokenizer_dir  # noqa: E402
 from pipeline.data import build_loader  # noqa: E402
 
 

@@ -109,7 +109,7 @@ sys.path.insert(0, "tests")
 from shard_fixtures import random_samples, write_shards
 from tiny_qwen3 import REFUSION_TOKENS, qwen_tokenizer_dir
 from transformers import AutoTokenizer
-from data_prep.tokenizer_io import load_tokenizer
+from pipeline.tokenizer import load_tokenizer
 out, seq, n, tokdir = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 # the real Qwen3 tokenizer (+ the ReFusion tokens), so that decoding finds a tokenizer
 tok = AutoTokenizer.from_pretrained(str(qwen_tokenizer_dir()))

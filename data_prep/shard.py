@@ -3,7 +3,7 @@
 Owns: the shard-writing pipeline (read -> normalize -> dedup -> split -> tokenize -> chunk or
 pack -> slot boundaries -> tar shards + manifest.json), its CLI, resume and the summary line.
 Must not touch: the objective (pipeline/objective.py reorganizes slots at training time) or
-the loader (pipeline/data.py reads what this writes). The output format is ARCHITECTURE.md
+the loader (pipeline/data/loader.py reads what this writes). The output format is ARCHITECTURE.md
 "Shard format".
 
 Determinism (reruns are byte-identical, whatever `--workers`):
@@ -31,7 +31,7 @@ unpacked, 40.2 B packed; before: 462 and 97, a Python set of digests plus a set 
 tarfile's list of every member written to the open shard).
 `--limit N` stops after the N-th accepted record (one that is written: after dedup and the
 over-length filter), in input order; skip counts cover exactly the records before it.
-Special-token strings in content are encoded as text (data_prep/tokenizer_io.py); records that
+Special-token strings in content are encoded as text (pipeline/tokenizer.py); records that
 held one are counted in manifest["counts"]["special_token_text"].
 The output folder's writes: data_prep/writer.py (a full disk or quota: one line, exit code 4,
 the partial shard removed, complete shards kept for the rerun).
@@ -54,26 +54,22 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: import the repository's data_prep package
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-import fsspec
 import numpy as np
 
-from pipeline.diskspace import EXIT_DISK_FULL
+from pipeline.common.cli import EXIT_DISK_FULL, EXIT_USAGE
+from pipeline.data.format import FORMAT_VERSION, MANIFEST, SPLITS
 
 from data_prep.dedup import DUPLICATE, KEY_COLLISION, DigestSet
 from data_prep.sources import (Fields, InputError, OneLineParser, Source, iter_records, normalize,
                                resolve_inputs)
-from data_prep.tokenizer_io import Tokenizer, TokenizerError, load_tokenizer
+from pipeline.tokenizer import Tokenizer, TokenizerError, load_tokenizer
 # the writing half lives in data_prep/writer.py; re-exported names are used by tests/benches
 from data_prep.writer import (_KEY_HEX, Item, Output, OutputError, OutputFull, SplitWriter,  # noqa: F401
                               encode_sample, full_disk_error, make_segments, slot_size,
                               write_sample)
 
-FORMAT_VERSION = 1
-MANIFEST = "manifest.json"
 PARTIAL = "manifest.partial.json"
 TOKENIZER_DIR = "tokenizer"
-SPLITS = ("train", "val")
-EXIT_OUTPUT_FULL = EXIT_DISK_FULL  # 4: the output filesystem is full (ENOSPC) or over quota (EDQUOT)
 
 
 class UserError(Exception):
@@ -578,10 +574,10 @@ def main(argv: list[str] | None = None) -> int:
         run(args)
     except (UserError, InputError, TokenizerError, OutputError) as e:
         print(f"shard.py: error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     except OutputFull as e:
         print(f"shard.py: error: {e}", file=sys.stderr)
-        return EXIT_OUTPUT_FULL
+        return EXIT_DISK_FULL
     except NoSamples as e:
         print(f"shard.py: error: {e}", file=sys.stderr)
         return 1

@@ -30,6 +30,7 @@ from typing import Iterator
 import fsspec
 
 from data_prep import stdlib_corpus
+from pipeline.common.fs import missing_fs_package
 
 STDLIB = "stdlib"  # the --input name of the embedded default corpus
 TEXT_EXTS = (".txt", ".md", ".rst")
@@ -50,24 +51,6 @@ def _unreadable(name: str, error: BaseException) -> dict:
     print(f"warning: {name}: unreadable file ({type(error).__name__}: {detail}); "
           "rest of the file skipped", file=sys.stderr)
     return {"_error": "unreadable_file"}
-
-
-# fsspec protocol -> the package that provides its filesystem (README "Remote data")
-FS_PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "http": "aiohttp",
-               "https": "aiohttp", "abfs": "adlfs", "az": "adlfs", "hf": "huggingface_hub",
-               "sftp": "paramiko", "ssh": "paramiko"}
-
-
-def missing_fs_package(url: str, error: BaseException) -> str:
-    """One line for a URL whose fsspec filesystem cannot be made (`url_to_fs` raised `error`,
-    an ImportError for a missing package or a ValueError for an unknown protocol)."""
-    protocol = url.split("://", 1)[0].lower() if "://" in url else "file"
-    detail = (str(error).strip().splitlines() or [type(error).__name__])[0]
-    if isinstance(error, ImportError):
-        pkg = FS_PACKAGES.get(protocol)
-        hint = f"pip install {pkg}" if pkg else "install the fsspec package for it"
-        return f"the {protocol}:// filesystem needs a package that is not installed ({detail}); {hint}"
-    return detail
 
 
 def url_to_fs(url: str, what: str = "input"):

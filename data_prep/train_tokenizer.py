@@ -28,11 +28,11 @@ if __package__ in (None, ""):  # run as a script: import the repository's data_p
 
 import fsspec
 
-from pipeline.diskspace import EXIT_DISK_FULL
+from pipeline.common.cli import EXIT_DISK_FULL, EXIT_USAGE
 
 from data_prep.sources import (Fields, InputError, OneLineParser, iter_records, normalize,
                                resolve_inputs, url_to_fs)
-from data_prep.tokenizer_io import SPM_ASSISTANT, SPM_MASK, SPM_USER
+from pipeline.tokenizer import SPM_ASSISTANT, SPM_MASK, SPM_USER
 
 
 def training_pieces(inputs: list[str], fmt: str = "auto", fields: Fields = Fields(),
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
                      args.max_sentences, args.piece_chars)
     except (InputError, ValueError) as e:
         print(f"train_tokenizer.py: error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     except OSError as e:
         if e.errno in (errno.ENOSPC, errno.EDQUOT):  # as data_prep/shard.py
             print(f"train_tokenizer.py: error: --output {args.output}: {os.strerror(e.errno)}",
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     except RuntimeError as e:  # SentencePiece refuses, e.g. vocab larger than the text allows
         msg = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
         print(f"train_tokenizer.py: error: sentencepiece: {msg}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     print(f"train_tokenizer.py: wrote {info['path']} (vocab {info['vocab_size']}, "
           f"{info['pieces']} training pieces, {info['seconds']:.1f} s)", file=sys.stderr)
     return 0

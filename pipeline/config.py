@@ -59,7 +59,7 @@ class DataSection:
     the batches); `shuffle_buffer`: window of the shuffle and of packing, in samples.
     `verify_shards`: "error" (default) stops with one line naming a shard whose sha256 differs
     from manifest.json, "warn" prints that line and trains on, "off" skips the check (each shard
-    is hashed once per loader process when first read: `pipeline.shard_io`)."""
+    is hashed once per loader process when first read: `pipeline.data.shard_io`)."""
     dir: str = MISSING
     train_split: str = "train"
     val_split: str = "val"
@@ -152,7 +152,7 @@ class CheckpointSection:
     `interval` in optimizer steps (0 = only at the end and on a signal); `keep` = how many
     recent checkpoints to retain; `resume` = continue from the latest one when it exists;
     `reshard` = allow resuming a ZeRO-3 checkpoint saved with another world size or
-    `train.tensor_parallel_size` (converted once by `pipeline.reshard`; the run's global batch
+    `train.tensor_parallel_size` (converted once by `pipeline.checkpoint.reshard`; the run's global batch
     is kept and gradient accumulation recomputed for the new data-parallel size). Off by
     default, so an accidental layout change stops with one line."""
     dir: Optional[str] = None
@@ -273,7 +273,7 @@ def _world_size_from_env() -> int:
 
 def _load_model_fields(cfg: DictConfig, tp: int) -> Dict[str, Any]:
     """Merged ModelConfig fields: preset, then inline; with `init.source=hf` and neither given,
-    the HF folder's config.json (`pipeline.hf_io.config_from_hf`, vocab padded to a multiple of
+    the HF folder's config.json (`pipeline.model.hf.config_from_hf`, vocab padded to a multiple of
     TP). With `init.source=hf` and a preset, the shapes must match the HF config."""
     fields: Dict[str, Any] = {}
     preset = cfg.model.preset
@@ -289,7 +289,7 @@ def _load_model_fields(cfg: DictConfig, tp: int) -> Dict[str, Any]:
         fields.update(loaded)
     fields.update(OmegaConf.to_container(cfg.model.inline, resolve=True))
     if cfg.init.source == "hf":
-        from pipeline.hf_io import config_from_hf
+        from pipeline.model.hf import config_from_hf
         try:
             hf = config_from_hf(cfg.init.hf_path, tp_size=tp).to_dict()
         except (ValueError, OSError, KeyError) as e:

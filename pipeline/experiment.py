@@ -44,7 +44,8 @@ import sys
 import time
 from pathlib import Path
 
-from pipeline.atomic_io import write_json, write_text
+from pipeline.common.cli import EXIT_USAGE
+from pipeline.common.atomic_io import write_json, write_text
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -221,7 +222,8 @@ class Experiment:
     def stage_eval(self):
         import torch
         from pipeline.evaluate import exact_match_eval, validation_loss
-        from pipeline.generate import check_decoding_args, load_for_inference
+        from pipeline.inference.cli import check_decoding_args
+        from pipeline.inference.loading import load_for_inference
         torch.set_num_threads(self.threads)
         examples = self.eval_examples()
         _log(f"evaluation subset: {len(examples)} validation functions with bodies of at most "
@@ -268,7 +270,7 @@ class Experiment:
         at each slot size and token threshold of DECODE_GRID; cached under `<out>/diagnose/`."""
         import torch
         from pipeline.evaluate import slot_acceptance
-        from pipeline.generate import load_for_inference
+        from pipeline.inference.loading import load_for_inference
         torch.set_num_threads(self.threads)
         examples = None
         ran = False
@@ -559,7 +561,7 @@ def main(argv=None) -> int:
         print("error: --pretrain-steps, --finetune-steps, --micro-batch-size, --threads, "
               "--nproc must be >= 1",
               file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     exp = Experiment(args.out, args.pretrain_steps, args.finetune_steps, args.threads,
                      args.nproc, args.config, args.micro_batch_size, args.parallel)
     t0 = time.time()

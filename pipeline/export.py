@@ -4,7 +4,7 @@
                                       [--max-shard-bytes B] [--overwrite]
 
 Owns: turning a source into full Hugging Face tensors plus config, then writing the folder
-(through `pipeline.hf_io.save_hf_folder`: config.json, safetensors, tokenizer files with the
+(through `pipeline.model.hf.save_hf_folder`: config.json, safetensors, tokenizer files with the
 ReFusion tokens added). Must not touch: training, the network definition, checkpoint writing.
 
 Source kinds (one function each, `SOURCES`; detection in `detect_source`):
@@ -16,15 +16,15 @@ Source kinds (one function each, `SOURCES`; detection in `detect_source`):
 - `checkpoint`: a training checkpoint (root or step folder, `pipeline.checkpoint` layout):
   the fp32 master weights of each TP rank read one parameter at a time (ZeRO-3:
   `pipeline.checkpoint.open_tp_ranks`; ZeRO 0-2: DeepSpeed's zero_to_fp32), then the TP merge
-  of `pipeline.hf_io`; its tokenizer
+  of `pipeline.model.hf`; its tokenizer
   is the copy in the run's shard folder (`<data.dir>/tokenizer`) when that still exists.
 Without any tokenizer the folder gets none, and one warning line says so.
 
 Memory: one tensor at a time. The per-rank parts are streamed into safetensors files (`hf`:
 each rank reads its slices one parameter at a time; `checkpoint`: the ZeRO-3 fp32 partitions
 are read per parameter, `pipeline.checkpoint.open_tp_ranks`), and each Hugging Face tensor is
-merged, cast and written on its own (`pipeline.hf_io.lazy_merged_state`,
-`pipeline.hf_io.write_safetensors`): peak memory is about the largest tensor in fp32 plus
+merged, cast and written on its own (`pipeline.model.hf.lazy_merged_state`,
+`pipeline.model.hf.write_safetensors`): peak memory is about the largest tensor in fp32 plus
 its cast copy, whatever the model size (`bench/bench_export.py` measures it).
 
 Exit codes: 0 done; 2 usage or input error (one line on stderr, no traceback); 4 no space
@@ -51,11 +51,12 @@ import torch
 # before the import, so that the spawned TP ranks (which import this module) stay quiet too.
 warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
 
-from pipeline import hf_io  # noqa: E402
-from pipeline.diskspace import EXIT_DISK_FULL  # noqa: E402
-from pipeline.model import ModelConfig  # noqa: E402
+from pipeline.common.cli import DTYPES, EXIT_DISK_FULL, EXIT_USAGE  # noqa: E402
+from pipeline.model import ModelConfig, hf  # noqa: E402
+from pipeline.parallel import free_port  # noqa: E402
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# export writes Hugging Face weights in these dtypes
+EXPORT_DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass
@@ -63,7 +64,7 @@ class ExportSource:
     """What a source kind hands to the writer.
 
     Attributes:
-        state: full HF tensors (`{hf_name: Tensor | hf_io.LazyTensor}`, lazy ones produced one
+        state: full HF tensors (`{hf_name: Tensor | hf.LazyTensor}`, lazy ones produced one
             at a time by the writer), as `Qwen3ForCausalLM.state_dict()` names them.
         cfg: the model config.
         tokenizer_src: folder with tokenizer files to copy (None: none written).
@@ -88,7 +89,7 @@ def _has_tokenizer(folder: Path) -> bool:
 
 
 def _stored_dtype(src: Path) -> torch.dtype:
-    st = hf_io.SafetensorsFolder(src)
+    st = hf.SafetensorsFolder(src)
     name = "model.embed_tokens.weight"
     if name not in st:
         raise KeyError(f"{src}: tensor {name} missing from the checkpoint")
@@ -107,11 +108,11 @@ def _hf_rank(rank: int, world_size: int, port: int, src: str, out_dir: str, dtyp
     from pipeline.parallel import destroy_distributed, init_distributed
     try:
         info = init_distributed(tensor_parallel_size=world_size, backend="gloo")
-        cfg = hf_io.config_from_hf(src, tp_size=world_size)
+        cfg = hf.config_from_hf(src, tp_size=world_size)
         with torch.device("meta"):
             model = Qwen3(cfg, dtype=dtype, init_weights=False)
         params = dict(model.named_parameters())
-        read = hf_io.tp_param_reader(src, cfg, info.tp_rank, world_size)
+        read = hf.tp_param_reader(src, cfg, info.tp_rank, world_size)
 
         def load(name, want=None):
             t = read(name)
@@ -120,18 +121,11 @@ def _hf_rank(rank: int, world_size: int, port: int, src: str, out_dir: str, dtyp
                                  f"{info.tp_rank}, the model expects {tuple(params[name].shape)}")
             return t.to(want or dtype)
 
-        entries = {n: hf_io.LazyTensor(tuple(p.shape), dtype, lambda d=None, n=n: load(n, d))
+        entries = {n: hf.LazyTensor(tuple(p.shape), dtype, lambda d=None, n=n: load(n, d))
                    for n, p in params.items()}
-        hf_io.write_safetensors(Path(out_dir) / f"tp{info.tp_rank}.safetensors", entries)
+        hf.write_safetensors(Path(out_dir) / f"tp{info.tp_rank}.safetensors", entries)
     finally:
         destroy_distributed()
-
-
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def from_hf_folder(src: Path, args) -> ExportSource:
@@ -140,8 +134,8 @@ def from_hf_folder(src: Path, args) -> ExportSource:
     Raises:
         ValueError / KeyError / FileNotFoundError: bad config or missing tensors (user errors).
     """
-    hc = hf_io.read_hf_config(src)
-    cfg = hf_io.config_from_hf(src, tp_size=args.tp)   # validates before any process starts
+    hc = hf.read_hf_config(src)
+    cfg = hf.config_from_hf(src, tp_size=args.tp)   # validates before any process starts
     dtype = _stored_dtype(src)
     import torch.multiprocessing as mp
     from safetensors import safe_open
@@ -153,7 +147,7 @@ def from_hf_folder(src: Path, args) -> ExportSource:
     level = spawn_log.level
     spawn_log.setLevel(logging.ERROR)   # its "Terminating process ..." after a rank failed
     try:
-        mp.start_processes(_hf_rank, args=(args.tp, _free_port(), str(src), str(tmp), dtype),
+        mp.start_processes(_hf_rank, args=(args.tp, free_port(), str(src), str(tmp), dtype),
                            nprocs=args.tp, join=True, start_method="spawn")
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -170,8 +164,8 @@ def from_hf_folder(src: Path, args) -> ExportSource:
             sl = f.get_slice(native)
             return sl[:] if start is None else sl[start:stop]
 
-    shapes = hf_io.tp_shard_shapes(cfg, args.tp)
-    state = hf_io.lazy_merged_state(read, shapes, dtype, cfg, args.tp,
+    shapes = hf.tp_shard_shapes(cfg, args.tp)
+    state = hf.lazy_merged_state(read, shapes, dtype, cfg, args.tp,
                                     vocab_rows=int(hc["vocab_size"]))
     extra = {k: hc[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id",
                                 "mask_token_id") if k in hc}
@@ -260,7 +254,7 @@ def detect_source(src: Path) -> str:
 # --------------------------------------------------------------------------------------------
 
 def export(src, out, tp: int = 1, tokenizer=None, dtype: str | None = None,
-           max_shard_bytes: int = hf_io.DEFAULT_MAX_SHARD_BYTES,
+           max_shard_bytes: int = hf.DEFAULT_MAX_SHARD_BYTES,
            overwrite: bool = False) -> Path:
     """Export `src` (any kind in `SOURCES`) to a Hugging Face folder `out`; see module doc.
 
@@ -276,8 +270,8 @@ def export(src, out, tp: int = 1, tokenizer=None, dtype: str | None = None,
     src, out = Path(src), Path(out)
     if tp < 1:
         raise ValueError(f"--tp must be >= 1, got {tp}")
-    if dtype is not None and dtype not in DTYPES:
-        raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    if dtype is not None and dtype not in EXPORT_DTYPES:
+        raise ValueError(f"--dtype must be one of {sorted(EXPORT_DTYPES)}, got {dtype!r}")
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
         raise FileExistsError(f"{out}: exists and is not empty (use --overwrite)")
     kind = detect_source(src)
@@ -294,7 +288,7 @@ def export(src, out, tp: int = 1, tokenizer=None, dtype: str | None = None,
         elif tokenizer is None and kind == "checkpoint":
             print(f"export: tokenizer from the run's shards: {tok}", file=sys.stderr)
         extra = dict(source.config_extra)  # save_hf_folder sets mask_token_id from the tokenizer
-        return hf_io.save_hf_folder(source.state, source.cfg, out, tokenizer_src=tok,
+        return hf.save_hf_folder(source.state, source.cfg, out, tokenizer_src=tok,
                                     max_shard_bytes=max_shard_bytes, dtype=cast,
                                     config_extra=extra, overwrite=overwrite)
     except OSError as e:
@@ -349,9 +343,9 @@ def main(argv=None) -> int:
                         "file, or a folder holding one as tokenizer.model (e.g. <shards>/"
                         "tokenizer) (default: the source's; for a training checkpoint, the "
                         "tokenizer copy in its run's shard folder)")
-    p.add_argument("--dtype", default=None, choices=sorted(DTYPES),
+    p.add_argument("--dtype", default=None, choices=sorted(EXPORT_DTYPES),
                    help="cast weights (default: as stored)")
-    p.add_argument("--max-shard-bytes", type=int, default=hf_io.DEFAULT_MAX_SHARD_BYTES,
+    p.add_argument("--max-shard-bytes", type=int, default=hf.DEFAULT_MAX_SHARD_BYTES,
                    help="split model.safetensors above this size (bytes)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT")
     a = p.parse_args(argv)
@@ -364,7 +358,7 @@ def main(argv=None) -> int:
     except (FileNotFoundError, FileExistsError, ValueError, KeyError) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
         print(f"export: error: {msg}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     print(f"export: wrote {out}")
     return 0
 

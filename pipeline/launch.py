@@ -24,8 +24,9 @@ import os
 import signal
 import sys
 
+from pipeline.common.cli import REPORTED
+
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
-QUIET_CODES = (2, 3, 4)
 
 
 def _children() -> list[int]:
@@ -75,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
             code = 128 - code
         else:
             what = f"exited with code {code}"
-        if code not in QUIET_CODES:
+        if code not in REPORTED:
             print(f"pipeline.launch: worker rank {rank} (pid {failure.pid}) {what}; its output is "
                   f"above", file=sys.stderr, flush=True)
         return code

@@ -11,7 +11,7 @@
         [any option of the harness's own `lm_eval run`]     (also: `refusion-lm-eval ...`)
 
 Owns: `RefusionLM`, the harness model class registered as `refusion`, and the CLI above.
-Must not touch: the decoding algorithms (`pipeline.decoding`), model loading
+Must not touch: the decoding algorithms (`pipeline.inference.decoding`), model loading
 (`pipeline.generate.load_for_inference`), task definitions and metrics (the harness's).
 
 The harness (lm-eval 0.4.x) asks a model for three things:
@@ -54,10 +54,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import json
 import logging
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
@@ -76,8 +74,9 @@ except ImportError as _e:  # the optional `eval` extra
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 
-from pipeline.generate import (DTYPES, UsageError, add_decoding_args, check_decoding_args,
-                               decode_batch, load_for_inference, warm_up)
+from pipeline.common.cli import DTYPES, UsageError
+from pipeline.inference.cli import add_decoding_args, check_decoding_args, decode_batch, warm_up
+from pipeline.inference.loading import load_for_inference
 
 HARNESS_COMMANDS = ("run", "ls", "validate")
 _log = logging.getLogger(__name__)
@@ -215,7 +214,7 @@ class RefusionLM(TemplateLM):
         if not self._spm:
             return self.tokenizer.encode(string, add_special_tokens=False)
         import re
-        from data_prep.tokenizer_io import SPM_ASSISTANT, SPM_USER
+        from pipeline.tokenizer import SPM_ASSISTANT, SPM_USER
         turns = {SPM_USER: tok.user_id, SPM_ASSISTANT: tok.assistant_id}
         ids = []
         for part in re.split("(" + "|".join(map(re.escape, turns)) + ")", string):
@@ -235,7 +234,7 @@ class RefusionLM(TemplateLM):
             return self.tokenizer.apply_chat_template(
                 chat_history, tokenize=False, add_generation_prompt=add_generation_prompt,
                 continue_final_message=not add_generation_prompt)
-        from data_prep.tokenizer_io import SPM_ASSISTANT, SPM_USER
+        from pipeline.tokenizer import SPM_ASSISTANT, SPM_USER
         out = []
         for m in chat_history:
             tag = {"user": SPM_USER, "assistant": SPM_ASSISTANT}.get(m["role"], "")

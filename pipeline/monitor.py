@@ -98,7 +98,7 @@ class Monitor:
                 f.write(json.dumps(metrics) + "\n")
                 f.flush()
         except OSError as e:
-            from pipeline.diskspace import write_failure_cause
+            from pipeline.common.diskspace import write_failure_cause
             raise MonitorError(f"{path}: cannot append metrics: "
                                f"{write_failure_cause(e, path)}") from None
 
@@ -181,7 +181,7 @@ class Monitor:
         state = {"run_id": self.run_id, "confirmed_step": self.last_step,
                  "time_unix_s": time.time()}
         try:
-            from pipeline.atomic_io import write_text
+            from pipeline.common.atomic_io import write_text
             write_text(os.path.join(self.run_dir, STATE_FILE), json.dumps(state) + "\n")
         except OSError as e:
             log.warning("wandb: could not write %s: %s", STATE_FILE, e)

@@ -1,7 +1,7 @@
 """The ReFusion training objective: per-sample reorganization and the hybrid AR + MDM loss.
 
 Owns: turning one prepared sample (natural-order tokens, segments, slot boundaries) into the
-reorganized sequence the model is fed (REFUSION.md "Training example", steps 1-5), packing
+reorganized sequence the model is fed (docs/METHOD.md "One training sample", steps 1-5), packing
 reorganized samples into fixed-shape micro-batch tensors, and the loss (step 6), including
 applying the output layer chunk by chunk on labelled positions only (`labelled_cross_entropy`).
 Must not touch: the model, process groups (it only *reads* megatron-core's `parallel_state`
@@ -33,7 +33,7 @@ segments would optimize, so it is the like-for-like baseline.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
@@ -55,7 +55,7 @@ class ObjectiveConfig:
     Attributes:
         mode: "refusion" (hybrid AR + MDM, the method) or "ar" (plain next-token baseline,
             see the module docstring).
-        eps: lower bound of the mask probability, `p = (1 - eps) * t + eps` (REFUSION.md step 1).
+        eps: lower bound of the mask probability, `p = (1 - eps) * t + eps` (docs/METHOD.md "One training sample", step 1).
         slot_sizes: None = use the slot boundaries stored in the shards (data_prep drew k per
             sample from {4, 8, 16, 32}); a list of sizes = ignore them and re-slice each
             segment's response into slots of a size drawn per (segment, epoch) from this list.
@@ -171,7 +171,7 @@ class Reorganized:
 
 def reorganize_sample(tokens: np.ndarray, segments: Sequence[dict], key: str, *, seed: int,
                       epoch: int, mask_id: int, cfg: ObjectiveConfig) -> Reorganized:
-    """Reorganize one shard sample (REFUSION.md "Training example", steps 1-5), vectorized.
+    """Reorganize one shard sample (docs/METHOD.md "One training sample", steps 1-5), vectorized.
 
     Each segment is handled inside its own span: prompt first (natural order), then the clean
     slots as whole slots in a random order, then the masked slots in natural order with every
@@ -268,7 +268,7 @@ def collate(rows: Sequence[Sequence[Reorganized]], max_length: int, pad_id: int)
 
     Row b holds the samples `rows[b]` one after another, then padding up to `max_length`.
     Segment ids number the segments of a row 1, 2, ... (0 = padding); padding position ids
-    continue after the length L of the row's last segment (L, L+1, ...; REFUSION.md step 4, not
+    continue after the length L of the row's last segment (L, L+1, ...; docs/METHOD.md "One training sample", step 4, not
     after the last fed token's position) and padding is never labelled.
 
     Args:
@@ -431,7 +431,7 @@ def labelled_cross_entropy(hidden: torch.Tensor, head, labels: torch.Tensor,
 def hybrid_loss(outputs: torch.Tensor, batch: dict, cfg: ObjectiveConfig | None = None, *,
                 head=None, chunk_tokens: int = LOSS_CHUNK_TOKENS
                 ) -> tuple[torch.Tensor, dict]:
-    """The ReFusion loss of a micro-batch (REFUSION.md step 6).
+    """The ReFusion loss of a micro-batch (docs/METHOD.md "Loss of a micro-batch").
 
     AR  = mean CE over clean-slot tokens that have a label (all rows of the micro-batch);
     MDM = (1 / num_segments) * sum over masked tokens of CE * loss_weight, where

@@ -8,7 +8,7 @@ optimizers, data.
 Layout: megatron-core's default order puts tensor-parallel ranks adjacent
 (ranks 0..tp-1 form TP group 0), so a TP group sits inside one node when tp <= GPUs/node.
 
-Traps this module exists to avoid (../shared/FINDINGS.md):
+Traps this module exists to avoid (each trains silently wrong):
 - without `mpu=` DeepSpeed treats every rank as data-parallel: pass `MegatronMPU()`;
 - `deepspeed.zero.Init(mpu=...)` alone partitions over the whole world: also pass
   `data_parallel_group=parallel_state.get_data_parallel_group()`.
@@ -63,8 +63,8 @@ def _env_int(*names: str, default: int) -> int:
     return default
 
 
-def _free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a rendezvous on this host)."""
     import socket
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -157,7 +157,7 @@ def init_distributed(tensor_parallel_size: int = 1, backend: str | None = None,
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         if "MASTER_PORT" not in os.environ:  # a lone process needs no agreed port: take a free one
-            os.environ["MASTER_PORT"] = str(_free_port()) if world_size == 1 else "29500"
+            os.environ["MASTER_PORT"] = str(free_port()) if world_size == 1 else "29500"
         dist.init_process_group(backend=backend, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
     init_megatron_groups(tensor_parallel_size, dist.get_backend(), timeout_s)
@@ -221,3 +221,42 @@ class MegatronMPU:
     get_tensor_model_parallel_rank = get_model_parallel_rank
     get_tensor_model_parallel_group = get_model_parallel_group
     get_tensor_model_parallel_world_size = get_model_parallel_world_size
+
+
+def init_single_process() -> ParallelInfo:
+    """A one-process gloo group with megatron-core's groups at TP=1, for inference and tools
+    (decoding, evaluation, export); does nothing when a group already exists. A free port on
+    127.0.0.1 is taken unless MASTER_PORT is set."""
+    return init_distributed(tensor_parallel_size=1, backend="gloo")
+
+
+def broadcast_from_rank0(obj):
+    """Every rank returns rank 0's `obj` (picklable), so all ranks act on one decision;
+    `obj` itself without a process group or with one process."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def run_on_rank0(fn, errors: tuple[type[BaseException], ...], raise_as):
+    """Run `fn()` on rank 0 only and return its result on every rank (collective).
+
+    When rank 0's call raises one of `errors`, every rank raises `raise_as(first line of the
+    message)` instead, so no rank is left waiting in a collective and the job stops with one
+    line. Other exceptions propagate on rank 0 (the other ranks then fail in their next
+    collective).
+    """
+    result, error = None, None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            result = fn()
+        except errors as e:
+            text = str(e).strip().strip("'\"")
+            error = text.splitlines()[0] if text else type(e).__name__
+    result, error = broadcast_from_rank0((result, error))
+    if error is not None:
+        raise raise_as(error)
+    return result
+

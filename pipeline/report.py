@@ -24,6 +24,8 @@ import os
 import sys
 from pathlib import Path
 
+from pipeline.common.cli import EXIT_USAGE
+
 # Training figures: (metrics key, panel title); validation figures likewise.
 LOSS_PANELS = (("loss", "training loss"), ("ar_loss", "training AR term"),
                ("mdm_loss", "training MDM term"))
@@ -98,7 +100,7 @@ def _pyplot():
 
 def _save(fig, path: Path) -> None:
     """Write a figure atomically (temporary file in the same folder, then rename)."""
-    from pipeline.atomic_io import atomic_path
+    from pipeline.common.atomic_io import atomic_path
     with atomic_path(path, suffix=".png") as tmp:
         fig.savefig(tmp, format="png", dpi=90)
 
@@ -230,7 +232,7 @@ def report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None = None)
     loss = plot_loss({run_dir.name or str(run_dir): metrics}, out / "loss.png")
     thr = plot_throughput(metrics, out / "throughput.png")
     text = summary_markdown(metrics, str(run_dir))
-    from pipeline.atomic_io import write_text
+    from pipeline.common.atomic_io import write_text
     write_text(out / "summary.md", text)
     files = [str(out / n) for n in ("loss.png", "throughput.png", "summary.md")]
     return {"loss": loss, "throughput": thr, "files": files}
@@ -246,11 +248,11 @@ def main(argv=None) -> int:
         res = report(args.run_dir, args.out)
     except ReportError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     except OSError as e:
         print(f"error: {args.out or args.run_dir}: cannot write: {e.strerror or e}",
               file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     print("report: " + ", ".join(res["files"]))
     return 0
 

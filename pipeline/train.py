@@ -46,7 +46,6 @@ val_loss, val_ar_loss, val_mdm_loss, val_batches).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import logging
 import math
 import os
@@ -54,16 +53,11 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
-from pipeline.diskspace import EXIT_DISK_FULL
+from pipeline.common.cli import EXIT_DISK_FULL, EXIT_INTERRUPTED, EXIT_NONFINITE, EXIT_USAGE
 
 log = logging.getLogger("pipeline.train")
-
-EXIT_CONFIG = 2
-EXIT_NONFINITE = 3
-EXIT_WRITE = EXIT_DISK_FULL   # 4: a checkpoint or metrics.jsonl could not be written
-EXIT_INTERRUPTED = 130
 
 
 # --------------------------------------------------------------------------------------------
@@ -158,108 +152,6 @@ def zero_sizes(ds_cfg, hidden_size: int) -> dict[str, int]:
 def _cuda() -> bool:
     import torch
     return torch.cuda.is_available()
-
-
-def _name_seed(seed: int, name: str) -> int:
-    """A 63-bit generator seed from (run seed, tensor name), stable across processes."""
-    h = hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=8).digest()
-    return int.from_bytes(h, "little") & (2 ** 63 - 1)
-
-
-def random_hf_tensor(name: str, shape: tuple[int, ...], mcfg, seed: int):
-    """Seeded random init of one full Hugging Face tensor (the same on every rank and layout).
-
-    Norm weights (`*norm.weight`) are ones; `o_proj` / `down_proj` are N(0, (std/sqrt(2L))^2)
-    (GPT-2's scaled residual init, as `pipeline.model` does); every other matrix and the embedding
-    is N(0, std^2) with std = `mcfg.init_std`. Values come from a torch.Generator seeded by
-    `(seed, name)`, so they do not depend on the tensor-parallel or data-parallel layout.
-
-    Returns:
-        FloatTensor[shape] (fp32).
-    """
-    import torch
-    if name.endswith("norm.weight"):
-        return torch.ones(shape)
-    std = mcfg.init_std
-    if name.endswith(("o_proj.weight", "down_proj.weight")):
-        std = std / math.sqrt(2.0 * mcfg.num_layers)
-    g = torch.Generator().manual_seed(_name_seed(seed, name))
-    return torch.empty(shape).normal_(0.0, std, generator=g)
-
-
-def _hf_shape(name: str, mcfg) -> tuple[int, ...]:
-    h, d, i = mcfg.hidden_size, mcfg.head_dim, mcfg.intermediate_size
-    if name.endswith(("embed_tokens.weight", "lm_head.weight")):
-        return (mcfg.vocab_size, h)
-    if name.endswith("q_proj.weight"):
-        return (mcfg.num_attention_heads * d, h)
-    if name.endswith(("k_proj.weight", "v_proj.weight")):
-        return (mcfg.num_key_value_heads * d, h)
-    if name.endswith("o_proj.weight"):
-        return (h, mcfg.num_attention_heads * d)
-    if name.endswith(("gate_proj.weight", "up_proj.weight")):
-        return (i, h)
-    if name.endswith("down_proj.weight"):
-        return (h, i)
-    if name.endswith(("q_norm.weight", "k_norm.weight")):
-        return (d,)
-    if name.endswith("norm.weight"):
-        return (h,)
-    raise KeyError(f"no init rule for {name}")
-
-
-def random_tp_shards(mcfg, seed: int, tp_rank: int, tp_size: int
-                     ) -> Iterator[tuple[str, Any]]:
-    """Yield `(native_name, tensor)` of a seeded random model for this TP rank.
-
-    Each Hugging Face tensor is drawn in full by `random_hf_tensor` and cut exactly as
-    `pipeline.hf_io.iter_tp_shard` cuts a checkpoint (`hf_io.param_specs`: each source tensor
-    split into `tp_size` contiguous blocks along the partition dim, fused sources concatenated),
-    so a TP=2 run starts from the same network as a TP=1 run. Peak extra memory: one full HF
-    tensor (fp32).
-    """
-    import torch
-    from pipeline.hf_io import param_specs
-    for spec in param_specs(mcfg):
-        parts = []
-        for name in spec.hf:
-            full = random_hf_tensor(name, _hf_shape(name, mcfg), mcfg, seed)
-            if spec.dim is None:
-                parts.append(full)
-            else:
-                parts.append(full.chunk(tp_size, dim=spec.dim)[tp_rank])
-        t = parts[0] if len(parts) == 1 else torch.cat(parts, dim=spec.dim or 0)
-        yield spec.native, t.contiguous()
-
-
-def copy_into_model(model, shards: Iterator[tuple[str, Any]], source: str) -> None:
-    """Copy `(native_name, tensor)` pairs into `model`'s parameters, ZeRO-3 partitioned or not.
-
-    A ZeRO-3 parameter is gathered (`deepspeed.zero.GatheredParameters(modifier_rank=0)`), written,
-    and re-partitioned (DP rank 0's value is broadcast; every rank writes the same tensor).
-
-    Raises:
-        ValueError: shape mismatch; KeyError: unknown or missing parameter (names `source`).
-    """
-    import deepspeed
-    import torch
-    params = dict(model.named_parameters())
-    seen = set()
-    for name, t in shards:
-        if name not in params:
-            raise KeyError(f"{source}: model has no parameter {name}")
-        p = params[name]
-        shape = tuple(getattr(p, "ds_shape", p.shape))
-        if tuple(t.shape) != shape:
-            raise ValueError(f"{source}: {name} has shape {tuple(t.shape)}, model expects {shape}")
-        with deepspeed.zero.GatheredParameters([p], modifier_rank=0,
-                                               enabled=hasattr(p, "ds_id")):
-            with torch.no_grad():
-                p.data.copy_(t.to(device=p.device, dtype=p.dtype))
-        seen.add(name)
-    missing = sorted(set(params) - seen)
-    if missing:
-        raise KeyError(f"{source}: no value for parameters {missing[:5]}")
 
 
 def peak_flops_per_device(cfg) -> float | None:
@@ -392,13 +284,16 @@ class Trainer:
             raise RuntimeError(f"parameters were built as {sorted(map(str, got))}, expected {dtype}")
         if not resuming:
             if cfg.init.source == "hf":
-                from pipeline.hf_io import iter_tp_shard
+                from pipeline.model.hf import iter_tp_shard
+                from pipeline.model.weights import copy_into_model
                 shards = iter_tp_shard(cfg.init.hf_path, self.mcfg, info.tp_rank, info.tp_size)
                 try:
                     copy_into_model(model, shards, source=cfg.init.hf_path)
                 except (KeyError, ValueError, OSError) as e:  # same files on every rank
                     raise TrainError(f"init.hf_path: {_first_line(e)}") from None
             else:
+                from pipeline.model.init import random_tp_shards
+                from pipeline.model.weights import copy_into_model
                 copy_into_model(model, random_tp_shards(self.mcfg, cfg.train.seed, info.tp_rank,
                                                         info.tp_size), source="random init")
         log.info("model built and initialized (%s) in %.1f s", "resume" if resuming else
@@ -645,7 +540,7 @@ class Trainer:
                         keep_last=self.cfg.checkpoint.keep, model_config=self.mcfg)
         self._last_saved = self.step
         if self.is_rank0 and self.cfg.checkpoint.reshard:  # a conversion is stale now
-            from pipeline.reshard import remove_conversions
+            from pipeline.checkpoint.reshard import remove_conversions
             remove_conversions(self.ckdir)
         log.info("checkpoint step %d saved in %.1f s", self.step, time.time() - t0)
 
@@ -751,9 +646,8 @@ def _plan_keeping_global_batch(plan, step_dir):
     """
     import dataclasses
     import json
-    from pathlib import Path
 
-    from pipeline.reshard import saved_global_batch
+    from pipeline.checkpoint.reshard import saved_global_batch
     meta = json.loads((Path(step_dir) / "refusion_meta.json").read_text())
     if (meta["world_size"], meta["tp_size"]) == (plan.world_size, plan.tp_size):
         return plan
@@ -911,10 +805,10 @@ def main(argv: list[str] | None = None) -> int:
         # (so a config error only one rank sees is still printed, once); otherwise rank 0 prints.
         store = _agent_store()
         if store is not None:
-            _report_error(EXIT_CONFIG, f"pipeline.train: config error: {e}", store)
+            _report_error(EXIT_USAGE, f"pipeline.train: config error: {e}", store)
         elif rank0:
             print(f"pipeline.train: config error: {e}", file=sys.stderr)
-        return EXIT_CONFIG
+        return EXIT_USAGE
     _launcher_env()
     from pipeline.checkpoint import CheckpointError, CheckpointWriteError
     from pipeline.data import DataError
@@ -924,9 +818,9 @@ def main(argv: list[str] | None = None) -> int:
         trainer.setup()
         code = trainer.run()
     except (TrainError, CheckpointError, DataError) as e:  # user errors found after start-up
-        code = _report_error(EXIT_CONFIG, f"pipeline.train: error: {_first_line(e)}")
+        code = _report_error(EXIT_USAGE, f"pipeline.train: error: {_first_line(e)}")
     except (CheckpointWriteError, MonitorError) as e:  # disk full, quota, other write errors
-        code = _report_error(EXIT_WRITE, f"pipeline.train: error: {_first_line(e)}")
+        code = _report_error(EXIT_DISK_FULL, f"pipeline.train: error: {_first_line(e)}")
     except KeyboardInterrupt:  # a second Ctrl-C (the first one checkpoints; see _install_signals)
         print(f"pipeline.train: rank {os.environ.get('RANK', '0')}: interrupted; no checkpoint "
               f"written for the current step", file=sys.stderr, flush=True)

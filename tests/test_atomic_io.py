@@ -1,11 +1,11 @@
-"""pipeline.atomic_io: the shared atomic writer (mode, replacement, failure leaves the old file)."""
+"""pipeline.common.atomic_io: the shared atomic writer (mode, replacement, failure leaves the old file)."""
 import json
 import os
 import stat
 
 import pytest
 
-from pipeline import atomic_io
+from pipeline.common import atomic_io
 
 
 def test_written_files_get_the_umask_mode_not_owner_only(tmp_path):

@@ -166,9 +166,9 @@ def test_lr_schedule_matches_torch_schedulers(warmup, max_steps, min_lr):
 
 def test_random_init_is_independent_of_the_tp_layout():
     """TP=2 shards of the seeded init, merged by hf_io, equal the TP=1 init (HF names)."""
-    from pipeline import hf_io
+    from pipeline.model import hf as hf_io
     from pipeline.model import ModelConfig
-    from pipeline.train import random_tp_shards
+    from pipeline.model.init import random_tp_shards
     cfg = ModelConfig.from_dict(dict(MODEL, init_std=0.05))
     one = hf_io.merge_tp_state_dicts([dict(random_tp_shards(cfg, 3, 0, 1))], cfg)
     two = hf_io.merge_tp_state_dicts([dict(random_tp_shards(cfg, 3, r, 2)) for r in range(2)], cfg)
@@ -187,7 +187,7 @@ def test_random_init_is_independent_of_the_tp_layout():
 def test_shipped_run_configs_validate(tmp_path, data_dir):
     """configs/*.yaml load against the schema; with their required paths given they validate
     for the launch they are written for (Qwen3-8B: 32 processes, TP=2 -> GA 4)."""
-    from pipeline import hf_io
+    from pipeline.model import hf as hf_io
     from pipeline.model import ModelConfig
     shipped = sorted((ROOT / "configs").glob("*.yaml"))
     assert {p.name for p in shipped} >= {"tiny_cpu.yaml", "qwen3_8b.yaml"}

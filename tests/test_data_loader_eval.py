@@ -39,7 +39,9 @@ def _trainer(info, data_dir, micro_batch_size, pack):
     import torch
     from pipeline.model import ModelConfig, Qwen3
     from pipeline.objective import ObjectiveConfig
-    from pipeline.train import Trainer, copy_into_model, random_tp_shards
+    from pipeline.train import Trainer
+    from pipeline.model.weights import copy_into_model
+    from pipeline.model.init import random_tp_shards
     mcfg = ModelConfig.from_dict(dict(MODEL))
     model = Qwen3(mcfg, dtype=torch.float32, init_weights=False)
     copy_into_model(model, random_tp_shards(mcfg, 3, 0, 1), source="random init")

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from data_prep import shard
-from data_prep.tokenizer_io import qwen3_tokenizer_dir
+from pipeline.tokenizer import qwen3_tokenizer_dir
 from pipeline.data import DataError, build_loader
 
 ROWS = [

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from data_prep import shard, stdlib_corpus, train_tokenizer
-from data_prep.tokenizer_io import load_tokenizer, qwen3_tokenizer_dir
+from pipeline.tokenizer import load_tokenizer, qwen3_tokenizer_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 

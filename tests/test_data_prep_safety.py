@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 from data_prep import dedup, shard, writer
-from data_prep.tokenizer_io import load_tokenizer, qwen3_tokenizer_dir
+from pipeline.common.cli import EXIT_DISK_FULL
+from pipeline.tokenizer import load_tokenizer, qwen3_tokenizer_dir
 from test_data_prep import folder_bytes, read_samples, run_shard, write_jsonl
 
 
@@ -240,7 +241,7 @@ def test_injected_enospc_is_one_line_exit_3_and_resumes(tmp_path, spm_model, cap
 
     monkeypatch.setattr(writer._HashingFile, "write", failing_write)
     code, err = run_shard(capsys, *args, "--output", out)
-    assert code == shard.EXIT_OUTPUT_FULL == 4
+    assert code == EXIT_DISK_FULL == 4
     lines = err.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in err, err
     assert str(out) in lines[0] and "no space left on the device" in lines[0]

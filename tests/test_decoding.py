@@ -1,4 +1,4 @@
-"""pipeline.decoding on a tiny random Qwen3 checkpoint (tests/tiny_qwen3.py).
+"""pipeline.inference.decoding on a tiny random Qwen3 checkpoint (tests/tiny_qwen3.py).
 
 Oracles: the cache-free reference decoder (`reference_generate`, whole reorganized sequence
 recomputed every forward); transformers' Qwen3ForCausalLM (greedy `generate`, and an
@@ -38,7 +38,7 @@ def hf_model(ckpt):
 
 @pytest.fixture(scope="module")
 def model(tp1, ckpt):
-    from pipeline.hf_io import config_from_hf, load_hf_into_model
+    from pipeline.model.hf import config_from_hf, load_hf_into_model
     from pipeline.model import Qwen3
     m = Qwen3(config_from_hf(ckpt), dtype=torch.float64, init_weights=False)
     load_hf_into_model(m, ckpt)
@@ -70,7 +70,8 @@ SETTINGS = [dict(slot_threshold=0.3, token_threshold=0.5), dict(slot_threshold=0
 
 @pytest.mark.parametrize("exact", [False, True])
 def test_cached_decoder_equals_cache_free_reference(model, exact):
-    from pipeline.decoding import reference_generate, refusion_generate
+    from decoding_oracle import reference_generate
+    from pipeline.inference.decoding import refusion_generate
     prompts = _prompts(3)
     ids, am = _padded(prompts, "left")
     drafts = plans = eos_hits = 0
@@ -98,7 +99,7 @@ def test_cached_decoder_equals_cache_free_reference(model, exact):
 def test_default_cache_is_not_the_exact_cache(model):
     """The two cache modes are different models of the committed prefix: on this checkpoint
     they give different text, and each equals its own cache-free recompute (test above)."""
-    from pipeline.decoding import refusion_generate
+    from pipeline.inference.decoding import refusion_generate
     prompts = _prompts(3)
     a = refusion_generate(model, prompts, 24, 4, 2, 0.2, 0.8, 0.0, MASK, None)
     b = refusion_generate(model, prompts, 24, 4, 2, 0.2, 0.8, 0.0, MASK, None, exact_cache=True)
@@ -149,7 +150,7 @@ def _hf_one_slot_per_step(hf, prompt, G, k, num_blocks, eos):
 
 
 def test_slot_threshold_above_one_decodes_one_slot_per_step(model, hf_model):
-    from pipeline.decoding import refusion_generate
+    from pipeline.inference.decoding import refusion_generate
     prompts = _prompts(2, seed=3)
     out = refusion_generate(model, prompts, 20, 4, 1, slot_threshold=1.5, token_threshold=0.0,
                             temperature=0.0, mask_id=MASK, eos_id=None)
@@ -164,7 +165,7 @@ def test_slot_threshold_above_one_decodes_one_slot_per_step(model, hf_model):
 def test_token_threshold_zero_accepts_whole_slots(model, hf_model):
     """slot_threshold 0 selects every slot, token_threshold 0 accepts every drafted token: one
     plan and one verify per block, and the text is the plan's argmax over prompt + masks."""
-    from pipeline.decoding import refusion_generate
+    from pipeline.inference.decoding import refusion_generate
     p = _prompts(1, seed=4)[0]
     out = refusion_generate(model, [p], 16, 4, 1, slot_threshold=0.0, token_threshold=0.0,
                             temperature=0.0, mask_id=MASK, eos_id=None)
@@ -177,7 +178,7 @@ def test_token_threshold_zero_accepts_whole_slots(model, hf_model):
 
 
 def test_eos_after_is_discarded_before_is_still_decoded(model, hf_model):
-    from pipeline.decoding import refusion_generate
+    from pipeline.inference.decoding import refusion_generate
     # Find a prompt whose first committed slot is not the first slot; make its first token EOS.
     for seed in range(20):
         p = _prompts(1, seed=seed)[0]
@@ -202,7 +203,7 @@ def test_eos_after_is_discarded_before_is_still_decoded(model, hf_model):
 def test_eos_in_left_to_right_blocks_ends_output(model):
     """One slot per block = left-to-right slots: the text before the EOS cannot depend on it,
     so the output is the EOS-free output cut after its first EOS, and decoding stops there."""
-    from pipeline.decoding import refusion_generate
+    from pipeline.inference.decoding import refusion_generate
     p = _prompts(1, seed=5)[0]
     free = refusion_generate(model, [p], 24, 4, 6, 0.5, 0.5, 0.0, MASK, None).tokens[0]
     eos = free[13]
@@ -214,7 +215,7 @@ def test_eos_in_left_to_right_blocks_ends_output(model):
 
 @pytest.mark.parametrize("side", ["left", "right"])
 def test_batch_equals_one_by_one(model, side):
-    from pipeline.decoding import ar_generate, refusion_generate
+    from pipeline.inference.decoding import ar_generate, refusion_generate
     prompts = _prompts(4, seed=6)
     ids, am = _padded(prompts, side)
     kw = dict(gen_length=16, slot_size=4, num_blocks=2, slot_threshold=0.3,
@@ -230,7 +231,7 @@ def test_batch_equals_one_by_one(model, side):
 
 
 def test_ar_mode_equals_transformers_greedy_generate(model, hf_model):
-    from pipeline.decoding import ar_generate
+    from pipeline.inference.decoding import ar_generate
     prompts = _prompts(3, seed=7)
     out = ar_generate(model, prompts, gen_length=12, temperature=0.0, eos_id=None)
     for i, p in enumerate(prompts):
@@ -246,7 +247,7 @@ def test_ar_mode_equals_transformers_greedy_generate(model, hf_model):
 
 
 def test_sampling_is_seeded_and_arguments_are_checked(model):
-    from pipeline.decoding import refusion_generate
+    from pipeline.inference.decoding import refusion_generate
     p = _prompts(2, seed=8)
     kw = dict(gen_length=16, slot_size=4, num_blocks=2, slot_threshold=0.3,
               token_threshold=0.6, temperature=1.0, mask_id=MASK, eos_id=None)
@@ -260,8 +261,8 @@ def test_sampling_is_seeded_and_arguments_are_checked(model):
 
 
 def _tp2_decode(rank, world_size, ckpt, prompts):
-    from pipeline.decoding import ar_generate, refusion_generate
-    from pipeline.hf_io import config_from_hf, load_hf_into_model
+    from pipeline.inference.decoding import ar_generate, refusion_generate
+    from pipeline.model.hf import config_from_hf, load_hf_into_model
     from pipeline.model import Qwen3
     from pipeline.parallel import init_distributed
     init_distributed(tensor_parallel_size=2)
@@ -277,7 +278,7 @@ def test_tensor_parallel_decode_equals_single_process(model, ckpt):
     """TP=2 (heads and vocab split over 2 gloo processes, logits all-gathered): every rank
     decodes the same tokens as the single-process model."""
     from distributed import run_distributed
-    from pipeline.decoding import ar_generate, refusion_generate
+    from pipeline.inference.decoding import ar_generate, refusion_generate
     prompts = _prompts(3, seed=9)
     one = refusion_generate(model, prompts, 16, 4, 2, 0.3, 0.6, 0.0, MASK, 11)
     ar = ar_generate(model, prompts, 8, 0.0, 11)

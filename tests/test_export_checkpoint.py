@@ -78,7 +78,8 @@ def trained(tmp_path_factory):
 def test_export_training_checkpoint_matches_trained_model(trained):
     from transformers import AutoModelForCausalLM
 
-    from pipeline import export, hf_io
+    from pipeline import export
+    from pipeline.model import hf as hf_io
     tmp, cfg, ckdir = trained
     info = json.loads((ckdir / "step_000000003" / "refusion_layout.json").read_text())
     assert info["tp_size"] == 2 and info["dp_size"] == 2
@@ -115,7 +116,8 @@ def fake_run(tmp_path, monkeypatch):
     a data_prep SentencePiece copy in `tokenizer/`); the DeepSpeed consolidation is replaced by
     a tiny HF model's tensors (what is tested here is only the tokenizer choice)."""
     from data_prep import stdlib_corpus, train_tokenizer
-    from pipeline import checkpoint, hf_io
+    from pipeline import checkpoint
+    from pipeline.model import hf as hf_io
     from tiny_qwen3 import make_tiny_qwen3
     data = tmp_path / "data"
     (data / "tokenizer").mkdir(parents=True)
@@ -149,7 +151,7 @@ def test_export_checkpoint_defaults_to_the_runs_shard_tokenizer(fake_run, tmp_pa
     import sentencepiece as spm
     from transformers import AutoTokenizer
 
-    from data_prep.tokenizer_io import SPMTokenizer, load_tokenizer
+    from pipeline.tokenizer import SPMTokenizer, load_tokenizer
     from pipeline import export
     ck, data = fake_run
     out = tmp_path / "hf"
@@ -204,9 +206,10 @@ def test_checkpoint_loads_for_inference_like_its_export(trained, tp1, tmp_path, 
     """Issue 9: a training checkpoint loads straight into the model (no Hugging Face folder
     written, no whole-model state in memory): the same weights, bit for bit, and the same
     decoded tokens as its exported folder, in fp32 and in bf16."""
-    from pipeline import export, hf_io
-    from pipeline.decoding import ar_generate, refusion_generate
-    from pipeline.generate import load_model
+    from pipeline import export
+    from pipeline.model import hf as hf_io
+    from pipeline.inference.decoding import ar_generate, refusion_generate
+    from pipeline.inference.loading import load_model
     _, _, ckdir = trained
     folder = tmp_path / "hf"
     assert export.main([str(ckdir), str(folder), "--dtype", "float32"]) == 0

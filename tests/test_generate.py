@@ -66,7 +66,7 @@ def test_refusion_cli_prints_text_and_figures(tp1, folder, capsys):
 
 def test_ar_cli_equals_transformers_generate(tp1, folder, capsys, tmp_path):
     from transformers import Qwen3ForCausalLM
-    from data_prep.tokenizer_io import load_tokenizer
+    from pipeline.tokenizer import load_tokenizer
     prompts = ["def dumps(obj):", "class JSONDecoder(object):", "x"]
     f = tmp_path / "p.jsonl"
     f.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
@@ -127,7 +127,7 @@ def test_hf_tokenizer_folder_uses_the_chat_template(tp1, tmp_path, capsys):
                       do_sample=False, eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
                       pad_token_id=0)[0, ids.shape[1]:].tolist()
     assert r["token_ids"] == ref
-    from pipeline.generate import load_for_inference
+    from pipeline.inference.loading import load_for_inference
     loaded = load_for_inference(folder)
     assert (loaded.mask_id, loaded.eos_id) == (151670, 151645)
 
@@ -241,7 +241,8 @@ def test_bench_decoding_reports_the_median_of_repeats(folder, tmp_path):
 def test_device_resolution(monkeypatch):
     """--device auto|cpu|cuda[:N]: auto = CUDA when available (local rank modulo the visible
     GPUs), bf16 the default dtype on CUDA, fp32 on the CPU; bad values are UsageErrors."""
-    from pipeline.generate import UsageError, default_dtype, resolve_device
+    from pipeline.common.cli import UsageError
+    from pipeline.inference.loading import default_dtype, resolve_device
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert resolve_device("auto") == torch.device("cpu") == resolve_device(None)
     assert resolve_device("cpu") == torch.device("cpu")
@@ -279,8 +280,8 @@ def test_cuda_device_without_cuda_is_one_line(tp1, folder, capsys):
 def test_bf16_on_cpu_decoding_tensors_follow_the_model(tp1, folder, monkeypatch):
     """A bf16 model (on the CPU): parameters and KV cache in bf16, every tensor the model sees
     on the parameters' device, weights equal to the fp32 load cast to bf16, tokens decoded."""
-    from pipeline import decoding
-    from pipeline.generate import load_for_inference
+    from pipeline.inference import decoding
+    from pipeline.inference.loading import load_for_inference
     from pipeline.model import KVCache
     fp32 = load_for_inference(folder, device="cpu")
     assert {p.dtype for p in fp32.model.parameters()} == {torch.float32}   # CPU default

@@ -1,4 +1,4 @@
-"""pipeline.hf_io: config reading, per-TP-rank slice loading (single file, sharded, ReFusion
+"""pipeline.model.hf: config reading, per-TP-rank slice loading (single file, sharded, ReFusion
 layout), merging per-rank state back, HF folder writing. No process group needed."""
 import json
 
@@ -48,7 +48,7 @@ def _expected_rank_slices(hf, hc, rank, tp, vocab):
 
 
 def test_config_from_hf_and_errors(tmp_path):
-    from pipeline.hf_io import config_from_hf
+    from pipeline.model.hf import config_from_hf
     src = make_tiny_qwen3(tmp_path / "a", vocab_size=511, **SMALL)
     cfg = config_from_hf(src)
     assert (cfg.vocab_size, cfg.hidden_size, cfg.num_layers, cfg.num_attention_heads,
@@ -66,8 +66,8 @@ def test_config_from_hf_and_errors(tmp_path):
 
 def test_sharded_write_and_per_rank_slices(tmp_path):
     from transformers import Qwen3ForCausalLM
-    from pipeline.hf_io import (config_from_hf, iter_tp_shard, merge_tp_state_dicts,
-                                param_specs, partition_dim, save_hf_folder)
+    from pipeline.model.hf import config_from_hf, iter_tp_shard, merge_tp_state_dicts, save_hf_folder
+    from pipeline.model.tp import param_specs, partition_dim
     src = make_tiny_qwen3(tmp_path / "src", seed=4, vocab_size=300, **SMALL)
     hf = _hf_state(src)
     cfg = config_from_hf(src)
@@ -101,7 +101,7 @@ def test_refusion_release_layout(tmp_path):
     """The authors' folder: Qwen3 weights, vocab shrunk to 151671, bos/mask ids in config.json,
     sharded safetensors with an index (as HF Trainer saves)."""
     from transformers import Qwen3ForCausalLM
-    from pipeline.hf_io import config_from_hf, iter_tp_shard, merge_tp_state_dicts
+    from pipeline.model.hf import config_from_hf, iter_tp_shard, merge_tp_state_dicts
     src = make_tiny_qwen3(tmp_path / "qwen", seed=5, vocab_size=151671,
                           **dict(SMALL, num_hidden_layers=1))
     model = Qwen3ForCausalLM.from_pretrained(src, dtype=torch.float32)
@@ -126,7 +126,7 @@ def test_save_with_sentencepiece_tokenizer(tmp_path):
     """A SentencePiece model (the demo tokenizer kind) is copied as tokenizer.model and its
     <|mask|> piece id lands in config.json."""
     import sentencepiece as spm
-    from pipeline.hf_io import config_from_hf, save_hf_folder
+    from pipeline.model.hf import config_from_hf, save_hf_folder
     text = tmp_path / "corpus.txt"
     text.write_text("\n".join(f"def f{i}(x):\n    return x * {i} + {i * i}" for i in range(400)))
     spm.SentencePieceTrainer.Train(input=str(text), model_prefix=str(tmp_path / "spm"),
@@ -180,8 +180,8 @@ def test_spm_shard_folder_exports_hf_tokenizer_that_encodes_like_training(tmp_pa
     import sentencepiece as spm
     from transformers import AutoTokenizer
 
-    from data_prep.tokenizer_io import SPMTokenizer, load_tokenizer
-    from pipeline.hf_io import config_from_hf, save_hf_folder
+    from pipeline.tokenizer import SPMTokenizer, load_tokenizer
+    from pipeline.model.hf import config_from_hf, save_hf_folder
     sp = spm.SentencePieceProcessor(model_file=str(shard_tokenizer / "tokenizer.model"))
     src = make_tiny_qwen3(tmp_path / "src", vocab_size=600, **dict(SMALL, num_hidden_layers=1))
     out = save_hf_folder(_hf_state(src), config_from_hf(src), tmp_path / "out",
@@ -209,8 +209,8 @@ def test_spm_export_keeps_no_hf_file_that_encodes_differently(tmp_path, shard_to
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import SpmConverter, import_protobuf
 
-    from data_prep.tokenizer_io import SPMTokenizer, load_tokenizer
-    from pipeline import hf_io
+    from pipeline.tokenizer import SPMTokenizer, load_tokenizer
+    from pipeline import tokenizer as tokenizer_io
     sp = spm.SentencePieceProcessor(model_file=str(shard_tokenizer / "tokenizer.model"))
 
     def non_legacy(model_path, out):
@@ -219,17 +219,17 @@ def test_spm_export_keeps_no_hf_file_that_encodes_differently(tmp_path, shard_to
         vocab = {p.piece: i for i, p in enumerate(proto.pieces)}
         backend = SpmConverter.build_tokenizer_from_spm_proto(proto, vocab, legacy=False)
         tok = PreTrainedTokenizerFast(tokenizer_object=backend, split_special_tokens=True,
-                                      **hf_io._spm_special_tokens(sp))
+                                      **tokenizer_io._spm_special_tokens(sp))
         assert tok.encode("  two") != sp.EncodeAsIds("  two")  # really differs
         tok.save_pretrained(out)
-    monkeypatch.setattr(hf_io, "_write_hf_spm_files", non_legacy)
+    monkeypatch.setattr(tokenizer_io, "_write_hf_spm_files", non_legacy)
     checked = []
-    real_check = hf_io._spm_hf_mismatch
-    monkeypatch.setattr(hf_io, "_spm_hf_mismatch",
+    real_check = tokenizer_io._spm_hf_mismatch
+    monkeypatch.setattr(tokenizer_io, "_spm_hf_mismatch",
                         lambda sp_, out: checked.append(real_check(sp_, out)) or checked[-1])
     out = tmp_path / "out"
     out.mkdir()
-    info = hf_io.save_tokenizer(shard_tokenizer, out)
+    info = tokenizer_io.save_tokenizer(shard_tokenizer, out)
     assert checked[0].startswith("ids differ on "), checked
     assert sorted(p.name for p in out.iterdir()) == ["tokenizer.model", "tokenizer_config.json"]
     tok = AutoTokenizer.from_pretrained(out)
@@ -239,10 +239,10 @@ def test_spm_export_keeps_no_hf_file_that_encodes_differently(tmp_path, shard_to
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == (0 if checked[1] is None else 1), err
 
-    monkeypatch.setattr(hf_io, "_spm_hf_mismatch", lambda sp_, out: "ids differ on 'x'")
+    monkeypatch.setattr(tokenizer_io, "_spm_hf_mismatch", lambda sp_, out: "ids differ on 'x'")
     out2 = tmp_path / "out2"
     out2.mkdir()
-    assert hf_io.save_tokenizer(shard_tokenizer, out2)["auto_tokenizer"] is False
+    assert tokenizer_io.save_tokenizer(shard_tokenizer, out2)["auto_tokenizer"] is False
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "AutoTokenizer cannot load it correctly" in err[0], err
     assert sorted(p.name for p in out2.iterdir()) == ["tokenizer.model", "tokenizer_config.json"]
@@ -257,7 +257,7 @@ def test_write_safetensors_is_byte_identical_to_safetensors_save_file(tmp_path):
     (order by dtype size, then name), 0-d and empty tensors, metadata."""
     from safetensors.torch import save_file
 
-    from pipeline.hf_io import LazyTensor, write_safetensors
+    from pipeline.model.hf import LazyTensor, write_safetensors
     g = torch.Generator().manual_seed(0)
     tensors = {"b.weight": torch.randn(3, 5, generator=g).to(torch.bfloat16),
                "a.weight": torch.randn(4, 2, generator=g),
@@ -284,8 +284,8 @@ def test_write_safetensors_is_byte_identical_to_safetensors_save_file(tmp_path):
 def test_lazy_merge_casts_piecewise_like_a_full_cast(tmp_path):
     """`lazy_merged_state(...).load(bf16)` (cast per rank piece on the copy) equals merging in
     fp32 and casting the full tensor, for TP 2 with vocab padding dropped."""
-    from pipeline.hf_io import (config_from_hf, iter_tp_shard, lazy_merged_state,
-                                merge_tp_state_dicts, tp_shard_shapes)
+    from pipeline.model.hf import config_from_hf, iter_tp_shard, lazy_merged_state, merge_tp_state_dicts
+    from pipeline.model.tp import tp_shard_shapes
     src = make_tiny_qwen3(tmp_path / "src", seed=5, vocab_size=301, **SMALL)
     cfg = config_from_hf(src, tp_size=2)                   # 302 rows: one padding row
     shards = [dict(iter_tp_shard(src, cfg, r, 2)) for r in (0, 1)]

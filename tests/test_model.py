@@ -21,7 +21,7 @@ def hf_model(ckpt):
 
 @pytest.fixture(scope="module")
 def model(tp1, ckpt):
-    from pipeline.hf_io import config_from_hf, load_hf_into_model
+    from pipeline.model.hf import config_from_hf, load_hf_into_model
     from pipeline.model import Qwen3
     m = Qwen3(config_from_hf(ckpt), init_weights=False)
     load_hf_into_model(m, ckpt)
@@ -180,7 +180,7 @@ def test_greedy_decode_matches_transformers_generate(model, hf_model):
 
 
 def test_gradients_match_transformers(model, hf_model, ckpt):
-    from pipeline.hf_io import merge_tp_state_dicts
+    from pipeline.model.hf import merge_tp_state_dicts
     ids = _ids(2, 10, seed=17)
     labels = _ids(2, 10, seed=18)
     pos = torch.arange(10).expand(2, 10)
@@ -220,7 +220,7 @@ def test_recompute_gives_same_gradients(model):
 
 def test_tied_embeddings(tp1, tmp_path):
     from transformers import Qwen3ForCausalLM
-    from pipeline.hf_io import config_from_hf, load_hf_into_model
+    from pipeline.model.hf import config_from_hf, load_hf_into_model
     from pipeline.model import Qwen3
     ckpt = make_tiny_qwen3(tmp_path / "tied", seed=2, tie_word_embeddings=True, num_hidden_layers=1)
     cfg = config_from_hf(ckpt)
@@ -279,7 +279,7 @@ def test_bf16_matches_transformers_bf16(tp1, ckpt):
     """bf16 follows Qwen3's casts (RMSNorm in fp32 then cast, RoPE tables in the model dtype):
     logits agree with transformers' bf16 model to within one bf16 step at their magnitude."""
     from transformers import Qwen3ForCausalLM
-    from pipeline.hf_io import config_from_hf, load_hf_into_model
+    from pipeline.model.hf import config_from_hf, load_hf_into_model
     from pipeline.model import Qwen3
     m = Qwen3(config_from_hf(ckpt), dtype=torch.bfloat16, init_weights=False)
     load_hf_into_model(m, ckpt)
@@ -312,7 +312,7 @@ def _packed_reorganized(seed=37):
 def test_flex_forward_equals_sdpa_without_dense_mask(model, monkeypatch):
     """attention=flex (no-grad forward on CPU) == the sdpa reference on packed, padded rows with
     reorganized positions, and the flex path never builds the dense [B, 1, T, T] mask."""
-    import pipeline.model as pm
+    import pipeline.model.attention as pm
     ids, pos, seg = _packed_reorganized()
     model.cfg.attention = "sdpa"
     with torch.no_grad():
@@ -336,7 +336,7 @@ def test_flex_training_on_cpu_falls_back_to_sdpa(model, caplog):
     """torch 2.13 has no FlexAttention backward on CPU: a training forward with attention=flex
     runs the sdpa kernel (one notice line) and gives sdpa's gradients instead of crashing."""
     import logging
-    import pipeline.model as pm
+    import pipeline.model.attention as pm
     ids, pos, seg = _packed_reorganized(seed=41)
     grads = []
     pm._notified.clear()
@@ -355,7 +355,8 @@ def test_flex_training_on_cpu_falls_back_to_sdpa(model, caplog):
 
 
 def test_attention_resolution_and_varlen_boundaries():
-    from pipeline.model import ModelConfig, resolve_attention, varlen_boundaries
+    from pipeline.model import ModelConfig
+    from pipeline.model.attention import resolve_attention, varlen_boundaries
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert resolve_attention("auto", cpu, True) == "sdpa"
     assert resolve_attention("auto", cuda, True) == "varlen"
@@ -377,8 +378,8 @@ def test_attention_resolution_and_varlen_boundaries():
 def test_training_flops_counts_causal_attention_per_segment():
     """training_flops == 6 N tokens + 12 L H D x (query-key pairs the packed mask allows),
     counted by brute force on `build_attention_mask` (padding left out)."""
-    from pipeline.model import (ModelConfig, build_attention_mask, flops_per_token,
-                                segment_lengths, training_flops)
+    from pipeline.model import ModelConfig, flops_per_token, segment_lengths, training_flops
+    from pipeline.model.attention import build_attention_mask
     cfg = ModelConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_layers=3,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=8)
     seg = torch.tensor([[1] * 5 + [2] * 3 + [3] * 1 + [0] * 3,
@@ -462,7 +463,7 @@ def test_varlen_attention_matches_masked_sdpa_across_torch_signatures(monkeypatc
     "unexpected keyword argument 'enable_gqa'" before `_varlen_kwargs`). The stand-in is a
     straightforward per-segment causal softmax attention, written here."""
     import torch.nn.attention.varlen as varlen_mod
-    from pipeline.model import AttentionPlan, attention, build_attention_mask, varlen_boundaries
+    from pipeline.model.attention import AttentionPlan, attention, build_attention_mask, varlen_boundaries
 
     def reference(q, k, v, cu, causal, gqa):        # q: [N, Hq, D], k/v: [N, Hkv, D]
         if k.shape[1] != q.shape[1]:

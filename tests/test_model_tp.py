@@ -39,7 +39,7 @@ def _greedy(model, prompt, steps):
 
 
 def _body(rank, world_size, ckpt, tied_ckpt):
-    from pipeline.hf_io import config_from_hf, load_hf_into_model, native_state_dict
+    from pipeline.model.hf import config_from_hf, load_hf_into_model, native_state_dict
     from pipeline.model import Qwen3, gather_logits
     from pipeline.parallel import init_distributed
     torch.manual_seed(0)
@@ -57,7 +57,7 @@ def _body(rank, world_size, ckpt, tied_ckpt):
         out["greedy"] = _greedy(model, ids[:1, :5], 10)
         # attention=flex on packed, padded rows with reorganized positions, with the dense-mask
         # builder disabled: equals the sdpa forward of the same rank.
-        import pipeline.model as pm
+        import pipeline.model.attention as pm
         reorg = torch.stack([torch.randperm(16, generator=torch.Generator().manual_seed(7)),
                              torch.cat((torch.randperm(7), torch.randperm(9)))])
         model.cfg.attention = "sdpa"
@@ -84,7 +84,7 @@ def _body(rank, world_size, ckpt, tied_ckpt):
 
 def test_tp2_matches_transformers(tmp_path):
     from transformers import Qwen3ForCausalLM
-    from pipeline.hf_io import config_from_hf, merge_tp_state_dicts
+    from pipeline.model.hf import config_from_hf, merge_tp_state_dicts
     ckpt = make_tiny_qwen3(tmp_path / "hf", seed=3, vocab_size=VOCAB)
     tied_ckpt = make_tiny_qwen3(tmp_path / "tied", seed=4, vocab_size=VOCAB,
                                 tie_word_embeddings=True, num_hidden_layers=1)

@@ -1,4 +1,4 @@
-"""The ReFusion objective against an independent per-segment implementation of REFUSION.md,
+"""The ReFusion objective against an independent per-segment implementation of docs/METHOD.md ("Training objective"),
 its invariants, plain-AR parity with transformers' causal-LM loss, and vocab-parallel CE."""
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def segment_mask(segment_ids):
 
 
 def reference_segment(x, seg, p, slot_clean, order):
-    """Straightforward REFUSION.md steps 3-5 for one segment (Python loops, natural offsets).
+    """Straightforward docs/METHOD.md "One training sample" steps 3-5 for one segment (Python loops, natural offsets).
 
     Returns fed (ids, position ids, labels, is_masked) lists and n_r."""
     a, b, P = seg["start"], seg["end"], seg["prompt_length"]
@@ -69,7 +69,7 @@ def reference_segment(x, seg, p, slot_clean, order):
 
 
 def reference_loss(model, samples, keys, seed, epoch, eps=1e-3):
-    """REFUSION.md step 6 computed segment by segment, each fed alone with plain causal attention."""
+    """docs/METHOD.md "Loss of a micro-batch" computed segment by segment, each fed alone with plain causal attention."""
     ar_sum, ar_n, mdm_sum, n_seg = 0.0, 0, 0.0, 0
     for (x, segments), key in zip(samples, keys):
         rng = sample_rng(seed, key, epoch)

@@ -86,7 +86,6 @@ def test_no_megatron_gloo_groups_with_nccl():
 
 def test_single_process_without_master_port_takes_a_free_port():
     """A bare one-process run (no launcher variables) starts even when 29500 is taken."""
-    import socket
     import subprocess
     import sys
     from pathlib import Path

@@ -1,4 +1,4 @@
-"""pipeline.reshard through pipeline.checkpoint.load_latest(reshard=True): a ZeRO-3 checkpoint
+"""pipeline.checkpoint.reshard through pipeline.checkpoint.load_latest(reshard=True): a ZeRO-3 checkpoint
 saved on one layout continues on another.
 
 The oracle is the saving run itself: before saving, it gathers every fp32 master weight and Adam
@@ -10,7 +10,6 @@ float tolerance (the reductions run in another order).
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -80,7 +79,7 @@ def _full_state(engine, info, cfg) -> dict:
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
     from megatron.core import parallel_state
 
-    from pipeline.hf_io import merge_tp_state_dicts
+    from pipeline.model.hf import merge_tp_state_dicts
 
     local = {"fp32": {}, "exp_avg": {}, "exp_avg_sq": {}}
     for n, p in engine.module.named_parameters():
@@ -150,7 +149,7 @@ def test_reshard_keeps_weights_and_moments_exactly(saved_tp2_dp2, tp, world):
 
 def test_interrupted_conversion_leaves_checkpoint_usable(saved_tp2_dp2, monkeypatch):
     """A conversion that dies midway leaves only a `.partial` folder; the next one redoes it."""
-    from pipeline import reshard
+    from pipeline.checkpoint import reshard
     root, _ = saved_tp2_dp2
     step_dir = ckpt.find_latest(root)
     dest = reshard.universal_dir(step_dir, 1)

@@ -20,7 +20,7 @@ import fsspec
 import numpy as np
 import pytest
 
-from pipeline import shard_io
+from pipeline.data import shard_io
 from pipeline.data import DataError, build_loader
 from shard_fixtures import random_samples, write_shards
 from test_data_prep_safety import spm_model  # noqa: F401 (a module fixture)

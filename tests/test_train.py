@@ -148,7 +148,7 @@ def _wait_step(proc: subprocess.Popen, run_dir: Path, step: int, timeout: float 
 
 def _hf_weights(ckpt_root: Path) -> dict[str, torch.Tensor]:
     """Final fp32 weights under Hugging Face names (independent of the TP layout)."""
-    from pipeline import hf_io
+    from pipeline.model import hf as hf_io
     from pipeline.checkpoint import consolidate_tp_ranks
     from pipeline.model import ModelConfig
     shards, info = consolidate_tp_ranks(ckpt_root)
@@ -243,7 +243,7 @@ def test_tp2_dp2_matches_single_process(setup, reference):
     assert max(m["grad_norm"] for m in train) > 1.0
     w4, w1 = _hf_weights(reference / "checkpoints"), _hf_weights(run_dir / "checkpoints")
     assert sorted(w4) == sorted(w1)
-    from pipeline.train import random_hf_tensor
+    from pipeline.model.init import random_hf_tensor
     from pipeline.model import ModelConfig
     mcfg = ModelConfig.from_dict(dict(MODEL))
     moved = 0.0

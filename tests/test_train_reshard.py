@@ -2,7 +2,7 @@
 on 1 with `checkpoint.reshard=true`, against the uninterrupted 2-rank run.
 
 Same global batch (4 rows: micro-batch 1 x accumulation 2 x DP 2, then 1 x 4 x 1), same
-loader order (the global row list), same weights and Adam state (`pipeline.reshard`): every
+loader order (the global row list), same weights and Adam state (`pipeline.checkpoint.reshard`): every
 later step's loss equals the uninterrupted run's within the tolerance of the reduction order,
 and consumed samples/tokens continue. Without `checkpoint.reshard` the layout change is one
 line, exit 2.

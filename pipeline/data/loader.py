@@ -75,88 +75,14 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from pipeline import shard_io
+from pipeline.data import shard_io
+from pipeline.data.format import DataError, check_tokenizer, read_manifest
 from pipeline.objective import ObjectiveConfig, collate, reorganize_sample
-
-__all__ = ["DataError", "read_manifest", "check_tokenizer", "ShardLoader", "build_loader",
-           "best_fit_decreasing", "next_fit", "PACKINGS"]
 
 STATE_VERSION = 2
 _SALT_PIECES = 0x5EED01
 _SALT_WINDOW = 0x5EED02
 _SALT_ROWS = 0x5EED03
-
-
-class DataError(ValueError):
-    """A user-facing data problem (bad folder, manifest, shard, state); the message is one line
-    naming the file/field. CLIs catch it and exit with code 2."""
-
-
-def _fs(data_dir: str):
-    return shard_io.open_fs(data_dir)  # one-line DataError for a missing fsspec package
-
-
-def read_manifest(data_dir: str) -> dict:
-    """Read and check `<data_dir>/manifest.json`.
-
-    Args:
-        data_dir: local folder or fsspec URL (e.g. `memory://shards`, `s3://bucket/shards`).
-
-    Returns:
-        The manifest dict.
-
-    Raises:
-        DataError: missing/unreadable manifest, unknown format_version, missing fields.
-    """
-    fs, root = _fs(data_dir)
-    path = f"{root}/manifest.json"
-    try:
-        with fs.open(path, "rb") as f:
-            manifest = json.loads(f.read().decode("utf-8"))
-    except FileNotFoundError:
-        raise DataError(f"{data_dir}: no manifest.json (not a shard folder written by data_prep.shard)") from None
-    except (OSError, ValueError) as e:
-        raise DataError(f"{path}: unreadable manifest ({e})") from None
-    if not isinstance(manifest, dict):
-        raise DataError(f"{path}: expected a JSON object")
-    if manifest.get("format_version") != 1:
-        raise DataError(f"{path}: format_version {manifest.get('format_version')!r} is not supported (expected 1)")
-    for field in ("tokenizer", "max_length", "splits"):
-        if field not in manifest:
-            raise DataError(f"{path}: missing field {field!r}")
-    if not isinstance(manifest["tokenizer"], dict) or not isinstance(manifest["splits"], dict):
-        raise DataError(f"{path}: tokenizer and splits must be JSON objects")
-    for field in ("vocab_size", "pad_id", "mask_id", "eos_id"):
-        if manifest["tokenizer"].get(field) is None:
-            raise DataError(f"{path}: tokenizer.{field} is missing")
-    return manifest
-
-
-def check_tokenizer(manifest: dict, vocab_size: int | None, tokenizer_hash: str | None = None,
-                    where: str = "manifest.json") -> None:
-    """Refuse shards that do not fit the model.
-
-    Args:
-        manifest: from `read_manifest`.
-        vocab_size: the model's embedding rows (`ModelConfig.vocab_size`); None skips the check.
-        tokenizer_hash: if given, the manifest's `tokenizer.hash` must equal it.
-        where: name used in messages.
-
-    Raises:
-        DataError: vocab too small, a special id outside the embedding, or another tokenizer.
-    """
-    tok = manifest["tokenizer"]
-    if tokenizer_hash is not None and tok.get("hash") != tokenizer_hash:
-        raise DataError(f"{where}: shards were tokenized with {tok.get('name')!r} (hash {tok.get('hash')}), "
-                        f"the model expects tokenizer hash {tokenizer_hash}")
-    if vocab_size is None:
-        return
-    if tok["vocab_size"] > vocab_size:
-        raise DataError(f"{where}: tokenizer.vocab_size {tok['vocab_size']} > model vocab_size {vocab_size}")
-    for name in ("pad_id", "mask_id", "eos_id", "bos_id"):
-        v = tok.get(name)
-        if v is not None and not 0 <= v < vocab_size:
-            raise DataError(f"{where}: tokenizer.{name} {v} is outside the model vocab [0, {vocab_size})")
 
 
 @dataclass(frozen=True)
@@ -741,7 +667,7 @@ def build_loader(data_dir: str, split: str, micro_batch_size: int, max_length: i
         tokenizer_hash: if given, must equal manifest tokenizer.hash.
         prefetch_factor: micro-batches each worker prepares ahead.
         verify_shards: "error" (default) / "warn" / "off": check each shard's sha256 against
-            the manifest when a loader process first reads it (`pipeline.shard_io`).
+            the manifest when a loader process first reads it (`pipeline.data.shard_io`).
 
     Returns:
         A `ShardLoader`.
@@ -770,7 +696,7 @@ def build_loader(data_dir: str, split: str, micro_batch_size: int, max_length: i
     total = sum(n for _, n in shards)
     if infinite and total < 1:
         raise DataError(f"{where}: split {split!r} has no samples")
-    fs, root = _fs(data_dir)
+    fs, root = shard_io.open_fs(data_dir)
     tok = manifest["tokenizer"]
     spec = _Spec(fs=fs, root=root, split=split, shards=shards, seed=int(seed), dp_rank=int(dp_rank),
                  dp_size=int(dp_size), micro_batch_size=int(micro_batch_size),

@@ -2,7 +2,7 @@
 
 Owns: the temp-file-then-rename pattern used by every small file the pipeline writes
 (checkpoint metadata, run state, reports, plots, decode/eval results). Must not touch: what is
-written, or folders written as a whole (`pipeline.hf_io` writes a folder under a temporary name).
+written, or folders written as a whole (`pipeline.model.hf` writes a folder under a temporary name).
 
 Files get the mode a plain `open(path, "w")` would give (0o666 less the process umask), not
 mkstemp's owner-only 0o600, so reports and checkpoints stay readable by the rest of a team.

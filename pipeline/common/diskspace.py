@@ -12,9 +12,6 @@ import shutil
 import tempfile
 
 DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
-# The exit code of every entry point (data prep, tokenizer training, training, export) when its
-# output could not be written because the filesystem is full or the quota is exceeded.
-EXIT_DISK_FULL = 4
 PROBE_BYTES = 1 << 20
 
 
@@ -107,8 +104,3 @@ def write_failure_cause(e: BaseException, path: str | os.PathLike) -> str:
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0] if text else ''} ({seen})"
 
-
-def is_disk_full(e: BaseException) -> bool:
-    """True when `e` (or its chain) is ENOSPC / EDQUOT."""
-    os_err = _errno_in_chain(e)
-    return os_err is not None and os_err.errno in DISK_FULL_ERRNOS

@@ -1,9 +1,11 @@
-"""Tokenizers for data preparation: a Hugging Face tokenizer folder or a SentencePiece model.
+"""Tokenizers: a Hugging Face tokenizer folder or a SentencePiece model, for data preparation,
+training-time checks and decoding.
 
 Owns: loading a tokenizer from a path, adding the ReFusion special tokens to a Hugging Face
 tokenizer, turning a text document or a query/response pair into token ids with a prompt
-length, and describing the tokenizer for `manifest.json`.
-Must not touch: input reading, slots, shards (data_prep/shard.py).
+length, describing the tokenizer for `manifest.json`, and writing a tokenizer next to exported
+weights (`save_tokenizer`, SentencePiece -> Hugging Face conversion checked id for id).
+Must not touch: input reading, slots, shards (`data_prep/`), weights (`pipeline.model.hf`).
 
 Sample layout (the reference ReFusion `train.py` does the same for Hugging Face tokenizers):
 - query/response: `prompt + response + [eos]` where, for a Hugging Face tokenizer,
@@ -14,7 +16,7 @@ Sample layout (the reference ReFusion `train.py` does the same for Hugging Face 
   (Qwen3's template only adds `<think>\n\n</think>\n\n` when `enable_thinking=False` is
   passed, which we do not). For a SentencePiece model (no chat template) the prompt is
   `[bos, <|user|>] + encode(query) + [<|assistant|>]`.
-- text: `encode(text) + [eos]`, prompt_length 0 (REFUSION.md: P = 0 for raw text).
+- text: `encode(text) + [eos]`, prompt_length 0 (docs/METHOD.md "Vocabulary": P = 0 for raw text).
 EOS is the tokenizer's `eos_token_id` (Qwen3 chat checkpoints: `<|im_end|>`, 151645).
 
 Special-token strings in content are text: `encode` and the query inside `prompt_ids` never
@@ -43,11 +45,14 @@ import hashlib
 import json
 import os
 import re
+import shutil
 from dataclasses import dataclass, field
+from pathlib import Path
 
 # ReFusion's added tokens, in the reference order (<|beginoftext|> then <|mask|>).
 HF_BOS_TOKEN = "<|beginoftext|>"
 HF_MASK_TOKEN = "<|mask|>"
+REFUSION_TOKENS = (HF_BOS_TOKEN, HF_MASK_TOKEN)
 # Pieces of the SentencePiece models made by data_prep/train_tokenizer.py.
 SPM_PAD, SPM_UNK, SPM_BOS, SPM_EOS = "<pad>", "<unk>", "<s>", "</s>"
 SPM_MASK, SPM_USER, SPM_ASSISTANT = "<|mask|>", "<|user|>", "<|assistant|>"
@@ -281,7 +286,7 @@ class SPMTokenizer(Tokenizer):
 
 
 # tokenizer_config.json key naming the tokenizer kind of a folder whose real tokenizer is the
-# SentencePiece `tokenizer.model` (written by `pipeline.hf_io.save_tokenizer`).
+# SentencePiece `tokenizer.model` (written by `pipeline.model.hf.save_tokenizer`).
 SPM_KIND_KEY = "refusion_tokenizer_kind"
 
 
@@ -290,7 +295,7 @@ def spm_model_in_folder(folder: str) -> str | None:
 
     It is when the folder has no `tokenizer.json` and no `tokenizer_config.json` (the shard
     folder's copy written by data_prep, an old export), or when its `tokenizer_config.json`
-    says `"refusion_tokenizer_kind": "spm"` (an export by `pipeline.hf_io`, whose Hugging Face
+    says `"refusion_tokenizer_kind": "spm"` (an export by `pipeline.model.hf`, whose Hugging Face
     files, if any, were checked to encode like the model). Otherwise (e.g. a Llama-style slow
     tokenizer folder) the folder is a Hugging Face tokenizer.
     """
@@ -349,3 +354,150 @@ def qwen3_tokenizer_dir() -> str:
         if "tokenizer.json" in files and "tokenizer_config.json" in files:
             return dirpath
     raise TokenizerError(f"no tokenizer.json under {base}")
+
+
+# --------------------------------------------------------------------------------------------
+# Writing a tokenizer next to exported weights (pipeline.model.hf.save_hf_folder)
+# --------------------------------------------------------------------------------------------
+
+# Texts on which an exported SentencePiece tokenizer's Hugging Face files must give the ids of
+# the model itself (plus every piece's text and this module's source, see `_spm_check_texts`).
+_SPM_CHECK_TEXTS = (
+    "hello world", "Hello, World!", "", " ", "  ", "\n", "\t\tx", "  two  spaces\n\n\ttab ",
+    " leading", "trailing ", "line\r\nbreak", "<s>x</s><pad><unk>",
+    "a<|mask|>b <|user|> q<|assistant|>", "<|mask|><|mask|>", " <|user|>",
+    "def f(x):\n    return x * 12345 + 0.5  # comment\n", "ünïcödé 日本語 😀 \u00a0 \x00\x7f",
+    "\u2581 already escaped \u2581\u2581", "3.14159e-10 0x1F 1_000_000",
+)
+
+
+def _spm_check_texts(sp) -> list[str]:
+    pieces = [sp.DecodeIds([i]) for i in range(sp.GetPieceSize())
+              if not (sp.IsControl(i) or sp.IsUnknown(i) or sp.IsByte(i))]
+    texts = list(_SPM_CHECK_TEXTS) + ["".join(pieces[i:i + 64])
+                                      for i in range(0, len(pieces), 64)]
+    texts.append(Path(__file__).read_text(encoding="utf-8"))
+    return texts
+
+
+def _write_hf_spm_files(model_path: Path, out: Path) -> None:
+    """Write `tokenizer.json` + `tokenizer_config.json` converted from the SentencePiece model
+    (transformers' converter that follows the model's own normalizer settings; special tokens
+    are not matched in text, as SentencePiece does not match control pieces)."""
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import SpmConverter, import_protobuf
+    proto = import_protobuf().ModelProto()
+    proto.ParseFromString(model_path.read_bytes())
+    vocab = {p.piece: i for i, p in enumerate(proto.pieces)}
+    backend = SpmConverter.build_tokenizer_from_spm_proto(proto, vocab, legacy=True)
+    import sentencepiece as spm
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, split_special_tokens=True,
+                                  **_spm_special_tokens(spm.SentencePieceProcessor(
+                                      model_file=str(model_path))))
+    tok.save_pretrained(str(out))
+
+
+def _spm_special_tokens(sp) -> dict[str, str]:
+    """`{"bos_token": piece, ...}` of a SentencePieceProcessor (those its model defines)."""
+    ids = {"bos_token": sp.bos_id(), "eos_token": sp.eos_id(), "unk_token": sp.unk_id(),
+           "pad_token": sp.pad_id()}
+    return {k: sp.IdToPiece(i) for k, i in ids.items() if i >= 0}
+
+
+def _spm_hf_mismatch(sp, out: Path) -> str | None:
+    """None when `AutoTokenizer.from_pretrained(out)` has the model's length and special ids
+    and encodes every check text to the model's ids; else what differs (one line)."""
+    try:
+        from transformers import AutoTokenizer
+        tok = AutoTokenizer.from_pretrained(str(out))
+    except Exception as e:  # noqa: BLE001 - any failure means: not loadable
+        return f"AutoTokenizer failed: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+    if len(tok) != sp.GetPieceSize():
+        return f"length {len(tok)} != {sp.GetPieceSize()}"
+    for name, want in (("eos", sp.eos_id()), ("bos", sp.bos_id()), ("pad", sp.pad_id())):
+        got = getattr(tok, f"{name}_token_id")
+        if want >= 0 and got != want:
+            return f"{name} id {got} != {want}"
+    for text in _spm_check_texts(sp):
+        if tok.encode(text, add_special_tokens=False) != sp.EncodeAsIds(text):
+            return f"ids differ on {text[:40]!r}"
+    return None
+
+
+def _save_spm_tokenizer(model_path: Path, out: Path) -> dict[str, int]:
+    """Copy a SentencePiece model as `out/tokenizer.model`, with `tokenizer_config.json`
+    carrying `"refusion_tokenizer_kind": "spm"` (so `pipeline.tokenizer.load_tokenizer(out)`
+    loads `tokenizer.model` itself), and `tokenizer.json` converted from it when
+    `AutoTokenizer` then gives the model's ids on the check texts. When it does not, no
+    `tokenizer.json` is kept (AutoTokenizer converts `tokenizer.model` its own way); that is
+    checked too, and when it also differs one warning line on stderr says that AutoTokenizer
+    does not encode like the model."""
+    import sys
+
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor()
+    sp.Load(str(model_path))
+    shutil.copyfile(model_path, out / "tokenizer.model")
+    cfg_path = out / "tokenizer_config.json"
+    try:
+        _write_hf_spm_files(model_path, out)
+        cfg = json.loads(cfg_path.read_text())
+        cfg[SPM_KIND_KEY] = "spm"
+        cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
+        why = _spm_hf_mismatch(sp, out)  # on the files as finally written
+    except Exception as e:  # noqa: BLE001 - conversion failures fall back like mismatches
+        why = f"conversion failed: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+    if why is not None:
+        for name in ("tokenizer.json", "special_tokens_map.json", "added_tokens.json"):
+            (out / name).unlink(missing_ok=True)
+        # the class that reads tokenizer.model itself (not config.json's Qwen2Tokenizer)
+        cfg = {"tokenizer_class": "TokenizersBackend", **_spm_special_tokens(sp),
+               "split_special_tokens": True, SPM_KIND_KEY: "spm"}
+        cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
+        why = _spm_hf_mismatch(sp, out)
+        if why is not None:
+            print(f"warning: {out.name}: SentencePiece tokenizer written as tokenizer.model "
+                  f"only; AutoTokenizer cannot load it correctly ({why}); load it with "
+                  f"pipeline.tokenizer.load_tokenizer", file=sys.stderr)
+    mask = sp.PieceToId("<|mask|>")
+    return {"length": sp.GetPieceSize(),
+            "mask_token_id": mask if sp.IdToPiece(mask) == "<|mask|>" else -1,
+            "auto_tokenizer": why is None}
+
+
+def save_tokenizer(tokenizer_src, out, added_tokens=REFUSION_TOKENS) -> dict[str, int]:
+    """Write the tokenizer of `tokenizer_src` into the folder `out`.
+
+    `tokenizer_src` is either a SentencePiece model (`data_prep/train_tokenizer.py`; already
+    has the `<|mask|>` piece; nothing is added): a model file, or a folder whose tokenizer is
+    its `tokenizer.model` (`pipeline.tokenizer.spm_model_in_folder`, e.g. the shard
+    folder's `tokenizer/` copy); or a folder `transformers.AutoTokenizer` loads (written with
+    `save_pretrained`, `added_tokens` added as special tokens when absent).
+    A SentencePiece model is written as `tokenizer.model` plus, when transformers' conversion
+    gives exactly the model's ids on a set of check texts, `tokenizer.json` (AutoTokenizer
+    loads it); otherwise no Hugging Face file that would encode differently, and one warning
+    line on stderr when AutoTokenizer cannot load the folder correctly (`_save_spm_tokenizer`).
+
+    Returns:
+        `{"length": tokens including added ones, "mask_token_id": id of "<|mask|>" or -1}`
+        (SentencePiece: also `"auto_tokenizer"`: whether AutoTokenizer on `out` was checked
+        to encode like the model).
+    Raises:
+        FileNotFoundError: `tokenizer_src` does not exist.
+    """
+    src = Path(tokenizer_src)
+    if src.is_dir() and spm_model_in_folder(str(src)) is not None:
+        src = Path(spm_model_in_folder(str(src)))
+    if src.is_file():
+        return _save_spm_tokenizer(src, Path(out))
+    if not src.is_dir():
+        raise FileNotFoundError(f"{src}: tokenizer not found (a folder or a SentencePiece "
+                                f"model file)")
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(str(src))
+    missing = [t for t in added_tokens if t not in tok.get_vocab()]
+    if missing:
+        tok.add_special_tokens({"additional_special_tokens": missing})
+    tok.save_pretrained(str(out))
+    return {"length": len(tok), "mask_token_id": tok.get_vocab().get("<|mask|>", -1)}

@@ -5,7 +5,7 @@ a missing filesystem package (`s3fs`, `gcsfs`, `aiohttp` for http(s)://) and for
 server that does not answer range requests; shard integrity (`verify_shard`: the sha256 of a
 shard against manifest.json, `data.verify_shards = error | warn | off`); the wording of a
 damaged shard (truncated, or changed in place).
-Must not touch: shard order, batches, loader state (pipeline/data.py).
+Must not touch: shard order, batches, loader state (`pipeline.data.loader`).
 
 Why a shard is verified whole, once, when a loader process first needs it: the loader reads
 shards by random access (a tar-header index, then seeks to the chunks of a shuffle window), so
@@ -31,6 +31,9 @@ from __future__ import annotations
 import hashlib
 import sys
 
+from pipeline.common.fs import missing_fs_package
+from pipeline.data.format import DataError
+
 VERIFY_MODES = ("error", "warn", "off")
 _BLOCK = 8 << 20
 _VERIFIED: set = set()   # (protocol, path, expected sha256) checked in this process
@@ -38,7 +41,6 @@ _WARNED: set = set()
 
 
 def _error(msg: str) -> Exception:
-    from pipeline.data import DataError  # data.py imports this module: import late
     return DataError(msg)
 
 
@@ -55,7 +57,6 @@ def open_fs(url: str):
             package is not installed (with the `pip install` that fixes it).
     """
     import fsspec
-    from data_prep.sources import missing_fs_package
     try:
         fs, root = fsspec.core.url_to_fs(url)
     except (ValueError, ImportError) as e:

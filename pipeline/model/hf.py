@@ -1,23 +1,13 @@
-"""Hugging Face Qwen3 folders <-> our native tensor-parallel parameters.
+"""Hugging Face Qwen3 folders <-> our native tensor-parallel parameters (the state-dict adapter).
 
-Owns: reading config.json into `ModelConfig`; the name/slice mapping between Hugging Face
-`Qwen3ForCausalLM` tensors and `pipeline.model.Qwen3` parameters on each tensor-parallel rank;
-per-rank loading that reads only the slices a rank needs (safetensors `safe_open` +
-`get_slice`, single file or sharded with `model.safetensors.index.json`); merging per-rank native
-state dicts back into full Hugging Face tensors; writing a Hugging Face folder (config.json,
-safetensors, tokenizer files). Must not touch: the network definition, training checkpoints
-(their layout belongs to `pipeline.checkpoint`), process groups.
-
-Mapping (HF name -> native name, partition dim over the TP group):
-    model.embed_tokens.weight                      -> embed_tokens.weight            dim 0
-    model.layers.{i}.self_attn.{q,k,v}_proj.weight -> layers.{i}.self_attn.qkv_proj.weight
-                                                      dim 0, rank r holds [q_r; k_r; v_r]
-    model.layers.{i}.self_attn.o_proj.weight       -> layers.{i}.self_attn.o_proj.weight dim 1
-    model.layers.{i}.mlp.{gate,up}_proj.weight     -> layers.{i}.mlp.gate_up_proj.weight
-                                                      dim 0, rank r holds [gate_r; up_r]
-    model.layers.{i}.mlp.down_proj.weight          -> layers.{i}.mlp.down_proj.weight   dim 1
-    lm_head.weight                                 -> lm_head.weight                 dim 0
-    norms (input/post_attention layernorm, q_norm, k_norm, model.norm) -> same name, replicated
+Owns: reading config.json into `ModelConfig`; per-rank loading that reads only the slices a
+rank needs (safetensors `safe_open` + `get_slice`, single file or sharded with
+`model.safetensors.index.json`); merging per-rank native tensors back into full Hugging Face
+tensors; writing a Hugging Face folder (config.json, safetensors, tokenizer files through
+`pipeline.tokenizer.save_tokenizer`). Which native parameter is made of which Hugging Face
+tensors, and how each is split over the tensor-parallel group, is `pipeline.model.tp`'s table:
+this module only reads it. Must not touch: the network definition, training checkpoints (their
+layout belongs to `pipeline.checkpoint`), process groups.
 
 Vocabulary: the checkpoint's embedding rows are kept (151936 for Qwen3; 151671 for the authors'
 ReFusion release) and padded with zero rows up to a multiple of the TP size when needed
@@ -29,7 +19,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -38,20 +27,16 @@ from typing import Callable, Iterator
 
 import torch
 
-from pipeline.model import ModelConfig
+from pipeline.model.config import ModelConfig
+from pipeline.model.tp import ParamSpec, padded_vocab_size, param_specs
+from pipeline.model.weights import copy_into_model
+from pipeline.tokenizer import REFUSION_TOKENS, save_tokenizer
+
 
 QWEN3_ARCHITECTURES = ("Qwen3ForCausalLM",)
-REFUSION_TOKENS = ("<|beginoftext|>", "<|mask|>")
+
+
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024 ** 3
-
-
-# --------------------------------------------------------------------------------------------
-# config.json
-# --------------------------------------------------------------------------------------------
-
-def padded_vocab_size(rows: int, tp_size: int) -> int:
-    """Smallest multiple of `tp_size` that is >= `rows` (embedding rows, tokens)."""
-    return -(-rows // tp_size) * tp_size
 
 
 def read_hf_config(src) -> dict:
@@ -156,67 +141,6 @@ def hf_config_dict(cfg: ModelConfig, vocab_size: int | None = None, **extra) -> 
     return d
 
 
-# --------------------------------------------------------------------------------------------
-# Name / slice mapping
-# --------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class ParamSpec:
-    """How one native parameter is made of Hugging Face tensors.
-
-    Attributes:
-        native: native parameter name.
-        hf: HF tensor names whose per-rank slices are concatenated along `dim` (fused layers
-            list several: q, k, v or gate, up); one name otherwise.
-        dim: partition dim over the TP group (0 = rows/output, 1 = columns/input), None when
-            replicated.
-    """
-
-    native: str
-    hf: tuple[str, ...]
-    dim: int | None
-
-
-def param_specs(cfg: ModelConfig) -> list[ParamSpec]:
-    """Every native parameter of `Qwen3(cfg)` with its HF sources and partition dim."""
-    specs = [ParamSpec("embed_tokens.weight", ("model.embed_tokens.weight",), 0)]
-    for i in range(cfg.num_layers):
-        h, n = f"model.layers.{i}.", f"layers.{i}."
-        specs += [
-            ParamSpec(n + "input_layernorm.weight", (h + "input_layernorm.weight",), None),
-            ParamSpec(n + "self_attn.qkv_proj.weight",
-                      tuple(h + f"self_attn.{x}_proj.weight" for x in "qkv"), 0),
-            ParamSpec(n + "self_attn.o_proj.weight", (h + "self_attn.o_proj.weight",), 1),
-            ParamSpec(n + "self_attn.q_norm.weight", (h + "self_attn.q_norm.weight",), None),
-            ParamSpec(n + "self_attn.k_norm.weight", (h + "self_attn.k_norm.weight",), None),
-            ParamSpec(n + "post_attention_layernorm.weight",
-                      (h + "post_attention_layernorm.weight",), None),
-            ParamSpec(n + "mlp.gate_up_proj.weight",
-                      (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"), 0),
-            ParamSpec(n + "mlp.down_proj.weight", (h + "mlp.down_proj.weight",), 1),
-        ]
-    specs.append(ParamSpec("norm.weight", ("model.norm.weight",), None))
-    if not cfg.tie_word_embeddings:
-        specs.append(ParamSpec("lm_head.weight", ("lm_head.weight",), 0))
-    return specs
-
-
-_PARTITION_RULES = ((re.compile(r"(^|\.)(embed_tokens|lm_head|qkv_proj|gate_up_proj)\.weight$"), 0),
-                    (re.compile(r"(^|\.)(o_proj|down_proj)\.weight$"), 1))
-
-
-def partition_dim(native_name: str) -> int | None:
-    """TP partition dim of a native parameter (0, 1, or None when replicated)."""
-    for rule, dim in _PARTITION_RULES:
-        if rule.search(native_name):
-            return dim
-    return None
-
-
-# --------------------------------------------------------------------------------------------
-# Reading a Hugging Face folder, per TP rank
-# --------------------------------------------------------------------------------------------
-
 class SafetensorsFolder:
     """Lazy read access to the tensors of a HF folder (`model.safetensors` or a sharded set with
     `model.safetensors.index.json`); nothing is read until `get_slice(...)[...]`.
@@ -275,56 +199,20 @@ def _rows_slice(sl, start: int, stop: int, dim: int) -> torch.Tensor:
     return t
 
 
-def tp_shard_shapes(cfg: ModelConfig, tp_size: int) -> dict[str, tuple[int, ...]]:
-    """`{native_name: shape}` of every parameter of `Qwen3(cfg)` on one rank of a TP group of
-    `tp_size` (every rank has the same shapes), in `param_specs` order."""
-    d, h = cfg.head_dim, cfg.hidden_size
-    rows = {"embed_tokens.weight": cfg.vocab_size, "lm_head.weight": cfg.vocab_size,
-            "qkv_proj.weight": (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * d,
-            "gate_up_proj.weight": 2 * cfg.intermediate_size}
-    out = {}
-    for spec in param_specs(cfg):
-        leaf = ".".join(spec.native.split(".")[-2:])
-        if spec.dim is None:
-            out[spec.native] = (d,) if leaf.split(".")[0] in ("q_norm", "k_norm") else (h,)
-        elif spec.dim == 0:
-            key = leaf if leaf in rows else spec.native
-            out[spec.native] = (rows[key] // tp_size, h)
-        elif leaf == "o_proj.weight":
-            out[spec.native] = (h, cfg.num_attention_heads * d // tp_size)
-        else:  # down_proj
-            out[spec.native] = (h, cfg.intermediate_size // tp_size)
-    return out
-
-
-def _read_tp_param(st: "SafetensorsFolder", src, spec: ParamSpec, cfg: ModelConfig,
-                   tp_rank: int, tp_size: int) -> torch.Tensor:
-    """This rank's slice of one native parameter, read from the HF tensors of `spec`."""
-    d = cfg.head_dim
-    # Per-HF-tensor full length along the partition dim (before splitting over ranks).
-    full_len = {"q": cfg.num_attention_heads * d, "k": cfg.num_key_value_heads * d,
-                "v": cfg.num_key_value_heads * d}
+def _read_tp_param(st: "SafetensorsFolder", src, spec: ParamSpec, tp_rank: int,
+                   tp_size: int) -> torch.Tensor:
+    """This rank's slice of one native parameter, read from the HF tensors of `spec` (block
+    `tp_rank` of each part along the split dim, parts concatenated; rows past a tensor's end,
+    i.e. vocab padding, are zeros)."""
     parts = []
-    for name in spec.hf:
+    for name, per in zip(spec.hf, spec.part_lengths(tp_size)):
         if name not in st:
             raise KeyError(f"{src}: tensor {name} missing from the checkpoint")
         sl = st.get_slice(name)
         if spec.dim is None:
             parts.append(sl[:])
-            continue
-        if spec.native.endswith("embed_tokens.weight") or \
-                spec.native.endswith("lm_head.weight"):
-            length = cfg.vocab_size
-        elif spec.native.endswith("qkv_proj.weight"):
-            length = full_len[name.split(".")[-2][0]]
-        elif spec.native.endswith("gate_up_proj.weight"):
-            length = cfg.intermediate_size
-        elif spec.native.endswith("o_proj.weight"):
-            length = cfg.num_attention_heads * d
-        else:  # down_proj
-            length = cfg.intermediate_size
-        per = length // tp_size
-        parts.append(_rows_slice(sl, tp_rank * per, (tp_rank + 1) * per, spec.dim))
+        else:
+            parts.append(_rows_slice(sl, tp_rank * per, (tp_rank + 1) * per, spec.dim))
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=spec.dim or 0)
 
 
@@ -341,7 +229,7 @@ def tp_param_reader(src, cfg: ModelConfig, tp_rank: int, tp_size: int):
 
     def read(native: str) -> torch.Tensor:
         try:
-            return _read_tp_param(st, src, specs[native], cfg, tp_rank, tp_size).contiguous()
+            return _read_tp_param(st, src, specs[native], tp_rank, tp_size).contiguous()
         finally:
             st.close()
     return read
@@ -361,7 +249,7 @@ def iter_tp_shard(src, cfg: ModelConfig, tp_rank: int, tp_size: int,
     Args:
         src: Hugging Face folder (config.json + safetensors), or an object with the same read
             interface as `SafetensorsFolder` (`name in src`, `src.get_slice(name)`, `close()`),
-            e.g. in-memory full tensors (`pipeline.reshard`).
+            e.g. in-memory full tensors (`pipeline.checkpoint.reshard`).
         cfg: the model config (e.g. `config_from_hf(src, tp_size)`).
         dtype: cast to this dtype (default: as stored).
     Raises:
@@ -370,7 +258,7 @@ def iter_tp_shard(src, cfg: ModelConfig, tp_rank: int, tp_size: int,
     st = src if hasattr(src, "get_slice") else SafetensorsFolder(src)
     try:
         for spec in param_specs(cfg):
-            t = _read_tp_param(st, src, spec, cfg, tp_rank, tp_size)
+            t = _read_tp_param(st, src, spec, tp_rank, tp_size)
             st.close()
             if dtype is not None:
                 t = t.to(dtype)
@@ -380,7 +268,8 @@ def iter_tp_shard(src, cfg: ModelConfig, tp_rank: int, tp_size: int,
 
 
 def load_hf_into_model(model, src) -> None:
-    """Copy this rank's slices of a HF folder into a (non-ZeRO) `Qwen3` model in place.
+    """Copy this rank's slices of a HF folder into a `Qwen3` model in place
+    (`pipeline.model.weights.copy_into_model`: ZeRO-3 partitioned or not).
 
     Uses megatron-core's TP rank/size. Raises KeyError for a missing tensor and ValueError for
     a shape mismatch (names the parameter).
@@ -388,24 +277,8 @@ def load_hf_into_model(model, src) -> None:
     from megatron.core import parallel_state
     rank = parallel_state.get_tensor_model_parallel_rank()
     size = parallel_state.get_tensor_model_parallel_world_size()
-    params = dict(model.named_parameters())
-    seen = set()
-    with torch.no_grad():
-        for name, t in iter_tp_shard(src, model.cfg, rank, size):
-            p = params[name]
-            if p.shape != t.shape:
-                raise ValueError(f"{src}: {name} has shape {tuple(t.shape)} on TP rank {rank}, "
-                                 f"model expects {tuple(p.shape)}")
-            p.copy_(t.to(p.dtype))
-            seen.add(name)
-    missing = set(params) - seen
-    if missing:
-        raise KeyError(f"{src}: no source for parameters {sorted(missing)}")
+    copy_into_model(model, iter_tp_shard(src, model.cfg, rank, size), source=str(src))
 
-
-# --------------------------------------------------------------------------------------------
-# Per-rank native state dicts -> full HF tensors
-# --------------------------------------------------------------------------------------------
 
 def native_state_dict(model) -> dict[str, torch.Tensor]:
     """This rank's native tensors of `model` (parameters only, detached, on CPU)."""
@@ -436,6 +309,37 @@ class LazyTensor:
 RankReader = Callable[[str, int, "int | None", "int | None"], torch.Tensor]
 
 
+class TensorSource:
+    """Full Hugging Face tensors held in memory (or produced on demand as `LazyTensor`s), seen
+    through the read interface of `SafetensorsFolder` (`name in src`, `src.get_slice(name)`
+    indexed `[a:b]` / `[:, a:b]`, `get_shape()`, `close()`), so `iter_tp_shard` can cut them for
+    any TP rank (resharding, seeded initialisation, loading a consolidated checkpoint). A lazy
+    tensor is produced on each `get_slice(...)[...]` and sliced."""
+
+    class _Slice:
+        def __init__(self, value):
+            self.value = value
+
+        def get_shape(self) -> list[int]:
+            return list(self.value.shape)
+
+        def __getitem__(self, idx):
+            t = self.value.load(None) if isinstance(self.value, LazyTensor) else self.value
+            return t[idx]
+
+    def __init__(self, tensors: dict):
+        self.tensors = tensors
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def get_slice(self, name: str) -> "TensorSource._Slice":
+        return self._Slice(self.tensors[name])
+
+    def close(self) -> None:
+        pass
+
+
 def lazy_merged_state(read: RankReader, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype,
                       cfg: ModelConfig, tp_size: int, vocab_rows: int | None = None
                       ) -> dict[str, LazyTensor]:
@@ -459,12 +363,6 @@ def lazy_merged_state(read: RankReader, shapes: dict[str, tuple[int, ...]], dtyp
         when tied), in `param_specs` order.
     """
     tp = tp_size
-    d = cfg.head_dim
-    split_of = {
-        "qkv": (cfg.num_attention_heads * d // tp, cfg.num_key_value_heads * d // tp,
-                cfg.num_key_value_heads * d // tp),
-        "gate_up": (cfg.intermediate_size // tp, cfg.intermediate_size // tp),
-    }
 
     def rows_of(native, offset, n_rank, keep):
         """(read-start, read-stop, dest-start) per rank: rows [offset, offset + n_rank) of each
@@ -524,7 +422,7 @@ def lazy_merged_state(read: RankReader, shapes: dict[str, tuple[int, ...]], dtyp
                 keep = min(keep, vocab_rows)
             out[spec.hf[0]] = make(spec.native, 0, rank_shape, 0, rank_shape[0], keep)
             continue
-        sizes = split_of["qkv" if "qkv_proj" in spec.native else "gate_up"]
+        sizes = spec.part_lengths(tp)
         offset = 0
         for name, n in zip(spec.hf, sizes):
             out[name] = make(spec.native, 0, rank_shape, offset, n, n * tp)
@@ -563,10 +461,6 @@ def merge_tp_state_dicts(shards: list[dict[str, torch.Tensor]], cfg: ModelConfig
     return {k: v.load(None) for k, v in lazy.items()}
 
 
-# --------------------------------------------------------------------------------------------
-# Writing a HF folder
-# --------------------------------------------------------------------------------------------
-
 def _atomic_dir(out: Path, overwrite: bool):
     """Temporary sibling folder of `out`; `finish(tmp)` renames it into place."""
     out = Path(out)
@@ -591,154 +485,11 @@ def _atomic_dir(out: Path, overwrite: bool):
     return tmp, finish
 
 
-# Texts on which an exported SentencePiece tokenizer's Hugging Face files must give the ids of
-# the model itself (plus every piece's text and this module's source, see `_spm_check_texts`).
-_SPM_CHECK_TEXTS = (
-    "hello world", "Hello, World!", "", " ", "  ", "\n", "\t\tx", "  two  spaces\n\n\ttab ",
-    " leading", "trailing ", "line\r\nbreak", "<s>x</s><pad><unk>",
-    "a<|mask|>b <|user|> q<|assistant|>", "<|mask|><|mask|>", " <|user|>",
-    "def f(x):\n    return x * 12345 + 0.5  # comment\n", "ünïcödé 日本語 😀 \u00a0 \x00\x7f",
-    "\u2581 already escaped \u2581\u2581", "3.14159e-10 0x1F 1_000_000",
-)
-
-
-def _spm_check_texts(sp) -> list[str]:
-    pieces = [sp.DecodeIds([i]) for i in range(sp.GetPieceSize())
-              if not (sp.IsControl(i) or sp.IsUnknown(i) or sp.IsByte(i))]
-    texts = list(_SPM_CHECK_TEXTS) + ["".join(pieces[i:i + 64])
-                                      for i in range(0, len(pieces), 64)]
-    texts.append(Path(__file__).read_text(encoding="utf-8"))
-    return texts
-
-
-def _write_hf_spm_files(model_path: Path, out: Path) -> None:
-    """Write `tokenizer.json` + `tokenizer_config.json` converted from the SentencePiece model
-    (transformers' converter that follows the model's own normalizer settings; special tokens
-    are not matched in text, as SentencePiece does not match control pieces)."""
-    from transformers import PreTrainedTokenizerFast
-    from transformers.convert_slow_tokenizer import SpmConverter, import_protobuf
-    proto = import_protobuf().ModelProto()
-    proto.ParseFromString(model_path.read_bytes())
-    vocab = {p.piece: i for i, p in enumerate(proto.pieces)}
-    backend = SpmConverter.build_tokenizer_from_spm_proto(proto, vocab, legacy=True)
-    import sentencepiece as spm
-    tok = PreTrainedTokenizerFast(tokenizer_object=backend, split_special_tokens=True,
-                                  **_spm_special_tokens(spm.SentencePieceProcessor(
-                                      model_file=str(model_path))))
-    tok.save_pretrained(str(out))
-
-
-def _spm_special_tokens(sp) -> dict[str, str]:
-    """`{"bos_token": piece, ...}` of a SentencePieceProcessor (those its model defines)."""
-    ids = {"bos_token": sp.bos_id(), "eos_token": sp.eos_id(), "unk_token": sp.unk_id(),
-           "pad_token": sp.pad_id()}
-    return {k: sp.IdToPiece(i) for k, i in ids.items() if i >= 0}
-
-
-def _spm_hf_mismatch(sp, out: Path) -> str | None:
-    """None when `AutoTokenizer.from_pretrained(out)` has the model's length and special ids
-    and encodes every check text to the model's ids; else what differs (one line)."""
-    try:
-        from transformers import AutoTokenizer
-        tok = AutoTokenizer.from_pretrained(str(out))
-    except Exception as e:  # noqa: BLE001 - any failure means: not loadable
-        return f"AutoTokenizer failed: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
-    if len(tok) != sp.GetPieceSize():
-        return f"length {len(tok)} != {sp.GetPieceSize()}"
-    for name, want in (("eos", sp.eos_id()), ("bos", sp.bos_id()), ("pad", sp.pad_id())):
-        got = getattr(tok, f"{name}_token_id")
-        if want >= 0 and got != want:
-            return f"{name} id {got} != {want}"
-    for text in _spm_check_texts(sp):
-        if tok.encode(text, add_special_tokens=False) != sp.EncodeAsIds(text):
-            return f"ids differ on {text[:40]!r}"
-    return None
-
-
-def _save_spm_tokenizer(model_path: Path, out: Path) -> dict[str, int]:
-    """Copy a SentencePiece model as `out/tokenizer.model`, with `tokenizer_config.json`
-    carrying `"refusion_tokenizer_kind": "spm"` (so `data_prep.tokenizer_io.load_tokenizer(out)`
-    loads `tokenizer.model` itself), and `tokenizer.json` converted from it when
-    `AutoTokenizer` then gives the model's ids on the check texts. When it does not, no
-    `tokenizer.json` is kept (AutoTokenizer converts `tokenizer.model` its own way); that is
-    checked too, and when it also differs one warning line on stderr says that AutoTokenizer
-    does not encode like the model."""
-    import sys
-
-    import sentencepiece as spm
-
-    from data_prep.tokenizer_io import SPM_KIND_KEY
-    sp = spm.SentencePieceProcessor()
-    sp.Load(str(model_path))
-    shutil.copyfile(model_path, out / "tokenizer.model")
-    cfg_path = out / "tokenizer_config.json"
-    try:
-        _write_hf_spm_files(model_path, out)
-        cfg = json.loads(cfg_path.read_text())
-        cfg[SPM_KIND_KEY] = "spm"
-        cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
-        why = _spm_hf_mismatch(sp, out)  # on the files as finally written
-    except Exception as e:  # noqa: BLE001 - conversion failures fall back like mismatches
-        why = f"conversion failed: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
-    if why is not None:
-        for name in ("tokenizer.json", "special_tokens_map.json", "added_tokens.json"):
-            (out / name).unlink(missing_ok=True)
-        # the class that reads tokenizer.model itself (not config.json's Qwen2Tokenizer)
-        cfg = {"tokenizer_class": "TokenizersBackend", **_spm_special_tokens(sp),
-               "split_special_tokens": True, SPM_KIND_KEY: "spm"}
-        cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
-        why = _spm_hf_mismatch(sp, out)
-        if why is not None:
-            print(f"warning: {out.name}: SentencePiece tokenizer written as tokenizer.model "
-                  f"only; AutoTokenizer cannot load it correctly ({why}); load it with "
-                  f"data_prep.tokenizer_io.load_tokenizer", file=sys.stderr)
-    mask = sp.PieceToId("<|mask|>")
-    return {"length": sp.GetPieceSize(),
-            "mask_token_id": mask if sp.IdToPiece(mask) == "<|mask|>" else -1,
-            "auto_tokenizer": why is None}
-
-
-def save_tokenizer(tokenizer_src, out, added_tokens=REFUSION_TOKENS) -> dict[str, int]:
-    """Write the tokenizer of `tokenizer_src` into the folder `out`.
-
-    `tokenizer_src` is either a SentencePiece model (`data_prep/train_tokenizer.py`; already
-    has the `<|mask|>` piece; nothing is added): a model file, or a folder whose tokenizer is
-    its `tokenizer.model` (`data_prep.tokenizer_io.spm_model_in_folder`, e.g. the shard
-    folder's `tokenizer/` copy); or a folder `transformers.AutoTokenizer` loads (written with
-    `save_pretrained`, `added_tokens` added as special tokens when absent).
-    A SentencePiece model is written as `tokenizer.model` plus, when transformers' conversion
-    gives exactly the model's ids on a set of check texts, `tokenizer.json` (AutoTokenizer
-    loads it); otherwise no Hugging Face file that would encode differently, and one warning
-    line on stderr when AutoTokenizer cannot load the folder correctly (`_save_spm_tokenizer`).
-
-    Returns:
-        `{"length": tokens including added ones, "mask_token_id": id of "<|mask|>" or -1}`
-        (SentencePiece: also `"auto_tokenizer"`: whether AutoTokenizer on `out` was checked
-        to encode like the model).
-    Raises:
-        FileNotFoundError: `tokenizer_src` does not exist.
-    """
-    from data_prep.tokenizer_io import spm_model_in_folder
-    src = Path(tokenizer_src)
-    if src.is_dir() and spm_model_in_folder(str(src)) is not None:
-        src = Path(spm_model_in_folder(str(src)))
-    if src.is_file():
-        return _save_spm_tokenizer(src, Path(out))
-    if not src.is_dir():
-        raise FileNotFoundError(f"{src}: tokenizer not found (a folder or a SentencePiece "
-                                f"model file)")
-    from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(str(src))
-    missing = [t for t in added_tokens if t not in tok.get_vocab()]
-    if missing:
-        tok.add_special_tokens({"additional_special_tokens": missing})
-    tok.save_pretrained(str(out))
-    return {"length": len(tok), "mask_token_id": tok.get_vocab().get("<|mask|>", -1)}
-
-
 _ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.bfloat16: "BF16",
               torch.float16: "F16", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16",
               torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
+
+
 # safetensors' dtype order (its Rust `Dtype` enum, ascending); its writer lays out the data by
 # this order descending, then by name (checked against `save_file` in tests/test_hf_io.py).
 _ST_ORDER = ("BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "I16", "U16", "F16", "BF16", "I32",

@@ -17,8 +17,8 @@ How (library first, our code only where the library cannot):
    `[q_r; k_r; v_r]` and `gate_up_proj` is `[gate_r; up_r]`, so a plain concatenation of rank
    shards is not the full tensor.
 2. Only when the TP size changes: each of fp32 / exp_avg / exp_avg_sq is merged over the old
-   TP ranks by `pipeline.hf_io.merge_tp_state_dicts` (the model-aware merge export uses) and cut
-   for each new TP rank by `pipeline.hf_io.iter_tp_shard` (the slicing `init.source=hf` uses).
+   TP ranks by `pipeline.model.hf.merge_tp_state_dicts` (the model-aware merge export uses) and cut
+   for each new TP rank by `pipeline.model.hf.iter_tp_shard` (the slicing `init.source=hf` uses).
    Adam's moments are elementwise, so they follow exactly the weights' permutation.
 3. Loading: DeepSpeed's ZeRO-3 universal loader
    (`DeepSpeedZeroOptimizer_Stage3.load_hp_checkpoint_state_from_checkpoint_dir_stage3`) reads
@@ -103,33 +103,6 @@ def _ds_universal_one_tp_rank(step_dir: Path, tp_rank: int, work: Path) -> Path:
     return out
 
 
-class _TensorSource:
-    """In-memory tensors seen through the slice interface `pipeline.hf_io.iter_tp_shard` reads
-    (`name in src`, `src.get_slice(name)[a:b]`, `.get_shape()`)."""
-
-    class _Slice:
-        def __init__(self, t: torch.Tensor):
-            self.t = t
-
-        def get_shape(self):
-            return list(self.t.shape)
-
-        def __getitem__(self, idx):
-            return self.t[idx]
-
-    def __init__(self, tensors: dict[str, torch.Tensor]):
-        self.tensors = tensors
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.tensors
-
-    def get_slice(self, name: str):
-        return self._Slice(self.tensors[name])
-
-    def close(self) -> None:
-        pass
-
-
 def _read_universal(path: Path, shape: list[int]) -> torch.Tensor:
     """One universal tensor (DeepSpeed stores ZeRO-3 merges flat, sometimes in a dict under
     "param") at its per-TP-rank shape."""
@@ -142,7 +115,7 @@ def _retarget_tp(old_dirs: list[Path], new_tp: int, cfg, out: Path, layout: dict
     """Merge each key over the old TP ranks and cut it for `new_tp` ranks into
     `out/tp_<r>/zero/<name>/<key>.pt`. `layout`: `refusion_layout.json` of the saved checkpoint
     (per-parameter per-TP-rank shapes)."""
-    from pipeline import hf_io
+    from pipeline.model import hf
 
     shapes = [{n: p["shape"] for n, p in layout["params"].items()} for _ in old_dirs]
 
@@ -150,11 +123,11 @@ def _retarget_tp(old_dirs: list[Path], new_tp: int, cfg, out: Path, layout: dict
     for key in KEYS:
         shards = [{n: _read_universal(d / "zero" / n / f"{key}.pt", shapes[r][n])
                    for n in names} for r, d in enumerate(old_dirs)]
-        full = hf_io.merge_tp_state_dicts(shards, cfg, vocab_rows=cfg.vocab_size)
+        full = hf.merge_tp_state_dicts(shards, cfg, vocab_rows=cfg.vocab_size)
         del shards
-        src = _TensorSource(full)
+        src = hf.TensorSource(full)
         for r in range(new_tp):
-            for name, t in hf_io.iter_tp_shard(src, cfg, r, new_tp):
+            for name, t in hf.iter_tp_shard(src, cfg, r, new_tp):
                 d = out / f"tp_{r}" / "zero" / name
                 d.mkdir(parents=True, exist_ok=True)
                 torch.save({"param": t.clone()}, d / f"{key}.pt")

@@ -1,0 +1,20 @@
+"""Training checkpoints, as a package.
+
+- `store.py`: save (crash-safe, every rank), find the latest complete one, load, retention;
+- `reshard.py`: resume a ZeRO-3 checkpoint on another data/tensor-parallel layout;
+- `consolidate.py`: read a finished checkpoint offline (per-TP-rank fp32 weights, full Hugging
+  Face tensors for export and inference).
+
+The names below are the package's public API; import the rest from its module.
+"""
+from pipeline.checkpoint.consolidate import (consolidate_state_dict, consolidate_tp_ranks,
+                                             hf_export_state, open_tp_ranks,
+                                             read_checkpoint_info)
+from pipeline.checkpoint.store import (CheckpointError, CheckpointWriteError, find_latest,
+                                       list_complete, load_latest, resolve_checkpoint_dir,
+                                       save_checkpoint, tag_for_step)
+
+__all__ = ["consolidate_state_dict", "consolidate_tp_ranks", "hf_export_state",
+           "open_tp_ranks", "read_checkpoint_info", "CheckpointError", "CheckpointWriteError",
+           "find_latest", "list_complete", "load_latest", "resolve_checkpoint_dir",
+           "save_checkpoint", "tag_for_step"]

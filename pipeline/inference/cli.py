@@ -1,0 +1,152 @@
+"""The command-line side of decoding shared by `pipeline.generate`, `pipeline.evaluate`,
+`pipeline.lm_eval` and the experiment: the decoding options, their checks, the settings recorded
+with results, one batch decoded with the chosen mode, and small input/output checks.
+
+Owns: option names and defaults (`add_decoding_args`), their ranges (`check_decoding_args`),
+`decode_batch`, `warm_up`, `load_model_from_args`, `read_prompts_jsonl`, `check_json_out`.
+Must not touch: the algorithms (`pipeline.inference.decoding`), loading
+(`pipeline.inference.loading`), printing (each CLI prints its own output).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+from pipeline.common.cli import DTYPES, UsageError
+from pipeline.inference.loading import Loaded, load_for_inference
+
+
+def decode_batch(loaded: Loaded, prompts: list[list[int]], args) -> "object":
+    """Run the chosen mode on one batch of prompt ids; returns `GenerationOutput`."""
+    from pipeline.inference.decoding import ar_generate, refusion_generate
+    if args.mode == "ar":
+        return ar_generate(loaded.model, prompts, args.gen_length, args.temperature,
+                           loaded.eos_id, seed=args.seed)
+    return refusion_generate(loaded.model, prompts, args.gen_length, args.slot_size,
+                             args.num_blocks, args.slot_threshold, args.token_threshold,
+                             args.temperature, loaded.mask_id, loaded.eos_id,
+                             exact_cache=args.exact_cache, seed=args.seed)
+
+
+def warm_up(loaded: Loaded, prompt: list[int]) -> None:
+    """One short untimed decode in each mode, so that one-time costs (kernel selection, lazy
+    initialization, first allocations) do not count in the reported tokens/s."""
+    from pipeline.inference.decoding import ar_generate, refusion_generate
+    try:
+        ar_generate(loaded.model, [prompt], 2, 0.0, None)
+        refusion_generate(loaded.model, [prompt], 4, 2, 1, 0.5, 0.5, 0.0, loaded.mask_id, None)
+    except ValueError:  # e.g. a prompt at the position limit: the real decode reports it
+        pass
+
+
+def add_decoding_args(p: argparse.ArgumentParser) -> None:
+    """The decoding options shared with `pipeline.evaluate` (defaults: the reference's demo)."""
+    p.add_argument("--gen-length", type=int, default=128,
+                   help="tokens to generate at most; in refusion mode rounded up to a multiple "
+                        "of --slot-size (the generation region is whole slots)")
+    p.add_argument("--slot-size", type=int, default=4, help="tokens per slot (k; refusion mode)")
+    p.add_argument("--num-blocks", type=int, default=2,
+                   help="left-to-right blocks of the generation region (refusion mode; must "
+                        "divide the number of slots)")
+    p.add_argument("--slot-threshold", type=float, default=0.6,
+                   help="refusion: plan every masked slot whose first-token probability exceeds "
+                        "this, else the best one (>= 0; >= 1 = one slot per step)")
+    p.add_argument("--token-threshold", type=float, default=0.3,
+                   help="refusion: accept a drafted token when its causal probability exceeds "
+                        "this (in [0, 1]; 1 = only each slot's first token)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy; > 0 samples (samples depend on the batch composition, "
+                        "i.e. --batch-size, for the same --seed)")
+    p.add_argument("--exact-cache", action="store_true",
+                   help="re-encode slots infilled in parallel (exact KV cache)")
+    p.add_argument("--batch-size", type=int, default=8, help="prompts decoded together")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")
+    p.add_argument("--device", default="auto",
+                   help="auto (CUDA when available), cpu, cuda or cuda:N")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                   help="parameter dtype (default: bfloat16 on CUDA, float32 on the CPU)")
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer folder or SentencePiece file (None: the model's)")
+
+
+def load_model_from_args(args, load=None) -> Loaded:
+    """`load_for_inference` (or `load`, same signature) with the `--model`, `--tokenizer`,
+    `--device` and `--dtype` of `args`; writes the resolved device and dtype back into `args`
+    (recorded in the JSON settings). Raises UsageError."""
+    loaded = (load or load_for_inference)(args.model, args.tokenizer,
+                                          DTYPES[args.dtype] if args.dtype else None,
+                                          device=args.device)
+    p = next(loaded.model.parameters())
+    args.device = str(p.device)
+    args.dtype = str(p.dtype).replace("torch.", "")
+    return loaded
+
+
+def decoding_settings(args, mode) -> dict:
+    """The settings a decode ran with, recorded in the JSON outputs (`mode`: a mode or a list
+    of modes)."""
+    keys = ("gen_length", "slot_size", "num_blocks", "slot_threshold", "token_threshold",
+            "temperature", "seed", "exact_cache", "batch_size", "device", "dtype", "tokenizer")
+    return {"model": str(args.model), "mode": mode, **{k: getattr(args, k) for k in keys}}
+
+
+def check_decoding_args(args, refusion: bool = True) -> None:
+    """Raise UsageError for out-of-range decoding options (`refusion`: also the slot/block
+    layout, which ar mode does not use). Thresholds: token threshold in [0, 1] (1 = never
+    accept a drafted token by probability), slot threshold >= 0 (>= 1 = one slot per step,
+    the best one)."""
+    for name in ("gen_length", "slot_size", "num_blocks", "batch_size"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1")
+    if not args.temperature >= 0:
+        raise UsageError("--temperature must be >= 0")
+    if not 0 <= args.token_threshold <= 1:  # 1: never accept a drafted token by probability
+        raise UsageError(f"--token-threshold {args.token_threshold} must be in [0, 1]")
+    if not args.slot_threshold >= 0:  # > 1 is valid: one slot (the best) per step
+        raise UsageError(f"--slot-threshold {args.slot_threshold} must be >= 0 (values >= 1 "
+                         f"select one slot per step)")
+    slots = -(-args.gen_length // args.slot_size)
+    if refusion and slots % args.num_blocks:
+        raise UsageError(f"--num-blocks {args.num_blocks} must divide the {slots} slots "
+                         f"(--gen-length rounded up to a multiple of --slot-size)")
+
+
+def read_prompts_jsonl(path) -> list[dict]:
+    """Records of a JSONL file (blank lines skipped). Raises UsageError naming file:line."""
+    out = []
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as e:
+        raise UsageError(f"{path}: {e.strerror or e}")
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UsageError(f"{path}:{n}: not JSON ({e.msg})")
+        if not isinstance(rec, dict):
+            raise UsageError(f"{path}:{n}: expected a JSON object")
+        out.append(rec)
+    if not out:
+        raise UsageError(f"{path}: no records")
+    return out
+
+
+def check_json_out(path) -> None:
+    """Raise UsageError when `--json-out path` cannot be written as a file (checked before any
+    decoding, so that no results are lost): a folder, or a parent that is a file."""
+    if path is None:
+        return
+    path = Path(path)
+    if path.is_dir():
+        raise UsageError(f"--json-out {path}: is a folder; give a file path")
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise UsageError(f"--json-out {path}: {parent} is not a folder")
+            if not os.access(parent, os.W_OK):
+                raise UsageError(f"--json-out {path}: {parent} is not writable")
+            break

@@ -1,0 +1,256 @@
+"""Attention of one layer: masks, the packed-sequence kernels, one `attention` function.
+
+Owns: the dense boolean masks (`build_attention_mask`), the per-forward `AttentionPlan`
+(`plan_attention`: dense mask for "sdpa", FlexAttention block mask for "flex", `cu_seqlens`
+for "varlen"), the kernel choice and its fallbacks (`resolve_attention`), and `attention(q, k,
+v, plan)`. Must not touch: projections, RoPE, the KV cache's storage (`pipeline.model.kv_cache`).
+"""
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from pipeline.model.config import ATTENTION_KINDS
+
+
+def build_attention_mask(segment_ids: torch.Tensor | None, batch: int, q_len: int,
+                         past_len: int = 0, past_valid: torch.Tensor | None = None,
+                         device=None) -> torch.Tensor:
+    """Vectorized boolean mask, True = may attend: `BoolTensor[B, 1, T, past_len + T]`.
+
+    New tokens attend causally over the fed order. With `segment_ids: LongTensor[B, T]` a token
+    attends only within its own segment; segment 0 is padding and attends only to itself (so no
+    row is empty). Cached positions (the first `past_len` columns) are visible to every
+    non-padding new token where `past_valid: BoolTensor[B, past_len]` is True.
+    """
+    if device is None:
+        device = segment_ids.device if segment_ids is not None else None
+    idx = torch.arange(q_len, device=device)
+    new = (idx[None, :] <= idx[:, None])[None].expand(batch, q_len, q_len)  # [B, T, T]
+    if segment_ids is not None:
+        same = segment_ids[:, :, None] == segment_ids[:, None, :]
+        pad = segment_ids == 0
+        eye = torch.eye(q_len, dtype=torch.bool, device=device)[None]
+        new = torch.where(pad[:, :, None], eye, new & same)
+    if past_len:
+        if past_valid is None:
+            past = torch.ones(batch, q_len, past_len, dtype=torch.bool, device=device)
+        else:
+            past = past_valid[:, None, :].expand(batch, q_len, past_len)
+        if segment_ids is not None:
+            past = past & (segment_ids != 0)[:, :, None]
+        new = torch.cat((past, new), dim=-1)
+    return new[:, None]
+
+
+_notified: set[str] = set()
+
+
+def _notice_once(msg: str) -> None:
+    if msg not in _notified:
+        _notified.add(msg)
+        logging.getLogger("pipeline.model").warning(msg)
+
+
+@dataclass
+class AttentionPlan:
+    """How every layer of one forward attends; built once per forward by `plan_attention`.
+
+    Attributes:
+        kind: "causal" (plain causal SDPA, no segments), "sdpa" (SDPA with `mask`), "flex"
+            (FlexAttention with `block_mask`) or "varlen" (flash varlen over `cu_seqlens`).
+        mask: BoolTensor[B, 1, T, S], True = may attend ("sdpa" only).
+        block_mask: `torch.nn.attention.flex_attention.BlockMask` ("flex" only).
+        cu_seqlens: IntTensor[N + 1] start offset of each segment in the flattened `[B * T]`
+            tokens, then B * T ("varlen" only). max_seqlen: longest segment (tokens).
+    """
+
+    kind: str
+    mask: torch.Tensor | None = None
+    block_mask: object = None
+    cu_seqlens: torch.Tensor | None = None
+    max_seqlen: int = 0
+
+
+def resolve_attention(kind: str, device: torch.device, needs_grad: bool,
+                      dtype: torch.dtype = torch.bfloat16) -> str:
+    """The kernel a packed forward uses: "sdpa", "flex" or "varlen".
+
+    "auto" is varlen on CUDA in bf16/fp16, sdpa otherwise. varlen off CUDA or in fp32 (the
+    flash kernel takes half precision only), and flex on CPU when gradients are needed (torch
+    2.13 has no FlexAttention backward on CPU), fall back to sdpa with one notice line per
+    process.
+
+    Raises:
+        ValueError: `kind` not in `ATTENTION_KINDS`.
+    """
+    if kind not in ATTENTION_KINDS:
+        raise ValueError(f"attention must be one of {list(ATTENTION_KINDS)}, got {kind!r}")
+    cuda = torch.device(device).type == "cuda"
+    half = dtype in (torch.bfloat16, torch.float16)
+    if kind == "auto":
+        return "varlen" if cuda and half else "sdpa"
+    if kind == "varlen" and not (cuda and half):
+        _notice_once(f"model.attention=varlen needs CUDA and bf16/fp16 (have {device}, "
+                     f"{dtype}); using sdpa")
+        return "sdpa"
+    if kind == "flex" and not cuda and needs_grad:
+        _notice_once("model.attention=flex has no backward on CPU in this torch; training "
+                     "forwards use sdpa (no-grad forwards still use flex)")
+        return "sdpa"
+    return kind
+
+
+def document_causal_mask_mod(segment_ids: torch.Tensor):
+    """FlexAttention `mask_mod` of packed rows: query q may see key kv of the same row iff they
+    are in the same segment and kv <= q (causal over the fed order); padding (segment 0)
+    sees only itself. Same pattern as `build_attention_mask(segment_ids, ...)`, never
+    materialized. segment_ids: LongTensor[B, T]."""
+    def mask_mod(b, h, q, kv):
+        sq = segment_ids[b, q]
+        return (kv <= q) & (sq == segment_ids[b, kv]) & ((sq != 0) | (q == kv))
+    return mask_mod
+
+
+def varlen_boundaries(segment_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """`cu_seqlens` of packed rows for the varlen kernel, with the rows flattened to `[B * T]`.
+
+    A segment starts at each row start and wherever the segment id changes; every padding token
+    (segment 0) is a segment of its own (so it sees only itself, as in `build_attention_mask`).
+    Assumes (as `collate` guarantees) that each segment is contiguous in its row.
+
+    Args:
+        segment_ids: LongTensor[B, T].
+    Returns:
+        (IntTensor[N + 1] int32 offsets ending with B * T, longest segment in tokens).
+    """
+    b, t = segment_ids.shape
+    flat = segment_ids.reshape(-1)
+    start = torch.ones_like(flat, dtype=torch.bool)
+    start[1:] = flat[1:] != flat[:-1]
+    start[::t] = True
+    start |= flat == 0
+    cu = torch.cat((start.nonzero().flatten(), flat.new_tensor([b * t]))).to(torch.int32)
+    return cu, int((cu[1:] - cu[:-1]).max())
+
+
+def plan_attention(kind: str, segment_ids: torch.Tensor, needs_grad: bool,
+                   dtype: torch.dtype = torch.bfloat16) -> AttentionPlan:
+    """Prepare the packed (document-causal) attention of one forward for `kind`.
+
+    Args:
+        kind: `ModelConfig.attention`; resolved with `resolve_attention`.
+        segment_ids: LongTensor[B, T], 0 = padding, each segment contiguous in its row.
+        needs_grad: the forward will be differentiated (picks the CPU fallback of flex).
+        dtype: dtype of q, k, v (varlen needs bf16/fp16).
+    Returns:
+        AttentionPlan. Only "sdpa" builds our dense `[B, 1, T, T]` mask; "flex" builds a
+        BlockMask from `document_causal_mask_mod` (`_block_mask_builder`: compiled on CUDA;
+        the eager builder used on CPU evaluates the mask densely inside torch); "varlen" builds
+        `cu_seqlens` (one host sync for the longest segment).
+    """
+    b, t = segment_ids.shape
+    kind = resolve_attention(kind, segment_ids.device, needs_grad, dtype)
+    if kind == "flex":
+        block_mask = _block_mask_builder(segment_ids.device)(
+            document_causal_mask_mod(segment_ids), b, None, t, t, device=segment_ids.device)
+        return AttentionPlan("flex", block_mask=block_mask)
+    if kind == "varlen":
+        cu, longest = varlen_boundaries(segment_ids)
+        return AttentionPlan("varlen", cu_seqlens=cu, max_seqlen=longest)
+    return AttentionPlan("sdpa", mask=build_attention_mask(segment_ids, b, t,
+                                                           device=segment_ids.device))
+
+
+_compiled_flex = None
+
+
+_compiled_block_mask = None
+
+
+def _block_mask_builder(device: torch.device):
+    """`create_block_mask`, compiled on CUDA (as the FlexAttention docs advise: the compiled
+    builder fuses evaluating `mask_mod` with the per-block reduction, instead of the eager
+    builder's full `[B, 1, T, T]` boolean tensor); eager elsewhere (CPU tests)."""
+    global _compiled_block_mask
+    from torch.nn.attention.flex_attention import create_block_mask
+    if device.type != "cuda":
+        return create_block_mask
+    if _compiled_block_mask is None:
+        _compiled_block_mask = torch.compile(create_block_mask)
+    return _compiled_block_mask
+
+
+def _flex(q, k, v, block_mask):
+    global _compiled_flex
+    from torch.nn.attention.flex_attention import flex_attention
+    if q.device.type == "cuda":
+        # Eager FlexAttention materializes the scores; the fused kernel needs torch.compile.
+        if _compiled_flex is None:
+            _compiled_flex = torch.compile(flex_attention, dynamic=False)
+        return _compiled_flex(q, k, v, block_mask=block_mask, enable_gqa=True)
+    import warnings
+    with warnings.catch_warnings():  # CPU: the unfused reference is what we want (tests)
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
+
+
+@functools.lru_cache(maxsize=None)
+def _varlen_kwargs(varlen_attn) -> dict:
+    """Causal (and GQA where supported) keywords for this torch's `varlen_attn`: torch 2.13
+    takes `window_size=(-1, 0)` and `enable_gqa`; 2.9-2.12 take `is_causal` and no GQA flag
+    (measured on torch 2.11 on an H200, bench/gpu_check.sh). Cached: read once per process,
+    not per layer and forward."""
+    import inspect
+    params = inspect.signature(varlen_attn).parameters
+    kw = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    if "enable_gqa" in params:
+        kw["enable_gqa"] = True
+    return kw
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              plan: AttentionPlan) -> torch.Tensor:
+    """Scaled dot-product attention (scale 1/sqrt(D)) of one layer, by `plan.kind`.
+
+    Args:
+        q: `[B, H_q, T, D]`; k, v: `[B, H_kv, S, D]` (H_q a multiple of H_kv: GQA, query head
+            i uses kv head i // (H_q / H_kv), as Qwen3 does). S = T except with a KV cache.
+        plan: from `plan_attention` (or built by `Qwen3.forward` for decoding).
+    Returns:
+        `[B, H_q, T, D]` in q's dtype.
+    """
+    if plan.kind == "causal":
+        # Plain causal: flash attention on GPU handles GQA natively.
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    if plan.kind == "flex":
+        return _flex(q, k, v, plan.block_mask)
+    if plan.kind == "varlen":
+        from torch.nn.attention.varlen import varlen_attn
+        b, hq, t, d = q.shape
+        kw = _varlen_kwargs(varlen_attn)
+        if "enable_gqa" not in kw and hq != k.shape[1]:   # torch < 2.13: no GQA flag
+            k = k.repeat_interleave(hq // k.shape[1], dim=1)
+            v = v.repeat_interleave(hq // v.shape[1], dim=1)
+        flat = lambda x: x.transpose(1, 2).reshape(b * t, x.shape[1], d)  # noqa: E731
+        out = varlen_attn(flat(q), flat(k), flat(v), plan.cu_seqlens, plan.cu_seqlens,
+                          plan.max_seqlen, plan.max_seqlen, **kw)
+        return out.view(b, t, hq, d).transpose(1, 2)
+    # "sdpa": with a mask the memory-efficient kernel is the GPU choice, and it does not take
+    # GQA: repeat kv heads.
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=plan.mask)
+
+
+def _eye_offset(t: int, s: int, offset: int, device) -> torch.Tensor:
+    idx = torch.arange(t, device=device)
+    out = torch.zeros(t, s, dtype=torch.bool, device=device)
+    out[idx, idx + offset] = True
+    return out

@@ -1,0 +1,356 @@
+"""Qwen3 as ReFusion trains it: megatron-core tensor-parallel layers, explicit position ids,
+packed-sequence attention, an optional KV cache.
+
+Owns: the network definition (`Qwen3`, its blocks, RMSNorm, RoPE) and `gather_logits`.
+Must not touch: the ReFusion objective (`pipeline.objective`), checkpoint formats and Hugging
+Face names (`pipeline.model.hf`), the split of each parameter over the tensor-parallel group
+(`pipeline.model.tp`, the one table), process-group creation (`pipeline.parallel`), optimizers.
+
+The definition reads like a single-device Qwen3 (Qwen3 technical report; transformers'
+`Qwen3ForCausalLM` is the reference it is tested against): token embedding -> N x [RMSNorm ->
+GQA attention with per-head RMSNorm on q and k and RoPE -> residual -> RMSNorm -> SwiGLU MLP ->
+residual] -> RMSNorm -> LM head. Only the linear layers and the embedding are megatron-core
+tensor-parallel layers, so TP=1 and TP>1 share one code path:
+- `qkv_proj`: ColumnParallelLinear; rank r holds its q heads, then its k heads, then its v heads
+  (`[q_r; k_r; v_r]` along the output dim), so each rank attends over its own heads;
+- `o_proj`, `down_proj`: RowParallelLinear (input is parallel, output all-reduced);
+- `gate_up_proj`: ColumnParallelLinear holding `[gate_r; up_r]`;
+- `embed_tokens`: VocabParallelEmbedding; `lm_head`: ColumnParallelLinear over the vocab (or the
+  embedding weight when tied); logits stay vocab-parallel (`[B, T, V / tp]`), see `gather_logits`.
+megatron-core runs on the CPU with these flags (its CUDA-only paths fail there):
+use_cpu_initialization=True, gradient_accumulation_fusion=False, gather_output=False, no
+sequence parallelism.
+
+Tensors are batch-first: `[B, T, hidden]`.
+"""
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipeline.model.attention import (AttentionPlan, _eye_offset, attention, build_attention_mask,
+                                      plan_attention)
+from pipeline.model.config import ModelConfig
+from pipeline.model.kv_cache import KVCache
+from pipeline.model.tp import partition_dim
+
+
+def _tp_size() -> int:
+    from megatron.core import parallel_state
+    return parallel_state.get_tensor_model_parallel_world_size()
+
+
+def _megatron_config(dtype: torch.dtype, init_weights: bool):
+    from megatron.core import ModelParallelConfig
+    return ModelParallelConfig(
+        tensor_model_parallel_size=_tp_size(),
+        params_dtype=dtype,
+        use_cpu_initialization=True,
+        perform_initialization=init_weights,
+        gradient_accumulation_fusion=False,
+        sequence_parallel=False,
+    )
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm (Zhang & Sennrich 2019) as Qwen3 computes it: in fp32, then cast back, then scale.
+
+    `y = weight * (x / sqrt(mean(x^2, -1) + eps)).to(x.dtype)`; x: `[..., dim]`.
+
+    With `reduce_grad_over_tp=True` (q/k norms: each TP rank normalizes only its own heads) the
+    weight enters through megatron's `copy_to_tensor_model_parallel_region`, so its gradient is
+    all-reduced over the TP group and every rank holds the full gradient of this replicated
+    weight (Megatron does the same for QK-layernorm grads).
+    """
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype = torch.float32,
+                 reduce_grad_over_tp: bool = False):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
+        self.reduce_grad_over_tp = reduce_grad_over_tp and _tp_size() > 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight
+        if self.reduce_grad_over_tp:
+            from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
+            weight = copy_to_tensor_model_parallel_region(weight)
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return weight * xf.to(x.dtype)
+
+
+def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE tables (Su et al. 2021, "rotate half" layout as in Qwen/Llama) for explicit positions.
+
+    Args:
+        position_ids: LongTensor[B, T], original (natural-order) position of each fed token.
+    Returns:
+        cos, sin: `[B, 1, T, head_dim]` in `dtype` (computed in fp32).
+    """
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64,
+                                             device=position_ids.device).float() / head_dim))
+    freqs = position_ids.float()[..., None] * inv_freq  # [B, T, D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate `x: [B, H, T, D]` by the tables from `rope_cos_sin`."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class Attention(nn.Module):
+    """GQA self-attention with QK-norm and RoPE; heads split over the tensor-parallel group."""
+
+    def __init__(self, cfg: ModelConfig, mcfg, init_method, out_init_method):
+        from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+        super().__init__()
+        tp = _tp_size()
+        self.head_dim = cfg.head_dim
+        self.n_q = cfg.num_attention_heads // tp      # local query heads
+        self.n_kv = cfg.num_key_value_heads // tp     # local key/value heads
+        d = cfg.head_dim
+        self.qkv_proj = ColumnParallelLinear(
+            cfg.hidden_size, (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * d,
+            config=mcfg, init_method=init_method, bias=False, gather_output=False)
+        self.o_proj = RowParallelLinear(
+            cfg.num_attention_heads * d, cfg.hidden_size, config=mcfg,
+            init_method=out_init_method, bias=False, input_is_parallel=True, skip_bias_add=False)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps, mcfg.params_dtype, reduce_grad_over_tp=True)
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps, mcfg.params_dtype, reduce_grad_over_tp=True)
+
+    def forward(self, x, cos, sin, plan, cache_layer=None):
+        """x: `[B, T, hidden]`; plan: an `AttentionPlan` (for "sdpa" its mask is `[B, 1, T, S]`);
+        cache_layer: `(past_k, past_v, store)` where past_*: `[B, H_kv/tp, S - T, D]` and
+        `store(k, v)` keeps the new keys/values as the cache's pending entries."""
+        b, t, _ = x.shape
+        d = self.head_dim
+        qkv, _ = self.qkv_proj(x)
+        q, k, v = qkv.split((self.n_q * d, self.n_kv * d, self.n_kv * d), dim=-1)
+        q = self.q_norm(q.view(b, t, self.n_q, d)).transpose(1, 2)
+        k = self.k_norm(k.view(b, t, self.n_kv, d)).transpose(1, 2)
+        v = v.view(b, t, self.n_kv, d).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache_layer is not None:
+            past_k, past_v, store = cache_layer
+            store(k, v)
+            k = torch.cat((past_k, k), dim=2)
+            v = torch.cat((past_v, v), dim=2)
+        out = attention(q, k, v, plan)
+        out = out.transpose(1, 2).reshape(b, t, self.n_q * d)
+        out, _ = self.o_proj(out)
+        return out
+
+
+class MLP(nn.Module):
+    """SwiGLU MLP (Shazeer 2020): `down(silu(gate(x)) * up(x))`, inner dim split over TP."""
+
+    def __init__(self, cfg: ModelConfig, mcfg, init_method, out_init_method):
+        from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+        super().__init__()
+        self.inner = cfg.intermediate_size // _tp_size()
+        self.gate_up_proj = ColumnParallelLinear(
+            cfg.hidden_size, 2 * cfg.intermediate_size, config=mcfg, init_method=init_method,
+            bias=False, gather_output=False)
+        self.down_proj = RowParallelLinear(
+            cfg.intermediate_size, cfg.hidden_size, config=mcfg, init_method=out_init_method,
+            bias=False, input_is_parallel=True, skip_bias_add=False)
+
+    def forward(self, x):
+        gate_up, _ = self.gate_up_proj(x)
+        gate, up = gate_up.split(self.inner, dim=-1)
+        out, _ = self.down_proj(F.silu(gate) * up)
+        return out
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: `x + attn(norm(x))`, then `x + mlp(norm(x))`."""
+
+    def __init__(self, cfg: ModelConfig, mcfg, init_method, out_init_method):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, mcfg.params_dtype)
+        self.self_attn = Attention(cfg, mcfg, init_method, out_init_method)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps,
+                                                mcfg.params_dtype)
+        self.mlp = MLP(cfg, mcfg, init_method, out_init_method)
+
+    def forward(self, x, cos, sin, plan, cache_layer=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, plan, cache_layer)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen3(nn.Module):
+    """Qwen3 causal LM with megatron-core tensor-parallel layers.
+
+    Needs megatron-core `parallel_state` initialized (`pipeline.parallel.init_distributed`;
+    TP=1 is fine). Parameter names (native): `embed_tokens.weight`,
+    `layers.{i}.{input_layernorm,post_attention_layernorm}.weight`,
+    `layers.{i}.self_attn.{qkv_proj,o_proj,q_norm,k_norm}.weight`,
+    `layers.{i}.mlp.{gate_up_proj,down_proj}.weight`, `norm.weight`, `lm_head.weight` (when
+    tied, the head holds the embedding Parameter itself: `named_parameters()` lists it once as
+    `embed_tokens.weight`, `state_dict()` has both keys). `pipeline.model.tp` says how each is split and which Hugging Face tensors it is made of.
+
+    Args:
+        cfg: network shape; validated against the TP size (ValueError).
+        dtype: parameter dtype.
+        init_weights: random init (normal, std `cfg.init_std`); False leaves weights
+            uninitialized (fast; for loading a checkpoint or building on the meta device).
+    """
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32,
+                 init_weights: bool = True):
+        from megatron.core.tensor_parallel import ColumnParallelLinear, VocabParallelEmbedding
+        super().__init__()
+        self.tp = _tp_size()
+        cfg.validate(self.tp)
+        self.cfg = cfg
+        mcfg = _megatron_config(dtype, init_weights)
+        init = partial(nn.init.normal_, mean=0.0, std=cfg.init_std)
+        out_init = partial(nn.init.normal_, mean=0.0,
+                           std=cfg.init_std / math.sqrt(2.0 * cfg.num_layers))
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size,
+                                                   init_method=init, config=mcfg)
+        self.layers = nn.ModuleList(Block(cfg, mcfg, init, out_init)
+                                    for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.lm_head = ColumnParallelLinear(
+            cfg.hidden_size, cfg.vocab_size, config=mcfg, init_method=init, bias=False,
+            gather_output=False, skip_weight_param_allocation=cfg.tie_word_embeddings)
+        if cfg.tie_word_embeddings:
+            # The same Parameter registered in both modules (as transformers ties): ZeRO-3
+            # then gathers it for the head's forward too. named_parameters() lists it once,
+            # as `embed_tokens.weight`; vocab partitions of the two layers coincide.
+            self.lm_head.weight = self.embed_tokens.weight
+        self._mark_tensor_parallel()
+
+    def _mark_tensor_parallel(self) -> None:
+        """Give every TP-partitioned weight megatron-core's attributes (`tensor_model_parallel`,
+        `partition_dim`, `partition_stride`) whether or not megatron initialized it.
+
+        megatron-core sets them only inside its weight initialization (skipped with
+        `init_weights=False`); DeepSpeed's gradient norm (clipping) counts a parameter without
+        them on TP rank 0 only, which silently leaves the other ranks' shards out of the norm.
+        The split dims come from the tensor-parallel table (`pipeline.model.tp`); checkpoint
+        layouts record them from these attributes.
+        """
+        from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+        for name, w in self.named_parameters():
+            dim = partition_dim(name)
+            if dim is not None and not getattr(w, "tensor_model_parallel", False):
+                set_tensor_model_parallel_attributes(w, True, dim, 1)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                segment_ids: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None,
+                kv_cache: KVCache | None = None, return_hidden: bool = False) -> torch.Tensor:
+        """Vocab-parallel logits of the fed tokens (or the final hidden states).
+
+        Args:
+            input_ids: LongTensor[B, T], tokens in fed order.
+            position_ids: LongTensor[B, T], original position of each token (drives RoPE).
+            segment_ids: LongTensor[B, T] or None; packed segments (attend causally within the
+                own segment only; 0 = padding, attends only to itself).
+            attention_mask: BoolTensor[B, 1, T, S] or None, True = may attend, with
+                `S = kv_cache.width + T` (`T` without a cache). Takes precedence over
+                `segment_ids`. Cache columns past a row's `length` are masked out regardless.
+                A query row with no True entry is allowed to attend to itself (no NaN).
+            kv_cache: KVCache or None. With a cache, attention covers the valid cached entries
+                plus the new tokens, and the new keys/values become the cache's pending entries
+                (see `KVCache.commit`). Without a mask the new tokens are causal among
+                themselves and see all valid cached entries.
+            return_hidden: return the final-norm hidden states instead of logits, so that the
+                caller applies the output layer (`head_logits`) only where it needs logits
+                (e.g. chunked over labelled tokens, `pipeline.objective.hybrid_loss`).
+        Packed forwards (`segment_ids`, no mask, no cache) attend with the kernel of
+        `cfg.attention` (see `plan_attention`); the others use SDPA.
+        Returns:
+            FloatTensor[B, T, V / tp] in the parameter dtype: this rank's vocab slice of the
+            logits (`gather_logits` for all of them); with `return_hidden`,
+            FloatTensor[B, T, hidden].
+        """
+        b, t = input_ids.shape
+        x = self.embed_tokens(input_ids)
+        cos, sin = rope_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
+        past = kv_cache.width if kv_cache is not None else 0
+        plan = AttentionPlan("causal")
+        if attention_mask is not None:
+            if attention_mask.shape[-2:] != (t, past + t):
+                raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, "
+                                 f"expected [B, 1, {t}, {past + t}]")
+            mask = attention_mask.to(torch.bool)
+            if past:
+                mask = mask & torch.cat(
+                    (kv_cache.valid_mask()[:, None, None, :],
+                     mask.new_ones(kv_cache.batch_size, 1, 1, t)), dim=-1)
+            # A row with nothing to attend to would give NaN: let it see itself.
+            empty = ~mask.any(-1, keepdim=True)                                # [B, 1, T, 1]
+            diag = _eye_offset(t, past + t, past, mask.device)
+            plan = AttentionPlan("sdpa", mask=mask | (empty & diag))
+        elif past:
+            plan = AttentionPlan("sdpa", mask=build_attention_mask(
+                segment_ids, b, t, past, kv_cache.valid_mask(), device=input_ids.device))
+        elif segment_ids is not None:
+            plan = plan_attention(self.cfg.attention, segment_ids,
+                                  needs_grad=torch.is_grad_enabled(), dtype=x.dtype)
+        for i, layer in enumerate(self.layers):
+            cache_layer = kv_cache.layer_view(i) if kv_cache is not None else None
+            if self.cfg.recompute and self.training and kv_cache is None:
+                x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, plan,
+                                                      use_reentrant=False)
+            else:
+                x = layer(x, cos, sin, plan, cache_layer)
+        x = self.norm(x)
+        return x if return_hidden else self.head_logits(x)
+
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The output layer: `hidden: FloatTensor[..., hidden]` (after the final norm, as
+        `forward(..., return_hidden=True)` returns it) -> this rank's vocab slice of the logits
+        `FloatTensor[..., V / tp]`, in the parameter dtype."""
+        logits, _ = self.lm_head(hidden)
+        return logits
+
+
+class _GatherLastDim(torch.autograd.Function):
+    """All-gather along the last dim over the TP group; backward keeps this rank's slice.
+
+    (megatron-core's `gather_from_tensor_model_parallel_region` allocates on CUDA, so it cannot
+    run on CPU; this is the same operation with torch.distributed directly.) The backward
+    assumes, as Megatron's does, that every TP rank computes the same function of the gathered
+    tensor.
+    """
+
+    @staticmethod
+    def forward(ctx, x, group):
+        import torch.distributed as dist
+        ctx.group = group
+        ctx.rank = dist.get_rank(group)
+        ctx.size = x.shape[-1]
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.narrow(-1, ctx.rank * ctx.size, ctx.size).contiguous(), None
+
+
+def gather_logits(shard: torch.Tensor) -> torch.Tensor:
+    """All-gather vocab-parallel logits over the tensor-parallel group (differentiable).
+
+    Args:
+        shard: FloatTensor[B, T, V / tp] from `Qwen3.forward`.
+    Returns:
+        FloatTensor[B, T, V], vocab slices concatenated in TP-rank order. The backward gives
+        each rank the gradient of its own slice (every TP rank must compute the same loss).
+    """
+    from megatron.core import parallel_state
+    if parallel_state.get_tensor_model_parallel_world_size() == 1:
+        return shard
+    return _GatherLastDim.apply(shard, parallel_state.get_tensor_model_parallel_group())
