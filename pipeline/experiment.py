@@ -18,7 +18,7 @@ resumes from its latest checkpoint):
    learning-rate schedule): `refusion` (`init.source=hf`, `objective.mode=refusion`) and
    `ar_continued` (`init.source=hf`, `objective.mode=ar`); export both.
 3. evaluation on the validation split: the validation loss of every exported model under the
-   ReFusion objective (`pipeline.evaluate.validation_loss`: AR and MDM terms); decoding of the
+   ReFusion objective (`pipeline.training.validation.validation_loss`: AR and MDM terms); decoding of the
    fixed QA subset EVAL_SUBSET (exact match, token accuracy, TPF, tokens/s): AR decoding of
    `refusion` and `ar_continued` (the baselines), and ReFusion decoding of `refusion` over
    DECODE_GRID. Each decode result is cached as JSON under `<out>/eval/`.
@@ -221,7 +221,8 @@ class Experiment:
 
     def stage_eval(self):
         import torch
-        from pipeline.evaluate import exact_match_eval, validation_loss
+        from pipeline.evaluate import exact_match_eval
+        from pipeline.training.validation import validation_loss
         from pipeline.inference.cli import check_decoding_args
         from pipeline.inference.loading import load_for_inference
         torch.set_num_threads(self.threads)
@@ -476,7 +477,7 @@ def report_markdown(exp: Experiment, got: dict, runs: dict) -> str:
           "own objective; steps of 2a/2b are counted after stage 1 in loss.png)", ""]
     if got["losses"]:
         L += [f"Validation loss of every exported model under the ReFusion objective "
-              f"(`pipeline.evaluate.validation_loss`, first {VAL_LOSS_BATCHES * 4} validation samples):", "",
+              f"(`pipeline.training.validation.validation_loss`, first {VAL_LOSS_BATCHES * 4} validation samples):", "",
               "| model | loss | AR term | MDM term |", "|---|---|---|---|"]
         for m, v in got["losses"].items():
             L.append(f"| {m} | {_f(v['val_loss'], '.4f')} | {_f(v['val_ar_loss'], '.4f')} | "

@@ -1,29 +1,31 @@
 """The training job: `python -m pipeline.train --config configs/<run>.yaml [key=value ...]`.
 
-Owns: the training loop (DeepSpeed ZeRO over the data-parallel group + megatron-core tensor
-parallelism), weight initialization (seeded random or a Hugging Face folder), the learning-rate
-schedule, validation, logging (console, `<run_dir>/metrics.jsonl`, wandb), checkpoint cadence and
-auto-resume, SIGTERM/SIGUSR1/SIGINT handling and the NaN policy. Must not touch: the network
-(`pipeline.model`), the objective (`pipeline.objective`), shard reading (`pipeline.data`), the
-checkpoint format (`pipeline.checkpoint`), config validation (`pipeline.config`).
+Owns: the orchestration of a run (`Trainer`: set-up order, the training step, the loop, checkpoint
+and validation cadence, auto-resume, SIGTERM/SIGUSR1/SIGINT handling, the NaN policy) and the
+entry point (`main`: config errors, one-line error reporting across ranks, exit codes). The
+pieces it orchestrates live in `pipeline.training` (the engine builder and lr schedule, the run's
+state, validation, console lines) and below. Must not touch: the network (`pipeline.model`), the
+objective (`pipeline.objective`), shard reading (`pipeline.data`), the checkpoint format
+(`pipeline.checkpoint`), config validation (`pipeline.config`).
 
 Launch with `python -m pipeline.launch --nproc_per_node N -m pipeline.train ...` (torchrun's
 options; keeps the exit codes below and forwards signals), plain torchrun, or srun (one task per
 device; MASTER_ADDR/MASTER_PORT set by the launcher script); a bare `python -m pipeline.train`
-is one process on a free rendezvous port. One job per run directory (`pipeline.runlock`). The config is validated before any process group exists; a config error is one
-line on stderr and exit code 2.
+is one process on a free rendezvous port. One job per run directory (`pipeline.runlock`). The
+config is validated before any process group exists; a config error is one line on stderr and
+exit code 2.
 
 One optimizer step (all ranks):
   for each of the `grad_accum_steps` micro-batches: forward -> `hybrid_loss` -> backward
   (DeepSpeed scales by 1/GA and reduces gradients over the data-parallel group only, `mpu=`);
   one all-reduce of [loss sums, token counts, non-finite flag, signal flag] over the world;
-  NaN policy; lr = `lr_at(step)`; DeepSpeed step (clip, AdamW). The loss of a step is the mean of
+  NaN policy; lr = `pipeline.training.engine.lr_at(step)`; DeepSpeed step (clip, AdamW). The loss of a step is the mean of
   its micro-batch losses over data-parallel ranks and accumulation steps, which is what its
   gradient descends.
 
 Signals: SIGTERM, SIGUSR1 and SIGINT (Ctrl-C) on any rank finish the current step; all ranks
 agree through the step's all-reduce, checkpoint and exit 0. A second SIGINT aborts at once (no
-checkpoint, exit 130, one line). Loader workers ignore these signals (`pipeline.data`), so a
+checkpoint, exit 130, one line). Loader workers ignore these signals (`pipeline.data.loader`), so a
 signal sent to the whole process group (SLURM preemption, scancel, Ctrl-C) reaches the trainer only.
 
 Exit codes: 0 done (or checkpointed after SIGTERM/SIGUSR1/SIGINT), 2 config error or a user error
@@ -47,83 +49,15 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import os
 import signal
 import sys
 import time
-from pathlib import Path
-from typing import Any
 
 from pipeline.common.cli import EXIT_DISK_FULL, EXIT_INTERRUPTED, EXIT_NONFINITE, EXIT_USAGE
+from pipeline.training.state import TrainError, TrainState
 
 log = logging.getLogger("pipeline.train")
-
-
-# --------------------------------------------------------------------------------------------
-# Pure helpers (unit-tested without processes)
-# --------------------------------------------------------------------------------------------
-
-def lr_at(step: int, lr: float, min_lr: float, warmup_steps: int, max_steps: int) -> float:
-    """Learning rate of optimizer step `step` (0-based): linear warmup, then cosine to `min_lr`.
-
-    Warmup: `lr * (step + 1) / warmup_steps` for `step < warmup_steps`. Then with
-    `q = (step - warmup_steps) / max(1, max_steps - warmup_steps)` (clamped to [0, 1]):
-    `min_lr + (lr - min_lr) * 0.5 * (1 + cos(pi * q))` (Loshchilov & Hutter 2017, SGDR, one cycle).
-    """
-    if step < warmup_steps:
-        return lr * (step + 1) / warmup_steps
-    q = min(1.0, max(0.0, (step - warmup_steps) / max(1, max_steps - warmup_steps)))
-    return min_lr + (lr - min_lr) * 0.5 * (1.0 + math.cos(math.pi * q))
-
-
-def deepspeed_config(cfg, plan) -> dict:
-    """The DeepSpeed config dict for a validated run config.
-
-    `train_batch_size = micro-batch x GA x data-parallel size` (DeepSpeed checks it against the
-    `mpu`'s data-parallel size). The lr is set by the trainer every step (`lr_at`), so no
-    DeepSpeed scheduler. With `optim.impl=torch` the client `torch.optim.AdamW` is used
-    (`zero_allow_untested_optimizer`, `zero_force_ds_cpu_optimizer: false` so offload accepts it).
-    bf16 with `deepspeed.fp32_grad_accum` (the default): `data_types.grad_accum_dtype` and
-    `communication_data_type` are fp32. ZeRO bucket sizes: `zero_sizes`.
-    """
-    t, o = cfg.train, cfg.optim
-    zero: dict[str, Any] = {"stage": int(t.zero_stage)}
-    sizes = zero_sizes(cfg.deepspeed, int(plan.model_fields["hidden_size"]))
-    if t.zero_stage >= 1:
-        zero["contiguous_gradients"] = True
-        zero["reduce_bucket_size"] = sizes["reduce_bucket_size"]
-    if t.zero_stage == 3:
-        zero.update({"stage3_prefetch_bucket_size": sizes["prefetch_bucket_size"],
-                     "stage3_param_persistence_threshold": sizes["param_persistence_threshold"],
-                     "stage3_max_live_parameters": sizes["max_live_parameters"],
-                     "stage3_max_reuse_distance": sizes["max_reuse_distance"]})
-    if t.offload_optimizer:
-        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": _cuda()}
-    if t.offload_params:
-        zero["offload_param"] = {"device": "cpu", "pin_memory": _cuda()}
-    ds = {
-        "train_batch_size": plan.global_batch_size,
-        "train_micro_batch_size_per_gpu": plan.micro_batch_size,
-        "gradient_accumulation_steps": plan.grad_accum_steps,
-        "gradient_clipping": float(o.grad_clip),
-        "bf16": {"enabled": t.precision == "bf16"},
-        "fp16": {"enabled": False},
-        "zero_optimization": zero,
-        "zero_allow_untested_optimizer": True,
-        "zero_force_ds_cpu_optimizer": False,
-        "steps_per_print": 2 ** 31 - 1,
-        "wall_clock_breakdown": False,
-    }
-    if t.precision == "bf16" and cfg.deepspeed.fp32_grad_accum:
-        ds["communication_data_type"] = "fp32"
-        if t.zero_stage >= 1:  # DeepSpeed 0.19 refuses bf16 params with fp32 accumulation at stage 0
-            ds["data_types"] = {"grad_accum_dtype": "fp32"}
-    if o.impl == "deepspeed":
-        ds["optimizer"] = {"type": "AdamW", "params": {
-            "lr": o.lr, "betas": [o.beta1, o.beta2], "eps": o.eps,
-            "weight_decay": o.weight_decay}}
-    return ds
 
 
 def should_evaluate(step: int, eval_interval: int, stop_pending: bool) -> bool:
@@ -136,66 +70,18 @@ def should_evaluate(step: int, eval_interval: int, stop_pending: bool) -> bool:
     return bool(eval_interval) and step % eval_interval == 0 and not stop_pending
 
 
-def zero_sizes(ds_cfg, hidden_size: int) -> dict[str, int]:
-    """ZeRO communication sizes in elements: the `deepspeed.*` value when set, else derived
-    from the hidden size h as DeepSpeed's Hugging Face integration fills "auto"
-    (transformers `HfTrainerDeepSpeedConfig`): reduce bucket h^2, ZeRO-3 prefetch bucket
-    0.9 h^2, persistence threshold 10 h; max live parameters / reuse distance 1e9
-    (DeepSpeed's defaults)."""
-    h = int(hidden_size)
-    derived = {"reduce_bucket_size": h * h, "prefetch_bucket_size": int(0.9 * h * h),
-               "param_persistence_threshold": 10 * h, "max_live_parameters": 10 ** 9,
-               "max_reuse_distance": 10 ** 9}
-    return {k: int(ds_cfg[k]) if ds_cfg[k] is not None else v for k, v in derived.items()}
-
-
-def _cuda() -> bool:
-    import torch
-    return torch.cuda.is_available()
-
-
-def peak_flops_per_device(cfg) -> float | None:
-    """Peak FLOP/s of one device: `log.peak_tflops` when set, else the table of known parts by
-    CUDA device name (`pipeline.model.PEAK_BF16_TFLOPS`), else None with one notice (CPU or
-    unknown GPU: MFU is reported as null, never a guessed figure)."""
-    if cfg.log.peak_tflops is not None:
-        return float(cfg.log.peak_tflops) * 1e12
-    import torch
-    from pipeline.model import peak_tflops_of_device
-    name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    tflops = peak_tflops_of_device(name)
-    if tflops is None:
-        log.info("MFU not reported: no peak TFLOP/s known for device %r; set log.peak_tflops",
-                 name)
-        return None
-    return tflops * 1e12
-
-
-def peak_memory_bytes() -> int:
-    """Peak memory of this process in bytes: CUDA max allocated on GPU, else peak RSS (CPU)."""
-    import torch
-    if torch.cuda.is_available():
-        return int(torch.cuda.max_memory_allocated())
-    import resource
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
-
-
-# --------------------------------------------------------------------------------------------
-# The trainer
-# --------------------------------------------------------------------------------------------
-
-class TrainError(RuntimeError):
-    """A user-facing problem found after start-up (HF folder does not fit the model, wandb
-    cannot start); raised on every rank, reported as one line, exit code 2."""
-
-
 def _first_line(e: BaseException) -> str:
     text = str(e).strip().strip("'\"")
     return text.splitlines()[0] if text else type(e).__name__
 
 
+
 class Trainer:
     """One training run on this process (collective: every rank builds one).
+
+    Set-up order (`setup`): signals, process groups, seeds, run lock, resume decision, engine
+    (model, initial weights unless resuming, optimizer), train loader, checkpoint state, wandb.
+    State that survives a restart is `self.state` (`TrainState`), the engine's and the loader's.
 
     Args:
         cfg: a validated `RunConfig` DictConfig.
@@ -207,12 +93,12 @@ class Trainer:
         self.signal_received = 0
         self.run_lock = None          # pipeline.runlock.RunLock (rank 0)
         self.monitor = None           # pipeline.monitor.Monitor (metrics.jsonl, wandb), set up in setup()
-        self.wandb_run_id: str | None = None
-        self.step = 0                 # optimizer steps done
-        self.consumed_samples = 0     # rows (packed sequences) consumed, global
-        self.consumed_tokens = 0      # non-padding tokens consumed, global
-        self._eval_pending = False    # a validation a stop signal deferred (should_evaluate)
-        self._log_window: list[tuple[float, float, float]] = []  # losses since the last console line
+        self.state = TrainState()
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps done (`self.state.step`)."""
+        return self.state.step
 
     # -- set-up ---------------------------------------------------------------------------
 
@@ -228,19 +114,22 @@ class Trainer:
             signal.signal(s, handler)
 
     def setup(self) -> None:
-        """Process groups, seeds, model + init, DeepSpeed engine, loaders, resume, wandb."""
+        """Process groups, seeds, run lock, engine + initial weights, loaders, resume, wandb."""
         import deepspeed
         import torch
         from omegaconf import OmegaConf
-        from megatron.core import parallel_state
-        from pipeline import checkpoint as ckpt
-        from pipeline.model import ModelConfig, Qwen3
-        from pipeline.objective import ObjectiveConfig
-        from pipeline.parallel import MegatronMPU, init_distributed
 
-        cfg, plan = self.cfg, self.plan
+        from pipeline import checkpoint as ckpt
+        from pipeline.model import ModelConfig
+        from pipeline.objective import ObjectiveConfig
+        from pipeline.parallel import init_distributed, run_on_rank0
+        from pipeline.training.engine import build_engine, initial_weights
+        from pipeline.training.metrics import ConsoleLog, peak_flops_per_device
+        from pipeline.training.state import plan_for_resume
+
+        cfg = self.cfg
         self._install_signals()
-        self.info = info = init_distributed(plan.tp_size)
+        self.info = info = init_distributed(self.plan.tp_size)
         # deepspeed.comm wraps the existing default group (zero.Init reads ranks through it).
         deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo",
                                    auto_mpi_discovery=False)
@@ -249,84 +138,38 @@ class Trainer:
         self.device = info.device
         _seed_everything(cfg.train.seed)
         self.objective_cfg = ObjectiveConfig(**OmegaConf.to_container(cfg.objective, resolve=True))
-        self.mcfg = ModelConfig.from_dict(dict(plan.model_fields), source="model")
-        self.ckdir = plan.checkpoint_dir
+        self.mcfg = ModelConfig.from_dict(dict(self.plan.model_fields), source="model")
+        self.ckdir = self.plan.checkpoint_dir
+        self.console = ConsoleLog(cfg.train.max_steps, cfg.train.log_interval)
         os.makedirs(cfg.run_dir, exist_ok=True)
         self._lock_run_dir()
 
         # Resume decided before building: a resumed run does not need initial weights.
-        latest = ckpt.find_latest(self.ckdir) if (cfg.checkpoint.resume and self.is_rank0) else None
-        resuming = _broadcast_object(latest is not None)
-        if resuming and cfg.checkpoint.reshard:  # another layout keeps the run's global batch
-            plan_or_error = None
-            if self.is_rank0:
-                try:
-                    plan_or_error = _plan_keeping_global_batch(plan, latest)
-                except TrainError as e:
-                    plan_or_error = str(e)
-            plan_or_error = _broadcast_object(plan_or_error)
-            if isinstance(plan_or_error, str):
-                raise TrainError(plan_or_error)
-            self.plan = plan = plan_or_error
-
-        ds_config = deepspeed_config(cfg, plan)
-        dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32
-        mpu = MegatronMPU()
-        zero3 = cfg.train.zero_stage == 3
-        t0 = time.time()
-        # dtype comes from ds_config's bf16 flag: zero.Init(dtype=...) with a config is ignored on
-        # accelerators without fp16 (deepspeed 0.19: its fallback picks bf16 on CPU).
-        with deepspeed.zero.Init(mpu=mpu, data_parallel_group=parallel_state.get_data_parallel_group(),
-                                 config_dict_or_path=ds_config, enabled=zero3):
-            model = Qwen3(self.mcfg, dtype=dtype, init_weights=False)
-        got = {p.dtype for p in model.parameters()}
-        if got != {dtype}:
-            raise RuntimeError(f"parameters were built as {sorted(map(str, got))}, expected {dtype}")
-        if not resuming:
-            if cfg.init.source == "hf":
-                from pipeline.model.hf import iter_tp_shard
-                from pipeline.model.weights import copy_into_model
-                shards = iter_tp_shard(cfg.init.hf_path, self.mcfg, info.tp_rank, info.tp_size)
-                try:
-                    copy_into_model(model, shards, source=cfg.init.hf_path)
-                except (KeyError, ValueError, OSError) as e:  # same files on every rank
-                    raise TrainError(f"init.hf_path: {_first_line(e)}") from None
-            else:
-                from pipeline.model.init import random_tp_shards
-                from pipeline.model.weights import copy_into_model
-                copy_into_model(model, random_tp_shards(self.mcfg, cfg.train.seed, info.tp_rank,
-                                                        info.tp_size), source="random init")
-        log.info("model built and initialized (%s) in %.1f s", "resume" if resuming else
-                 cfg.init.source, time.time() - t0)
-
-        optimizer = None
-        if cfg.optim.impl == "torch":
-            decay, no_decay = [], []
-            for n, p in model.named_parameters():
-                (no_decay if n.endswith("norm.weight") else decay).append(p)
-            groups = [{"params": decay, "weight_decay": cfg.optim.weight_decay},
-                      {"params": no_decay, "weight_decay": 0.0}]
-            optimizer = torch.optim.AdamW(groups, lr=cfg.optim.lr,
-                                          betas=(cfg.optim.beta1, cfg.optim.beta2),
-                                          eps=cfg.optim.eps)
-        self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
-                                                    config=ds_config, mpu=mpu)
+        latest = run_on_rank0(lambda: ckpt.find_latest(self.ckdir) if cfg.checkpoint.resume
+                              else None, (), TrainError)
+        if latest is not None and cfg.checkpoint.reshard:  # another layout keeps the global batch
+            self.plan = run_on_rank0(lambda: plan_for_resume(self.plan, latest), (TrainError,),
+                                     TrainError)
+        init, source = (None, "") if latest is not None else initial_weights(
+            cfg, self.mcfg, info.tp_rank, info.tp_size)
+        try:
+            self.engine = build_engine(cfg, self.plan, self.mcfg, init, source)
+        except (KeyError, ValueError, OSError) as e:  # the same files on every rank
+            if cfg.init.source != "hf" or latest is not None:
+                raise
+            raise TrainError(f"init.hf_path: {_first_line(e)}") from None
 
         self.train_loader = self._build_loader(cfg.data.train_split, train=True)
-
-        if resuming:
+        if latest is not None:
             state = ckpt.load_latest(self.engine, self.ckdir, model_config=self.mcfg,
                                      reshard=bool(cfg.checkpoint.reshard))
             if state is None:
                 raise RuntimeError(f"{self.ckdir}: the latest checkpoint vanished while resuming")
-            self.step = int(state["step"])
-            self.consumed_samples = int(state["consumed_samples"])
-            self.consumed_tokens = int(state["consumed_tokens"])
+            self.state.load_state_dict(state)
             self.train_loader.load_state_dict(state["loader"],
                                               allow_reshard="resharded_from" in state)
-            self.wandb_run_id = state.get("wandb_run_id")
             # a validation a stop signal deferred at this step, if this run still validates there
-            self._eval_pending = bool(state.get("eval_pending", False)) and should_evaluate(
+            self.state.eval_pending = self.state.eval_pending and should_evaluate(
                 self.step, cfg.train.eval_interval, False)
             log.info("resumed from %s at step %d", state["checkpoint_dir"], self.step)
         self._init_wandb()
@@ -335,22 +178,17 @@ class Trainer:
     def _lock_run_dir(self) -> None:
         """One job per run directory (`pipeline.runlock`): rank 0 takes `<run_dir>/run.lock`;
         when a live job holds it, every rank raises TrainError (one line naming the holder)."""
-        err = None
-        if self.is_rank0:
-            from pipeline.runlock import RunLock, RunLockError
-            try:
-                self.run_lock = RunLock(self.cfg.run_dir).acquire()
-            except RunLockError as e:
-                err = str(e)
-            else:
-                held = self.run_lock.took_over
-                if held is not None:
-                    log.warning("took over the run lock of %s (host %s, pid %s, SLURM job %s): %s",
-                                self.cfg.run_dir, held.get("host"), held.get("pid"),
-                                held.get("slurm_job_id"), held["reason"])
-        err = _broadcast_object(err)
-        if err:
-            raise TrainError(err)
+        from pipeline.parallel import run_on_rank0
+        from pipeline.runlock import RunLock, RunLockError
+
+        def take():
+            self.run_lock = RunLock(self.cfg.run_dir).acquire()
+            held = self.run_lock.took_over
+            if held is not None:
+                log.warning("took over the run lock of %s (host %s, pid %s, SLURM job %s): %s",
+                            self.cfg.run_dir, held.get("host"), held.get("pid"),
+                            held.get("slurm_job_id"), held["reason"])
+        run_on_rank0(take, (RunLockError,), TrainError)
 
     def _build_loader(self, split: str, train: bool):
         """A `pipeline.data` loader of `split` for this data-parallel rank (the TP ranks of a DP
@@ -370,21 +208,16 @@ class Trainer:
         (rank 0); its failure is a TrainError on every rank (one line, exit 2)."""
         from omegaconf import OmegaConf
         from pipeline.monitor import Monitor
+        from pipeline.parallel import run_on_rank0
         cfg = self.cfg
         self.monitor = Monitor(cfg.run_dir, self.is_rank0, cfg.wandb,
                                OmegaConf.to_container(cfg, resolve=True))
         if cfg.wandb.mode == "disabled":
             return
-        run_id, err = None, None
-        if self.is_rank0:
-            try:
-                run_id = self.monitor.start_wandb(self.wandb_run_id, self.step)
-            except RuntimeError as e:  # e.g. online mode without credentials or network
-                err = _first_line(e)
-        run_id, err = _broadcast_object((run_id, err))
-        if err:
-            raise TrainError(err)
-        self.wandb_run_id = run_id
+        # e.g. online mode without credentials or network: RuntimeError
+        self.state.wandb_run_id = run_on_rank0(
+            lambda: self.monitor.start_wandb(self.state.wandb_run_id, self.step),
+            (RuntimeError,), TrainError)
 
     # -- the loop -------------------------------------------------------------------------
 
@@ -403,6 +236,8 @@ class Trainer:
         import torch.distributed as dist
         from pipeline.model import segment_lengths, training_flops
         from pipeline.objective import hybrid_loss
+        from pipeline.training.engine import lr_at
+        from pipeline.training.metrics import peak_memory_bytes
 
         cfg, plan, eng = self.cfg, self.plan, self.engine
         step_no = self.step + 1
@@ -461,9 +296,10 @@ class Trainer:
         n_losses = (plan.dp_size * plan.grad_accum_steps) - sums[5].item() / tp
         tokens = int(round(sums[3].item() / tp))  # global: sum over DP ranks (TP ranks repeat)
         rows = int(round(sums[4].item() / tp))
-        self.step = step_no
-        self.consumed_samples += rows
-        self.consumed_tokens += tokens
+        st = self.state
+        st.step = step_no
+        st.consumed_samples += rows
+        st.consumed_tokens += tokens
         flops = sums[7].item() / tp / dt / plan.world_size   # model FLOP/s per device
         gnorm = eng.get_global_grad_norm()
         metrics = {
@@ -476,65 +312,35 @@ class Trainer:
             "tokens_per_s": tokens / dt, "tflops_per_device": flops / 1e12,
             "mfu": (flops / self.peak_flops) if self.peak_flops else None,
             "peak_memory_bytes": peak_memory_bytes(),
-            "consumed_samples": self.consumed_samples, "consumed_tokens": self.consumed_tokens,
+            "consumed_samples": st.consumed_samples, "consumed_tokens": st.consumed_tokens,
             "step_time_s": dt, "skipped": not applied,
         }
         return metrics, nonfinite, sig
 
+
     def evaluate(self) -> dict:
         """Validation loss over up to `train.eval_batches` micro-batches per DP rank (0 = the
-        whole split, every sample exactly once whatever the DP size: `pipeline.data` deals one
-        order to the ranks). Loss, AR and MDM terms are weighted by tokens and segments over
-        all ranks' batches (`pipeline.evaluate.loss_figures`), so the figure does not depend
-        on the DP size or micro-batch size. Every rank runs the same number of forwards (ZeRO-3
-        gathers weights collectively): a rank out of batches while another still has one
-        evaluates an all-padding batch, which adds nothing."""
-        import torch
-        import torch.distributed as dist
-        from pipeline.evaluate import loss_figures, loss_sums
-        from pipeline.objective import collate, hybrid_loss
-        eng, limit = self.engine, self.cfg.train.eval_batches
-        eng.eval()
-        sums = torch.zeros(5, dtype=torch.float64, device=self.device)
-        n = 0
-        loader = self._build_loader(self.cfg.data.val_split, train=False)
-        it = iter(loader)
-        with torch.no_grad():
-            while limit == 0 or n < limit:
-                batch = next(it, None)
-                have = torch.tensor([0.0 if batch is None else 1.0], device=self.device)
-                dist.all_reduce(have, op=dist.ReduceOp.MAX)
-                if have.item() == 0:
-                    break
-                if batch is None:
-                    batch = collate([[] for _ in range(self.plan.micro_batch_size)],
-                                    self.plan.row_length, loader.pad_id)
-                b = self._batch_to_device(batch)
-                hidden = eng(b["input_ids"], b["position_ids"], segment_ids=b["segment_ids"],
-                             return_hidden=True)
-                _, stats = hybrid_loss(hidden, b, self.objective_cfg,
-                                       head=eng.module.head_logits)
-                sums += loss_sums(stats)
-                n += 1
-        dist.all_reduce(sums)
-        sums = (sums / self.plan.tp_size).cpu()  # the TP ranks of a DP group repeat its sums
-        eng.train()
-        figs = loss_figures(sums, self.objective_cfg)
+        whole split, every sample exactly once whatever the DP size), weighted by tokens and
+        segments over all ranks (`pipeline.training.validation.run_validation`), so the figure
+        does not depend on the DP size or micro-batch size. Returns the "val" record."""
+        from pipeline.training.validation import run_validation
+        figs = run_validation(self.engine, lambda: self._build_loader(self.cfg.data.val_split,
+                                                                      train=False),
+                              self.plan.micro_batch_size, self.plan.row_length,
+                              self.plan.tp_size, self.objective_cfg, self.device,
+                              limit=self.cfg.train.eval_batches)
         return {"kind": "val", "step": self.step, "val_loss": figs["val_loss"],
                 "val_ar_loss": figs["val_ar_loss"], "val_mdm_loss": figs["val_mdm_loss"],
-                "val_batches": n, "val_tokens": figs["val_tokens"]}
+                "val_batches": figs["val_batches"], "val_tokens": figs["val_tokens"]}
 
     def save(self) -> None:
         """Checkpoint now (collective) via `pipeline.checkpoint.save_checkpoint`."""
         from omegaconf import OmegaConf
         from pipeline.checkpoint import save_checkpoint
-        state = {"step": self.step, "consumed_samples": self.consumed_samples,
-                 "consumed_tokens": self.consumed_tokens,
-                 "global_batch_size": self.plan.global_batch_size,
-                 "loader": self.train_loader.state_dict(),
-                 "config": OmegaConf.to_container(self.cfg, resolve=True),
-                 "wandb_run_id": self.wandb_run_id,
-                 "eval_pending": self._eval_pending}
+        from pipeline.training.state import checkpoint_client_state
+        state = checkpoint_client_state(self.state, self.train_loader.state_dict(),
+                                        OmegaConf.to_container(self.cfg, resolve=True),
+                                        self.plan.global_batch_size)
         t0 = time.time()
         save_checkpoint(self.engine, self.ckdir, self.step, state,
                         keep_last=self.cfg.checkpoint.keep, model_config=self.mcfg)
@@ -545,36 +351,14 @@ class Trainer:
         log.info("checkpoint step %d saved in %.1f s", self.step, time.time() - t0)
 
     def _record(self, metrics: dict) -> None:
+        """Rank 0: append to metrics.jsonl (MonitorError on a full disk), log to wandb (never
+        raises), print the console line when due."""
         if not self.is_rank0:
             return
         metrics = dict(metrics, time_unix_s=time.time())
-        self.monitor.append(metrics)   # metrics.jsonl; MonitorError on a full disk
-        self.monitor.log(metrics)      # wandb; never raises (one warning line on failure)
-        if metrics["kind"] == "train":
-            # The console line shows losses averaged over the steps since the previous line
-            # (Megatron-style; one step's MDM term is noisy); metrics.jsonl/wandb keep every step.
-            window = self._log_window
-            if not metrics["skipped"]:
-                window.append((metrics["loss"], metrics["ar_loss"], metrics["mdm_loss"]))
-            if metrics["step"] % self.cfg.train.log_interval == 0 or metrics["skipped"]:
-                m = dict(metrics)
-                if window:
-                    n = len(window)
-                    m["loss"], m["ar_loss"], m["mdm_loss"] = (sum(v[i] for v in window) / n
-                                                              for i in range(3))
-                    window.clear()
-                mfu = f"{100 * m['mfu']:.1f}%" if m["mfu"] is not None else "n/a"
-                gn = f"{m['grad_norm']:.3f}" if m["grad_norm"] is not None else "n/a"
-                log.info("step %d/%d | loss %.4f | ar %.4f | mdm %.4f (means since last line) | lr %.3e | grad norm %s | "
-                         "%.0f tokens/s | %.3f TFLOP/s/device | MFU %s | peak mem %.2f GiB | "
-                         "samples %d | tokens %d%s", m["step"], self.cfg.train.max_steps, m["loss"],
-                         m["ar_loss"], m["mdm_loss"], m["lr"], gn, m["tokens_per_s"],
-                         m["tflops_per_device"], mfu, m["peak_memory_bytes"] / 2 ** 30,
-                         m["consumed_samples"], m["consumed_tokens"],
-                         " | SKIPPED (non-finite loss)" if m["skipped"] else "")
-        else:
-            log.info("validation at step %d: loss %s (%d micro-batches per DP rank)",
-                     metrics["step"], metrics["val_loss"], metrics["val_batches"])
+        self.monitor.append(metrics)
+        self.monitor.log(metrics)
+        self.console(metrics)
 
     def run(self) -> int:
         """Train to `train.max_steps`; returns the process exit code. A run resumed at (or past)
@@ -584,15 +368,15 @@ class Trainer:
         self._last_saved = self.step
         interval = cfg.checkpoint.interval
         code = 0
-        if self.step >= cfg.train.max_steps and not self._eval_pending:
+        if self.step >= cfg.train.max_steps and not self.state.eval_pending:
             log.info("already at train.max_steps=%d (checkpoint step %d); nothing to do",
                      cfg.train.max_steps, self.step)
         try:
-            if self._eval_pending:  # deferred by a stop signal at this step (should_evaluate)
+            if self.state.eval_pending:  # deferred by a stop signal at this step (should_evaluate)
                 log.info("running the validation at step %d that the stop signal deferred",
                          self.step)
                 self._record(self.evaluate())
-                self._eval_pending = False
+                self.state.eval_pending = False
                 if self.step >= cfg.train.max_steps:
                     self.save()  # the final checkpoint again, without the flag
             while self.step < cfg.train.max_steps:
@@ -608,7 +392,7 @@ class Trainer:
                 if should_evaluate(self.step, cfg.train.eval_interval, sig):
                     self._record(self.evaluate())
                 if sig:
-                    self._eval_pending = should_evaluate(self.step, cfg.train.eval_interval, False)
+                    self.state.eval_pending = should_evaluate(self.step, cfg.train.eval_interval, False)
                     name = (signal.Signals(self.signal_received).name if self.signal_received
                             else "on another rank")
                     log.info("signal received (%s): checkpointing at step %d and exiting", name,
@@ -636,36 +420,6 @@ class Trainer:
 # Entry point
 # --------------------------------------------------------------------------------------------
 
-def _plan_keeping_global_batch(plan, step_dir):
-    """The plan for resuming `step_dir` on this layout with `checkpoint.reshard`: when the
-    checkpoint was saved on another layout with another global batch, keep the saved global
-    batch and recompute gradient accumulation (global = micro-batch x accumulation x DP).
-
-    Raises:
-        TrainError: the saved global batch is not a multiple of micro-batch x DP size here.
-    """
-    import dataclasses
-    import json
-
-    from pipeline.checkpoint.reshard import saved_global_batch
-    meta = json.loads((Path(step_dir) / "refusion_meta.json").read_text())
-    if (meta["world_size"], meta["tp_size"]) == (plan.world_size, plan.tp_size):
-        return plan
-    gbs = saved_global_batch(step_dir)
-    if gbs is None or gbs == plan.global_batch_size:
-        return plan
-    per = plan.micro_batch_size * plan.dp_size
-    if gbs % per:
-        raise TrainError(f"checkpoint.reshard: the run's global batch {gbs} cannot be formed "
-                         f"with train.micro_batch_size={plan.micro_batch_size} on data-parallel "
-                         f"size {plan.dp_size} (global batch = micro-batch x grad accumulation x "
-                         f"DP); pick a micro-batch size with {gbs} a multiple of it x {plan.dp_size}")
-    log.info("checkpoint.reshard: keeping the run's global batch %d (was %d on this layout): "
-             "gradient accumulation %d -> %d", gbs, plan.global_batch_size,
-             plan.grad_accum_steps, gbs // per)
-    return dataclasses.replace(plan, grad_accum_steps=gbs // per, global_batch_size=gbs)
-
-
 def _seed_everything(seed: int) -> None:
     import random
     import numpy as np
@@ -673,15 +427,6 @@ def _seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2 ** 32)
     torch.manual_seed(seed)
-
-
-def _broadcast_object(obj):
-    import torch.distributed as dist
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 def _setup_logging(rank0: bool) -> None:
@@ -717,10 +462,8 @@ def _launcher_env() -> None:
     if (os.environ["WORLD_SIZE"] == "1" and "MASTER_PORT" not in os.environ
             and "SLURM_PROCID" not in os.environ):
         # a bare single process: a free port, so two such runs on one host do not collide
-        import socket
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
+        from pipeline.parallel import free_port
+        os.environ["MASTER_PORT"] = str(free_port())
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("LOCAL_WORLD_SIZE", os.environ.get("SLURM_NTASKS_PER_NODE", "1")
                           if "SLURM_PROCID" in os.environ else os.environ["WORLD_SIZE"])
@@ -841,6 +584,7 @@ def main(argv: list[str] | None = None) -> int:
         except Exception:
             pass
     return code
+
 
 
 if __name__ == "__main__":

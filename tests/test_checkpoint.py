@@ -16,6 +16,8 @@ import torch
 
 from distributed import run_distributed
 from pipeline import checkpoint as ckpt
+from pipeline.checkpoint import consolidate as ckpt_consolidate
+from pipeline.checkpoint import store as ckpt_store
 
 V, H, F = 16, 8, 12          # vocab, hidden, feed-forward sizes (all divisible by TP=2)
 TP, WORLD = 2, 4
@@ -151,14 +153,14 @@ def _phase1(rank, world_size, root):
             def crash(name):
                 if name == "before_publish":
                     raise Crash(name)
-            ckpt._crash_point = crash
+            ckpt_store._crash_point = crash
             try:
                 ckpt.save_checkpoint(engine, root, step, {"consumed_samples": 20}, keep_last=2)
                 raise AssertionError("the simulated crash did not happen")
             except Crash:
                 pass
             finally:
-                ckpt._crash_point = lambda name: None
+                ckpt_store._crash_point = lambda name: None
             result["dirs_after_crash"] = sorted(os.listdir(root))
     result["losses"] = losses
     result["tp_rank"], result["dp_rank"] = info.tp_rank, info.dp_rank
@@ -271,8 +273,8 @@ def test_merge_tp_shards_inverts_megatron_strided_split():
     for tp, stride in [(2, 1), (2, 2), (4, 2)]:
         chunks = full.split(full.shape[0] // (tp * stride), dim=0)
         shards = [torch.cat(chunks[r::tp], dim=0) for r in range(tp)]
-        assert torch.equal(ckpt._merge_tp_shards(shards, 0, stride), full)
-    assert torch.equal(ckpt._merge_tp_shards([full, full + 1], None, 1), full)
+        assert torch.equal(ckpt_consolidate._merge_tp_shards(shards, 0, stride), full)
+    assert torch.equal(ckpt_consolidate._merge_tp_shards([full, full + 1], None, 1), full)
 
 
 def test_find_latest_ignores_incomplete_and_falls_back(tmp_path):
@@ -280,10 +282,10 @@ def test_find_latest_ignores_incomplete_and_falls_back(tmp_path):
     for step in (1, 2):
         d = tmp_path / ckpt.tag_for_step(step)
         d.mkdir()
-        (d / ckpt.META).write_text(json.dumps({"step": step}))
+        (d / ckpt_store.META).write_text(json.dumps({"step": step}))
     (tmp_path / "step_000000003").mkdir()                    # no meta: incomplete
     (tmp_path / "step_000000004.partial").mkdir()
-    (tmp_path / "step_000000004.partial" / ckpt.META).write_text("{}")
+    (tmp_path / "step_000000004.partial" / ckpt_store.META).write_text("{}")
     assert ckpt.find_latest(tmp_path) == tmp_path / "step_000000002"  # no pointer: scan
     (tmp_path / "latest").write_text("step_000000001")
     assert ckpt.find_latest(tmp_path) == tmp_path / "step_000000001"  # pointer wins
@@ -291,7 +293,7 @@ def test_find_latest_ignores_incomplete_and_falls_back(tmp_path):
     assert ckpt.find_latest(tmp_path) == tmp_path / "step_000000002"
     elsewhere = tmp_path / "other" / "step_000000009"
     elsewhere.mkdir(parents=True)
-    (elsewhere / ckpt.META).write_text("{}")
+    (elsewhere / ckpt_store.META).write_text("{}")
     (tmp_path / "latest").write_text("other/step_000000009")          # outside the root
     assert ckpt.find_latest(tmp_path) == tmp_path / "step_000000002"
     with pytest.raises(ckpt.CheckpointError, match="no complete checkpoint"):
@@ -301,7 +303,7 @@ def test_find_latest_ignores_incomplete_and_falls_back(tmp_path):
 def test_load_latest_refuses_a_different_world_size(tmp_path):
     d = tmp_path / ckpt.tag_for_step(7)
     d.mkdir()
-    (d / ckpt.META).write_text(json.dumps({"step": 7, "world_size": 8, "tp_size": 2}))
+    (d / ckpt_store.META).write_text(json.dumps({"step": 7, "world_size": 8, "tp_size": 2}))
 
     class NoEngine:      # the check must fire before DeepSpeed is asked to load anything
         mpu = None
@@ -341,7 +343,7 @@ def _rank0_fails_publishing(rank, world_size, root):
     def crash(name):
         if name == "before_latest":          # only rank 0 gets there
             raise Crash(name)
-    ckpt._crash_point = crash
+    ckpt_store._crash_point = crash
     try:
         ckpt.save_checkpoint(engine, root, 2, {"n": 2}, keep_last=2)
     except (Crash, ckpt.CheckpointError) as e:
@@ -359,10 +361,10 @@ def test_rank0_publish_failure_raises_everywhere_and_keeps_latest(tmp_path):
 def test_load_latest_refuses_a_different_model_config(tmp_path):
     d = tmp_path / ckpt.tag_for_step(3)
     d.mkdir()
-    (d / ckpt.META).write_text(json.dumps({"step": 3, "world_size": 1, "tp_size": 1}))
+    (d / ckpt_store.META).write_text(json.dumps({"step": 3, "world_size": 1, "tp_size": 1}))
     saved = {"vocab_size": 64, "hidden_size": 64, "num_layers": 2, "recompute": False,
              "init_std": 0.02}
-    (d / ckpt.MODEL_CONFIG).write_text(json.dumps(saved))
+    (d / ckpt_store.MODEL_CONFIG).write_text(json.dumps(saved))
 
     class NoEngine:
         mpu = None
@@ -374,7 +376,7 @@ def test_load_latest_refuses_a_different_model_config(tmp_path):
     with pytest.raises(ckpt.CheckpointError) as e:      # before DeepSpeed is asked to load
         ckpt.load_latest(NoEngine(), tmp_path, model_config=changed)
     msg = str(e.value)
-    assert "\n" not in msg and str(d / ckpt.MODEL_CONFIG) in msg
+    assert "\n" not in msg and str(d / ckpt_store.MODEL_CONFIG) in msg
     assert "hidden_size 64 -> 128, num_layers 2 -> 3 (saved -> now)" in msg
     assert "vocab_size" not in msg
     # the same model (activation checkpointing and init_std may change) gets to DeepSpeed's load
@@ -387,12 +389,12 @@ def test_remove_leftovers_cleans_incomplete_step_folders_older_than_latest(tmp_p
     for step in (2, 4):
         d = tmp_path / ckpt.tag_for_step(step)
         d.mkdir()
-        (d / ckpt.META).write_text(json.dumps({"step": step}))
+        (d / ckpt_store.META).write_text(json.dumps({"step": step}))
     for name in ("step_000000001", "step_000000003", "step_000000005",
                  "step_000000006.partial", "step_000000004.old"):
         (tmp_path / name).mkdir()
         (tmp_path / name / "zero_pp_rank_0_mp_rank_00_model_states.pt").write_bytes(b"x")
-    removed = ckpt.remove_leftovers(tmp_path)
+    removed = ckpt_store.remove_leftovers(tmp_path)
     assert sorted(removed) == ["step_000000001", "step_000000003", "step_000000004.old",
                                "step_000000006.partial"]
     # the complete ones stay, and an incomplete folder newer than the latest is left alone
@@ -426,13 +428,13 @@ def _disk_full_on_one_rank(rank, world_size, root):
     def crash(name):   # rank 1's own file: no space left
         if name == "after_deepspeed_save" and rank == 1:
             raise OSError(errno.ENOSPC, "No space left on device")
-    ckpt._crash_point = crash
+    ckpt_store._crash_point = crash
     try:
         ckpt.save_checkpoint(engine, root, 2, {"n": 2}, keep_last=2)
         out["enospc"] = "no error"
     except ckpt.CheckpointWriteError as e:
         out["enospc"] = str(e)
-    ckpt._crash_point = lambda name: None
+    ckpt_store._crash_point = lambda name: None
     out["partial_2_gone"] = not (Path(root) / "step_000000002.partial").exists()
     try:   # a failure inside DeepSpeed's save on rank 0 only (the others wait in its barrier)
         ckpt.save_checkpoint(engine, root, 3, {"n": 3}, keep_last=2)

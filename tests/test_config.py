@@ -64,7 +64,7 @@ def test_valid_config_and_derived_batch_layout(tmp_path, data_dir):
     assert plan.model_fields.get("attention", "auto") == "auto"
     plan = validate(load_config(str(path), ["model.attention=flex"]), world_size=4)
     assert plan.model_fields["attention"] == "flex"
-    from pipeline.train import deepspeed_config
+    from pipeline.training.engine import deepspeed_config
     ds = deepspeed_config(load_config(str(path)), plan)
     assert ds["train_batch_size"] == ds["train_micro_batch_size_per_gpu"] * \
         ds["gradient_accumulation_steps"] * plan.dp_size
@@ -146,7 +146,7 @@ def test_cli_config_error_is_one_line_and_exit_2(tmp_path, data_dir):
 @pytest.mark.parametrize("warmup, max_steps, min_lr", [(5, 40, 1e-5), (0, 10, 0.0), (10, 10, 0.0)])
 def test_lr_schedule_matches_torch_schedulers(warmup, max_steps, min_lr):
     """Linear warmup + cosine, against torch.optim.lr_scheduler.LinearLR/CosineAnnealingLR."""
-    from pipeline.train import lr_at
+    from pipeline.training.engine import lr_at
     lr = 3e-4
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr)
     cos = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, max_steps - warmup),

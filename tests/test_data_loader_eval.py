@@ -1,6 +1,6 @@
 """Issue 11.1: the trainer's validation covers every sample exactly once whatever the
 data-parallel size, weights loss terms by tokens and segments, agrees between DP=1 and DP=2
-(and with `pipeline.evaluate.validation_loss`), and no rank hangs when ranks hold different
+(and with `pipeline.training.validation.validation_loss`), and no rank hangs when ranks hold different
 numbers of samples."""
 from __future__ import annotations
 
@@ -40,13 +40,14 @@ def _trainer(info, data_dir, micro_batch_size, pack):
     from pipeline.model import ModelConfig, Qwen3
     from pipeline.objective import ObjectiveConfig
     from pipeline.train import Trainer
+    from pipeline.training.state import TrainState
     from pipeline.model.weights import copy_into_model
     from pipeline.model.init import random_tp_shards
     mcfg = ModelConfig.from_dict(dict(MODEL))
     model = Qwen3(mcfg, dtype=torch.float32, init_weights=False)
     copy_into_model(model, random_tp_shards(mcfg, 3, 0, 1), source="random init")
     t = Trainer.__new__(Trainer)
-    t.engine, t.mcfg, t.info, t.step = _Engine(model), mcfg, info, 4
+    t.engine, t.mcfg, t.info, t.state = _Engine(model), mcfg, info, TrainState(step=4)
     t.device = torch.device("cpu")
     t.objective_cfg = ObjectiveConfig()
     t.plan = SimpleNamespace(micro_batch_size=micro_batch_size, row_length=24, tp_size=1)
@@ -94,7 +95,7 @@ def data_dir(tmp_path_factory):
 
 
 def test_validation_is_the_same_on_dp1_and_dp2_and_covers_every_sample_once(tp1, data_dir):
-    from pipeline.evaluate import validation_loss
+    from pipeline.training.validation import validation_loss
     one = [_evaluate(SimpleNamespace(dp_rank=0, dp_size=1), data_dir, 1, False)]
     ranks = run_distributed(_dp2, 2, (data_dir,))
     two = [r[0] for r in ranks]       # DP=2, micro-batch 1, padded

@@ -110,7 +110,7 @@ def test_deepspeed_dict_by_precision_and_stage(tmp_path):
     """fp32 runs get no dtype keys; ZeRO stage 0 (no fp32 accumulation for bf16 params in
     DeepSpeed 0.19) gets only the fp32 all-reduce; stages 1-2 get the reduce bucket only."""
     from pipeline.config import load_config, validate
-    from pipeline.train import deepspeed_config
+    from pipeline.training.engine import deepspeed_config
     data = tmp_path / "data"
     write_shards(str(data), {"train": random_samples(np.random.default_rng(0), 4, vocab_size=64,
                                                      max_length=32)}, samples_per_shard=4)

@@ -40,7 +40,7 @@ def loaded(tp1, folder):
 def test_validation_loss_equals_transformers_logits_under_the_same_loss(loaded, folder, shards):
     from transformers import Qwen3ForCausalLM
     from pipeline.data import build_loader
-    from pipeline.evaluate import validation_loss
+    from pipeline.training.validation import validation_loss
     from pipeline.objective import hybrid_loss
     got = validation_loss(loaded.model, str(shards), "val", micro_batch_size=3, seed=5)
     hf = Qwen3ForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
@@ -77,7 +77,7 @@ def test_validation_loss_equals_transformers_logits_under_the_same_loss(loaded, 
 def test_validation_loss_does_not_depend_on_the_micro_batch_size(loaded, shards):
     """Issue 11.1: the figure is a property of the weights and the split (9.61 at micro-batch
     1 vs 10.66 at 3 when it was a mean over batches)."""
-    from pipeline.evaluate import validation_loss
+    from pipeline.training.validation import validation_loss
     figs = [validation_loss(loaded.model, str(shards), "val", micro_batch_size=b, seed=5)
             for b in (1, 3, 10)]
     assert [f["val_batches"] for f in figs] == [10, 4, 1]

@@ -80,12 +80,13 @@ def test_export_training_checkpoint_matches_trained_model(trained):
 
     from pipeline import export
     from pipeline.model import hf as hf_io
+    from pipeline.model.tp import partition_dim
     tmp, cfg, ckdir = trained
     info = json.loads((ckdir / "step_000000003" / "refusion_layout.json").read_text())
     assert info["tp_size"] == 2 and info["dp_size"] == 2
     # the recorded partition dims agree with the model engineer's independent table
     assert {k: v["partition_dim"] for k, v in info["params"].items()} == {
-        k: hf_io.partition_dim(k) for k in info["params"]}
+        k: partition_dim(k) for k in info["params"]}
 
     out = tmp / "hf"
     assert export.main([str(ckdir), str(out), "--dtype", "float32"]) == 0
@@ -185,7 +186,7 @@ def test_zero3_per_tensor_reader_equals_deepspeed_zero_to_fp32(trained):
     """Our per-parameter ZeRO-3 reader against DeepSpeed's own consolidation of the same TP
     rank (`get_fp32_state_dict_from_zero_checkpoint`): every parameter and row range exactly,
     also when the optimizer files are unmapped after every read."""
-    from pipeline import checkpoint
+    from pipeline.checkpoint import consolidate as checkpoint
     _, _, ckdir = trained
     step = ckdir / "step_000000003"
     for tp_rank in (0, 1):

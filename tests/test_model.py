@@ -417,7 +417,7 @@ def test_trainer_peak_flops_explicit_or_none_with_notice(caplog):
     and one notice, not a guessed figure."""
     import logging
     from types import SimpleNamespace
-    from pipeline.train import peak_flops_per_device
+    from pipeline.training.metrics import peak_flops_per_device
     assert peak_flops_per_device(SimpleNamespace(log=SimpleNamespace(peak_tflops=500.0))) == 5e14
     if torch.cuda.is_available():
         pytest.skip("the None case needs a device without a table entry")

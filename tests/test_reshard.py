@@ -16,6 +16,7 @@ import torch
 
 from distributed import run_distributed
 from pipeline import checkpoint as ckpt
+from pipeline.checkpoint import store as ckpt_store
 
 MODEL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
              num_attention_heads=4, num_key_value_heads=2, head_dim=8,
@@ -162,7 +163,7 @@ def test_interrupted_conversion_leaves_checkpoint_usable(saved_tp2_dp2, monkeypa
     with pytest.raises(RuntimeError):
         reshard.convert_to_universal(step_dir, 1)
     assert not dest.exists() and dest.with_name(dest.name + ".partial").exists()
-    assert ckpt.find_latest(root) == step_dir and ckpt.is_complete(step_dir)
+    assert ckpt.find_latest(root) == step_dir and ckpt_store.is_complete(step_dir)
     with pytest.raises(reshard.ReshardError, match="not divisible"):
         reshard.convert_to_universal(step_dir, 3)
     monkeypatch.undo()

@@ -1,0 +1,85 @@
+"""Step metrics of the training job: device peaks for MFU, peak memory, and the console line.
+
+Owns: `peak_flops_per_device` (the MFU denominator), `peak_memory_bytes`, and `ConsoleLog`
+(the console line of a train or validation record, train losses averaged over the steps since
+the previous line, Megatron-style). What a record holds is the trainer's (`pipeline.train`);
+where records go is `pipeline.monitor`'s. Must not touch: metrics.jsonl, wandb.
+"""
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger("pipeline.train")
+
+
+def peak_flops_per_device(cfg) -> float | None:
+    """Peak FLOP/s of one device: `log.peak_tflops` when set, else the table of known parts by
+    CUDA device name (`pipeline.model.PEAK_BF16_TFLOPS`), else None with one notice (CPU or
+    unknown GPU: MFU is reported as null, never a guessed figure)."""
+    if cfg.log.peak_tflops is not None:
+        return float(cfg.log.peak_tflops) * 1e12
+    import torch
+    from pipeline.model import peak_tflops_of_device
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    tflops = peak_tflops_of_device(name)
+    if tflops is None:
+        log.info("MFU not reported: no peak TFLOP/s known for device %r; set log.peak_tflops",
+                 name)
+        return None
+    return tflops * 1e12
+
+
+def peak_memory_bytes() -> int:
+    """Peak memory of this process in bytes: CUDA max allocated on GPU, else peak RSS (CPU)."""
+    import torch
+    if torch.cuda.is_available():
+        return int(torch.cuda.max_memory_allocated())
+    import resource
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def _num(v, fmt: str) -> str:
+    return "n/a" if v is None else format(v, fmt)
+
+
+class ConsoleLog:
+    """Console lines of the training job (rank 0).
+
+    A train record is printed every `log_interval` steps (and at a skipped step); its losses are
+    the means over the steps since the previous line (one step's MDM term is noisy), while
+    metrics.jsonl and wandb keep every step. A validation record is printed at once.
+
+    Args:
+        max_steps: `train.max_steps` (printed as `step i/N`).
+        log_interval: `train.log_interval`.
+    """
+
+    def __init__(self, max_steps: int, log_interval: int):
+        self.max_steps, self.log_interval = max_steps, log_interval
+        self._window: list[tuple[float, float, float]] = []
+
+    def __call__(self, m: dict) -> None:
+        """Print `m` (a record with `kind` "train" or "val") when its line is due."""
+        if m["kind"] != "train":
+            log.info("validation at step %d: loss %s | ar %s | mdm %s (%d micro-batches per DP "
+                     "rank)", m["step"], _num(m["val_loss"], ".4f"), _num(m["val_ar_loss"], ".4f"),
+                     _num(m["val_mdm_loss"], ".4f"), m["val_batches"])
+            return
+        if not m["skipped"]:
+            self._window.append((m["loss"], m["ar_loss"], m["mdm_loss"]))
+        if m["step"] % self.log_interval and not m["skipped"]:
+            return
+        m = dict(m)
+        if self._window:
+            n = len(self._window)
+            m["loss"], m["ar_loss"], m["mdm_loss"] = (sum(v[i] for v in self._window) / n
+                                                      for i in range(3))
+            self._window.clear()
+        mfu = f"{100 * m['mfu']:.1f}%" if m["mfu"] is not None else "n/a"
+        log.info("step %d/%d | loss %.4f | ar %.4f | mdm %.4f (means since last line) | lr %.3e | "
+                 "grad norm %s | %.0f tokens/s | %.3f TFLOP/s/device | MFU %s | peak mem %.2f GiB "
+                 "| samples %d | tokens %d%s", m["step"], self.max_steps, m["loss"], m["ar_loss"],
+                 m["mdm_loss"], m["lr"], _num(m["grad_norm"], ".3f"), m["tokens_per_s"],
+                 m["tflops_per_device"], mfu, m["peak_memory_bytes"] / 2 ** 30,
+                 m["consumed_samples"], m["consumed_tokens"],
+                 " | SKIPPED (non-finite loss)" if m["skipped"] else "")
