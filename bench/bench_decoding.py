@@ -36,9 +36,6 @@ GRID = [(0.9, 0.9), (0.9, 0.5), (0.6, 0.3), (0.6, 0.1), (0.3, 0.3), (0.3, 0.0), 
 
 
 def main() -> int:
-    import warnings
-    # megatron-core warns at import that optional CUDA extensions are absent (harmless).
-    warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--model", default=None,

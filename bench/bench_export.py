@@ -109,7 +109,7 @@ def train_checkpoint(work: Path, code_root: Path, vocab: int, hidden: int, layer
     checkpoint root."""
     import numpy as np
 
-    from distributed import free_port
+    from pipeline.parallel import free_port
     from shard_fixtures import random_samples, write_shards
     rng = np.random.default_rng(0)
     write_shards(str(work / "data"), {"train": random_samples(rng, 16, vocab_size=64,

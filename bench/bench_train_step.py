@@ -109,9 +109,6 @@ def reference_style_forward(model, samples, mask_id: int, pad_id: int, eps: floa
 
 
 def main() -> int:
-    import warnings
-    # megatron-core warns at import that optional CUDA extensions are absent (harmless).
-    warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--data", default=str(ROOT / "outputs/demo/shards"),

@@ -385,9 +385,6 @@ def humaneval_eval(loaded, args, modes) -> dict:
 
 
 def main(argv=None) -> int:
-    import warnings
-    # megatron-core warns at import that optional CUDA extensions are absent (harmless).
-    warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
     p = argparse.ArgumentParser(prog="python -m pipeline.evaluate",
                                 description="Evaluate a ReFusion model.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)

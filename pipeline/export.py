@@ -40,20 +40,15 @@ import os
 import shutil
 import sys
 import tempfile
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-# megatron-core warns at import that optional CUDA extensions are absent (harmless); set here,
-# before the import, so that the spawned TP ranks (which import this module) stay quiet too.
-warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
-
-from pipeline.common.cli import DTYPES, EXIT_DISK_FULL, EXIT_USAGE  # noqa: E402
-from pipeline.model import ModelConfig, hf  # noqa: E402
-from pipeline.parallel import free_port  # noqa: E402
+from pipeline.common.cli import DTYPES, EXIT_DISK_FULL, EXIT_USAGE
+from pipeline.model import ModelConfig, hf
+from pipeline.parallel import free_port
 
 # export writes Hugging Face weights in these dtypes
 EXPORT_DTYPES = ("float32", "bfloat16", "float16")

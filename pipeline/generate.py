@@ -50,9 +50,6 @@ from pipeline.inference.loading import prompt_ids
 
 
 def main(argv=None) -> int:
-    import warnings
-    # megatron-core warns at import that optional CUDA extensions are absent (harmless).
-    warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
     p = argparse.ArgumentParser(prog="python -m pipeline.generate",
                                 description="Decode prompts with a ReFusion model.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)

@@ -482,8 +482,6 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in HARNESS_COMMANDS:
         return harness_main(argv)
-    import warnings
-    warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
     args = build_parser().parse_args(argv)
     from lm_eval.utils import setup_logging
     setup_logging(logging.WARNING)

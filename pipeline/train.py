@@ -431,13 +431,7 @@ def _seed_everything(seed: int) -> None:
 
 def _setup_logging(rank0: bool) -> None:
     """Our INFO lines on rank 0's stdout; other ranks print warnings only. DeepSpeed's logger is
-    turned down to warnings (its per-step chatter), and torch 2.13's FutureWarnings about the
-    collectives DeepSpeed 0.19 calls (`reduce_scatter_tensor`, `all_gather_into_tensor`) are
-    ignored: they are not ours to act on and come back once per ZeRO bucket (hundreds of lines
-    per step at 8B)."""
-    import warnings
-    warnings.filterwarnings("ignore", category=FutureWarning, message=r"`torch\.distributed\."
-                            r"(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated")
+    turned down to warnings (its per-step chatter; third-party warnings: `pipeline/__init__.py`)."""
     logger = logging.getLogger("pipeline")
     logger.handlers.clear()
     h = logging.StreamHandler(sys.stdout)

@@ -20,7 +20,7 @@ import pytest  # noqa: E402
 def tp1():
     """megatron-core parallel_state at TP=1 in this process (gloo, world size 1, free port);
     torn down, and MASTER_ADDR/MASTER_PORT restored, after the module's tests."""
-    from distributed import free_port
+    from pipeline.parallel import free_port
     from pipeline.parallel import destroy_distributed, init_distributed
     saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT")}
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))

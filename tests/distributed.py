@@ -14,17 +14,12 @@ A failure in any rank raises in the test with that rank's traceback.
 from __future__ import annotations
 
 import os
-import socket
 import traceback
 
 import torch.multiprocessing as mp
 
+from pipeline.parallel import free_port
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank, world_size, port, fn, args, queue):

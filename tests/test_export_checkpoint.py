@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from distributed import free_port, run_distributed
+from distributed import run_distributed
+from pipeline.parallel import free_port
 from shard_fixtures import random_samples, write_shards
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -79,7 +80,6 @@ def test_export_training_checkpoint_matches_trained_model(trained):
     from transformers import AutoModelForCausalLM
 
     from pipeline import export
-    from pipeline.model import hf as hf_io
     from pipeline.model.tp import partition_dim
     tmp, cfg, ckdir = trained
     info = json.loads((ckdir / "step_000000003" / "refusion_layout.json").read_text())
