@@ -48,6 +48,7 @@ import torch
 
 from pipeline.common.cli import DTYPES, EXIT_DISK_FULL, EXIT_USAGE
 from pipeline.model import ModelConfig, hf
+from pipeline.model.tp import tp_shard_shapes
 from pipeline.parallel import free_port
 
 # export writes Hugging Face weights in these dtypes
@@ -159,7 +160,7 @@ def from_hf_folder(src: Path, args) -> ExportSource:
             sl = f.get_slice(native)
             return sl[:] if start is None else sl[start:stop]
 
-    shapes = hf.tp_shard_shapes(cfg, args.tp)
+    shapes = tp_shard_shapes(cfg, args.tp)
     state = hf.lazy_merged_state(read, shapes, dtype, cfg, args.tp,
                                     vocab_rows=int(hc["vocab_size"]))
     extra = {k: hc[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id",

@@ -11,10 +11,10 @@ from pipeline.checkpoint.consolidate import (consolidate_state_dict, consolidate
                                              hf_export_state, open_tp_ranks,
                                              read_checkpoint_info)
 from pipeline.checkpoint.store import (CheckpointError, CheckpointWriteError, find_latest,
-                                       list_complete, load_latest, resolve_checkpoint_dir,
-                                       save_checkpoint, tag_for_step)
+                                       is_complete, list_complete, load_latest,
+                                       resolve_checkpoint_dir, save_checkpoint, tag_for_step)
 
 __all__ = ["consolidate_state_dict", "consolidate_tp_ranks", "hf_export_state",
            "open_tp_ranks", "read_checkpoint_info", "CheckpointError", "CheckpointWriteError",
-           "find_latest", "list_complete", "load_latest", "resolve_checkpoint_dir",
+           "find_latest", "is_complete", "list_complete", "load_latest", "resolve_checkpoint_dir",
            "save_checkpoint", "tag_for_step"]
