@@ -101,7 +101,8 @@ class OutputError(Exception):
 
 class OutputFull(Exception):
     """The output filesystem is full (ENOSPC) or over quota (EDQUOT); one-line message naming
-    the folder, the file being written, the cause and the free space seen. Exit code 4 (`pipeline.common.diskspace.EXIT_DISK_FULL`)."""
+    the folder, the file being written, the cause and the free space seen. Exit code 4
+    (`pipeline.common.cli.EXIT_DISK_FULL`)."""
 
 
 def full_disk_error(out: "Output", error: BaseException) -> OutputFull | None:

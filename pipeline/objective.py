@@ -1,8 +1,9 @@
 """The ReFusion training objective: per-sample reorganization and the hybrid AR + MDM loss.
 
 Owns: turning one prepared sample (natural-order tokens, segments, slot boundaries) into the
-reorganized sequence the model is fed (docs/METHOD.md "One training sample", steps 1-5), packing
-reorganized samples into fixed-shape micro-batch tensors, and the loss (step 6), including
+reorganized sequence the model is fed (docs/METHOD.md "One training sample", steps 1-5),
+packing reorganized samples into fixed-shape micro-batch tensors, and the loss ("Loss of a
+micro-batch"), including
 applying the output layer chunk by chunk on labelled positions only (`labelled_cross_entropy`).
 Must not touch: the model, process groups (it only *reads* megatron-core's `parallel_state`
 to pick the vocab-parallel cross-entropy), shard I/O (see `pipeline.data`).
@@ -55,7 +56,8 @@ class ObjectiveConfig:
     Attributes:
         mode: "refusion" (hybrid AR + MDM, the method) or "ar" (plain next-token baseline,
             see the module docstring).
-        eps: lower bound of the mask probability, `p = (1 - eps) * t + eps` (docs/METHOD.md "One training sample", step 1).
+        eps: lower bound of the mask probability, `p = (1 - eps) * t + eps` (docs/METHOD.md
+            "One training sample", step 1).
         slot_sizes: None = use the slot boundaries stored in the shards (data_prep drew k per
             sample from {4, 8, 16, 32}); a list of sizes = ignore them and re-slice each
             segment's response into slots of a size drawn per (segment, epoch) from this list.
@@ -268,8 +270,9 @@ def collate(rows: Sequence[Sequence[Reorganized]], max_length: int, pad_id: int)
 
     Row b holds the samples `rows[b]` one after another, then padding up to `max_length`.
     Segment ids number the segments of a row 1, 2, ... (0 = padding); padding position ids
-    continue after the length L of the row's last segment (L, L+1, ...; docs/METHOD.md "One training sample", step 4, not
-    after the last fed token's position) and padding is never labelled.
+    continue after the length L of the row's last segment (L, L+1, ...; docs/METHOD.md "One
+    training sample", step 4, not after the last fed token's position) and padding is never
+    labelled.
 
     Args:
         rows: B lists of `Reorganized` (an empty list gives an all-padding row).

@@ -19,8 +19,8 @@ One optimizer step (all ranks):
   for each of the `grad_accum_steps` micro-batches: forward -> `hybrid_loss` -> backward
   (DeepSpeed scales by 1/GA and reduces gradients over the data-parallel group only, `mpu=`);
   one all-reduce of [loss sums, token counts, non-finite flag, signal flag] over the world;
-  NaN policy; lr = `pipeline.training.engine.lr_at(step)`; DeepSpeed step (clip, AdamW). The loss of a step is the mean of
-  its micro-batch losses over data-parallel ranks and accumulation steps, which is what its
+  NaN policy; lr = `pipeline.training.engine.lr_at(step)`; DeepSpeed step (clip, AdamW). The
+  loss of a step is the mean of its micro-batch losses over data-parallel ranks and accumulation steps, which is what its
   gradient descends.
 
 Signals: SIGTERM, SIGUSR1 and SIGINT (Ctrl-C) on any rank finish the current step; all ranks
@@ -392,7 +392,8 @@ class Trainer:
                 if should_evaluate(self.step, cfg.train.eval_interval, sig):
                     self._record(self.evaluate())
                 if sig:
-                    self.state.eval_pending = should_evaluate(self.step, cfg.train.eval_interval, False)
+                    self.state.eval_pending = should_evaluate(self.step,
+                                                              cfg.train.eval_interval, False)
                     name = (signal.Signals(self.signal_received).name if self.signal_received
                             else "on another rank")
                     log.info("signal received (%s): checkpointing at step %d and exiting", name,

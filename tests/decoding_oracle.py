@@ -23,8 +23,8 @@ def reference_generate(model, prompt: Sequence[int], gen_length: int, slot_size:
     The cache choice is modelled by the attention mask over the committed sequence: with
     `exact_cache` it is plain causal; otherwise tokens of slots committed together after parallel
     infill see the prefix before their group and their own slot only (not the sibling slots),
-    as their cached keys/values would. Written straight from docs/METHOD.md ("Decoding"), independently of
-    `refusion_generate`, which it must match token for token (and forward for forward).
+    as their cached keys/values would. Written straight from docs/METHOD.md ("Decoding"),
+    independently of `refusion_generate`, which it must match token for token (and forward for forward).
 
     Args:
         model: `pipeline.model.Qwen3`. prompt: the prompt ids. Other args: `refusion_generate`.

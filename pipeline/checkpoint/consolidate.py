@@ -230,8 +230,8 @@ def _per_tp_rank_state_dict(step_dir: Path, tp_rank: int) -> dict[str, torch.Ten
     """fp32 state dict of one TP rank, merged over its DP ranks.
 
     ZeRO 1-3: DeepSpeed's `get_fp32_state_dict_from_zero_checkpoint`, which expects the files
-    of one model-parallel rank only (it refuses a checkpoint with several), pointed at a temp folder of symlinks to
-    this rank's files (`zero_pp_rank_<dp>_mp_rank_<tp>_model_states.pt` for ZeRO-3 or
+    of one model-parallel rank only (it refuses a checkpoint with several), pointed at a temp
+    folder of symlinks to this rank's files (`zero_pp_rank_<dp>_mp_rank_<tp>_model_states.pt` for ZeRO-3 or
     `mp_rank_<tp>_model_states.pt` for ZeRO 1-2, and `[bf16_]zero_pp_rank_<dp>_mp_rank_<tp>_
     optim_states.pt`). ZeRO-0 (no optimizer partitions): the module state in
     `mp_rank_<tp>_model_states.pt`, cast to fp32.
@@ -337,7 +337,8 @@ def consolidate_tp_ranks(checkpoint_dir: str | os.PathLike
     return shards, info
 
 
-def consolidate_state_dict(checkpoint_dir: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict]:
+def consolidate_state_dict(checkpoint_dir: str | os.PathLike
+                           ) -> tuple[dict[str, torch.Tensor], dict]:
     """One full fp32 state dict (native names) from a ZeRO (2 or 3) + TP checkpoint.
 
     `consolidate_tp_ranks`, then each parameter's TP shards merged along its recorded

@@ -20,5 +20,6 @@ def missing_fs_package(url: str, error: BaseException) -> str:
     if isinstance(error, ImportError):
         pkg = FS_PACKAGES.get(protocol)
         hint = f"pip install {pkg}" if pkg else "install the fsspec package for it"
-        return f"the {protocol}:// filesystem needs a package that is not installed ({detail}); {hint}"
+        return (f"the {protocol}:// filesystem needs a package that is not installed ({detail}); "
+                f"{hint}")
     return detail

@@ -195,7 +195,8 @@ class Qwen3(nn.Module):
     `layers.{i}.self_attn.{qkv_proj,o_proj,q_norm,k_norm}.weight`,
     `layers.{i}.mlp.{gate_up_proj,down_proj}.weight`, `norm.weight`, `lm_head.weight` (when
     tied, the head holds the embedding Parameter itself: `named_parameters()` lists it once as
-    `embed_tokens.weight`, `state_dict()` has both keys). `pipeline.model.tp` says how each is split and which Hugging Face tensors it is made of.
+    `embed_tokens.weight`, `state_dict()` has both keys). `pipeline.model.tp` says how each is
+    split and which Hugging Face tensors it is made of.
 
     Args:
         cfg: network shape; validated against the TP size (ValueError).

@@ -32,7 +32,8 @@ def loss_sums(stats: dict) -> torch.Tensor:
 
 def loss_figures(sums, cfg=None, prefix: str = "val_") -> dict:
     """Loss figures of a data set from summed `loss_sums`, weighted as the training loss of a
-    micro-batch is (docs/METHOD.md "Loss of a micro-batch"), over the whole set instead of one micro-batch:
+    micro-batch is (docs/METHOD.md "Loss of a micro-batch"), over the whole set instead of one
+    micro-batch:
     AR = sum AR CE / AR tokens, MDM = sum weighted MDM CE / segments,
     loss = ar_weight * AR + mdm_weight * MDM (an empty term is 0).
 
