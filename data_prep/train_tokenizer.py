@@ -30,8 +30,8 @@ import fsspec
 
 from pipeline.diskspace import EXIT_DISK_FULL
 
-from data_prep.sources import (Fields, InputError, OneLineParser, iter_records, normalize,
-                               resolve_inputs, url_to_fs)
+from data_prep.sources import (Fields, InputError, OneLineParser, TextFile, iter_records,
+                               normalize, resolve_inputs, url_to_fs)
 from data_prep.tokenizer_io import SPM_ASSISTANT, SPM_MASK, SPM_USER
 
 
@@ -46,14 +46,25 @@ def training_pieces(inputs: list[str], fmt: str = "auto", fields: Fields = Field
             norm = normalize(raw, fmt, fields)
             if norm[0] == "skip":
                 continue
-            text = "".join(norm[1:])
+            if norm[0] == "chat":
+                texts = norm[2::2]  # the contents (roles are not text)
+            elif isinstance(norm[1], TextFile):  # a large text file, read in blocks
+                try:
+                    norm[1].scan(b"")
+                except (OSError, ValueError):
+                    continue
+                texts = (piece for piece, _ in norm[1].pieces(
+                    lambda t, start: (min(len(t), start + piece_chars), True), piece_chars))
+            else:
+                texts = norm[1:]
             buf, n = [], 0
-            for line in text.splitlines(keepends=True):
-                buf.append(line)
-                n += len(line)
-                if n >= piece_chars:
-                    yield "".join(buf)
-                    buf, n = [], 0
+            for text in texts:
+                for line in text.splitlines(keepends=True):
+                    buf.append(line)
+                    n += len(line)
+                    if n >= piece_chars:
+                        yield "".join(buf)
+                        buf, n = [], 0
             if buf:
                 yield "".join(buf)
 
