@@ -63,9 +63,10 @@ from data_prep.dedup import DUPLICATE, KEY_COLLISION, DigestSet
 from data_prep.sources import (_READ_ERRORS, Fields, InputError, OneLineParser, Source, TextFile,
                                _unreadable, input_changes, input_identity, iter_records,
                                normalize, resolve_inputs)
-from data_prep.tokenizer_io import (MAX_PIECE_CHARS, Tokenizer, TokenizerError, chat_samples,
-                                    encode_piece, load_tokenizer, piece_end, piecewise_ok,
-                                    qa_sample_bounded, text_pieces)
+from data_prep import tokenizer_io
+from data_prep.tokenizer_io import (Tokenizer, TokenizerError, chat_samples, encode_piece,
+                                    load_tokenizer, piece_end, piecewise_ok, qa_sample_bounded,
+                                    text_pieces)
 # the writing half lives in data_prep/writer.py; re-exported names are used by tests/benches
 from data_prep.writer import (_KEY_HEX, Item, Output, OutputError, OutputFull, SplitWriter,  # noqa: F401
                               TextChunks, encode_sample, full_disk_error, make_segments,
@@ -371,7 +372,8 @@ def _stage_a(sources: list[Source], fmt: str, fields: Fields, val_fraction: floa
     seen = DigestSet(width=16, key_bytes=_KEY_HEX // 2)
     n_split = {s: 0 for s in SPLITS}
     skips: list[str] = []
-    limit = float("inf") if whole_texts else MAX_PIECE_CHARS
+    limit = float("inf") if whole_texts else tokenizer_io.MAX_PIECE_CHARS
+    cut = (lambda text, start: (len(text), True)) if whole_texts else piece_end
 
     def skip(reason: str, detail: str | None, rid: str) -> None:
         skips.append(reason)
@@ -422,7 +424,7 @@ def _stage_a(sources: list[Source], fmt: str, fields: Fields, val_fraction: floa
                              tok.has_special_text(*payload), rid=rid)
                 skips = []
                 continue
-            pieces = iter(doc.pieces(piece_end, limit) if doc is not None else str_pieces(payload[0]))
+            pieces = iter(doc.pieces(cut, limit) if doc is not None else str_pieces(payload[0]))
             cur, special, j = next(pieces), False, 0
             for nxt in pieces:
                 special = special or tok.has_special_text(cur[0])

@@ -333,11 +333,13 @@ def normalize(record, fmt: str, fields: Fields = Fields()) -> tuple:
     if not isinstance(record, dict):
         return ("skip", "wrong_type", f"the record is {_type_name(record)}; expected an object "
                 f"with {expected_fields(fmt, fields)}")
+    asked = fmt
     if fmt == "auto":
         fmt = ("chat" if fields.messages in record else
                "qa" if (fields.query in record or fields.response in record) else "text")
+    # a record with none of the fields: say every shape `auto` accepts
     missing = ("skip", "missing_field", f"the record has fields {_names(record)}; expected "
-               f"{expected_fields(fmt, fields)}")
+               f"{expected_fields(asked if fmt == 'text' else fmt, fields)}")
     if fmt == "chat":
         if fields.messages not in record:
             return missing
@@ -521,13 +523,30 @@ class TextFile:
                 stored = content = f.read(_BLOCK)
 
     def scan(self, prefix: bytes) -> tuple[bytes, bool]:
-        """(record digest, has a non-whitespace character) from one read of the file."""
+        """(record digest, has a non-whitespace character) from one read of the file. Bad
+        UTF-8 raises UnicodeDecodeError after the file has been read to its end (so
+        `file_sha256` is known either way)."""
         h, whole, nonblank = hashlib.sha256(prefix + b"\0"), hashlib.sha256(), False
-        for stored, content, text in self._blocks():
-            h.update(content)
-            whole.update(stored)
-            nonblank = nonblank or (bool(text) and not text.isspace())
+        decoder, bad = codecs.getincrementaldecoder("utf-8")(), None
+        with self.source.fs.open(self.source.path, "rb") as f:
+            for i, stored in enumerate(iter(lambda: f.read(_BLOCK), b"")):
+                whole.update(stored)
+                content = stored[len(BOM):] if i == 0 and stored.startswith(BOM) else stored
+                h.update(content)
+                if bad is None:
+                    try:
+                        text = decoder.decode(content)
+                        nonblank = nonblank or (bool(text) and not text.isspace())
+                    except UnicodeDecodeError as e:
+                        bad = e
         self.file_sha256 = whole.hexdigest()
+        if bad is None:
+            try:
+                decoder.decode(b"", final=True)
+            except UnicodeDecodeError as e:
+                bad = e
+        if bad is not None:
+            raise bad
         return h.digest(), nonblank
 
     def pieces(self, piece_end, limit: int) -> Iterator[tuple[str, bool]]:

@@ -379,15 +379,19 @@ _PROBE = ("Piecewise tokenization probe: ordinary words, digits 12345 67.89, pun
           "<|im_end|> <|mask|> <think> x</s> y<s> z\r\nend")
 
 
-def piece_end(text: str, start: int, target: int = PIECE_CHARS,
-              limit: int = MAX_PIECE_CHARS) -> tuple[int, bool]:
+def piece_end(text: str, start: int, target: int | None = None,
+              limit: int | None = None) -> tuple[int, bool]:
     """End offset of the piece of `text` that starts at `start`, and whether it is a safe cut.
 
     The piece ends at the last space-after-letter/digit in `(start + target/2, start +
     target]`, else at the first one after it up to `start + limit`, else at `start + limit`
     (unsafe: tokens there may differ from whole-text tokenization). The end of `text` is
-    returned (safe) when it is at most `target` characters away.
+    returned (safe) when it is at most `target` characters away. target / limit: characters,
+    default PIECE_CHARS / MAX_PIECE_CHARS (read at call time). Only
+    `text[start : start + limit + 1]` is looked at.
     """
+    target = PIECE_CHARS if target is None else target
+    limit = MAX_PIECE_CHARS if limit is None else limit
     n = len(text)
     if n - start <= target:
         return n, True
@@ -403,8 +407,8 @@ def piece_end(text: str, start: int, target: int = PIECE_CHARS,
     return last, True
 
 
-def text_pieces(text: str, target: int = PIECE_CHARS,
-                limit: int = MAX_PIECE_CHARS) -> list[tuple[int, int, bool]]:
+def text_pieces(text: str, target: int | None = None,
+                limit: int | None = None) -> list[tuple[int, int, bool]]:
     """`[(start, end, safe)]` covering `text` in order (see `piece_end`); `safe` is False for
     a piece that ends at an unsafe cut."""
     out, pos = [], 0
