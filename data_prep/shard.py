@@ -9,8 +9,8 @@ the loader (pipeline/data.py reads what this writes). The output format is ARCHI
 Determinism (reruns are byte-identical, whatever `--workers`):
 - a record's identity is the sha256 of its normalized content; exact duplicates are dropped;
 - sample key = the first 20 hex digits of that digest (`-<chunk>` appended for the 2nd.. chunk
-  of a long text); a packed sample's key is `p` + 20 hex digits of the sha256 of its members'
-  keys. Keys are unique (checked) and have no dots;
+  of a long text or the 2nd.. response turn of a chat); a packed sample's key is `p` + 20 hex
+  digits of the sha256 of its members' keys. Keys are unique (checked) and have no dots;
 - split: a record goes to `val` when the first 8 bytes of its digest, as an integer, are
   below `val_fraction * 2**64` (stable across seeds and input order);
 - slot size of segment j of sample `key` = `slot_sizes[u % len(slot_sizes)]`,
@@ -24,11 +24,25 @@ manifest is replaced by `manifest.json` at the end. (A resumed run still reads a
 every input record, which is cheap next to tokenization, so duplicates and splits come out
 the same.) The hidden option `--stop-after-shards N` stops as if killed after N shards, for
 resume tests.
+Inputs: both manifests record each input's identity (`sources.input_identity`: size,
+modification time, ETag where reported, and the sha256 of its bytes once read to its end).
+A rerun whose inputs differ (`sources.input_changes`) is refused in one line (exit code 2) or,
+with `--overwrite`, starts over; a resumed run checks each input's sha256 again as it reads it
+(`InputChanged`), so the kept shards and the new ones come from the same bytes.
 Memory: the duplicate filter and the key-collision check share one `data_prep.dedup.DigestSet`
 (16-byte digests in a sorted numpy array plus a small buffer); data prep's peak RSS grows by
 about 40 bytes per accepted record (measured by `bench/bench_data_prep.py --memory`: 42.7 B
 unpacked, 40.2 B packed; before: 462 and 97, a Python set of digests plus a set of keys, and
-tarfile's list of every member written to the open shard).
+tarfile's list of every member written to the open shard). A long text travels as pieces
+(`tokenizer_io.text_pieces`; a text file over `sources.STREAM_TEXT_BYTES` is streamed) and its
+max-length chunks are cut as the pieces' tokens arrive (`writer.TextChunks`), so no stage holds
+a whole long document's tokens (data_prep/README.md "Memory" has the measured figures).
+Chat records: one item per response turn (`tokenizer_io.chat_samples`); an item longer than
+max_length is dropped and counted as `over_length_turns` (a turn count, through the writers'
+skip counts so resume restores it).
+Skips: the first record skipped for each shape reason is described on one `warning:` line;
+a reason covering more than `--max-skip-fraction` of the input records (`duplicate` and
+`over_length_turns` exempt) ends the run with exit code 3 after the manifest is written.
 `--limit N` stops after the N-th accepted record (one that is written: after dedup and the
 over-length filter), in input order; skip counts cover exactly the records before it.
 Special-token strings in content are encoded as text (data_prep/tokenizer_io.py); records that

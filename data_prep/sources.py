@@ -656,7 +656,8 @@ def _jsonable_time(value):
 def input_identity(source: Source) -> dict:
     """`{"name", "size", "mtime", "etag"}` of an input from its filesystem's info (`mtime`:
     the modification time, or the creation time where that is all the filesystem reports;
-    `etag`: an ETag / checksum where it reports one, e.g. s3's ETag, gcs's md5Hash), absent
+    HTTP: Last-Modified; `etag`: an ETag / checksum where it reports one, e.g. s3's and
+    HTTP's ETag, gcs's md5Hash), absent
     keys left out. The stdlib corpus is `{"name": "stdlib"}` (its Python version is an
     option). Raises InputError when the file cannot be stat'ed."""
     if source.is_stdlib:
@@ -666,11 +667,12 @@ def input_identity(source: Source) -> dict:
     except (OSError, ValueError) as e:
         raise InputError(f"input {source.name}: cannot read its size and time ({e})") from None
     out = {"name": source.name, "size": info.get("size")}
-    for k in ("mtime", "LastModified", "last_modified", "updated", "modified", "created"):
+    for k in ("mtime", "LastModified", "Last-Modified", "last_modified", "updated", "modified",
+              "created"):
         if info.get(k) is not None:
             out["mtime"] = _jsonable_time(info[k])
             break
-    for k in ("ETag", "etag", "md5Hash", "crc32c", "checksum"):
+    for k in ("ETag", "etag", "md5Hash", "Content-MD5", "crc32c", "Digest", "checksum"):
         if info.get(k) is not None:
             out["etag"] = str(info[k]).strip('"')
             break

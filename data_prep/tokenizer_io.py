@@ -1,8 +1,9 @@
 """Tokenizers for data preparation: a Hugging Face tokenizer folder or a SentencePiece model.
 
 Owns: loading a tokenizer from a path, adding the ReFusion special tokens to a Hugging Face
-tokenizer, turning a text document or a query/response pair into token ids with a prompt
-length, and describing the tokenizer for `manifest.json`.
+tokenizer, turning a text document, a query/response pair or a chat conversation into token
+ids with a prompt length, cutting long texts into pieces that tokenize like the whole text
+("long texts" below), and describing the tokenizer for `manifest.json`.
 Must not touch: input reading, slots, shards (data_prep/shard.py).
 
 Sample layout (the reference ReFusion `train.py` does the same for Hugging Face tokenizers):

@@ -8,7 +8,8 @@ encodes), identity normalization and no whitespace folding (code round-trips exa
 `decode(encode(s)) == s`).
 Must not touch: shards (shard.py), the Hugging Face path (tokenizer_io.py).
 
-Training text: each text document, and each query/response pair as `query + response`, cut
+Training text: each text document, each query/response pair as `query + response` and each
+chat conversation as its messages' contents in order (roles left out), cut
 at line boundaries into pieces of about `--piece-chars` characters (SentencePiece drops
 "sentences" longer than its max_sentence_length). Training is deterministic for the same
 inputs and options (no sentence shuffling; the first `--max-sentences` pieces are used).
@@ -114,17 +115,18 @@ def main(argv: list[str] | None = None) -> int:
                    help="same inputs as shard.py (repeatable)")
     p.add_argument("--output", required=True, help="model file to write, e.g. tok/spm.model")
     p.add_argument("--vocab-size", type=int, default=8000)
-    p.add_argument("--format", choices=("auto", "qa", "text"), default="auto")
+    p.add_argument("--format", choices=("auto", "qa", "text", "chat"), default="auto")
     p.add_argument("--max-sentences", type=int, default=200_000,
                    help="train on at most this many text pieces (the first ones)")
     p.add_argument("--piece-chars", type=int, default=2000)
     p.add_argument("--query-field", default="query")
     p.add_argument("--response-field", default="response")
     p.add_argument("--text-field", default="text")
+    p.add_argument("--messages-field", default="messages")
     args = p.parse_args(argv)
     if args.vocab_size < 16:
         p.error("--vocab-size must be >= 16")
-    fields = Fields(args.query_field, args.response_field, args.text_field)
+    fields = Fields(args.query_field, args.response_field, args.text_field, args.messages_field)
     try:
         url_to_fs(args.output, "--output")  # a missing fsspec package: say so before training
         info = train(args.input, args.output, args.vocab_size, args.format, fields,

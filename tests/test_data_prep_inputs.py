@@ -19,6 +19,7 @@ from data_prep import shard, sources, stdlib_corpus, tokenizer_io
 from data_prep.tokenizer_io import (encode_piece, load_tokenizer, piecewise_ok, qwen3_tokenizer_dir,
                                     text_pieces)
 from tests.test_data_prep import folder_bytes, read_samples, run_shard, write_jsonl
+from tests.test_shard_io import http_server  # noqa: F401 (a fixture)
 
 
 @pytest.fixture(scope="module")
@@ -138,7 +139,7 @@ def test_resumed_run_verifies_its_inputs(tmp_path, spm_model, capsys):
     assert mg == mw
 
 
-def test_fsspec_inputs_are_identified_by_their_info(tmp_path, spm_model, capsys):
+def test_fsspec_inputs_are_identified_by_their_info(tmp_path, spm_model, capsys, http_server):
     mem = fsspec.filesystem("memory")
     mem.pipe("/id_in/a.jsonl", b"".join(json.dumps(r).encode() + b"\n" for r in qa_rows(5)))
     args = ["--input", "memory://id_in/a.jsonl", "--tokenizer", spm_model, "--max-length", 64]
@@ -152,6 +153,43 @@ def test_fsspec_inputs_are_identified_by_their_info(tmp_path, spm_model, capsys)
     mem.pipe("/id_in/a.jsonl", mem.cat("/id_in/a.jsonl") + json.dumps(qa_rows(1, 9)[0]).encode())
     code, err = run_shard(capsys, *args, "--output", out)
     assert code == 2 and "input memory:///id_in/a.jsonl changed (size" in err, err
+    # HTTP: the size from the server's headers (this test server sends no ETag/Last-Modified)
+    web = tmp_path / "web"
+    web.mkdir()
+    src = write_jsonl(web / "a.jsonl", qa_rows(5))
+    url = f"{http_server(web)}/a.jsonl"
+    hout = tmp_path / "hout"
+    assert run_shard(capsys, "--input", url, "--output", hout, "--tokenizer", spm_model)[0] == 0
+    (entry,) = json.loads((hout / "manifest.json").read_text())["inputs"]
+    assert entry == {"name": url, "size": src.stat().st_size,
+                     "sha256": hashlib.sha256(src.read_bytes()).hexdigest()}
+    write_jsonl(src, qa_rows(6))
+    code, err = run_shard(capsys, "--input", url, "--output", hout, "--tokenizer", spm_model)
+    assert code == 2 and f"input {url} changed (size {entry['size']} bytes, now" in err, err
+
+
+def test_identity_fields_of_remote_filesystems():
+    """What s3fs, gcsfs and fsspec's HTTP filesystem report (their info keys) is recorded."""
+    import datetime
+
+    class FakeFS:
+        def __init__(self, info):
+            self._info = info
+
+        def info(self, path):
+            return self._info
+    when = datetime.datetime(2026, 1, 2, 3, 4, 5, tzinfo=datetime.timezone.utc)
+    cases = [  # s3fs, gcsfs, http
+        ({"size": 10, "LastModified": when, "ETag": '"9b2cf535f27731c974343645a3985328"'},
+         {"mtime": "2026-01-02T03:04:05+00:00", "etag": "9b2cf535f27731c974343645a3985328"}),
+        ({"size": 10, "updated": "2026-01-02T03:04:05.000Z", "md5Hash": "myg1NfJ3McDW9DZFo5hTKA=="},
+         {"mtime": "2026-01-02T03:04:05.000Z", "etag": "myg1NfJ3McDW9DZFo5hTKA=="}),
+        ({"size": 10, "Last-Modified": "Fri, 02 Jan 2026 03:04:05 GMT", "ETag": '"5f3a-61b2"'},
+         {"mtime": "Fri, 02 Jan 2026 03:04:05 GMT", "etag": "5f3a-61b2"}),
+    ]
+    for info, want in cases:
+        got = sources.input_identity(sources.Source("s3://b/k.jsonl", FakeFS(info), "b/k.jsonl"))
+        assert got == {"name": "s3://b/k.jsonl", "size": 10, **want}
 
 
 # ----------------------------------------------------------------------------- long texts
