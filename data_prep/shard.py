@@ -41,8 +41,8 @@ Chat records: one item per response turn (`tokenizer_io.chat_samples`); an item 
 max_length is dropped and counted as `over_length_turns` (a turn count, through the writers'
 skip counts so resume restores it).
 Skips: the first record skipped for each shape reason is described on one `warning:` line;
-a reason covering more than `--max-skip-fraction` of the input records (`duplicate` and
-`over_length_turns` exempt) ends the run with exit code 3 after the manifest is written.
+a reason covering more than `--max-skip-fraction` of the input records ends the run with exit
+code 3 after the manifest is written (`duplicate`, `over_length`, `over_length_turns`: a note).
 `--limit N` stops after the N-th accepted record (one that is written: after dedup and the
 over-length filter), in input order; skip counts cover exactly the records before it.
 Special-token strings in content are encoded as text (data_prep/tokenizer_io.py); records that
@@ -94,9 +94,10 @@ SPLITS = ("train", "val")
 EXIT_OUTPUT_FULL = EXIT_DISK_FULL  # 4: the output filesystem is full (ENOSPC) or over quota (EDQUOT)
 EXIT_TOO_MANY_SKIPPED = 3  # a skip reason covers more than --max-skip-fraction of the input records
 MAX_SKIP_FRACTION = 0.1    # default of --max-skip-fraction
-# reasons left out of the --max-skip-fraction check: dropping exact repeats is the duplicate
-# filter's job, and over_length_turns counts assistant turns, not records
-_SHARE_EXEMPT = ("duplicate", "over_length_turns")
+# reasons the --max-skip-fraction check only notes (one line, exit code unchanged): they are
+# the filters the options ask for (dropping exact repeats, --max-length), not input that was
+# misread; over_length_turns also counts assistant turns, not records
+_SHARE_NOTED = ("duplicate", "over_length", "over_length_turns")
 
 
 class UserError(Exception):
@@ -121,20 +122,31 @@ def input_records(manifest: dict) -> int:
 
 
 def _check_skip_share(manifest: dict, max_fraction: float) -> None:
-    """Raise TooManySkipped (one line naming each reason, its count and share) when a skip
-    reason other than `duplicate` / `over_length_turns` covers more than `max_fraction` of the
-    input records."""
+    """Compare each skip reason's share of the input records with `max_fraction`.
+
+    A filter reason (`duplicate`, `over_length`, `over_length_turns`) over it gets a one-line
+    `note:` on stderr; any other reason over it raises TooManySkipped (one line naming each
+    reason, its count and share).
+    """
     total = input_records(manifest)
     if not total:
         return
-    over = [(k, v) for k, v in manifest["skipped"].items()
-            if k not in _SHARE_EXEMPT and v / total > max_fraction]
-    if not over:
+    over = [(k, v) for k, v in manifest["skipped"].items() if v / total > max_fraction]
+    said = lambda rs: ", ".join(f"{k} {v} of {total} input records ({100 * v / total:.1f}%)"
+                                for k, v in rs)
+    noted = [(k, v) for k, v in over if k in _SHARE_NOTED]
+    if noted:
+        hint = ("; raise --max-length to keep long records"
+                if any(k.startswith("over_length") for k, _ in noted) else "")
+        print(f"shard.py: note: skipped {said(noted)}: more than --max-skip-fraction "
+              f"{max_fraction:g}, by the filters the options ask for (not an error){hint}",
+              file=sys.stderr)
+    bad = [(k, v) for k, v in over if k not in _SHARE_NOTED]
+    if not bad:
         return
-    worst = max(v for _, v in over) / total
-    said = ", ".join(f"{k} {v} of {total} input records ({100 * v / total:.1f}%)" for k, v in over)
+    worst = max(v for _, v in bad) / total
     raise TooManySkipped(
-        f"skipped {said}: more than --max-skip-fraction {max_fraction:g} (the shards are "
+        f"skipped {said(bad)}: more than --max-skip-fraction {max_fraction:g} (the shards are "
         f"written without them); check the inputs and options, or pass --max-skip-fraction "
         f"{min(1.0, worst + 0.005):.2f} to accept")
 
@@ -492,7 +504,8 @@ def _ordered_results(batches, args, tok: Tokenizer):
     with ctx.Pool(args.workers, initializer=init, initargs=initargs) as pool:
         window = collections.deque()
         for b in batches:
-            window.append((b, pool.apply_async(_tokenize_batch, (b, args.max_length, args.chat_turns))))
+            window.append((b, pool.apply_async(_tokenize_batch,
+                                               (b, args.max_length, args.chat_turns))))
             if len(window) >= 2 * args.workers:
                 b0, r0 = window.popleft()
                 yield b0, r0.get()
@@ -655,7 +668,7 @@ def run(args) -> dict:
                 if args.limit is not None and accepted >= args.limit:
                     break
             else:
-                count_skips(sorted(tail.elements()))  # after the last record (inputs read to the end)
+                count_skips(sorted(tail.elements()))  # after the last record (inputs read whole)
         for s in SPLITS:
             writers[s].finish()
     except _Stop:
@@ -763,9 +776,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="which assistant turns of a chat become responses: all (one sample "
                         "each, the conversation before it as its prompt) or only the last")
     p.add_argument("--max-skip-fraction", type=float, default=MAX_SKIP_FRACTION,
-                   help="exit with code 3 when a skip reason (other than duplicate) covers "
-                        f"more than this share of the input records (default {MAX_SKIP_FRACTION}); "
-                        "the shards are written either way")
+                   help="exit with code 3 when a skip reason covers more than this share of "
+                        f"the input records (default {MAX_SKIP_FRACTION}); duplicate and "
+                        "over_length only get a note; the shards are written either way")
     p.add_argument("--overwrite", action="store_true",
                    help="when --output holds shards made with other options, delete them and "
                         "start over (same options: kept / resumed as usual)")

@@ -500,8 +500,8 @@ class TextFile:
     data_prep/shard.py), whether any character is not whitespace, and the sha256 of the
     stored bytes (`file_sha256`). `pieces(piece_end, limit)` reads it again and yields the
     text in the pieces that would be cut from the whole text; it raises InputError when the
-    bytes differ from the first read. Content: UTF-8 without a leading byte order mark; a read error raises one
-    of the reading errors (OSError, ...), bad UTF-8 UnicodeDecodeError.
+    bytes differ from the first read. Content: UTF-8 without a leading byte order mark; a read
+    error raises one of the reading errors (OSError, ...), bad UTF-8 UnicodeDecodeError.
     """
 
     def __init__(self, source: Source, size: int):
@@ -710,9 +710,9 @@ def input_changes(recorded: list[dict], current: list[dict], sources: list[Sourc
                     continue
             except _READ_ERRORS:
                 pass
-        changes.append(f"input {cur['name']} changed (" + "; ".join(
-            f"{'modified' if k == 'mtime' else k} {_show(k, old.get(k))}, now {_show(k, cur.get(k))}"
-            for k in diff) + ")")
+        said = [f"{'modified' if k == 'mtime' else k} {_show(k, old.get(k))}, "
+                f"now {_show(k, cur.get(k))}" for k in diff]
+        changes.append(f"input {cur['name']} changed ({'; '.join(said)})")
     if not changes:
         return None
     return changes[0] + (f" (and {len(changes) - 1} more)" if len(changes) > 1 else "")

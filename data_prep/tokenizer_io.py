@@ -585,7 +585,8 @@ def chat_samples(tok: Tokenizer, turns: list[tuple[str, str]], which: str,
         if isinstance(parts, str):
             return parts
         prompt = _encode_parts(tok, parts, budget)
-        response = None if prompt is None else encode_bounded(tok, turns[i][1], budget - len(prompt))
+        response = (None if prompt is None
+                    else encode_bounded(tok, turns[i][1], budget - len(prompt)))
         if response is None:
             dropped += 1
             continue

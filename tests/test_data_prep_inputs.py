@@ -347,19 +347,27 @@ def test_tokenizer_that_cannot_be_cut_tokenizes_texts_whole(tmp_path, capsys, mo
 
 def test_skip_share_threshold(tmp_path, spm_model, capsys):
     good = qa_rows(9)
-    cases = [  # (rows, extra args, exit code)
-        (good + [{"query": "no response"}], [], 0),                 # 1 of 10: 10% is allowed
-        (good + [{"query": "x"}, {"query": "y"}], [], 3),           # 2 of 11: 18%
-        (good + [{"query": "x"}, {"query": "y"}], ["--max-skip-fraction", 0.2], 0),
-        (good + good + good, [], 0),                                # duplicates: not counted
-        (good + [{"query": "x"}] * 2, ["--max-skip-fraction", 0], 3),
+    long = [{"query": f"long {i}", "response": "word " * 100} for i in range(9)]
+    cases = [  # (rows, extra args, exit code, a note line)
+        (good + [{"query": "no response"}], [], 0, None),           # 1 of 10: 10% is allowed
+        (good + [{"query": "x"}, {"query": "y"}], [], 3, None),     # 2 of 11: 18%
+        (good + [{"query": "x"}, {"query": "y"}], ["--max-skip-fraction", 0.2], 0, None),
+        (good + [{"query": "x"}] * 2, ["--max-skip-fraction", 0], 3, None),
+        # the filters the options ask for: a note, exit 0
+        (good + good + good, [], 0, "duplicate 18 of 27 input records (66.7%): more than "
+         "--max-skip-fraction 0.1, by the filters the options ask for (not an error)"),
+        (good + long, [], 0, "over_length 9 of 18 input records (50.0%): more than "
+         "--max-skip-fraction 0.1, by the filters the options ask for (not an error); raise "
+         "--max-length to keep long records"),
     ]
-    for i, (rows, extra, want) in enumerate(cases):
+    for i, (rows, extra, want, note) in enumerate(cases):
         src = write_jsonl(tmp_path / f"{i}.jsonl", rows)
         code, err = run_shard(capsys, "--input", src, "--output", tmp_path / f"o{i}",
                               "--tokenizer", spm_model, "--max-length", 64, *extra)
         assert code == want, (i, err)
         assert (tmp_path / f"o{i}" / "manifest.json").exists()
+        notes = [ln for ln in err.splitlines() if "note:" in ln]
+        assert notes == ([f"shard.py: note: skipped {note}"] if note else []), (i, err)
     with pytest.raises(SystemExit) as e:
         shard.main(["--input", str(src), "--output", str(tmp_path / "o9"), "--tokenizer",
                     spm_model, "--max-skip-fraction", "2"])
