@@ -259,3 +259,38 @@ def test_chat_resume_equals_uninterrupted_and_workers(tmp_path, spm_model, capsy
     assert len(set(keys)) == 60 and sum(k.endswith("-1") for k in keys) == 30
     tokens = np.concatenate([t for v in data.values() for _, t, _ in v])
     assert tokens.max() < load_tokenizer(spm_model).info.vocab_size
+
+
+def test_loader_reads_packed_chat_shards(tmp_path, capsys):
+    """pipeline.data reads the chat shards unchanged: every turn comes back as one segment
+    (its prompt, then its response in slots), recovered in natural order from the rows."""
+    from pipeline.data import build_loader
+    from tests.test_data_loader_prep import _read_tars
+    src = write_jsonl(tmp_path / "c.jsonl", [{"messages": c} for c in CHATS])
+    out = tmp_path / "shards"
+    code, err = run_shard(capsys, "--input", src, "--output", out, "--tokenizer",
+                          qwen3_tokenizer_dir(), "--max-length", 256, "--pack", "--slot-sizes", "4,8")
+    assert code == 0, err
+    manifest, samples = _read_tars(out)
+    mask_id = manifest["tokenizer"]["mask_id"]
+    assert sum(len(m["segments"]) for _, m in samples.values()) == TURNS
+    loader = build_loader(str(out), "train", 1, 256, num_workers=0, vocab_size=151936,
+                          pack=False, infinite=False, seed=3)
+    n = 0
+    for b in loader:
+        (key,) = b["keys"]
+        tokens, meta = samples[key]
+        seg_ids = b["segment_ids"][0]
+        for j, s in enumerate(seg_ids[seg_ids > 0].unique().tolist()):
+            sel = seg_ids == s
+            pos = b["position_ids"][0][sel]
+            ids, lab, msk = b["input_ids"][0][sel], b["labels"][0][sel], b["is_masked"][0][sel]
+            assert (ids[msk] == mask_id).all()
+            natural = np.empty(len(pos), dtype=np.int64)
+            natural[pos.numpy()] = np.where(msk.numpy(), lab.numpy(), ids.numpy())
+            seg = meta["segments"][j]
+            assert natural.tolist() == tokens[seg["start"]:seg["end"]].tolist()
+            p = seg["prompt_length"]
+            assert not msk.numpy()[pos.numpy() < p].any()  # the prompt (earlier turns) is never masked
+            n += 1
+    assert n == TURNS

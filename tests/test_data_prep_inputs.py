@@ -260,6 +260,25 @@ def test_long_text_file_is_streamed_in_pieces(tmp_path, spm_model, capsys, monke
     assert folder_bytes(tmp_path / "two") == folder_bytes(whole)
 
 
+def test_resume_inside_a_long_text_in_pieces(tmp_path, spm_model, capsys, monkeypatch):
+    """Kept shards end inside a streamed text: its pieces are tokenized again and the chunks
+    the kept shards hold are skipped; the result equals the uninterrupted run."""
+    _small_pieces(monkeypatch)
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.txt").write_text(real_text(30_000))
+    write_jsonl(tmp_path / "in" / "b.jsonl", qa_rows(12) + [{"text": real_text(9_000)[::-1]}])
+    args = ["--input", tmp_path / "in", "--tokenizer", spm_model, "--max-length", 128,
+            "--shard-samples", 9, "--pack"]
+    full, part = tmp_path / "full", tmp_path / "part"
+    assert run_shard(capsys, *args, "--output", full)[0] == 0
+    assert run_shard(capsys, *args, "--output", part, "--stop-after-shards", 3)[0] == 0
+    progress = json.loads((part / "manifest.partial.json").read_text())["progress"]["train"]
+    assert progress[-1]["next"][0] == 0 and progress[-1]["next"][1] > 0  # inside a.txt
+    code, err = run_shard(capsys, *args, "--output", part)
+    assert code == 0 and "keeping 3 complete shard(s)" in err, err
+    assert folder_bytes(part) == folder_bytes(full)
+
+
 def test_qwen3_long_text_in_pieces_equals_transformers(tmp_path, capsys, monkeypatch):
     from transformers import AutoTokenizer
     qdir = qwen3_tokenizer_dir()
