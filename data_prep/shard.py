@@ -16,7 +16,8 @@ Determinism (reruns are byte-identical, whatever `--workers`):
 - slot size of segment j of sample `key` = `slot_sizes[u % len(slot_sizes)]`,
   u = first 8 bytes (little endian) of sha256(f"{seed}:{key}:{j}");
 - samples keep input order; tar members have mtime 0, fixed owner and mode (USTAR).
-Resume: a shard is written to a temporary name and renamed when complete, then listed in
+Resume (data_prep/resume.py decides what a used folder gets): a shard is written to a
+temporary name and renamed when complete, then listed in
 `manifest.partial.json` with the input position that follows it. A rerun with the same
 options keeps every listed shard whose file exists with the recorded size, skips the input
 records those shards hold (they are not tokenized again), and writes the rest. The partial
@@ -56,7 +57,6 @@ import argparse
 import collections
 import contextlib
 import hashlib
-import json
 import os
 import signal
 import sys
@@ -74,23 +74,22 @@ import numpy as np
 from pipeline.diskspace import EXIT_DISK_FULL
 
 from data_prep.dedup import DUPLICATE, KEY_COLLISION, DigestSet
-from data_prep.sources import (_READ_ERRORS, Fields, InputError, OneLineParser, Source, TextFile,
-                               _unreadable, input_changes, input_identity, iter_records,
-                               normalize, resolve_inputs)
 from data_prep import tokenizer_io
+from data_prep.sources import (_READ_ERRORS, Fields, InputError, OneLineParser, Source, TextFile,
+                               _unreadable, input_identity, iter_records, normalize,
+                               resolve_inputs)
 from data_prep.tokenizer_io import (Tokenizer, TokenizerError, chat_samples, encode_piece,
                                     load_tokenizer, piece_end, piecewise_ok, qa_sample_bounded,
                                     text_pieces)
+# what to do with a used output folder (keep, resume, refuse, clear): data_prep/resume.py
+from data_prep.resume import (MANIFEST, PARTIAL, SPLITS, TOKENIZER_DIR, UserError, fingerprint,
+                              resume_state)
 # the writing half lives in data_prep/writer.py; re-exported names are used by tests/benches
 from data_prep.writer import (_KEY_HEX, Item, Output, OutputError, OutputFull, SplitWriter,  # noqa: F401
                               TextChunks, encode_sample, full_disk_error, make_segments,
                               slot_size, write_sample)
 
 FORMAT_VERSION = 1
-MANIFEST = "manifest.json"
-PARTIAL = "manifest.partial.json"
-TOKENIZER_DIR = "tokenizer"
-SPLITS = ("train", "val")
 EXIT_OUTPUT_FULL = EXIT_DISK_FULL  # 4: the output filesystem is full (ENOSPC) or over quota (EDQUOT)
 EXIT_TOO_MANY_SKIPPED = 3  # a skip reason covers more than --max-skip-fraction of the input records
 MAX_SKIP_FRACTION = 0.1    # default of --max-skip-fraction
@@ -98,10 +97,6 @@ MAX_SKIP_FRACTION = 0.1    # default of --max-skip-fraction
 # the filters the options ask for (dropping exact repeats, --max-length), not input that was
 # misread; over_length_turns also counts assistant turns, not records
 _SHARE_NOTED = ("duplicate", "over_length", "over_length_turns")
-
-
-class UserError(Exception):
-    """A problem with the user's options or output folder; one-line message, exit code 2."""
 
 
 class NoSamples(Exception):
@@ -242,111 +237,6 @@ def _options(args, sources: list[Source]) -> dict:
     if any(s.is_stdlib for s in sources):
         opts["stdlib_python"] = sys.version.split()[0]
     return opts
-
-
-def _fingerprint(opts: dict, tok_json: dict) -> str:
-    blob = json.dumps({"options": opts, "tokenizer": tok_json}, sort_keys=True)
-    return hashlib.sha256(blob.encode()).hexdigest()
-
-
-_FLAGS = {"inputs": "--input", "format": "--format", "max_length": "--max-length",
-          "slot_sizes": "--slot-sizes", "seed": "--seed", "val_fraction": "--val-fraction",
-          "pack": "--pack", "long_text": "--long-text", "shard_samples": "--shard-samples",
-          "shard_bytes": "--shard-bytes", "limit": "--limit",
-          "fields": "--query-field/--response-field/--text-field/--messages-field",
-          "chat_turns": "--chat-turns", "stdlib_python": "stdlib Python version"}
-
-
-def _differences(m: dict, opts: dict, tok_json: dict) -> str:
-    """What differs between a manifest's recorded options/tokenizer and this run's, in words:
-    `other options (--seed 0, now 9; ...)` and/or `another tokenizer (...)`."""
-    old = m.get("options")
-    if not isinstance(old, dict):  # an older partial manifest records only the fingerprint
-        return "other options or another tokenizer"
-    show = lambda v: json.dumps(v, ensure_ascii=False)
-    diffs = [f"{_FLAGS.get(k, k)} {show(old.get(k))}, now {show(opts.get(k))}"
-             for k in [*opts, *(k for k in old if k not in opts)] if old.get(k) != opts.get(k)]
-    parts = [f"other options ({'; '.join(diffs)})"] if diffs else []
-    oldtok = m.get("tokenizer")
-    if oldtok != tok_json:
-        oldtok = oldtok if isinstance(oldtok, dict) else {}
-        desc = lambda t: f"{t.get('name')} hash {str(t.get('hash'))[:12]}"
-        parts.append(f"another tokenizer ({desc(oldtok)}, now {desc(tok_json)})")
-    return " and ".join(parts) or "other options or another tokenizer"
-
-
-def _clear(out: Output) -> None:
-    """Remove what an earlier run wrote: manifests, `<split>-NNNNNN.tar` shards, tokenizer/."""
-    import re
-    pattern = re.compile(r"^(%s)-\d{6}\.tar$" % "|".join(SPLITS))
-    for p in out.fs.ls(out.root, detail=False):
-        name = p.rstrip("/").rsplit("/", 1)[-1]
-        if name in (MANIFEST, PARTIAL, TOKENIZER_DIR) or pattern.match(name):
-            out.remove(name)
-
-
-def _resume_state(out: Output, fingerprint: str, overwrite: bool, opts: dict, tok_json: dict,
-                  inputs: list[dict], sources: list[Source]) -> tuple[dict | None, dict, dict]:
-    """(complete manifest or None, {split: kept entries}, {input name: recorded sha256}) for
-    this output folder.
-
-    A folder made with the same options (same fingerprint) from the same inputs is kept or
-    resumed. One made with other options raises UserError naming the options (or tokenizer)
-    that differ from `opts` / `tok_json`; one made from inputs that changed since (`inputs`:
-    `input_identity` of `sources`; see `sources.input_changes`) raises UserError naming the
-    input; with `overwrite` either is cleared first. The recorded sha256 of inputs read to
-    their end lets a resumed run check that their bytes are those the kept shards came from.
-    """
-    fresh = None, {s: [] for s in SPLITS}, {}
-    for n in (MANIFEST, PARTIAL):
-        if not out.exists(n):
-            continue
-        try:
-            m = out.read_json(n)
-            what = None if isinstance(m, dict) else "an unreadable manifest (not an object)"
-        except (ValueError, OSError) as e:
-            m, what = {}, f"an unreadable manifest ({type(e).__name__})"
-        if not isinstance(m, dict) or m.get("fingerprint") != fingerprint:
-            if overwrite:
-                _clear(out)
-                return fresh
-            what = what or _differences(m, opts, tok_json)
-            raise UserError(f"{out.path(n)}: this folder holds shards made with {what}; use "
-                            "another --output or pass --overwrite")
-        recorded = m.get("inputs")
-        if not isinstance(recorded, list):  # made before inputs were recorded
-            print(f"shard.py: note: {out.path(n)} records no input identities (an older "
-                  "version made it); the inputs are not checked", file=sys.stderr)
-            recorded = []
-        else:
-            change = input_changes(recorded, inputs, sources)
-            if change is not None:
-                if overwrite:
-                    _clear(out)
-                    return fresh
-                since = "these shards were made" if n == MANIFEST else "the interrupted run"
-                raise UserError(f"{out.path(n)}: {change} since {since}; pass --overwrite to "
-                                "make the shards again from the current inputs, or use another "
-                                "--output")
-        shas = {e["name"]: e["sha256"] for e in recorded
-                if isinstance(e, dict) and e.get("sha256") and "name" in e}
-        if n == MANIFEST:
-            listed = [e for split in SPLITS for e in m.get("splits", {}).get(split, [])]
-            if all(out.size(e["name"]) == e.get("bytes") for e in listed):
-                return m, {}, shas
-            print(f"shard.py: {out.path(MANIFEST)} lists missing or changed shards; rebuilding",
-                  file=sys.stderr)
-            _clear(out)
-            return fresh
-        kept = {}
-        for split in SPLITS:
-            kept[split] = []
-            for e in m.get("progress", {}).get(split, []):
-                if out.size(e["name"]) != e["bytes"]:
-                    break  # missing or partial: redo from here
-                kept[split].append(e)
-        return None, kept, shas
-    return fresh
 
 
 @dataclass
@@ -554,10 +444,10 @@ def run(args) -> dict:
     opts = _options(args, sources)
     tok_json = tok.info.to_json()
     tok_json["files"] = TOKENIZER_DIR
-    fingerprint = _fingerprint(opts, tok_json)
+    fp = fingerprint(opts, tok_json)
     inputs = [input_identity(s) for s in sources]
     out = Output(args.output)
-    done, kept, recorded_sha = _resume_state(out, fingerprint, args.overwrite, opts, tok_json,
+    done, kept, recorded_sha = resume_state(out, fp, args.overwrite, opts, tok_json,
                                              inputs, sources)
     if done is not None:
         _check_not_empty(done)
@@ -595,7 +485,7 @@ def run(args) -> dict:
 
     def on_close(_writer):
         state["closed"] += 1
-        out.write_json(PARTIAL, {"fingerprint": fingerprint, "options": opts, "tokenizer": tok_json,
+        out.write_json(PARTIAL, {"fingerprint": fp, "options": opts, "tokenizer": tok_json,
                                  "inputs": input_entries(),
                                  "progress": {s: writers[s].entries for s in SPLITS}})
         if args.stop_after_shards is not None and state["closed"] >= args.stop_after_shards:
@@ -696,7 +586,7 @@ def run(args) -> dict:
         "counts": {"special_token_text": special, "records": accepted,
                    "unsafe_piece_cuts": unsafe_cuts},
         "inputs": input_entries(),
-        "fingerprint": fingerprint,
+        "fingerprint": fp,
     }
     try:
         out.write_json(MANIFEST, manifest)
