@@ -272,14 +272,15 @@ class InputChanged(UserError):
 
 
 def _stage_a(sources: list[Source], fmt: str, fields: Fields, val_fraction: float,
-             tok: Tokenizer, tail: collections.Counter, details: dict, digests: dict,
+             tok: Tokenizer, tail: list, details: dict, digests: dict,
              recorded_sha: dict, whole_texts: bool):
     """Read, normalize, dedup and split records; yields `Record`s in input order, a text as
     its pieces (`tokenizer_io.text_pieces`; one piece when `whole_texts`).
 
-    Skip reasons met after the last record are added to `tail` when the inputs end; the first
-    record skipped for each reason with a description fills `details[reason]` ("<record id>:
-    <what it had and what was expected>"). `digests[name]`: sha256 of each input read to its
+    Skip reasons met after the last record are appended to `tail` (in input order) when the
+    inputs end; the first record skipped for each reason with a description fills
+    `details[reason]` ("<record id>: <what it had and what was expected>"). `digests[name]`:
+    sha256 of each input read to its
     end; when `recorded_sha` (a resumed run's) holds another value for it, raises
     InputChanged. Memory: the duplicate filter (`data_prep.dedup.DigestSet`) keeps ~16 bytes
     per accepted record (module docstring); a text is held a piece at a time (a text file),
@@ -357,7 +358,7 @@ def _stage_a(sources: list[Source], fmt: str, fields: Fields, val_fraction: floa
                                "bytes differ from those the kept shards were made from, though "
                                "its size and modification time agree); pass --overwrite to make "
                                "the shards again from the current inputs")
-    tail.update(skips)
+    tail.extend(skips)
 
 
 def _batches(stream, resume_from: dict | None, max_records: int = 256, max_chars: int = 1 << 20):
@@ -493,7 +494,7 @@ def run(args) -> dict:
 
     writers = {s: SplitWriter(s, out, opts, kept[s], on_close) for s in SPLITS}
     counts: collections.Counter = collections.Counter()
-    tail: collections.Counter = collections.Counter()
+    tail: list = []
     details: dict = {}
     warned: set = set()
 
@@ -558,7 +559,7 @@ def run(args) -> dict:
                 if args.limit is not None and accepted >= args.limit:
                     break
             else:
-                count_skips(sorted(tail.elements()))  # after the last record (inputs read whole)
+                count_skips(tail)  # after the last record (inputs read whole)
         for s in SPLITS:
             writers[s].finish()
     except _Stop:

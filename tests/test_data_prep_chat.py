@@ -294,3 +294,17 @@ def test_loader_reads_packed_chat_shards(tmp_path, capsys):
             assert not msk.numpy()[pos.numpy() < p].any()  # the prompt (earlier turns) is never masked
             n += 1
     assert n == TURNS
+
+
+def test_skip_descriptions_come_in_input_order(tmp_path, spm_model, capsys):
+    """Records skipped after the last written one are described in input order too."""
+    rows = [{"messages": CHATS[0]}] + [
+        {"messages": [{"role": "user", "content": "w?"},
+                      {"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}]}] * 3 + [
+        {"conversations": [{"from": "human", "value": "x"}]}] * 2
+    src = write_jsonl(tmp_path / "t.jsonl", rows)
+    code, err = run_shard(capsys, "--input", src, "--output", tmp_path / "o", "--tokenizer",
+                          spm_model, "--max-length", 128, "--max-skip-fraction", 1)
+    assert code == 0, err
+    reasons = [ln.split("skipped (")[1].split(")")[0] for ln in err.splitlines() if "warning:" in ln]
+    assert reasons == ["tool_calls", "missing_field"]
