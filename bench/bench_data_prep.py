@@ -18,6 +18,12 @@ per-sample key check included), each run in a fresh process, and prints
 each run's peak RSS (`VmHWM`, Linux) and the growth per record between the two sizes, next to
 what a Python `set` of 16-byte digests (the former duplicate filter) and the current
 `DigestSet` hold for the larger size (tracemalloc / nbytes).
+
+    .venv/bin/python bench/bench_data_prep.py --long-doc [--doc-mb 21,5] [--tokenizer qwen3]
+
+Memory of one long document: shards, each in a fresh process, a tiny text (the baseline), a
+single `.txt` document of the first size (real stdlib sources, repeated), and a Parquet cell
+and a JSONL line of the second size, and prints each run's peak RSS (`VmHWM`).
 """
 from __future__ import annotations
 
@@ -31,7 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from data_prep import shard, train_tokenizer  # noqa: E402
+from data_prep import shard, stdlib_corpus, train_tokenizer  # noqa: E402
 from pipeline.tokenizer import qwen3_tokenizer_dir  # noqa: E402
 
 
@@ -101,10 +107,50 @@ def memory(sizes: list[int], tmp: Path, tok: str, code_root: str | None = None,
           f"(peak {ds_peak:.1f})")
 
 
+def long_doc(sizes_mb: list[float], tmp: Path, tok: str, code_root: str | None = None) -> None:
+    """Peak RSS of shard.py on one long document per input kind (fresh processes, Linux)."""
+    import json as _json
+    import subprocess
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    root = code_root or str(Path(__file__).resolve().parents[1])
+    src_root, text = stdlib_corpus.stdlib_root(), []
+    for rel in stdlib_corpus.stdlib_files():
+        text.append(Path(src_root, rel).read_text(encoding="utf-8", errors="replace"))
+    text = "".join(text)
+    txt_chars, cell_chars = (int(mb * 1e6) for mb in (sizes_mb[0], sizes_mb[-1]))
+    doc = (text * (txt_chars // len(text) + 1))[:txt_chars]
+    cell = doc[:cell_chars]
+    (tmp / "tiny.txt").write_text("a tiny document\n")
+    (tmp / "doc.txt").write_text(doc)
+    pq.write_table(pa.table({"text": [cell]}), tmp / "cell.parquet")
+    (tmp / "line.jsonl").write_text(_json.dumps({"text": cell}) + "\n")
+    print(f"tokenizer {tok}")
+    for name, what in (("tiny.txt", "baseline: a tiny text"),
+                       ("doc.txt", f"one {txt_chars / 1e6:g} M-character .txt document"),
+                       ("cell.parquet", f"one {cell_chars / 1e6:g} M-character Parquet cell"),
+                       ("line.jsonl", f"one {cell_chars / 1e6:g} M-character JSONL line")):
+        out = tmp / f"out-{name}"
+        child = _CHILD.format(root=root, src=str(tmp / name), out=str(out), tok=tok, pack=[])
+        t0 = time.perf_counter()
+        r = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True)
+        line = [ln for ln in r.stdout.splitlines() if ln.startswith("RSS")]
+        if not line or not line[0].endswith(" 0"):
+            raise SystemExit(f"shard.py failed: {r.stderr.strip()[-500:]}")
+        shutil.rmtree(out)
+        print(f"{what}: peak RSS {int(line[0].split()[1]) / 2**20:.0f} MiB "
+              f"({time.perf_counter() - t0:.0f} s)")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--memory", action="store_true", help="peak RSS per record at two sizes")
     ap.add_argument("--records", default="200000,1000000", help="corpus sizes for --memory")
+    ap.add_argument("--long-doc", action="store_true",
+                    help="peak RSS with one long document (.txt, Parquet cell, JSONL line)")
+    ap.add_argument("--doc-mb", default="21,5",
+                    help="--long-doc sizes in millions of characters: .txt, then cell/line")
     ap.add_argument("--unpacked", action="store_true",
                     help="--memory without --pack: one sample (~2.5 kB of tar) per record")
     ap.add_argument("--code-root", default=None, help=argparse.SUPPRESS)  # compare a checkout
@@ -121,6 +167,9 @@ def main() -> int:
         elif tok is None:
             tok = str(tmp / "spm.model")
             train_tokenizer.train(["stdlib"], tok, vocab_size=4000, max_sentences=20000)
+        if args.long_doc:
+            long_doc([float(x) for x in args.doc_mb.split(",")], tmp, tok, args.code_root)
+            return 0
         if args.memory:
             memory([int(x) for x in args.records.split(",")], tmp, tok, args.code_root,
                    pack=not args.unpacked)

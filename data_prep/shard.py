@@ -9,14 +9,15 @@ the loader (pipeline/data/loader.py reads what this writes). The output format i
 Determinism (reruns are byte-identical, whatever `--workers`):
 - a record's identity is the sha256 of its normalized content; exact duplicates are dropped;
 - sample key = the first 20 hex digits of that digest (`-<chunk>` appended for the 2nd.. chunk
-  of a long text); a packed sample's key is `p` + 20 hex digits of the sha256 of its members'
-  keys. Keys are unique (checked) and have no dots;
+  of a long text or the 2nd.. response turn of a chat); a packed sample's key is `p` + 20 hex
+  digits of the sha256 of its members' keys. Keys are unique (checked) and have no dots;
 - split: a record goes to `val` when the first 8 bytes of its digest, as an integer, are
   below `val_fraction * 2**64` (stable across seeds and input order);
 - slot size of segment j of sample `key` = `slot_sizes[u % len(slot_sizes)]`,
   u = first 8 bytes (little endian) of sha256(f"{seed}:{key}:{j}");
 - samples keep input order; tar members have mtime 0, fixed owner and mode (USTAR).
-Resume: a shard is written to a temporary name and renamed when complete, then listed in
+Resume (data_prep/resume.py decides what a used folder gets): a shard is written to a
+temporary name and renamed when complete, then listed in
 `manifest.partial.json` with the input position that follows it. A rerun with the same
 options keeps every listed shard whose file exists with the recorded size, skips the input
 records those shards hold (they are not tokenized again), and writes the rest. The partial
@@ -24,11 +25,25 @@ manifest is replaced by `manifest.json` at the end. (A resumed run still reads a
 every input record, which is cheap next to tokenization, so duplicates and splits come out
 the same.) The hidden option `--stop-after-shards N` stops as if killed after N shards, for
 resume tests.
+Inputs: both manifests record each input's identity (`sources.input_identity`: size,
+modification time, ETag where reported, and the sha256 of its bytes once read to its end).
+A rerun whose inputs differ (`sources.input_changes`) is refused in one line (exit code 2) or,
+with `--overwrite`, starts over; a resumed run checks each input's sha256 again as it reads it
+(`InputChanged`), so the kept shards and the new ones come from the same bytes.
 Memory: the duplicate filter and the key-collision check share one `data_prep.dedup.DigestSet`
 (16-byte digests in a sorted numpy array plus a small buffer); data prep's peak RSS grows by
 about 40 bytes per accepted record (measured by `bench/bench_data_prep.py --memory`: 42.7 B
 unpacked, 40.2 B packed; before: 462 and 97, a Python set of digests plus a set of keys, and
-tarfile's list of every member written to the open shard).
+tarfile's list of every member written to the open shard). A long text travels as pieces
+(`pipeline.tokenizer.text_pieces`; a text file over `sources.STREAM_TEXT_BYTES` is streamed) and its
+max-length chunks are cut as the pieces' tokens arrive (`writer.TextChunks`), so no stage holds
+a whole long document's tokens (data_prep/README.md "Memory" has the measured figures).
+Chat records: one item per response turn (`pipeline.tokenizer.chat_samples`); an item longer than
+max_length is dropped and counted as `over_length_turns` (a turn count, through the writers'
+skip counts so resume restores it).
+Skips: the first record skipped for each shape reason is described on one `warning:` line;
+a reason covering more than `--max-skip-fraction` of the input records ends the run with exit
+code 2 after the manifest is written (`duplicate`, `over_length`, `over_length_turns`: a note).
 `--limit N` stops after the N-th accepted record (one that is written: after dedup and the
 over-length filter), in input order; skip counts cover exactly the records before it.
 Special-token strings in content are encoded as text (pipeline/tokenizer.py); records that
@@ -42,7 +57,6 @@ import argparse
 import collections
 import contextlib
 import hashlib
-import json
 import os
 import signal
 import sys
@@ -60,24 +74,72 @@ from pipeline.common.cli import EXIT_DISK_FULL, EXIT_USAGE
 from pipeline.data.format import FORMAT_VERSION, MANIFEST, SPLITS
 
 from data_prep.dedup import DUPLICATE, KEY_COLLISION, DigestSet
-from data_prep.sources import (Fields, InputError, OneLineParser, Source, iter_records, normalize,
+from pipeline import tokenizer as tokenizers
+from data_prep.sources import (_READ_ERRORS, Fields, InputError, OneLineParser, Source, TextFile,
+                               _unreadable, input_identity, iter_records, normalize,
                                resolve_inputs)
-from pipeline.tokenizer import Tokenizer, TokenizerError, load_tokenizer
+from pipeline.tokenizer import (Tokenizer, TokenizerError, chat_samples, encode_piece,
+                                load_tokenizer, piece_end, piecewise_ok, qa_sample_bounded,
+                                text_pieces)
+# what to do with a used output folder (keep, resume, refuse, clear): data_prep/resume.py
+from data_prep.resume import PARTIAL, TOKENIZER_DIR, UserError, fingerprint, resume_state
 # the writing half lives in data_prep/writer.py; re-exported names are used by tests/benches
 from data_prep.writer import (_KEY_HEX, Item, Output, OutputError, OutputFull, SplitWriter,  # noqa: F401
-                              encode_sample, full_disk_error, make_segments, slot_size,
-                              write_sample)
+                              TextChunks, encode_sample, full_disk_error, make_segments,
+                              slot_size, write_sample)
 
-PARTIAL = "manifest.partial.json"
-TOKENIZER_DIR = "tokenizer"
-
-
-class UserError(Exception):
-    """A problem with the user's options or output folder; one-line message, exit code 2."""
+MAX_SKIP_FRACTION = 0.1    # default of --max-skip-fraction
+# reasons the --max-skip-fraction check only notes (one line, exit code unchanged): they are
+# the filters the options ask for (dropping exact repeats, --max-length), not input that was
+# misread; over_length_turns also counts assistant turns, not records
+_SHARE_NOTED = ("duplicate", "over_length", "over_length_turns")
 
 
 class NoSamples(Exception):
     """Every record was skipped (or there were none): nothing to train on; exit code 1."""
+
+
+class TooManySkipped(Exception):
+    """A skip reason covers more than --max-skip-fraction of the input records; the shards
+    are written; exit code 2."""
+
+
+def input_records(manifest: dict) -> int:
+    """Input records a manifest accounts for: records written plus records skipped (the
+    reasons that count records, i.e. all but `over_length_turns`)."""
+    skipped = manifest["skipped"]
+    return (manifest.get("counts", {}).get("records", 0)
+            + sum(v for k, v in skipped.items() if k != "over_length_turns"))
+
+
+def _check_skip_share(manifest: dict, max_fraction: float) -> None:
+    """Compare each skip reason's share of the input records with `max_fraction`.
+
+    A filter reason (`duplicate`, `over_length`, `over_length_turns`) over it gets a one-line
+    `note:` on stderr; any other reason over it raises TooManySkipped (one line naming each
+    reason, its count and share).
+    """
+    total = input_records(manifest)
+    if not total:
+        return
+    over = [(k, v) for k, v in manifest["skipped"].items() if v / total > max_fraction]
+    said = lambda rs: ", ".join(f"{k} {v} of {total} input records ({100 * v / total:.1f}%)"
+                                for k, v in rs)
+    noted = [(k, v) for k, v in over if k in _SHARE_NOTED]
+    if noted:
+        hint = ("; raise --max-length to keep long records"
+                if any(k.startswith("over_length") for k, _ in noted) else "")
+        print(f"shard.py: note: skipped {said(noted)}: more than --max-skip-fraction "
+              f"{max_fraction:g}, by the filters the options ask for (not an error){hint}",
+              file=sys.stderr)
+    bad = [(k, v) for k, v in over if k not in _SHARE_NOTED]
+    if not bad:
+        return
+    worst = max(v for _, v in bad) / total
+    raise TooManySkipped(
+        f"skipped {said(bad)}: more than --max-skip-fraction {max_fraction:g} (the shards are "
+        f"written without them); check the inputs and options, or pass --max-skip-fraction "
+        f"{min(1.0, worst + 0.005):.2f} to accept")
 
 
 def _check_not_empty(manifest: dict) -> None:
@@ -110,24 +172,31 @@ def split_of(digest: bytes, val_fraction: float) -> str:
 # ----------------------------------------------------------------------------- tokenization
 
 
-def tokenize_record(tok: Tokenizer, kind: str, payload: tuple[str, ...], max_length: int,
-                    long_text: str) -> list[tuple[np.ndarray, int]] | str:
-    """Token chunks `[(uint32[n], prompt_length)]` of one normalized record, or a skip reason.
+def tokenize_record(tok: Tokenizer, kind: str, payload: tuple, max_length: int,
+                    chat_turns: str = "all", first: bool = True):
+    """Tokens of one normalized record (or, for a text, one piece of it).
 
-    qa: one chunk `prompt + response + [eos]`; longer than max_length -> "over_length".
-    text: `encode(text) + [eos]`; when longer than max_length it is cut into consecutive
-    max_length-token chunks (long_text="split") or skipped as "over_length" ("skip").
+    qa / chat: `([(uint32[n], prompt_length)], n_dropped)` or a skip reason. qa: one item
+    `prompt + response + [eos]`; longer than max_length -> "over_length". chat: one item per
+    response turn (`pipeline.tokenizer.chat_samples`), turns longer than max_length
+    dropped and counted. Long contents are encoded in pieces and given up as soon as they are
+    too long, so memory does not grow with them.
+    text: `payload = (piece,)`; the piece's ids, uint32[n] (`first`: the text's first piece);
+    EOS and max-length chunks are added by `writer.TextChunks` in the main process.
     """
+    if kind == "text":
+        return np.asarray(encode_piece(tok, payload[0], first), dtype=np.uint32)
     if kind == "qa":
-        ids, p = tok.qa_sample(*payload)
-        if len(ids) > max_length:
+        got = qa_sample_bounded(tok, payload[0], payload[1], max_length)
+        if got is None:
             return "over_length"
-        return [(np.asarray(ids, dtype=np.uint32), p)]
-    ids, _ = tok.text_sample(payload[0])
-    if len(ids) > max_length and long_text == "skip":
-        return "over_length"
-    arr = np.asarray(ids, dtype=np.uint32)
-    return [(arr[i:i + max_length], 0) for i in range(0, len(arr), max_length)]
+        return [(np.asarray(got[0], dtype=np.uint32), got[1])], 0
+    turns = list(zip(payload[0::2], payload[1::2]))
+    got = chat_samples(tok, turns, chat_turns, max_length)
+    if isinstance(got, str):
+        return got
+    samples, dropped = got
+    return [(np.asarray(ids, dtype=np.uint32), p) for ids, p in samples], dropped
 
 
 _WORKER: dict = {}
@@ -141,11 +210,11 @@ def _init_worker(tokenizer_path: str | None) -> None:
         _WORKER["tok"] = load_tokenizer(tokenizer_path)
 
 
-def _tokenize_batch(batch, max_length: int, long_text: str, tok: Tokenizer | None = None):
+def _tokenize_batch(batch, max_length: int, chat_turns: str, tok: Tokenizer | None = None):
     """Results of `tokenize_record` for the records of a batch (None where not tokenized)."""
     tok = tok or _WORKER["tok"]
-    return [tokenize_record(tok, r.kind, r.payload, max_length, long_text) if r.tokenize else None
-            for r in batch]
+    return [tokenize_record(tok, r.kind, r.payload, max_length, chat_turns, r.piece == 0)
+            if r.tokenize else None for r in batch]
 
 
 # ----------------------------------------------------------------------------- pipeline
@@ -158,136 +227,100 @@ def _options(args, sources: list[Source]) -> dict:
         "long_text": args.long_text, "shard_samples": args.shard_samples,
         "shard_bytes": args.shard_bytes, "limit": args.limit, "dedup": "exact",
         "fields": {"query": args.query_field, "response": args.response_field,
-                   "text": args.text_field},
+                   "text": args.text_field, "messages": args.messages_field},
+        "chat_turns": args.chat_turns,
     }
     if any(s.is_stdlib for s in sources):
         opts["stdlib_python"] = sys.version.split()[0]
     return opts
 
 
-def _fingerprint(opts: dict, tok_json: dict) -> str:
-    blob = json.dumps({"options": opts, "tokenizer": tok_json}, sort_keys=True)
-    return hashlib.sha256(blob.encode()).hexdigest()
-
-
-_FLAGS = {"inputs": "--input", "format": "--format", "max_length": "--max-length",
-          "slot_sizes": "--slot-sizes", "seed": "--seed", "val_fraction": "--val-fraction",
-          "pack": "--pack", "long_text": "--long-text", "shard_samples": "--shard-samples",
-          "shard_bytes": "--shard-bytes", "limit": "--limit",
-          "fields": "--query-field/--response-field/--text-field",
-          "stdlib_python": "stdlib Python version"}
-
-
-def _differences(m: dict, opts: dict, tok_json: dict) -> str:
-    """What differs between a manifest's recorded options/tokenizer and this run's, in words:
-    `other options (--seed 0, now 9; ...)` and/or `another tokenizer (...)`."""
-    old = m.get("options")
-    if not isinstance(old, dict):  # an older partial manifest records only the fingerprint
-        return "other options or another tokenizer"
-    show = lambda v: json.dumps(v, ensure_ascii=False)
-    diffs = [f"{_FLAGS.get(k, k)} {show(old.get(k))}, now {show(opts.get(k))}"
-             for k in [*opts, *(k for k in old if k not in opts)] if old.get(k) != opts.get(k)]
-    parts = [f"other options ({'; '.join(diffs)})"] if diffs else []
-    oldtok = m.get("tokenizer")
-    if oldtok != tok_json:
-        oldtok = oldtok if isinstance(oldtok, dict) else {}
-        desc = lambda t: f"{t.get('name')} hash {str(t.get('hash'))[:12]}"
-        parts.append(f"another tokenizer ({desc(oldtok)}, now {desc(tok_json)})")
-    return " and ".join(parts) or "other options or another tokenizer"
-
-
-def _clear(out: Output) -> None:
-    """Remove what an earlier run wrote: manifests, `<split>-NNNNNN.tar` shards, tokenizer/."""
-    import re
-    pattern = re.compile(r"^(%s)-\d{6}\.tar$" % "|".join(SPLITS))
-    for p in out.fs.ls(out.root, detail=False):
-        name = p.rstrip("/").rsplit("/", 1)[-1]
-        if name in (MANIFEST, PARTIAL, TOKENIZER_DIR) or pattern.match(name):
-            out.remove(name)
-
-
-def _resume_state(out: Output, fingerprint: str, overwrite: bool, opts: dict,
-                  tok_json: dict) -> tuple[dict | None, dict]:
-    """(complete manifest or None, {split: kept entries}) for this output folder.
-
-    A folder made with the same options (same fingerprint) is kept or resumed. One made with
-    other options raises UserError naming the options (or tokenizer) that differ from `opts`
-    / `tok_json`, or is cleared first when `overwrite`.
-    """
-    fresh = None, {s: [] for s in SPLITS}
-    for n in (MANIFEST, PARTIAL):
-        if not out.exists(n):
-            continue
-        try:
-            m = out.read_json(n)
-            what = None if isinstance(m, dict) else "an unreadable manifest (not an object)"
-        except (ValueError, OSError) as e:
-            m, what = {}, f"an unreadable manifest ({type(e).__name__})"
-        if not isinstance(m, dict) or m.get("fingerprint") != fingerprint:
-            if overwrite:
-                _clear(out)
-                return fresh
-            what = what or _differences(m, opts, tok_json)
-            raise UserError(f"{out.path(n)}: this folder holds shards made with {what}; use "
-                            "another --output or pass --overwrite")
-        if n == MANIFEST:
-            listed = [e for split in SPLITS for e in m.get("splits", {}).get(split, [])]
-            if all(out.size(e["name"]) == e.get("bytes") for e in listed):
-                return m, {}
-            print(f"shard.py: {out.path(MANIFEST)} lists missing or changed shards; rebuilding",
-                  file=sys.stderr)
-            _clear(out)
-            return fresh
-        kept = {}
-        for split in SPLITS:
-            kept[split] = []
-            for e in m.get("progress", {}).get(split, []):
-                if out.size(e["name"]) != e["bytes"]:
-                    break  # missing or partial: redo from here
-                kept[split].append(e)
-        return None, kept
-    return fresh
-
-
 @dataclass
 class Record:
-    """One accepted record as it travels from reading to the writers (in input order).
+    """One accepted record (or one piece of a long text) as it travels from reading to the
+    writers (in input order).
 
     skips_before: stage-A skip reasons (malformed_json, duplicate, ...) met since the previous
     record; they are counted when this record is consumed, so a `--limit` stop counts exactly
     the records before the stopping point, whatever `--workers`. special_text: the record's
     content holds a special-token string (counted as `special_token_text`). tokenize: False for
     a record held by a kept shard (resume), which is not tokenized again.
+    A text comes as pieces (`piece` 0, 1, ..., `last` on the final one; pipeline.tokenizer
+    "long texts"): `skips_before` is on its first piece, `special_text` on its last;
+    `unsafe_cut`: this piece ends where no space allowed a cut. Other kinds are one piece.
     """
     split: str
     index: int      # within its split, after dedup
     key: str
-    kind: str       # "qa" | "text"
+    kind: str       # "qa" | "text" | "chat"
     payload: tuple
     skips_before: tuple = ()
     special_text: bool = False
     tokenize: bool = True
+    rid: str = ""   # record id (file#line) for messages
+    piece: int = 0
+    last: bool = True
+    unsafe_cut: bool = False
+
+
+class InputChanged(UserError):
+    """A resumed run found an input whose bytes differ from the interrupted run's."""
 
 
 def _stage_a(sources: list[Source], fmt: str, fields: Fields, val_fraction: float,
-             tok: Tokenizer, tail: collections.Counter):
-    """Read, normalize, dedup and split records; yields `Record`s in input order.
+             tok: Tokenizer, tail: list, details: dict, digests: dict,
+             recorded_sha: dict, whole_texts: bool):
+    """Read, normalize, dedup and split records; yields `Record`s in input order, a text as
+    its pieces (`pipeline.tokenizer.text_pieces`; one piece when `whole_texts`).
 
-    Skip reasons met after the last record are added to `tail` when the inputs end. Memory:
-    the duplicate filter (`data_prep.dedup.DigestSet`) keeps ~16 bytes per accepted record
-    (module docstring).
+    Skip reasons met after the last record are appended to `tail` (in input order) when the
+    inputs end; the first record skipped for each reason with a description fills
+    `details[reason]` ("<record id>: <what it had and what was expected>"). `digests[name]`:
+    sha256 of each input read to its
+    end; when `recorded_sha` (a resumed run's) holds another value for it, raises
+    InputChanged. Memory: the duplicate filter (`data_prep.dedup.DigestSet`) keeps ~16 bytes
+    per accepted record (module docstring); a text is held a piece at a time (a text file),
+    or as the one string its JSON line / Parquet cell is.
     """
     seen = DigestSet(width=16, key_bytes=_KEY_HEX // 2)
     n_split = {s: 0 for s in SPLITS}
     skips: list[str] = []
+    limit = float("inf") if whole_texts else tokenizers.MAX_PIECE_CHARS
+    cut = (lambda text, start: (len(text), True)) if whole_texts else piece_end
+
+    def skip(reason: str, detail: str | None, rid: str) -> None:
+        skips.append(reason)
+        if detail and reason not in details:
+            details[reason] = f"{rid}: {detail}"
+
+    def str_pieces(text: str):
+        if whole_texts:
+            return [(text, True)]
+        return ((text[a:b], safe) for a, b, safe in text_pieces(text))
+
     for source in sources:
-        for _, raw in iter_records(source, fmt, fields):
+        for rid, raw in iter_records(source, fmt, fields, digests):
             norm = normalize(raw, fmt, fields)
             if norm[0] == "skip":
-                skips.append(norm[1])
+                skip(norm[1], norm[2], rid)
                 continue
             kind, payload = norm[0], norm[1:]
-            digest = record_digest(kind, payload)
+            doc = payload[0] if kind == "text" and isinstance(payload[0], TextFile) else None
+            if doc is not None:
+                try:
+                    digest, nonblank = doc.scan(b"text")
+                except UnicodeDecodeError:
+                    skip("invalid_utf8", None, rid)
+                    continue
+                except _READ_ERRORS as e:
+                    _unreadable(rid, e)
+                    skip("unreadable_file", None, rid)
+                    continue
+                if not nonblank:
+                    skip("empty_text", None, rid)
+                    continue
+            else:
+                digest = record_digest(kind, payload)
             seen_as = seen.add(digest[:16])
             if seen_as == DUPLICATE:
                 skips.append("duplicate")
@@ -298,10 +331,30 @@ def _stage_a(sources: list[Source], fmt: str, fields: Fields, val_fraction: floa
             split = split_of(digest, val_fraction)
             index = n_split[split]
             n_split[split] += 1
-            yield Record(split, index, digest.hex()[:_KEY_HEX], kind, payload, tuple(skips),
-                         tok.has_special_text(*payload))
+            key = digest.hex()[:_KEY_HEX]
+            if kind != "text":
+                yield Record(split, index, key, kind, payload, tuple(skips),
+                             tok.has_special_text(*payload), rid=rid)
+                skips = []
+                continue
+            pieces = iter(doc.pieces(cut, limit) if doc is not None else str_pieces(payload[0]))
+            cur, special, j = next(pieces), False, 0
+            for nxt in pieces:
+                special = special or tok.has_special_text(cur[0])
+                yield Record(split, index, key, kind, (cur[0],), tuple(skips) if j == 0 else (),
+                             rid=rid, piece=j, last=False, unsafe_cut=not cur[1])
+                cur, j = nxt, j + 1
+            special = special or tok.has_special_text(cur[0])
+            yield Record(split, index, key, kind, (cur[0],), tuple(skips) if j == 0 else (),
+                         special, rid=rid, piece=j, last=True)
             skips = []
-    tail.update(skips)
+        want, got = recorded_sha.get(source.name), digests.get(source.name)
+        if want and got and want != got:
+            raise InputChanged(f"input {source.name} changed since the interrupted run (its "
+                               "bytes differ from those the kept shards were made from, though "
+                               "its size and modification time agree); pass --overwrite to make "
+                               "the shards again from the current inputs")
+    tail.extend(skips)
 
 
 def _batches(stream, resume_from: dict | None, max_records: int = 256, max_chars: int = 1 << 20):
@@ -324,7 +377,7 @@ def _ordered_results(batches, args, tok: Tokenizer):
     """Yield (batch, results) in input order; a bounded window of batches in flight."""
     if args.workers <= 1:
         for b in batches:
-            yield b, _tokenize_batch(b, args.max_length, args.long_text, tok)
+            yield b, _tokenize_batch(b, args.max_length, args.chat_turns, tok)
         return
     import multiprocessing as mp
     if sys.platform.startswith("linux"):
@@ -338,7 +391,8 @@ def _ordered_results(batches, args, tok: Tokenizer):
     with ctx.Pool(args.workers, initializer=init, initargs=initargs) as pool:
         window = collections.deque()
         for b in batches:
-            window.append((b, pool.apply_async(_tokenize_batch, (b, args.max_length, args.long_text))))
+            window.append((b, pool.apply_async(_tokenize_batch,
+                                               (b, args.max_length, args.chat_turns))))
             if len(window) >= 2 * args.workers:
                 b0, r0 = window.popleft()
                 yield b0, r0.get()
@@ -356,43 +410,57 @@ def _save_tokenizer(out: Output, tok: Tokenizer) -> None:
 
 
 def summary(where: str, manifest: dict) -> str:
-    """One line: location, samples / tokens / shards per split, skip counts by reason."""
+    """One line: location, samples / tokens / shards per split, skip counts by reason, and
+    the notes on special-token text and unsafe piece cuts when there are any."""
     parts = []
     for split in SPLITS:
         es = manifest["splits"][split]
         parts.append(f"{split} {sum(e['samples'] for e in es)} samples / "
                      f"{sum(e['tokens'] for e in es)} tokens in {len(es)} shard(s)")
     skipped = ", ".join(f"{k} {v}" for k, v in manifest["skipped"].items()) or "none"
-    special = manifest.get("counts", {}).get("special_token_text", 0)
+    counts = manifest.get("counts", {})
+    special, cuts = counts.get("special_token_text", 0), counts.get("unsafe_piece_cuts", 0)
     note = f"; {special} record(s) held special-token text (encoded as text)" if special else ""
+    if cuts:
+        note += (f"; {cuts} long-text cut(s) without a space near them (tokens at a cut may "
+                 "differ from whole-text tokenization)")
     return f"{where}: {'; '.join(parts)}; skipped: {skipped}{note}"
 
 
 def run(args) -> dict:
     """Run the pipeline for parsed `args`; returns the manifest (also written to the output).
 
-    Raises UserError / InputError / TokenizerError for user errors (one line each), and
-    NoSamples after writing the manifest when every record was skipped.
+    Raises UserError / InputError / TokenizerError for user errors (one line each), NoSamples
+    after writing the manifest when every record was skipped, and TooManySkipped after
+    writing it when a skip reason covers more than `args.max_skip_fraction` of the input.
     """
     t0 = time.time()
     tok = load_tokenizer(args.tokenizer)
     sources = resolve_inputs(args.input, output=args.output)
-    fields = Fields(args.query_field, args.response_field, args.text_field)
+    fields = Fields(args.query_field, args.response_field, args.text_field, args.messages_field)
     opts = _options(args, sources)
     tok_json = tok.info.to_json()
     tok_json["files"] = TOKENIZER_DIR
-    fingerprint = _fingerprint(opts, tok_json)
+    fp = fingerprint(opts, tok_json)
+    inputs = [input_identity(s) for s in sources]
     out = Output(args.output)
-    done, kept = _resume_state(out, fingerprint, args.overwrite, opts, tok_json)
+    done, kept, recorded_sha = resume_state(out, fp, args.overwrite, opts, tok_json,
+                                             inputs, sources)
     if done is not None:
         _check_not_empty(done)
-        print(f"shard.py: already complete (same options), kept {summary(args.output, done)}",
-              file=sys.stderr)
+        print(f"shard.py: already complete (same options, inputs unchanged), kept "
+              f"{summary(args.output, done)}", file=sys.stderr)
+        _check_skip_share(done, args.max_skip_fraction)
         return done
     out.remove_stale_temps()
     n_kept = sum(len(v) for v in kept.values())
     if n_kept:
         print(f"shard.py: resuming: keeping {n_kept} complete shard(s)", file=sys.stderr)
+    whole_texts = not piecewise_ok(tok)
+    if whole_texts:
+        print(f"shard.py: note: tokenizer {tok.info.name} gives other tokens when a text is cut "
+              "at a space, so each text is tokenized whole (memory grows with the longest "
+              "document)", file=sys.stderr)
     try:
         _save_tokenizer(out, tok)
     except OSError as e:
@@ -402,48 +470,92 @@ def run(args) -> dict:
         raise full from None
 
     state = {"closed": 0}
+    digests: dict = {}
+
+    def input_entries() -> list[dict]:
+        """The inputs with the sha256 known so far: a resumed run keeps the recorded one."""
+        out_ = []
+        for ident in inputs:
+            sha = recorded_sha.get(ident["name"]) or digests.get(ident["name"])
+            out_.append({**ident, "sha256": sha} if sha else dict(ident))
+        return out_
 
     def on_close(_writer):
         state["closed"] += 1
-        out.write_json(PARTIAL, {"fingerprint": fingerprint, "options": opts, "tokenizer": tok_json,
+        out.write_json(PARTIAL, {"fingerprint": fp, "options": opts, "tokenizer": tok_json,
+                                 "inputs": input_entries(),
                                  "progress": {s: writers[s].entries for s in SPLITS}})
         if args.stop_after_shards is not None and state["closed"] >= args.stop_after_shards:
             raise _Stop()
 
     writers = {s: SplitWriter(s, out, opts, kept[s], on_close) for s in SPLITS}
     counts: collections.Counter = collections.Counter()
-    tail: collections.Counter = collections.Counter()
-    stream = _stage_a(sources, args.format, fields, args.val_fraction, tok, tail)
+    tail: list = []
+    details: dict = {}
+    warned: set = set()
+
+    def count_skips(reasons) -> None:
+        """Count stage-A skips; the first of each described reason is printed, once."""
+        for reason in reasons:
+            counts[reason] += 1
+            if reason in details and reason not in warned:
+                warned.add(reason)
+                print(f"shard.py: warning: skipped ({reason}) {details[reason]}; further "
+                      "records skipped for this reason are counted, not shown", file=sys.stderr)
+
+    stream = _stage_a(sources, args.format, fields, args.val_fraction, tok, tail, details,
+                      digests, recorded_sha, whole_texts)
     # --limit counts accepted records, kept shards' records included: with a limit they are
     # tokenized again on resume (to know which were over-length); without, they are not.
     resume_from = None if args.limit is not None else {s: writers[s].start for s in SPLITS}
-    accepted, special = 0, 0
+    accepted, special, unsafe_cuts = 0, 0, 0
+    chunks: TextChunks | None = None  # the text being assembled from its pieces
     from tqdm import tqdm
     bar = tqdm(unit="rec", desc="shard", disable=args.no_progress or None, file=sys.stderr)
     try:
         with contextlib.closing(_ordered_results(_batches(stream, resume_from), args, tok)) as results:
             for batch, res_list in results:
                 for rec, res in zip(batch, res_list):
-                    counts.update(rec.skips_before)
-                    special += rec.special_text
+                    count_skips(rec.skips_before)
+                    unsafe_cuts += rec.unsafe_cut
                     w = writers[rec.split]
+                    items, c0 = [], 0  # (ids, prompt_length) of this record or piece; first index
+                    if rec.kind == "text":
+                        if rec.piece == 0:
+                            chunks = TextChunks(args.max_length, args.long_text)
+                        c0 = chunks.emitted
+                        if res is not None:
+                            items = [(c, 0) for c in chunks.add(res)]
+                            if rec.last:
+                                final = chunks.finish(tok.info.eos_id)
+                                if isinstance(final, str):
+                                    res = final  # over_length (--long-text skip)
+                                else:
+                                    items += [(c, 0) for c in final]
+                    elif isinstance(res, tuple):
+                        items, dropped = res
+                        if rec.index >= w.start[0]:  # earlier ones are counted by kept shards
+                            for _ in range(dropped):
+                                w.skip(rec.index, "over_length_turns")
+                    for c, (ids, p) in enumerate(items, start=c0):
+                        if (rec.index, c) >= w.start:
+                            w.add(Item(rec.split, rec.index, c,
+                                       rec.key if c == 0 else f"{rec.key}-{c}", ids, p))
+                    if not rec.last:
+                        continue
+                    special += rec.special_text
                     if isinstance(res, str):
                         if rec.index >= w.start[0]:  # earlier ones are counted by kept shards
                             w.skip(rec.index, res)
                         continue
                     accepted += 1
-                    for c, (ids, p) in enumerate(res or ()):
-                        if (rec.index, c) < w.start:
-                            continue
-                        w.add(Item(rec.split, rec.index, c,
-                                   rec.key if c == 0 else f"{rec.key}-{c}", ids, p))
                     if args.limit is not None and accepted >= args.limit:
                         break
-                bar.update(len(batch))
+                bar.update(sum(r.last for r in batch))
                 if args.limit is not None and accepted >= args.limit:
                     break
             else:
-                counts.update(tail)  # skips after the last record (the inputs were read to the end)
+                count_skips(tail)  # after the last record (inputs read whole)
         for s in SPLITS:
             writers[s].finish()
     except _Stop:
@@ -468,8 +580,10 @@ def run(args) -> dict:
         "splits": {s: [{k: e[k] for k in ("name", "samples", "tokens", "bytes", "sha256")}
                        for e in writers[s].entries] for s in SPLITS},
         "skipped": dict(sorted(skipped.items())),
-        "counts": {"special_token_text": special},
-        "fingerprint": fingerprint,
+        "counts": {"special_token_text": special, "records": accepted,
+                   "unsafe_piece_cuts": unsafe_cuts},
+        "inputs": input_entries(),
+        "fingerprint": fp,
     }
     try:
         out.write_json(MANIFEST, manifest)
@@ -482,6 +596,7 @@ def run(args) -> dict:
     _check_not_empty(manifest)
     print(f"shard.py: wrote {summary(args.output, manifest)} ({time.time() - t0:.1f} s)",
           file=sys.stderr)
+    _check_skip_share(manifest, args.max_skip_fraction)
     return manifest
 
 
@@ -519,8 +634,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "'stdlib' = the running interpreter's standard library sources. Repeatable.")
     p.add_argument("--output", required=True, metavar="DIR_OR_URL")
     p.add_argument("--tokenizer", required=True, metavar="HF_DIR_OR_SPM_MODEL")
-    p.add_argument("--format", choices=("auto", "qa", "text"), default="auto",
-                   help="qa = query/response pairs, text = documents, auto = per record "
+    p.add_argument("--format", choices=("auto", "qa", "text", "chat"), default="auto",
+                   help="qa = query/response pairs, text = documents, chat = conversations "
+                        "(a messages list), auto = per record: chat when it has the messages "
+                        "field, else qa when it has the query or response field, else text "
                         "(stdlib: auto gives both the files as text and the functions as qa)")
     p.add_argument("--max-length", type=int, default=4096, help="tokens per sample (default 4096)")
     p.add_argument("--slot-sizes", type=_slot_sizes, default=(4, 8, 16, 32))
@@ -539,6 +656,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--query-field", default="query")
     p.add_argument("--response-field", default="response")
     p.add_argument("--text-field", default="text")
+    p.add_argument("--messages-field", default="messages",
+                   help="field of a chat record: a list of {role, content} messages, roles "
+                        "system / user / assistant (data_prep/README.md 'Chat records')")
+    p.add_argument("--chat-turns", choices=("all", "last"), default="all",
+                   help="which assistant turns of a chat become responses: all (one sample "
+                        "each, the conversation before it as its prompt) or only the last")
+    p.add_argument("--max-skip-fraction", type=float, default=MAX_SKIP_FRACTION,
+                   help="exit with code 2 when a skip reason covers more than this share of "
+                        f"the input records (default {MAX_SKIP_FRACTION}); duplicate and "
+                        "over_length only get a note; the shards are written either way")
     p.add_argument("--overwrite", action="store_true",
                    help="when --output holds shards made with other options, delete them and "
                         "start over (same options: kept / resumed as usual)")
@@ -549,6 +676,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point; returns the exit code (0 ok, 1 no sample written, 2 user error,
+    3 a skip reason covers more than --max-skip-fraction of the input (shards written),
     4 the output filesystem is full or over quota, 130 interrupted by Ctrl-C; after 4 and 130
     complete shards are kept and a rerun resumes)."""
     # Ctrl-C must reach us even when started with SIGINT ignored (an inherited SIG_IGN, e.g.
@@ -568,6 +696,8 @@ def main(argv: list[str] | None = None) -> int:
         problems.append("--shard-samples and --shard-bytes must be >= 1")
     if args.limit is not None and args.limit < 1:
         problems.append("--limit must be >= 1")
+    if not 0.0 <= args.max_skip_fraction <= 1.0:
+        problems.append("--max-skip-fraction must be in [0, 1]")
     if problems:
         parser.error("; ".join(problems))
     try:
@@ -581,6 +711,9 @@ def main(argv: list[str] | None = None) -> int:
     except NoSamples as e:
         print(f"shard.py: error: {e}", file=sys.stderr)
         return 1
+    except TooManySkipped as e:
+        print(f"shard.py: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
     except KeyboardInterrupt:
         print("shard.py: interrupted; rerun the same command to resume", file=sys.stderr)
         return 130

@@ -6,9 +6,10 @@ ids 0..3 = `<pad>`, `<unk>`, `<s>` (bos), `</s>` (eos), then `<|mask|>`, `<|user
 `<|assistant|>` as single pieces (user-defined symbols), byte fallback (every string
 encodes), identity normalization and no whitespace folding (code round-trips exactly:
 `decode(encode(s)) == s`).
-Must not touch: shards (shard.py), the Hugging Face path (tokenizer_io.py).
+Must not touch: shards (shard.py), the Hugging Face path (pipeline/tokenizer.py).
 
-Training text: each text document, and each query/response pair as `query + response`, cut
+Training text: each text document, each query/response pair as `query + response` and each
+chat conversation as its messages' contents in order (roles left out), cut
 at line boundaries into pieces of about `--piece-chars` characters (SentencePiece drops
 "sentences" longer than its max_sentence_length). Training is deterministic for the same
 inputs and options (no sentence shuffling; the first `--max-sentences` pieces are used).
@@ -30,8 +31,8 @@ import fsspec
 
 from pipeline.common.cli import EXIT_DISK_FULL, EXIT_USAGE
 
-from data_prep.sources import (Fields, InputError, OneLineParser, iter_records, normalize,
-                               resolve_inputs, url_to_fs)
+from data_prep.sources import (Fields, InputError, OneLineParser, TextFile, iter_records,
+                               normalize, resolve_inputs, url_to_fs)
 from pipeline.tokenizer import SPM_ASSISTANT, SPM_MASK, SPM_USER
 
 
@@ -46,14 +47,25 @@ def training_pieces(inputs: list[str], fmt: str = "auto", fields: Fields = Field
             norm = normalize(raw, fmt, fields)
             if norm[0] == "skip":
                 continue
-            text = "".join(norm[1:])
+            if norm[0] == "chat":
+                texts = norm[2::2]  # the contents (roles are not text)
+            elif isinstance(norm[1], TextFile):  # a large text file, read in blocks
+                try:
+                    norm[1].scan(b"")
+                except (OSError, ValueError):
+                    continue
+                texts = (piece for piece, _ in norm[1].pieces(
+                    lambda t, start: (min(len(t), start + piece_chars), True), piece_chars))
+            else:
+                texts = norm[1:]
             buf, n = [], 0
-            for line in text.splitlines(keepends=True):
-                buf.append(line)
-                n += len(line)
-                if n >= piece_chars:
-                    yield "".join(buf)
-                    buf, n = [], 0
+            for text in texts:
+                for line in text.splitlines(keepends=True):
+                    buf.append(line)
+                    n += len(line)
+                    if n >= piece_chars:
+                        yield "".join(buf)
+                        buf, n = [], 0
             if buf:
                 yield "".join(buf)
 
@@ -103,17 +115,18 @@ def main(argv: list[str] | None = None) -> int:
                    help="same inputs as shard.py (repeatable)")
     p.add_argument("--output", required=True, help="model file to write, e.g. tok/spm.model")
     p.add_argument("--vocab-size", type=int, default=8000)
-    p.add_argument("--format", choices=("auto", "qa", "text"), default="auto")
+    p.add_argument("--format", choices=("auto", "qa", "text", "chat"), default="auto")
     p.add_argument("--max-sentences", type=int, default=200_000,
                    help="train on at most this many text pieces (the first ones)")
     p.add_argument("--piece-chars", type=int, default=2000)
     p.add_argument("--query-field", default="query")
     p.add_argument("--response-field", default="response")
     p.add_argument("--text-field", default="text")
+    p.add_argument("--messages-field", default="messages")
     args = p.parse_args(argv)
     if args.vocab_size < 16:
         p.error("--vocab-size must be >= 16")
-    fields = Fields(args.query_field, args.response_field, args.text_field)
+    fields = Fields(args.query_field, args.response_field, args.text_field, args.messages_field)
     try:
         url_to_fs(args.output, "--output")  # a missing fsspec package: say so before training
         info = train(args.input, args.output, args.vocab_size, args.format, fields,

@@ -89,6 +89,54 @@ class Item:
 
 
 
+class TextChunks:
+    """The items of one text document whose tokens arrive in pieces, in order.
+
+    The document's sample tokens are `encode(text) + [eos]`; with `long_text="split"` they are
+    cut into consecutive `max_length`-token chunks (the last may be shorter), each an item
+    with prompt length 0, returned as soon as they are complete (`add`) and at the end
+    (`finish`); only the incomplete tail (< max_length tokens) is held. With `"skip"` the one
+    chunk is returned by `finish`, or "over_length" when the document has more than
+    `max_length - 1` tokens (then nothing beyond max_length tokens is held). `emitted`: chunks
+    returned so far (the next chunk's index within the document).
+    """
+
+    def __init__(self, max_length: int, long_text: str):
+        self.max_length, self.split = max_length, long_text == "split"
+        self.parts: list[np.ndarray] = []
+        self.n, self.over, self.emitted = 0, False, 0
+
+    def add(self, ids: np.ndarray) -> list[np.ndarray]:
+        """Take the next piece's ids (uint32[n]); return the chunks completed by it."""
+        if self.over or not len(ids):
+            return []
+        self.parts.append(ids)
+        self.n += len(ids)
+        if not self.split:
+            if self.n + 1 > self.max_length:
+                self.over, self.parts = True, []
+            return []
+        if self.n < self.max_length:
+            return []
+        arr, L = np.concatenate(self.parts), self.max_length
+        k = len(arr) // L
+        rest = arr[k * L:].copy()
+        self.parts, self.n = ([rest] if len(rest) else []), len(rest)
+        self.emitted += k
+        return [arr[i * L:(i + 1) * L] for i in range(k)]
+
+    def finish(self, eos_id: int) -> list[np.ndarray] | str:
+        """The remaining chunks (the last ends with `eos_id`), or "over_length" (skip mode)."""
+        if self.over:
+            return "over_length"
+        arr = np.concatenate(self.parts + [np.array([eos_id], dtype=np.uint32)])
+        self.parts, self.n = [], 0
+        L = self.max_length
+        out = [arr[i:i + L] for i in range(0, len(arr), L)]
+        self.emitted += len(out)
+        return out
+
+
 # ----------------------------------------------------------------------------- output
 
 FULL_ERRNOS = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "disk quota exceeded"}

@@ -2,9 +2,11 @@
 training-time checks and decoding.
 
 Owns: loading a tokenizer from a path, adding the ReFusion special tokens to a Hugging Face
-tokenizer, turning a text document or a query/response pair into token ids with a prompt
-length, describing the tokenizer for `manifest.json`, and writing a tokenizer next to exported
-weights (`save_tokenizer`, SentencePiece -> Hugging Face conversion checked id for id).
+tokenizer, turning a text document, a query/response pair or a chat conversation into token
+ids with a prompt length, cutting long texts into pieces that tokenize like the whole text
+("long texts" below), describing the tokenizer for `manifest.json`, and writing a tokenizer
+next to exported weights (`save_tokenizer`, SentencePiece -> Hugging Face conversion checked id
+for id).
 Must not touch: input reading, slots, shards (`data_prep/`), weights (`pipeline.model.hf`).
 
 Sample layout (the reference ReFusion `train.py` does the same for Hugging Face tokenizers):
@@ -501,3 +503,247 @@ def save_tokenizer(tokenizer_src, out, added_tokens=REFUSION_TOKENS) -> dict[str
         tok.add_special_tokens({"additional_special_tokens": missing})
     tok.save_pretrained(str(out))
     return {"length": len(tok), "mask_token_id": tok.get_vocab().get("<|mask|>", -1)}
+
+
+# ----------------------------------------------------------------------------- long texts
+#
+# A long text is tokenized in pieces so the tokenizer's working memory (about 150 bytes per
+# character for a Hugging Face fast tokenizer: its Encoding keeps offsets, strings and masks
+# per token) is bounded by the piece length, not the document's. A piece ends just before a
+# space (U+0020) that follows a letter or a digit. There, both tokenizer kinds start a new
+# unit whatever precedes it: Qwen3-style byte-level BPE pre-tokenizes a letter/digit run
+# apart from the whitespace after it, and SentencePiece starts a new word at each
+# whitespace-after-text (`split_by_whitespace`); merges never cross such a boundary. So the
+# concatenated pieces' ids equal the whole text's ids. SentencePiece's dummy prefix (a `▁`
+# added at the start of the input) belongs to the first piece only; later pieces are encoded
+# by a copy of the model without it. `piecewise_ok` checks the rule on a probe text once per
+# tokenizer; a tokenizer that fails it (e.g. one that adds a prefix space to every input) gets
+# whole-text tokenization, with a notice. A stretch of MAX_PIECE_CHARS characters with no such
+# space (rare: long runs of unspaced script, base64) is cut where it reaches that length;
+# tokens at such a cut may differ from whole-text tokenization, and data prep counts these cuts.
+
+PIECE_CHARS = 32_768       # characters per piece, aimed at (the last space-cut before it)
+MAX_PIECE_CHARS = 262_144  # characters per piece, at most
+_SPACE_CUT = re.compile(r"(?<=[^\W_]) ")  # a space after a letter or digit: cut before it
+
+_PROBE = ("Piecewise tokenization probe: ordinary words, digits 12345 67.89, punctuation "
+          "(parentheses), 'quotes' and \"double quotes\", it's, we'll.\n  indented line\n\n"
+          "def f(x):\n    return x * 2  # comment\n\tTabbed\tline  with  double  spaces\n"
+          "Ünïcödé wörds, 汉字 测试 文本, кириллица текст, عربى نص, emoji ☃ ok, a_b c-d e.f\n"
+          "<|im_end|> <|mask|> <think> x</s> y<s> z\r\nend")
+
+
+def piece_end(text: str, start: int, target: int | None = None,
+              limit: int | None = None) -> tuple[int, bool]:
+    """End offset of the piece of `text` that starts at `start`, and whether it is a safe cut.
+
+    The piece ends at the last space-after-letter/digit in `(start + target/2, start +
+    target]`, else at the first one after it up to `start + limit`, else at `start + limit`
+    (unsafe: tokens there may differ from whole-text tokenization). The end of `text` is
+    returned (safe) when it is at most `target` characters away. target / limit: characters,
+    default PIECE_CHARS / MAX_PIECE_CHARS (read at call time). Only
+    `text[start : start + limit + 1]` is looked at.
+    """
+    target = PIECE_CHARS if target is None else target
+    limit = MAX_PIECE_CHARS if limit is None else limit
+    n = len(text)
+    if n - start <= target:
+        return n, True
+    last = None
+    for m in _SPACE_CUT.finditer(text, start + max(1, target // 2), start + target + 1):
+        last = m.start()
+    if last is None:
+        m = _SPACE_CUT.search(text, start + target + 1, min(n, start + limit) + 1)
+        if m is None:
+            end = min(n, start + limit)
+            return end, end == n
+        last = m.start()
+    return last, True
+
+
+def text_pieces(text: str, target: int | None = None,
+                limit: int | None = None) -> list[tuple[int, int, bool]]:
+    """`[(start, end, safe)]` covering `text` in order (see `piece_end`); `safe` is False for
+    a piece that ends at an unsafe cut."""
+    out, pos = [], 0
+    while pos < len(text) or not out:
+        end, safe = piece_end(text, pos, target, limit)
+        out.append((pos, end, safe))
+        pos = end
+    return out
+
+
+def encode_piece(tok: Tokenizer, text: str, first: bool = True) -> list[int]:
+    """Token ids of one piece of a text: `tok.encode(text)` for the first piece; a later
+    piece of the same text is encoded as a continuation (SentencePiece: without the dummy
+    prefix). Concatenated over the pieces of `text_pieces`, equal to `tok.encode(text)` when
+    `piecewise_ok(tok)` and every cut is safe."""
+    if first or not isinstance(tok, SPMTokenizer):
+        return tok.encode(text)
+    cont = getattr(tok, "_continuation", None)
+    if cont is None:
+        import sentencepiece as spm
+        from sentencepiece import sentencepiece_model_pb2 as pb
+        proto = pb.ModelProto.FromString(tok.sp.serialized_model_proto())
+        proto.normalizer_spec.add_dummy_prefix = False
+        cont = spm.SentencePieceProcessor()
+        cont.LoadFromSerializedProto(proto.SerializeToString())
+        tok._continuation = cont
+    return cont.EncodeAsIds(text)
+
+
+def piecewise_ok(tok: Tokenizer) -> bool:
+    """True when cutting a text at every space-after-letter/digit of a probe text (mixed
+    scripts, code, digits, special-token strings) and encoding the pieces gives the whole
+    text's ids (cached on `tok`)."""
+    ok = getattr(tok, "_piecewise_ok", None)
+    if ok is None:
+        whole = tok.encode(_PROBE)
+        cuts = [0] + [m.start() for m in _SPACE_CUT.finditer(_PROBE)] + [len(_PROBE)]
+        ids: list[int] = []
+        for a, b in zip(cuts, cuts[1:]):
+            ids += encode_piece(tok, _PROBE[a:b], first=a == 0)
+        ok = tok._piecewise_ok = ids == whole
+    return ok
+
+
+def encode_bounded(tok: Tokenizer, text: str, limit: int, first: bool = True) -> list[int] | None:
+    """`tok.encode(text)` (as `encode_piece(.., first)`), or None as soon as it is known to hold
+    more than `limit` tokens. Long texts are encoded piece by piece (`text_pieces`), so a
+    huge text costs one piece's tokenizer memory before it is found too long."""
+    if len(text) <= PIECE_CHARS or not piecewise_ok(tok):
+        ids = encode_piece(tok, text, first)
+        return ids if len(ids) <= limit else None
+    ids = []
+    for a, b, _ in text_pieces(text):
+        ids += encode_piece(tok, text[a:b], first=first and a == 0)
+        if len(ids) > limit:
+            return None
+    return ids
+
+
+def qa_sample_bounded(tok: Tokenizer, query: str, response: str,
+                      max_length: int) -> tuple[list[int], int] | None:
+    """`tok.qa_sample(query, response)`, or None when it would exceed `max_length` tokens;
+    the query and the response are encoded piece by piece with early stop (`encode_bounded`)."""
+    budget = max_length - 1  # the EOS
+    if isinstance(tok, HFTokenizer):
+        prefix, suffix = tok._template_parts()
+        parts = prefix[:-1] + [prefix[-1] + query + suffix[0]] + suffix[1:]
+    else:
+        head = [tok.info.bos_id] if tok.info.bos_id is not None else []
+        parts = head + [tok.user_id, query, tok.assistant_id]
+    prompt = _encode_parts(tok, parts, budget)
+    if prompt is None:
+        return None
+    response_ids = encode_bounded(tok, response, budget - len(prompt))
+    if response_ids is None:
+        return None
+    return prompt + response_ids + [tok.info.eos_id], len(prompt)
+
+
+def _encode_parts(tok: Tokenizer, parts: list, limit: int) -> list[int] | None:
+    """Ids of a list of template parts (int: a special id; str: text, encoded as text), or
+    None when more than `limit`."""
+    out: list[int] = []
+    for p in parts:
+        if isinstance(p, int):
+            out.append(p)
+        elif p:
+            ids = encode_bounded(tok, p, limit - len(out))
+            if ids is None:
+                return None
+            out += ids
+        if len(out) > limit:
+            return None
+    return out
+
+
+# ----------------------------------------------------------------------------- chat records
+#
+# A chat record is a list of (role, content) turns, roles system / user / assistant. Each
+# assistant turn with content that has at least one message before it is a response; its
+# prompt is the conversation before it rendered as at inference time, with the generation
+# prompt:
+# - Hugging Face: `apply_chat_template(turns[:i], add_generation_prompt=True)`. The
+#   template's own special tokens become their ids and the rest is encoded as text. When a
+#   content holds a special-token string, each content is rendered as a placeholder and
+#   inserted afterwards as text (so it never becomes a special id; the template then sees the
+#   placeholder, not the content, e.g. Qwen3 keeps an earlier turn's `<think>` block).
+# - SentencePiece: `[bos]` + a leading system message's content as text, then `<|user|>` +
+#   content for a user turn and `<|assistant|>` + content + `</s>` for an assistant turn, and
+#   `<|assistant|>` last. (No system marker exists: a system message after the first turn is
+#   skipped as `system_not_first`.)
+# The response is `encode(content) + [eos]`, as for a query/response pair; so a user turn and
+# an assistant turn give exactly `qa_sample(query, response)`.
+
+_CHAT_PLACEHOLDER = re.compile("\ue000([0-9]+)\ue001")
+
+
+def _chat_prompt_parts(tok: Tokenizer, turns: list[tuple[str, str]]) -> list | str:
+    """Template parts (str text / int special id) of the prompt before an assistant turn, or a
+    skip reason (`template_error`, `system_not_first`)."""
+    if isinstance(tok, HFTokenizer):
+        contents = [c for _, c in turns]
+        verbatim = tok.has_special_text(*contents)
+        msgs = [{"role": r, "content": f"\ue000{i}\ue001" if verbatim else c}
+                for i, (r, c) in enumerate(turns)]
+        try:
+            text = tok.tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        except Exception:  # a template is code: any error means it cannot render this record
+            return "template_error"
+        pat, ids = tok.special_text_pattern(), tok.tok.convert_tokens_to_ids
+        parts, pos = [], 0
+        for m in pat.finditer(text):
+            parts += [text[pos:m.start()], ids(m.group())]
+            pos = m.end()
+        parts.append(text[pos:])
+        if verbatim:
+            parts = [_CHAT_PLACEHOLDER.sub(lambda m: contents[int(m.group(1))], p)
+                     if isinstance(p, str) else p for p in parts]
+        return parts
+    parts: list = [tok.info.bos_id] if tok.info.bos_id is not None else []
+    for j, (role, content) in enumerate(turns):
+        if role == "system":
+            if j:
+                return "system_not_first"
+            parts.append(content)
+        elif role == "user":
+            parts += [tok.user_id, content]
+        else:
+            parts += [tok.assistant_id, content, tok.info.eos_id]
+    return parts + [tok.assistant_id]
+
+
+def chat_samples(tok: Tokenizer, turns: list[tuple[str, str]], which: str,
+                 max_length: int) -> tuple[list[tuple[list[int], int]], int] | str:
+    """Samples of one chat record: `([(ids, prompt_length)], n_dropped)` or a skip reason.
+
+    turns: `(role, content)` in order, roles "system" / "user" / "assistant" (checked by
+    `data_prep.sources.normalize`). which: "all" (every assistant turn with content and a
+    message before it is a response, in order) or "last" (the last such turn only).
+    Each sample is `prompt + encode(content) + [eos]` (module comment above), at most
+    `max_length` tokens; longer ones are dropped and counted in `n_dropped`. Skip reasons:
+    `no_assistant_turn` (no response turn), `over_length` (every response turn too long),
+    `template_error`, `system_not_first` (SentencePiece).
+    """
+    targets = [i for i, (r, c) in enumerate(turns) if r == "assistant" and i > 0 and c.strip()]
+    if which == "last":
+        targets = targets[-1:]
+    if not targets:
+        return "no_assistant_turn"
+    samples, dropped, budget = [], 0, max_length - 1  # the EOS
+    for i in targets:
+        parts = _chat_prompt_parts(tok, turns[:i])
+        if isinstance(parts, str):
+            return parts
+        prompt = _encode_parts(tok, parts, budget)
+        response = (None if prompt is None
+                    else encode_bounded(tok, turns[i][1], budget - len(prompt)))
+        if response is None:
+            dropped += 1
+            continue
+        samples.append((prompt + response + [tok.info.eos_id], len(prompt)))
+    if not samples:
+        return "over_length"
+    return samples, dropped

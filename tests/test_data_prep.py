@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from data_prep import shard, stdlib_corpus, train_tokenizer
+from pipeline.common.cli import EXIT_USAGE
 from pipeline.tokenizer import load_tokenizer, qwen3_tokenizer_dir
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -273,15 +274,38 @@ def test_every_skip_reason_is_counted(tmp_path, spm_model, capsys):
     src = write_jsonl(tmp_path / "bad.jsonl", rows)
     (tmp_path / "broken.json").write_text('[{"query": "a", "response": "b"}')  # malformed list
     out = tmp_path / "out"
-    code, err = run_shard(capsys, "--input", src, "--input", tmp_path / "broken.json",
-                          "--output", out, "--tokenizer", spm_model, "--max-length", 32)
-    assert code == 0, err
+    args = ["--input", src, "--input", tmp_path / "broken.json", "--output", out,
+            "--tokenizer", spm_model, "--max-length", 32]
+    code, err = run_shard(capsys, *args)
+    # 3 reasons cover 2 of the 13 input records each (15.4% > the default 10%): the shards are
+    # written, the run says so on its last line and exits 2
+    assert code == EXIT_USAGE == 2, err
+    assert err.strip().splitlines()[-1] == (
+        "shard.py: error: skipped invalid_utf8 2 of 13 input records (15.4%), malformed_json 2 "
+        "of 13 input records (15.4%), wrong_type 2 of 13 input records (15.4%): more than "
+        "--max-skip-fraction 0.1 (the shards are written without them); check the inputs and "
+        "options, or pass --max-skip-fraction 0.16 to accept")
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["skipped"] == {"duplicate": 1, "empty_response": 1, "empty_text": 1,
                                    "invalid_utf8": 2, "malformed_json": 2, "missing_field": 1,
                                    "over_length": 1, "wrong_type": 2}
+    assert manifest["counts"]["records"] == 2 and shard.input_records(manifest) == 13
     assert sum(e["samples"] for e in manifest["splits"]["train"]) == 2
     assert "skipped: duplicate 1, empty_response 1, empty_text 1, invalid_utf8 2" in err
+    # the shape skips are described once each: the first such record, its fields, the expected
+    warnings = [ln for ln in err.splitlines() if "warning:" in ln]
+    assert warnings == [
+        f"shard.py: warning: skipped (wrong_type) {src}#6: the record is a list; expected an "
+        'object with "messages" (chat), "query" and "response" (pair) or "text" (document); '
+        "further records skipped for this reason are counted, not shown",
+        f'shard.py: warning: skipped (missing_field) {src}#8: the record has fields "query"; '
+        'expected "query" and "response"; further records skipped for this reason are counted, '
+        "not shown"]
+    # allowing the share: the same folder is complete, exit 0 (the option is not a shard option)
+    code, err = run_shard(capsys, *args, "--max-skip-fraction", 0.16)
+    assert code == 0 and "already complete" in err, err
+    code, err = run_shard(capsys, *args)  # and the check is made again without it
+    assert code == EXIT_USAGE and "already complete" in err, err
 
 
 # ----------------------------------------------------------------------------- determinism
@@ -473,9 +497,17 @@ def test_nothing_written_exits_1_with_one_line(tmp_path, spm_model, capsys):
     ]
     for i, (extra, want) in enumerate(cases):
         out = tmp_path / f"o{i}"
-        for _ in range(2):  # the rerun ("already complete") says the same
+        for rerun in range(2):  # the rerun ("already complete") says the same
             code, err = run_shard(capsys, *extra, "--output", out, "--tokenizer", spm_model)
-            assert code == 1 and err.strip() == f"shard.py: error: {want}", (extra, err)
+            lines = err.strip().splitlines()
+            assert code == 1 and lines[-1] == f"shard.py: error: {want}", (extra, err)
+            # a record skipped for its shape is described first (not on the rerun: not read)
+            described = i == 2 and not rerun
+            assert len(lines) == 1 + described, err
+            if described:
+                assert lines[0] == (f"shard.py: warning: skipped (missing_field) {tmp_path / 'doc.txt'}: "
+                                    'the record has fields "text"; expected "query" and "response"; '
+                                    "further records skipped for this reason are counted, not shown")
             assert (out / "manifest.json").exists()
 
 

@@ -79,7 +79,8 @@ def test_spm_special_strings_in_content_are_text(tmp_path, spm_model, capsys):
                           "--tokenizer", spm_model, "--max-length", 256)
     assert code == 0, err
     manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["counts"] == {"special_token_text": len(rows)}
+    assert manifest["counts"] == {"special_token_text": len(rows), "records": len(rows),
+                                  "unsafe_piece_cuts": 0}
     assert f"{len(rows)} record(s) held special-token text" in err
     samples = read_samples(str(out))["train"]
     assert len(samples) == len(rows)
@@ -138,7 +139,8 @@ def test_qwen3_special_strings_in_content_are_text(tmp_path, capsys):
     code, err = run_shard(capsys, *sum((["--input", i] for i in inputs), []), "--output", out,
                           "--tokenizer", qdir, "--max-length", 256)
     assert code == 0, err
-    assert json.loads((out / "manifest.json").read_text())["counts"] == {"special_token_text": len(rows)}
+    counts = json.loads((out / "manifest.json").read_text())["counts"]
+    assert counts == {"special_token_text": len(rows), "records": len(rows), "unsafe_piece_cuts": 0}
     samples = read_samples(str(out))["train"]
     assert len(samples) == len(rows)
     by_query = {r["query"]: r for r in rows if "query" in r}
@@ -173,7 +175,7 @@ def test_limit_counts_written_records_and_resumes(tmp_path, spm_model, capsys, m
     rows += [b"{broken after the stop"]
     src = write_jsonl(tmp_path / "qa.jsonl", rows)
     args = ["--input", src, "--format", "qa", "--tokenizer", spm_model, "--max-length", 32,
-            "--limit", 4, "--shard-samples", 1]
+            "--limit", 4, "--shard-samples", 1, "--max-skip-fraction", 1]  # over_length 20 of 27
     a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
     code, err = run_shard(capsys, *args, "--output", a)
     assert code == 0, err
@@ -202,7 +204,8 @@ def test_jsonl_line_endings(tmp_path, spm_model, capsys, eol):
     (tmp_path / "b.jsonl.gz").write_bytes(gzip.compress(blob.replace(b'": "q', b'": "Q')))
     out = tmp_path / "out"
     code, err = run_shard(capsys, "--input", tmp_path / "a.jsonl", "--input", tmp_path / "b.jsonl.gz",
-                          "--output", out, "--tokenizer", spm_model, "--max-length", 32)
+                          "--output", out, "--tokenizer", spm_model, "--max-length", 32,
+                          "--max-skip-fraction", 0.2)  # malformed_json: 2 of 12 records
     assert code == 0, err
     m = json.loads((out / "manifest.json").read_text())
     assert sum(e["samples"] for e in m["splits"]["train"]) == 10

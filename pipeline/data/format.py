@@ -12,6 +12,9 @@ import json
 # The manifest of a shard folder, and the version of the layout it describes.
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
+# The manifest of a folder data prep is still writing (or was interrupted writing); the loader
+# never reads such a folder.
+PARTIAL_MANIFEST = "manifest.partial.json"
 # The split names data_prep writes (a manifest may list others; the loader reads any).
 SPLITS = ("train", "val")
 
