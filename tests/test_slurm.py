@@ -4,15 +4,17 @@ signal, requeue, resume from the checkpoint (not from scratch), finish.
 The cluster is the project's own (tests/slurm/local_cluster.sh: Debian's Slurm, installed with
 apt-get when missing, private config, node name `refusion-node` that is not a host name, so
 pretrain.sh must take the master address from `scontrol show node`). The `slurm_cluster`
-fixture starts it once for this module (and stops it afterwards when it started it); the
-cluster tests are skipped with one reason when this machine cannot run it (not root, no
-apt-get) or when REFUSION_SLURM_TESTS=0, and fail when it should run but does not.
+fixture starts it once for this module and stops it afterwards when it started it and no other
+test session uses it. The cluster tests are skipped with one reason when this machine cannot
+run it (not root, no apt-get) or when REFUSION_SLURM_TESTS=0, and fail when it should run but
+does not.
 `sbatch --wait` and exit codes are not trusted (a job step can fail while sbatch reports
 success): every check reads the job's log, metrics.jsonl and checkpoint folder.
 A requeued job waits for the cluster's cred_expire (30 s) before it starts again.
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
@@ -61,14 +63,24 @@ def slurm_cluster():
     conf = re.search(r"^export SLURM_CONF=(\S+)$", r.stdout, re.M)
     assert conf, r.stdout
     started = re.search(r"^# started:(.*)$", r.stdout, re.M)
+    # a shared lock per test session using the cluster: the session that started it stops it
+    # afterwards only when no other session (another checkout's tests) still holds one
+    users = open(Path(conf.group(1)).parent.parent / "test-sessions.lock", "a")
+    fcntl.flock(users, fcntl.LOCK_SH)
     mp = pytest.MonkeyPatch()
     mp.setenv("SLURM_CONF", conf.group(1))
     try:
         yield conf.group(1)
     finally:
         mp.undo()
-        if started and started.group(1).strip():  # we started it: leave the machine as it was
+        try:
+            fcntl.flock(users, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            alone = True
+        except OSError:
+            alone = False
+        if alone and started and started.group(1).strip():  # leave the machine as it was
             subprocess.run(["bash", str(CLUSTER), "stop"], capture_output=True, timeout=120)
+        users.close()
 
 
 def _wait_for(what: str, cond, timeout_s: float, log: Path):

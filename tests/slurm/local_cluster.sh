@@ -121,12 +121,13 @@ install_packages() {
   if [ ! -e /usr/sbin/policy-rc.d ]; then
     printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d; chmod 0755 /usr/sbin/policy-rc.d
     added_policy=1
+    trap 'rm -f /usr/sbin/policy-rc.d' EXIT   # also when this script is interrupted
   fi
   local ok=1
   DEBIAN_FRONTEND=noninteractive apt-get update -qq >"$DIR/log/apt.log" 2>&1 \
     && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
          "${missing[@]}" >>"$DIR/log/apt.log" 2>&1 || ok=0
-  [ -n "$added_policy" ] && rm -f /usr/sbin/policy-rc.d
+  if [ -n "$added_policy" ]; then rm -f /usr/sbin/policy-rc.d; trap - EXIT; fi
   [ "$ok" = 1 ] || unusable "apt-get could not install ${missing[*]}: $(tail -n 1 "$DIR/log/apt.log")"
 }
 
@@ -179,7 +180,7 @@ PartitionName=local Nodes=$NODE Default=YES MaxTime=INFINITE State=UP"
 launch() {
   local name=$1 limit=$2 i; shift 2
   rm -f "$DIR/run/$name.pid"
-  "$@" || broken "$name did not start (exit $?); see $DIR/log/$name.log"
+  "$@" 9>&- || broken "$name did not start (exit $?); see $DIR/log/$name.log"
   for ((i = 0; i < limit * 10; i++)); do
     running "$name" "$DIR/run/$name.pid" >/dev/null && { started+=("$name"); return 0; }
     sleep 0.1
@@ -233,9 +234,18 @@ do_start() {
   echo "# started: ${started[*]}"
 }
 
+# One start or stop at a time (two test sessions may start the cluster at once). The daemons
+# are launched with this descriptor closed, so they never hold the lock.
+lock() {
+  command -v flock >/dev/null || return 0
+  mkdir -p "$DIR/run"
+  exec 9>"$DIR/run/start-stop.lock"
+  flock -w 120 9 || say "another start or stop held the lock for 120 s; going on"
+}
+
 case ${1:-} in
-  start) do_start ;;
-  stop) do_stop ;;
+  start) [ "$(id -u)" = 0 ] && lock; do_start ;;
+  stop) [ "$(id -u)" = 0 ] && lock; do_stop ;;
   status) do_status ;;
   *) echo "usage: $0 {start|stop|status}" >&2; exit 2 ;;
 esac
