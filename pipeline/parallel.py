@@ -23,11 +23,23 @@ the node-local rank stays in `ParallelInfo.local_rank` (and in `SLURM_LOCALID` u
 With NCCL, megatron-core's extra gloo groups are not created (`create_gloo_process_groups`):
 nothing here uses them, and their TCP set-up can hang on multi-NIC nodes. With gloo (CPU) the
 default groups are gloo anyway and megatron's behaviour is left as it was.
+
+Rendezvous (`rendezvous_store`): with several processes and no torchrun agent, the ranks meet at
+rank 0's TCP store on MASTER_ADDR:MASTER_PORT. torch's own env:// rendezvous waits there for the
+whole collective timeout (30 minutes) and logs a C++ stack on every retry when MASTER_ADDR does
+not resolve or nobody listens. Here the store is made with a bounded wait instead
+(REFUSION_RENDEZVOUS_TIMEOUT seconds, default 60): an unresolvable MASTER_ADDR fails at once, an
+unreachable one (or a rank 0 whose peers never arrive) after the bound, each as one
+`RendezvousError`; once all ranks joined, the store gets the collective timeout as torch's does.
 """
 from __future__ import annotations
 
 import datetime
+import math
 import os
+import re
+import socket
+import time
 from dataclasses import dataclass
 
 import torch
@@ -54,6 +66,102 @@ class ParallelInfo:
     dp_rank: int
     dp_size: int
     device: torch.device
+
+
+RENDEZVOUS_TIMEOUT_ENV = "REFUSION_RENDEZVOUS_TIMEOUT"
+DEFAULT_RENDEZVOUS_TIMEOUT_S = 60.0
+
+
+class RendezvousError(RuntimeError):
+    """The ranks could not meet: MASTER_ADDR does not resolve, MASTER_ADDR:MASTER_PORT cannot be
+    reached, or not every rank arrived within the rendezvous timeout. The message is one line."""
+
+
+def rendezvous_timeout_s() -> float:
+    """Seconds a rank waits to join the rendezvous: $REFUSION_RENDEZVOUS_TIMEOUT, default 60.
+
+    Raises:
+        RendezvousError: the variable is not a positive finite number.
+    """
+    raw = os.environ.get(RENDEZVOUS_TIMEOUT_ENV, "").strip()
+    if not raw:
+        return DEFAULT_RENDEZVOUS_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise RendezvousError(
+            f"{RENDEZVOUS_TIMEOUT_ENV}={raw!r} is not a positive number of seconds")
+    return value
+
+
+def rendezvous_store(rank: int, world_size: int, timeout_s: float,
+                     rendezvous_s: float | None = None) -> dist.TCPStore:
+    """The process group's TCP store at MASTER_ADDR:MASTER_PORT (rank 0 hosts it), reached within
+    `rendezvous_s` seconds instead of the collective timeout.
+
+    Rank 0 starts the store and waits until all `world_size` ranks have joined; every other rank
+    first waits (plain socket connects, once a second) until something listens there, then joins.
+    The store is the one torch's env:// rendezvous would make (multi-tenant TCPStore); after the
+    join its timeout becomes `timeout_s`.
+
+    Args:
+        rank / world_size: this process's global rank and the number of processes.
+        timeout_s: the collective timeout (seconds) the store keeps afterwards.
+        rendezvous_s: the bound on the join (seconds); default `rendezvous_timeout_s()`.
+
+    Raises:
+        RendezvousError: MASTER_ADDR/MASTER_PORT unset or malformed, MASTER_ADDR does not
+            resolve, nothing listens at MASTER_ADDR:MASTER_PORT within the bound, the port cannot
+            be bound by rank 0, or not all ranks joined within the bound.
+    """
+    if rendezvous_s is None:
+        rendezvous_s = rendezvous_timeout_s()
+    addr, port_text = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
+    if not addr or not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise RendezvousError(f"MASTER_ADDR={addr!r} / MASTER_PORT={port_text!r}: {world_size} "
+                              f"processes need both (an address of rank 0's node and a TCP port)")
+    port = int(port_text)
+    where = f"MASTER_ADDR:MASTER_PORT={addr}:{port}"
+    try:
+        socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as e:
+        raise RendezvousError(
+            f"MASTER_ADDR={addr} does not resolve ({getattr(e, 'strerror', e)}); "
+            f"set it to an address of rank 0's node that every node can reach (under Slurm: the "
+            f"node's NodeAddr in `scontrol show node`)") from None
+    deadline = time.monotonic() + rendezvous_s
+    if rank != 0:
+        # torch's client would retry on its own, but log a C++ stack trace on every failed try
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                socket.create_connection((addr, port), timeout=max(0.1, min(5.0, left))).close()
+                break
+            except OSError as e:
+                if time.monotonic() + 1.0 >= deadline:
+                    raise RendezvousError(
+                        f"nothing answers at {where} after {rendezvous_s:g} s "
+                        f"({e.strerror or e}): is rank 0 running on that node? "
+                        f"({RENDEZVOUS_TIMEOUT_ENV} sets the wait)") from None
+            time.sleep(1.0)
+    left = max(1.0, deadline - time.monotonic())
+    try:
+        store = dist.TCPStore(addr, port, world_size, is_master=rank == 0,
+                              timeout=datetime.timedelta(seconds=left), multi_tenant=True)
+    except dist.DistError as e:
+        detail = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        joined = re.search(r"(\d+)/(\d+) clients joined", detail)
+        if rank == 0 and joined:
+            raise RendezvousError(
+                f"only {joined.group(1)} of {world_size} ranks joined the rendezvous at {where} "
+                f"within {rendezvous_s:g} s: the others have not started or cannot reach that "
+                f"address ({RENDEZVOUS_TIMEOUT_ENV} sets the wait)") from None
+        raise RendezvousError(f"rendezvous at {where} failed: {detail} "
+                              f"({RENDEZVOUS_TIMEOUT_ENV}={rendezvous_s:g} s)") from None
+    store.set_timeout(datetime.timedelta(seconds=timeout_s))
+    return store
 
 
 def _env_int(*names: str, default: int) -> int:
@@ -135,12 +243,15 @@ def init_distributed(tensor_parallel_size: int = 1, backend: str | None = None,
         timeout_s: collective timeout in seconds.
 
     The device is chosen (and LOCAL_RANK rewritten for DeepSpeed) by `bind_local_device`.
+    With more than one process and no torchrun agent store, the ranks meet through
+    `rendezvous_store` (bounded by REFUSION_RENDEZVOUS_TIMEOUT, default 60 s).
 
     Returns:
         ParallelInfo for this process.
 
     Raises:
         ValueError: the world size is not a multiple of `tensor_parallel_size`.
+        RendezvousError: the ranks could not meet (see `rendezvous_store`).
     """
     from megatron.core import parallel_state
 
@@ -158,7 +269,10 @@ def init_distributed(tensor_parallel_size: int = 1, backend: str | None = None,
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         if "MASTER_PORT" not in os.environ:  # a lone process needs no agreed port: take a free one
             os.environ["MASTER_PORT"] = str(free_port()) if world_size == 1 else "29500"
-        dist.init_process_group(backend=backend, rank=rank, world_size=world_size,
+        store = None
+        if world_size > 1 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
+            store = rendezvous_store(rank, world_size, timeout_s)
+        dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
     init_megatron_groups(tensor_parallel_size, dist.get_backend(), timeout_s)
     return ParallelInfo(

@@ -30,7 +30,8 @@ signal sent to the whole process group (SLURM preemption, scancel, Ctrl-C) reach
 
 Exit codes: 0 done (or checkpointed after SIGTERM/SIGUSR1/SIGINT), 2 config error or a user error
 found after start-up (a checkpoint or loader state from another layout or model shape, an HF
-folder that does not fit, wandb cannot start, another live job holds the run directory), 3
+folder that does not fit, wandb cannot start, another live job holds the run directory, the
+ranks cannot meet at MASTER_ADDR:MASTER_PORT within REFUSION_RENDEZVOUS_TIMEOUT), 3
 non-finite loss with `train.nan_policy=stop` (no checkpoint written for that step), 4 a checkpoint
 or metrics.jsonl could not be written (disk full, quota exceeded: one line naming the folder or
 file, the cause and the free space seen; the partial checkpoint folder removed, the previous one
@@ -551,11 +552,12 @@ def main(argv: list[str] | None = None) -> int:
     from pipeline.checkpoint import CheckpointError, CheckpointWriteError
     from pipeline.data import DataError
     from pipeline.monitor import MonitorError
+    from pipeline.parallel import RendezvousError
     trainer = Trainer(cfg, plan)
     try:
         trainer.setup()
         code = trainer.run()
-    except (TrainError, CheckpointError, DataError) as e:  # user errors found after start-up
+    except (TrainError, CheckpointError, DataError, RendezvousError) as e:  # user errors at run time
         code = _report_error(EXIT_USAGE, f"pipeline.train: error: {_first_line(e)}")
     except (CheckpointWriteError, MonitorError) as e:  # disk full, quota, other write errors
         code = _report_error(EXIT_DISK_FULL, f"pipeline.train: error: {_first_line(e)}")

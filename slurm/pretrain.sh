@@ -30,10 +30,13 @@
 #   Override per job: sbatch --signal=B:USR1@600 ...
 #
 # What it does:
-# - MASTER_ADDR = first host of the allocation, MASTER_PORT = 20000 + job id mod 20000 (both
-#   overridable); `srun` starts one task per device through slurm/task.sh, which sets RANK /
-#   WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE from SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID
-#   (srun relays a signal to every process of the step).
+# - MASTER_ADDR = the address of the allocation's first node as Slurm knows it (NodeAddr in
+#   `scontrol show node`; node names need not resolve), else that node's name; MASTER_PORT =
+#   20000 + job id mod 20000 (both overridable). A rank that cannot reach MASTER_ADDR:MASTER_PORT
+#   stops after REFUSION_RENDEZVOUS_TIMEOUT seconds (default 60) with one line.
+# - `srun` starts one task per device through slurm/task.sh, which sets RANK / WORLD_SIZE /
+#   LOCAL_RANK / LOCAL_WORLD_SIZE from SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID (srun relays
+#   a signal to every process of the step).
 # - SIGNAL_MARGIN seconds before the time limit Slurm sends SIGUSR1 to this batch shell; it is
 #   forwarded to every training process, which agree on it, checkpoint and exit 0; then this
 #   script runs `scontrol requeue $SLURM_JOB_ID`, and the requeued job resumes from the latest
@@ -47,6 +50,7 @@
 #   TASKS_PER_NODE       training tasks per node (default: the allocation's SLURM_NTASKS_PER_NODE)
 #   CPUS_PER_TASK        cores per training task passed to srun (default: see "Cores" above)
 #   MASTER_ADDR, MASTER_PORT
+#   REFUSION_RENDEZVOUS_TIMEOUT  seconds every rank waits to join the rendezvous (default 60)
 #   SRUN_EXTRA_ARGS      extra srun options, e.g. "--cpu-bind=cores" or "--gpu-bind=closest"
 #   REQUEUE_ON_SIGNAL    1 (default) requeue after a SIGUSR1-triggered checkpoint; 0 to not
 #   TORCH_EXTENSIONS_DIR DeepSpeed's JIT-op cache (default: $REFUSION_ROOT/.cache/torch_extensions)
@@ -84,7 +88,14 @@ NNODES=${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-1}}
 ALLOC_TPN=${SLURM_NTASKS_PER_NODE:-$(( ${SLURM_NTASKS:-1} / NNODES ))}
 TASKS_PER_NODE=${TASKS_PER_NODE:-${ALLOC_TPN%%(*}}
 NTASKS=$(( NNODES * TASKS_PER_NODE ))
-export MASTER_ADDR=${MASTER_ADDR:-$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)}
+# MASTER_ADDR: the first node's address as Slurm knows it (NodeAddr of `scontrol show node`),
+# since node names need not be resolvable host names; the node name when NodeAddr is not given.
+if [ -z "${MASTER_ADDR:-}" ]; then
+  FIRST_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+  MASTER_ADDR=$(scontrol -o show node "$FIRST_NODE" 2>/dev/null | sed -nE 's/^(.* )?NodeAddr=([^ ]+).*/\2/p' | head -n 1)
+  MASTER_ADDR=${MASTER_ADDR:-$FIRST_NODE}
+fi
+export MASTER_ADDR
 export MASTER_PORT=${MASTER_PORT:-$(( 20000 + SLURM_JOB_ID % 20000 ))}
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$ROOT/.cache/torch_extensions}
 export PYTHONUNBUFFERED=1

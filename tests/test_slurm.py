@@ -1,14 +1,20 @@
 """slurm/pretrain.sh on a real one-node SLURM cluster: train, checkpoint on the time-limit
 signal, requeue, resume from the checkpoint (not from scratch), finish.
 
-Starts the cluster with ../shared/tools/local_slurm/start_local_slurm.sh (relative to the
-repository root; LOCAL_SLURM_START overrides the path); skipped with a reason when that script is absent or we are not root.
-`sbatch --wait` and exit codes are not trusted (without a cgroup.conf a job step can fail while
-sbatch reports success): every check reads the job's log, metrics.jsonl and checkpoint folder.
+The cluster is the project's own (tests/slurm/local_cluster.sh: Debian's Slurm, installed with
+apt-get when missing, private config, node name `refusion-node` that is not a host name, so
+pretrain.sh must take the master address from `scontrol show node`). The `slurm_cluster`
+fixture starts it once for this module and stops it afterwards when it started it and no other
+test session uses it. The cluster tests are skipped with one reason when this machine cannot
+run it (not root, no apt-get) or when REFUSION_SLURM_TESTS=0, and fail when it should run but
+does not.
+`sbatch --wait` and exit codes are not trusted (a job step can fail while sbatch reports
+success): every check reads the job's log, metrics.jsonl and checkpoint folder.
 A requeued job waits for the cluster's cred_expire (30 s) before it starts again.
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
@@ -22,8 +28,7 @@ import pytest
 from shard_fixtures import random_samples, write_shards
 
 ROOT = Path(__file__).resolve().parents[1]
-START = Path(os.environ.get("LOCAL_SLURM_START",
-                           ROOT.parent / "shared" / "tools" / "local_slurm" / "start_local_slurm.sh"))
+CLUSTER = ROOT / "tests" / "slurm" / "local_cluster.sh"
 SCRIPT = ROOT / "slurm" / "pretrain.sh"
 
 CONFIG = """\
@@ -42,14 +47,40 @@ wandb: {{mode: disabled}}
 GLOBAL_BATCH = 4  # micro-batch 2 x DP 2
 
 
-def _start_cluster() -> None:
-    if not START.is_file():
-        pytest.skip(f"local SLURM tools not found at {START}")
-    if os.geteuid() != 0:
-        pytest.skip("the local SLURM cluster needs root (start_local_slurm.sh)")
-    r = subprocess.run(["bash", str(START)], capture_output=True, text=True, timeout=300)
+@pytest.fixture(scope="module")
+def slurm_cluster():
+    """The local one-node cluster, with SLURM_CONF pointing at it for this module's commands
+    (sbatch exports it to the jobs). Skips when the machine cannot run it (the script's exit
+    code 3: not root, no apt-get/dpkg, packages not installable) or REFUSION_SLURM_TESTS=0;
+    fails with the script's message when it should start and does not."""
+    if os.environ.get("REFUSION_SLURM_TESTS", "1") == "0":
+        pytest.skip("REFUSION_SLURM_TESTS=0")
+    r = subprocess.run(["bash", str(CLUSTER), "start"], capture_output=True, text=True, timeout=600)
+    if r.returncode == 3:
+        pytest.skip((r.stderr.strip().splitlines() or ["local_cluster.sh: exit 3"])[-1])
     if r.returncode != 0:
-        pytest.skip(f"could not start the local SLURM cluster: {r.stderr.strip()[-400:]}")
+        pytest.fail(f"{CLUSTER.name} start exited {r.returncode}: {r.stderr.strip()[-2000:]}")
+    conf = re.search(r"^export SLURM_CONF=(\S+)$", r.stdout, re.M)
+    assert conf, r.stdout
+    started = re.search(r"^# started:(.*)$", r.stdout, re.M)
+    # a shared lock per test session using the cluster: the session that started it stops it
+    # afterwards only when no other session (another checkout's tests) still holds one
+    users = open(Path(conf.group(1)).parent.parent / "test-sessions.lock", "a")
+    fcntl.flock(users, fcntl.LOCK_SH)
+    mp = pytest.MonkeyPatch()
+    mp.setenv("SLURM_CONF", conf.group(1))
+    try:
+        yield conf.group(1)
+    finally:
+        mp.undo()
+        try:
+            fcntl.flock(users, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            alone = True
+        except OSError:
+            alone = False
+        if alone and started and started.group(1).strip():  # leave the machine as it was
+            subprocess.run(["bash", str(CLUSTER), "stop"], capture_output=True, timeout=120)
+        users.close()
 
 
 def _wait_for(what: str, cond, timeout_s: float, log: Path):
@@ -99,8 +130,7 @@ def _job_state(job: str) -> str:
     return r.stdout.strip()
 
 
-def test_sbatch_signal_checkpoint_requeue_resume(tmp_path):
-    _start_cluster()
+def test_sbatch_signal_checkpoint_requeue_resume(tmp_path, slurm_cluster):
     rng = np.random.default_rng(0)
     data, run, logs = tmp_path / "data", tmp_path / "run", tmp_path / "logs"
     logs.mkdir()
@@ -138,6 +168,8 @@ def test_sbatch_signal_checkpoint_requeue_resume(tmp_path):
 
     text = log.read_text()
     assert "restart 1" in text
+    # the node's name (refusion-node) is not a host name: the master is its NodeAddr
+    assert "; master 127.0.0.1:" in text
     # srun got the cores explicitly: the 2-core node split over its 2 tasks
     assert "on 1 node(s) x 2 task(s) x 1 core(s)" in text
     assert text.count("training tasks exited with status 0") == 2
@@ -230,14 +262,13 @@ def test_srun_gets_cpus_per_task(tmp_path, env, cores, warns):
     assert ("core(s) per GPU task" in r.stdout) is warns, r.stdout
 
 
-def test_sbatch_wandb_offline_scontrol_requeue_keeps_checkpoint_and_history(tmp_path):
+def test_sbatch_wandb_offline_scontrol_requeue_keeps_checkpoint_and_history(tmp_path, slurm_cluster):
     """`scontrol requeue` (as preemption does: SIGTERM to every process of the job, wandb's
     service included) with wandb offline: the leg checkpoints at the step it reached and exits
     0, the requeued job (same SLURM job id: it takes over its own run lock) resumes, and the
     one wandb run id holds every step's loss equal to metrics.jsonl (read by `wandb leet
     inspect`)."""
     from test_train import _wandb_history
-    _start_cluster()
     rng = np.random.default_rng(1)
     data, run, logs = tmp_path / "data", tmp_path / "run", tmp_path / "logs"
     logs.mkdir()
@@ -279,3 +310,50 @@ def test_sbatch_wandb_offline_scontrol_requeue_keeps_checkpoint_and_history(tmp_
     assert len(ids) == 2 and len(set(ids)) == 1, ids
     for step in range(1, saved + 3):
         assert hist[step]["train/loss"] == lines[step]["loss"], step
+
+
+FAKE_SCONTROL = """#!/usr/bin/env bash
+# `scontrol show hostnames LIST` and `scontrol -o show node NAME` of a cluster whose node names
+# are not host names (NodeAddr and NodeHostName differ from NodeName)
+echo "$*" >> "$SCONTROL_LOG"
+case "$*" in
+  "show hostnames gpu-a[01-02]") printf 'gpu-a01\\ngpu-a02\\n' ;;
+  "-o show node gpu-a01")
+    [ -n "${NO_NODEADDR:-}" ] && exit 1
+    echo "NodeName=gpu-a01 Arch=x86_64 CoresPerSocket=48 CPUAlloc=0 CPUTot=96 NodeAddr=10.7.0.11 NodeHostName=a01-ib0 Version=22.05.8 State=IDLE" ;;
+  *) exit 1 ;;
+esac
+"""
+
+
+@pytest.mark.parametrize("env,expected,asks_node", [
+    ({}, "10.7.0.11", True),                        # NodeAddr of the first node, not its name
+    ({"NO_NODEADDR": "1"}, "gpu-a01", True),        # scontrol knows no address: the node name
+    ({"MASTER_ADDR": "10.9.9.9"}, "10.9.9.9", False),  # the user's choice is kept
+])
+def test_master_addr_is_the_first_nodes_nodeaddr(tmp_path, env, expected, asks_node):
+    """pretrain.sh exports MASTER_ADDR = NodeAddr of the allocation's first node (from
+    `scontrol show node`), else its name; `srun` and `scontrol` are fakes (no cluster needed)."""
+    import sys
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    srun = '#!/usr/bin/env bash\necho "$MASTER_ADDR" > "$SRUN_ARGS_FILE"\n'
+    for name, body in (("srun", srun), ("scontrol", FAKE_SCONTROL)):
+        (bin_dir / name).write_text(body)
+        (bin_dir / name).chmod(0o755)
+    out, log = tmp_path / "master_addr", tmp_path / "scontrol.log"
+    base = {k: v for k, v in os.environ.items()
+            if not k.startswith("SLURM_") and k not in ("MASTER_ADDR", "MASTER_PORT")}
+    run_env = {**base, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SRUN_ARGS_FILE": str(out),
+               "SCONTROL_LOG": str(log), "SLURM_JOB_ID": "7", "SLURM_JOB_NUM_NODES": "2",
+               "SLURM_NTASKS_PER_NODE": "2", "SLURM_CPUS_ON_NODE": "2",
+               "SLURM_JOB_NODELIST": "gpu-a[01-02]", "PYTHON": sys.executable, **env}
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("run_dir: x\n")
+    r = subprocess.run(["bash", str(SCRIPT), str(cfg)], cwd=ROOT, env=run_env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert out.read_text().strip() == expected
+    assert f"master {expected}:20007" in r.stdout
+    asked = log.read_text().splitlines() if log.exists() else []
+    assert ("-o show node gpu-a01" in asked) is asks_node, asked
