@@ -7,9 +7,11 @@ Must not touch: training, configs.
 What plain torchrun does, and what this changes:
 - A worker that exits non-zero (for example 2, a user error, already printed by the trainer as
   one line) makes torchrun exit 1 with a `ChildFailedError` traceback. Here the launcher exits
-  with the first failed worker's code (2, 3, 4 as `pipeline.train` documents them; 128 + N for a
-  worker killed by signal N) and prints nothing more for codes 2-4 (the trainer's line is the
-  story) and one line otherwise.
+  with the code of the worker whose failure caused the others (`root_failure`: the first failed
+  worker, passing over those that only stopped because a peer was gone, exit 5) (2, 3, 4, 5 as
+  `pipeline.train` documents them; 128 + N for a worker killed by signal N) and prints nothing
+  more for codes 2-5 (the trainer's line is the story) and one line otherwise, e.g.
+  "pipeline.launch: worker rank 1 (pid 123) was killed by SIGKILL; its output is above".
 - SIGTERM / SIGINT / SIGUSR1 to torchrun make it raise `SignalException`, stop the workers (SIGKILL
   after 30 s, whatever their checkpoint needs) and exit non-zero with a traceback. Here the
   launcher forwards the signal once to each worker (they checkpoint at the step they reached and
@@ -24,7 +26,7 @@ import os
 import signal
 import sys
 
-from pipeline.common.cli import REPORTED
+from pipeline.common.cli import EXIT_PEER_LOST, REPORTED
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
@@ -52,6 +54,15 @@ def _forward(signum, frame) -> None:
             pass
 
 
+def root_failure(failures: dict) -> tuple[int, object]:
+    """The failed worker whose failure is the job's cause: `(rank, failure)` of the earliest
+    failure (by torchrun's timestamp in whole seconds, then rank) that is not a worker which
+    only stopped because another one was gone (`EXIT_PEER_LOST`); among only such workers,
+    the earliest. `failures`: torchrun's `{rank: ProcessFailure}` (`.exitcode`, `.timestamp`)."""
+    return min(failures.items(), key=lambda rf: (rf[1].exitcode == EXIT_PEER_LOST,
+                                                 rf[1].timestamp, rf[0]))
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run torchrun with `argv` (default: sys.argv[1:]); returns the exit code (see module)."""
     from torch.distributed import run as torchrun
@@ -66,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         torchrun.run(args)
     except ChildFailedError as e:
-        rank, failure = e.get_first_failure()
+        rank, failure = root_failure(e.failures)
         code = failure.exitcode
         if code < 0:  # killed by a signal
             try:

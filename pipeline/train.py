@@ -54,7 +54,8 @@ import signal
 import sys
 import time
 
-from pipeline.common.cli import EXIT_DISK_FULL, EXIT_INTERRUPTED, EXIT_NONFINITE, EXIT_USAGE
+from pipeline.common.cli import (EXIT_DISK_FULL, EXIT_INTERRUPTED, EXIT_NONFINITE,
+                                 EXIT_PEER_LOST, EXIT_USAGE)
 from pipeline.training.state import TrainError, TrainState
 
 log = logging.getLogger("pipeline.train")
@@ -141,7 +142,7 @@ class Trainer:
         self.mcfg = ModelConfig.from_dict(dict(self.plan.model_fields), source="model")
         self.ckdir = self.plan.checkpoint_dir
         self.console = ConsoleLog(cfg.train.max_steps, cfg.train.log_interval)
-        os.makedirs(cfg.run_dir, exist_ok=True)
+        self._check_write_access()
         self._lock_run_dir()
 
         # Resume decided before building: a resumed run does not need initial weights.
@@ -174,6 +175,39 @@ class Trainer:
             log.info("resumed from %s at step %d", state["checkpoint_dir"], self.step)
         self._init_wandb()
         self.peak_flops = peak_flops_per_device(cfg)
+
+    def _check_write_access(self) -> None:
+        """Before anything is built: every rank writes a probe file where it will write
+        (`pipeline.common.diskspace.check_writable`): rank 0 in the run folder (run.lock,
+        metrics.jsonl, which it also opens for appending, wandb files), every rank in the
+        checkpoint folder (each writes its own files there; both folders are created if
+        missing). The ranks compare results, and any failure stops every rank with the same
+        one line naming the setting, the folder, the first failing rank, the cause (read-only
+        filesystem, permission denied, ...) and what to do: `NotWritableError` (exit 2, or 4
+        for a full disk or quota)."""
+        import torch.distributed as dist
+        from pipeline.common.diskspace import NotWritableError, check_writable
+        from pipeline.monitor import METRICS_FILE
+        targets = [("checkpoint.dir", self.ckdir, ())]
+        if self.is_rank0:
+            targets.insert(0, ("run_dir", self.cfg.run_dir, (METRICS_FILE,)))
+        mine = None
+        for setting, folder, files in targets:
+            failure = check_writable(folder, files)
+            if failure is not None:
+                mine = (setting, str(folder), failure)
+                break
+        box = [mine]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            box = [None] * dist.get_world_size()
+            dist.all_gather_object(box, mine)
+        bad = [(r, m) for r, m in enumerate(box) if m is not None]
+        if bad:
+            rank, (setting, folder, failure) = bad[0]
+            more = f" (and {len(bad) - 1} more rank(s))" if len(bad) > 1 else ""
+            raise NotWritableError(
+                f"{setting} {folder} is not writable on rank {rank}{more}: {failure.cause}; "
+                f"{failure.remedy(setting)} (checked at start-up, nothing was trained)", failure)
 
     def _lock_run_dir(self) -> None:
         """One job per run directory (`pipeline.runlock`): rank 0 takes `<run_dir>/run.lock`;
@@ -494,11 +528,12 @@ def _agent_store():
         return None
 
 
-def _report_error(code: int, line: str, store=None) -> int:
+def _report_error(code: int, line: str, store=None, name_rank: bool = True) -> int:
     """Print a user-facing error line once for the whole job, whichever rank raised it: the
     first rank to report it through the store prints (a rank-only error is not lost behind
     rank 0's silence), the others stay quiet. Without a store (one process, or the store is
-    gone) the line is printed. Returns `code`."""
+    gone) the line is printed. A rank other than 0 adds " (rank N)" unless `name_rank` is
+    False (the line already names the ranks it concerns). Returns `code`."""
     store, first = store if store is not None else _default_store(), True
     if store is not None:
         try:
@@ -508,7 +543,8 @@ def _report_error(code: int, line: str, store=None) -> int:
             first = True
     if first:
         rank = os.environ.get("RANK", "0")
-        print(line if rank == "0" else f"{line} (rank {rank})", file=sys.stderr, flush=True)
+        print(line if rank == "0" or not name_rank else f"{line} (rank {rank})",
+              file=sys.stderr, flush=True)
     return code
 
 
@@ -523,6 +559,24 @@ def _reported_error_code() -> int | None:
     except Exception:
         pass
     return None
+
+
+# What a collective raises when another rank's process is gone (gloo's TCP transport, NCCL).
+_LOST_PEER_MARKERS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+                      "remote process exited", "NCCL communicator was aborted")
+
+
+def _lost_peer(e: BaseException) -> str | None:
+    """When `e` is a collective that failed because another rank's process is gone, its reason
+    in a few words (e.g. "gloo: Read error [127.0.0.1]:22246: Connection reset by peer");
+    otherwise None."""
+    import re
+    text = str(e).strip()
+    if not isinstance(e, RuntimeError) or not any(m in text for m in _LOST_PEER_MARKERS):
+        return None
+    first = re.sub(r"^\[[^\]]*\]\s*", "", text.splitlines()[0])  # gloo's "[file.cc:537] "
+    first = first.split(". ")[0].rstrip(".")
+    return f"gloo: {first}" if "gloo" in text else first
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -548,27 +602,41 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     _launcher_env()
     from pipeline.checkpoint import CheckpointError, CheckpointWriteError
+    from pipeline.common.diskspace import NotWritableError
     from pipeline.data import DataError
     from pipeline.monitor import MonitorError
     trainer = Trainer(cfg, plan)
     try:
         trainer.setup()
         code = trainer.run()
+    except NotWritableError as e:  # found at start-up: read-only, permission (2); no space (4)
+        code = _report_error(EXIT_DISK_FULL if e.failure.disk_full else EXIT_USAGE,
+                             f"pipeline.train: error: {_first_line(e)}", name_rank=False)
     except (TrainError, CheckpointError, DataError) as e:  # user errors found after start-up
         code = _report_error(EXIT_USAGE, f"pipeline.train: error: {_first_line(e)}")
-    except (CheckpointWriteError, MonitorError) as e:  # disk full, quota, other write errors
-        code = _report_error(EXIT_DISK_FULL, f"pipeline.train: error: {_first_line(e)}")
+    except (CheckpointWriteError, MonitorError) as e:  # read-only, disk full, other write errors
+        code = _report_error(EXIT_DISK_FULL, f"pipeline.train: error: {_first_line(e)}",
+                             name_rank=False)  # the line names the failing rank(s)
     except KeyboardInterrupt:  # a second Ctrl-C (the first one checkpoints; see _install_signals)
         print(f"pipeline.train: rank {os.environ.get('RANK', '0')}: interrupted; no checkpoint "
               f"written for the current step", file=sys.stderr, flush=True)
         code = EXIT_INTERRUPTED
-    except Exception:
-        # A rank whose peer stopped on a reported error fails in its next collective (gloo:
-        # "Connection closed by peer"); that rank's one line is the story, not this traceback.
+    except Exception as e:
+        # A rank whose peer stopped fails in its next collective (gloo: "Connection closed by
+        # peer"). A peer that reported its error: that rank's one line is the story, exit with
+        # its code. A peer that died without a word (killed, crashed): one line here naming
+        # this rank, exit 5 (the launcher reports the dead rank). Anything else: the traceback.
         peer = _reported_error_code()
-        if peer is None:
-            raise
-        code = peer
+        if peer is not None:
+            code = peer
+        else:
+            lost = _lost_peer(e)
+            if lost is None:
+                raise
+            print(f"pipeline.train: rank {os.environ.get('RANK', '0')}: stopped because another "
+                  f"process of this job is gone ({lost}); its own output or the launcher's line "
+                  f"says why", file=sys.stderr, flush=True)
+            code = EXIT_PEER_LOST
     finally:
         if trainer.run_lock is not None:
             trainer.run_lock.release()
