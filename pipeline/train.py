@@ -167,12 +167,26 @@ class Trainer:
             if state is None:
                 raise RuntimeError(f"{self.ckdir}: the latest checkpoint vanished while resuming")
             self.state.load_state_dict(state)
-            self.train_loader.load_state_dict(state["loader"],
-                                              allow_reshard="resharded_from" in state)
+            change = self.train_loader.load_state_dict(
+                state["loader"], allow_reshard="resharded_from" in state,
+                on_shard_change=cfg.data.on_shard_change)
+            if change is not None:  # data.on_shard_change=new_pass on a rebuilt shard set
+                log.info("the training shards changed since step %d (shard set %s of %s -> %s of "
+                         "%s, %d samples per epoch); data.on_shard_change=new_pass: weights, "
+                         "optimizer and lr schedule continue, the data starts a new pass "
+                         "(epoch %d) over the new set", self.step, change["from"],
+                         change["from_dir"] or "an unrecorded folder", change["to"], cfg.data.dir,
+                         change["samples_per_epoch"], change["epoch"])
             # a validation a stop signal deferred at this step, if this run still validates there
             self.state.eval_pending = self.state.eval_pending and should_evaluate(
                 self.step, cfg.train.eval_interval, False)
             log.info("resumed from %s at step %d", state["checkpoint_dir"], self.step)
+        else:
+            change = None
+        ld = self.train_loader
+        self.state.track_shard_set({"fingerprint": ld.fingerprint, "data_dir": str(cfg.data.dir),
+                                    "epoch": ld.epoch, "samples_per_epoch": ld.samples_per_epoch},
+                                   change)
         self._init_wandb()
         self.peak_flops = peak_flops_per_device(cfg)
 
