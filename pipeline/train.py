@@ -2,7 +2,8 @@
 
 Owns: the orchestration of a run (`Trainer`: set-up order, the training step, the loop, checkpoint
 and validation cadence, auto-resume, SIGTERM/SIGUSR1/SIGINT handling, the NaN policy) and the
-entry point (`main`: config errors, one-line error reporting across ranks, exit codes). The
+entry point (`main`: config errors, one-line error reporting across ranks, a dead peer's one
+line, exit codes). The
 pieces it orchestrates live in `pipeline.training` (the engine builder and lr schedule, the run's
 state, validation, console lines) and below. Must not touch: the network (`pipeline.model`), the
 objective (`pipeline.objective`), shard reading (`pipeline.data`), the checkpoint format
@@ -28,16 +29,31 @@ agree through the step's all-reduce, checkpoint and exit 0. A second SIGINT abor
 checkpoint, exit 130, one line). Loader workers ignore these signals (`pipeline.data.loader`), so a
 signal sent to the whole process group (SLURM preemption, scancel, Ctrl-C) reaches the trainer only.
 
+Start-up write check: before building anything, every rank writes a probe file where it will
+write (rank 0: the run folder and metrics.jsonl; every rank: the checkpoint folder), so a
+read-only filesystem or a folder this user may not write stops the job at once, not at the first
+checkpoint hours later (`Trainer._check_write_access`).
+
 Exit codes: 0 done (or checkpointed after SIGTERM/SIGUSR1/SIGINT), 2 config error or a user error
-found after start-up (a checkpoint or loader state from another layout or model shape, an HF
-folder that does not fit, wandb cannot start, another live job holds the run directory), 3
-non-finite loss with `train.nan_policy=stop` (no checkpoint written for that step), 4 a checkpoint
-or metrics.jsonl could not be written (disk full, quota exceeded: one line naming the folder or
-file, the cause and the free space seen; the partial checkpoint folder removed, the previous one
-intact), 130 a second Ctrl-C. An error raised on one rank only is printed once by that rank; the
-other ranks exit with the same code without a traceback. Under torchrun the launcher turns these
-into its own exit 1 and a traceback; `python -m pipeline.launch` (same arguments) keeps them.
-A wandb failure mid-run is one warning line; training goes on (`pipeline.monitor`).
+found after start-up (a folder the run writes is read-only or not permitted, found by the
+start-up write check; a checkpoint or loader state from another layout, model shape or shard set;
+an HF folder that does not fit; wandb cannot start; another live job holds the run directory), 3
+non-finite loss with `train.nan_policy=stop` (no checkpoint written for that step), 4 no space
+left or quota exceeded (at the start-up check or later), or any checkpoint or metrics.jsonl write
+that failed during the run (read-only, permission, ...): one line naming the folder or file, the
+failing rank, the cause (with the free space seen only for a full disk or quota) and what to do;
+the partial checkpoint folder removed, the previous one intact. 5 this rank stopped because
+another rank's process is gone (killed, crashed; one line per surviving rank instead of the
+collective's traceback; the launcher reports the dead rank). 130 a second Ctrl-C. An error raised
+on one rank only is printed once by that rank; the other ranks exit with the same code without a
+traceback. Under torchrun the launcher turns these into its own exit 1 and a traceback;
+`python -m pipeline.launch` (same arguments) keeps them. A wandb failure mid-run is one warning
+line; training goes on (`pipeline.monitor`).
+
+Continuing on more data: after the shards are rebuilt with more input, a resume is refused
+(the loader state's shard set differs) unless `data.on_shard_change=new_pass`: then weights,
+optimizer, step and lr schedule continue and the loader starts a new epoch over the new set;
+the checkpoint's `shard_sets` records each set and the step it began at.
 
 metrics.jsonl (rank 0, appended; a resumed run appends again from its checkpoint step, so a
 reader keeps the last line per (kind, step)): one JSON object per line with `kind` "train"
@@ -80,8 +96,9 @@ def _first_line(e: BaseException) -> str:
 class Trainer:
     """One training run on this process (collective: every rank builds one).
 
-    Set-up order (`setup`): signals, process groups, seeds, run lock, resume decision, engine
-    (model, initial weights unless resuming, optimizer), train loader, checkpoint state, wandb.
+    Set-up order (`setup`): signals, process groups, seeds, write check, run lock, resume
+    decision, engine (model, initial weights unless resuming, optimizer), train loader,
+    checkpoint state (shard-set change), wandb.
     State that survives a restart is `self.state` (`TrainState`), the engine's and the loader's.
 
     Args:
@@ -115,7 +132,8 @@ class Trainer:
             signal.signal(s, handler)
 
     def setup(self) -> None:
-        """Process groups, seeds, run lock, engine + initial weights, loaders, resume, wandb."""
+        """Process groups, seeds, write check, run lock, engine + initial weights, loaders,
+        resume (with `data.on_shard_change`), wandb."""
         import deepspeed
         import torch
         from omegaconf import OmegaConf
