@@ -8,7 +8,8 @@ What plain torchrun does, and what this changes:
 - A worker that exits non-zero (for example 2, a user error, already printed by the trainer as
   one line) makes torchrun exit 1 with a `ChildFailedError` traceback. Here the launcher exits
   with the code of the worker whose failure caused the others (`root_failure`: the first failed
-  worker, passing over those that only stopped because a peer was gone, exit 5) (2, 3, 4, 5 as
+  worker, passing over those that only stopped because a peer was gone, exit 5, or that
+  torchrun's agent stopped with SIGTERM) (2, 3, 4, 5 as
   `pipeline.train` documents them; 128 + N for a worker killed by signal N) and prints nothing
   more for codes 2-5 (the trainer's line is the story) and one line otherwise, e.g.
   "pipeline.launch: worker rank 1 (pid 123) was killed by SIGKILL; its output is above".
@@ -56,11 +57,15 @@ def _forward(signum, frame) -> None:
 
 def root_failure(failures: dict) -> tuple[int, object]:
     """The failed worker whose failure is the job's cause: `(rank, failure)` of the earliest
-    failure (by torchrun's timestamp in whole seconds, then rank) that is not a worker which
-    only stopped because another one was gone (`EXIT_PEER_LOST`); among only such workers,
-    the earliest. `failures`: torchrun's `{rank: ProcessFailure}` (`.exitcode`, `.timestamp`)."""
-    return min(failures.items(), key=lambda rf: (rf[1].exitcode == EXIT_PEER_LOST,
-                                                 rf[1].timestamp, rf[0]))
+    failure (by torchrun's timestamp in whole seconds, then rank) that is not a consequence of
+    another: a worker that stopped because a peer was gone (`EXIT_PEER_LOST`), or one killed by
+    SIGTERM (torchrun's agent stops the remaining workers that way once one has failed; a
+    SIGTERM from outside reaches our workers through `_forward` and they exit 0). When only
+    such failures exist, the earliest of them. `failures`: torchrun's `{rank: ProcessFailure}`
+    (`.exitcode`: negative = killed by that signal, `.timestamp`)."""
+    def consequence(f) -> bool:
+        return f.exitcode in (EXIT_PEER_LOST, -signal.SIGTERM)
+    return min(failures.items(), key=lambda rf: (consequence(rf[1]), rf[1].timestamp, rf[0]))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -682,4 +682,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_code = main()
+    # The outcome is decided. torchrun's agent SIGTERMs the remaining workers as soon as one has
+    # exited non-zero, and Python restores the default (fatal) handler during interpreter
+    # shutdown: ignored from here, that signal cannot turn this worker's reported exit code into
+    # "killed by SIGTERM" (an ignored disposition survives the shutdown).
+    for _s in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(_s, signal.SIG_IGN)
+    sys.exit(exit_code)

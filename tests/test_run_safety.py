@@ -625,6 +625,9 @@ def test_launcher_reports_the_rank_that_failed_first_not_its_survivors():
     # a real error (code 1, its traceback) is a cause too; earliest, then lowest rank
     assert root_failure({0: F(exitcode=1, timestamp=100), 1: F(exitcode=peer_lost, timestamp=99),
                          2: F(exitcode=1, timestamp=100)})[0] == 0
+    # torchrun's agent SIGTERMs the others once one worker failed: not the cause either
+    assert root_failure({0: F(exitcode=-signal.SIGTERM, timestamp=100),
+                         1: F(exitcode=2, timestamp=100)})[0] == 1
     # only survivors' codes: the earliest of them
     assert root_failure({0: F(exitcode=peer_lost, timestamp=101),
                          3: F(exitcode=peer_lost, timestamp=100)})[0] == 3
