@@ -531,8 +531,8 @@ def test_write_failure_causes_and_remedies(tmp_path, monkeypatch, mounts):
 
 
 def _write_access_on_ranks(rank, world_size, run_dir, ckdir, forbidden_rank):
-    """`Trainer._check_write_access` on 2 gloo ranks, EACCES injected at rank
-    `forbidden_rank`'s probe of the checkpoint folder."""
+    """`Trainer._check_write_access` on 2 gloo ranks: once as is, then with EACCES injected at
+    rank `forbidden_rank`'s probe of the checkpoint folder. Returns both outcomes."""
     import errno
     import tempfile
     from types import SimpleNamespace
@@ -540,21 +540,24 @@ def _write_access_on_ranks(rank, world_size, run_dir, ckdir, forbidden_rank):
     from pipeline.common import diskspace
     from pipeline.train import Trainer
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    if rank == forbidden_rank:
-        real = tempfile.mkstemp
-
-        def forbidden(*a, dir=None, **kw):
-            if str(dir) == ckdir:
-                raise PermissionError(errno.EACCES, "Permission denied")
-            return real(*a, dir=dir, **kw)
-        diskspace.tempfile.mkstemp = forbidden
     t = Trainer.__new__(Trainer)
     t.cfg, t.ckdir, t.is_rank0 = SimpleNamespace(run_dir=run_dir), ckdir, rank == 0
-    try:
-        t._check_write_access()
-        return None
-    except diskspace.NotWritableError as e:
-        return str(e), e.failure.errno
+    out = []
+    for inject in (False, True):
+        if inject and rank == forbidden_rank:
+            real = tempfile.mkstemp
+
+            def forbidden(*a, dir=None, **kw):
+                if str(dir) == ckdir:
+                    raise PermissionError(errno.EACCES, "Permission denied")
+                return real(*a, dir=dir, **kw)
+            diskspace.tempfile.mkstemp = forbidden
+        try:
+            t._check_write_access()
+            out.append(None)
+        except diskspace.NotWritableError as e:
+            out.append((str(e), e.failure.errno))
+    return out
 
 
 def test_every_rank_stops_on_one_rank_s_start_up_write_failure(tmp_path):
@@ -564,14 +567,13 @@ def test_every_rank_stops_on_one_rank_s_start_up_write_failure(tmp_path):
     from distributed import run_distributed
     ck = str(tmp_path / "ck")
     got = run_distributed(_write_access_on_ranks, 2, (str(tmp_path / "run"), ck, 1), timeout_s=120)
-    assert got[0] == got[1]
-    msg, code = got[0]
+    assert [g[0] for g in got] == [None, None]          # writable everywhere: nothing raised
+    assert got[0][1] == got[1][1]                       # the same line on both ranks
+    msg, code = got[0][1]
     assert code == errno.EACCES
     assert msg.startswith(f"checkpoint.dir {ck} is not writable on rank 1: permission denied (")
     assert msg.endswith("set checkpoint.dir to a folder this user may write, or fix the folder's "
                         "owner or permissions (checked at start-up, nothing was trained)")
-    assert run_distributed(_write_access_on_ranks, 2, (str(tmp_path / "run"), ck, -1),
-                           timeout_s=120) == [None, None]
 
 
 # ------------------------------------------------------------------ a rank that dies
