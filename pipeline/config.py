@@ -59,7 +59,12 @@ class DataSection:
     the batches); `shuffle_buffer`: window of the shuffle and of packing, in samples.
     `verify_shards`: "error" (default) stops with one line naming a shard whose sha256 differs
     from manifest.json, "warn" prints that line and trains on, "off" skips the check (each shard
-    is hashed once per loader process when first read: `pipeline.data.shard_io`)."""
+    is hashed once per loader process when first read: `pipeline.data.shard_io`).
+    `on_shard_change`: what a resumed run does when the training split's shard set differs from
+    the one its checkpoint was taken on (shards rebuilt with more input): "refuse" (default:
+    one line, exit 2) or "new_pass": keep weights, optimizer, step and lr schedule and start a
+    new epoch over the new set (same tokenizer required; the checkpoint's `shard_sets` records
+    each set and the step it began at; `pipeline.data.ShardLoader.load_state_dict`)."""
     dir: str = MISSING
     train_split: str = "train"
     val_split: str = "val"
@@ -69,6 +74,7 @@ class DataSection:
     num_workers: int = 1
     shuffle_buffer: int = 1000
     verify_shards: str = "error"
+    on_shard_change: str = "refuse"
 
 
 @dataclass
@@ -435,6 +441,8 @@ def _validate(cfg: DictConfig, world_size: int | None) -> Plan:
     need(cfg.data.shuffle_buffer >= 1, f"data.shuffle_buffer must be >= 1, got {cfg.data.shuffle_buffer}")
     need(cfg.data.verify_shards in ("error", "warn", "off"),
          f"data.verify_shards must be error, warn or off, got {cfg.data.verify_shards!r}")
+    need(cfg.data.on_shard_change in ("refuse", "new_pass"),
+         f"data.on_shard_change must be refuse or new_pass, got {cfg.data.on_shard_change!r}")
     need(cfg.data.packing in ("next_fit", "best_fit"),
          f"data.packing must be next_fit or best_fit, got {cfg.data.packing!r}")
     from pipeline.data import DataError, check_tokenizer, read_manifest

@@ -7,9 +7,12 @@ Must not touch: training, configs.
 What plain torchrun does, and what this changes:
 - A worker that exits non-zero (for example 2, a user error, already printed by the trainer as
   one line) makes torchrun exit 1 with a `ChildFailedError` traceback. Here the launcher exits
-  with the first failed worker's code (2, 3, 4 as `pipeline.train` documents them; 128 + N for a
-  worker killed by signal N) and prints nothing more for codes 2-4 (the trainer's line is the
-  story) and one line otherwise.
+  with the code of the worker whose failure caused the others (`root_failure`: the first failed
+  worker, passing over those that only stopped because a peer was gone, exit 5, or that
+  torchrun's agent stopped with SIGTERM) (2, 3, 4, 5 as
+  `pipeline.train` documents them; 128 + N for a worker killed by signal N) and prints nothing
+  more for codes 2-5 (the trainer's line is the story) and one line otherwise, e.g.
+  "pipeline.launch: worker rank 1 (pid 123) was killed by SIGKILL; its output is above".
 - SIGTERM / SIGINT / SIGUSR1 to torchrun make it raise `SignalException`, stop the workers (SIGKILL
   after 30 s, whatever their checkpoint needs) and exit non-zero with a traceback. Here the
   launcher forwards the signal once to each worker (they checkpoint at the step they reached and
@@ -24,7 +27,7 @@ import os
 import signal
 import sys
 
-from pipeline.common.cli import REPORTED
+from pipeline.common.cli import EXIT_PEER_LOST, REPORTED
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
@@ -52,6 +55,19 @@ def _forward(signum, frame) -> None:
             pass
 
 
+def root_failure(failures: dict) -> tuple[int, object]:
+    """The failed worker whose failure is the job's cause: `(rank, failure)` of the earliest
+    failure (by torchrun's timestamp in whole seconds, then rank) that is not a consequence of
+    another: a worker that stopped because a peer was gone (`EXIT_PEER_LOST`), or one killed by
+    SIGTERM (torchrun's agent stops the remaining workers that way once one has failed; a
+    SIGTERM from outside reaches our workers through `_forward` and they exit 0). When only
+    such failures exist, the earliest of them. `failures`: torchrun's `{rank: ProcessFailure}`
+    (`.exitcode`: negative = killed by that signal, `.timestamp`)."""
+    def consequence(f) -> bool:
+        return f.exitcode in (EXIT_PEER_LOST, -signal.SIGTERM)
+    return min(failures.items(), key=lambda rf: (consequence(rf[1]), rf[1].timestamp, rf[0]))
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run torchrun with `argv` (default: sys.argv[1:]); returns the exit code (see module)."""
     from torch.distributed import run as torchrun
@@ -66,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         torchrun.run(args)
     except ChildFailedError as e:
-        rank, failure = e.get_first_failure()
+        rank, failure = root_failure(e.failures)
         code = failure.exitcode
         if code < 0:  # killed by a signal
             try:

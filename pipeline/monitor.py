@@ -19,8 +19,10 @@ logged steps left a 7-byte `.wandb` file), and every later wandb call raises
 - `wandb.init` is bounded (`WANDB_INIT_TIMEOUT` seconds, default `INIT_TIMEOUT_S`) and a failure
   there is one line saying what to do (offline mode, `wandb sync`).
 
-metrics.jsonl write failures (disk full, quota) raise `MonitorError` naming the file, the cause
-and the free space seen (the trainer turns it into its disk-full exit code).
+metrics.jsonl write failures (read-only filesystem, permission, disk full, quota) raise
+`MonitorError` naming the file, the cause (with the free space seen for a full disk or quota) and
+a remedy fitting it (the trainer turns it into its write-failure exit code, 4). The trainer checks
+at start-up that metrics.jsonl can be appended to (`pipeline.common.diskspace.check_writable`).
 """
 from __future__ import annotations
 
@@ -38,7 +40,8 @@ METRICS_FILE = "metrics.jsonl"
 
 
 class MonitorError(RuntimeError):
-    """metrics.jsonl could not be written (disk full or quota exceeded, or another OS error)."""
+    """metrics.jsonl could not be written (read-only filesystem, permission, disk full, quota
+    exceeded, or another OS error); the message is one line."""
 
 
 def read_metrics(path: str) -> dict[tuple[str, int], dict]:
@@ -89,7 +92,7 @@ class Monitor:
 
     def append(self, metrics: dict) -> None:
         """Append one JSON line to metrics.jsonl (flushed). Raises MonitorError on a write
-        failure (one line: file, cause, free space seen)."""
+        failure (one line: file, cause, remedy)."""
         if not self.is_rank0:
             return
         path = os.path.join(self.run_dir, METRICS_FILE)
@@ -98,9 +101,10 @@ class Monitor:
                 f.write(json.dumps(metrics) + "\n")
                 f.flush()
         except OSError as e:
-            from pipeline.common.diskspace import write_failure_cause
-            raise MonitorError(f"{path}: cannot append metrics: "
-                               f"{write_failure_cause(e, path)}") from None
+            from pipeline.common.diskspace import diagnose
+            f = diagnose(e, path)
+            raise MonitorError(f"{path}: cannot append metrics: {f.cause}; "
+                               f"{f.remedy('run_dir')}, then rerun to resume") from None
 
     # -- wandb ----------------------------------------------------------------------------
 

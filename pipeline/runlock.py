@@ -43,7 +43,8 @@ def _float_env(name: str, default: float) -> float:
 
 
 class RunLockError(RuntimeError):
-    """Another live job holds the run directory; the message is one line naming the holder."""
+    """Another live job holds the run directory (the message is one line naming the holder), or
+    the lock file cannot be written there (one line: the file, the cause, what to do)."""
 
 
 def _holder_text(h: dict) -> str:
@@ -90,19 +91,26 @@ class RunLock:
         """Take the lock (or a stale one / our own SLURM job's) and start the heartbeat.
 
         Raises:
-            RunLockError: a live job holds it (one line: holder, how to clear).
+            RunLockError: a live job holds it (one line: holder, how to clear), or the lock
+                cannot be written (read-only run folder, permission, full disk; one line).
         """
-        os.makedirs(self.run_dir, exist_ok=True)
         data = (json.dumps(self.me) + "\n").encode()
         try:
-            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            self._take_over_or_raise(data)
-        else:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
+            os.makedirs(self.run_dir, exist_ok=True)
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                self._take_over_or_raise(data)
+            else:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+        except OSError as e:  # read-only run folder, permission, full disk: one line
+            from pipeline.common.diskspace import failure_of
+            f = failure_of(e, self.run_dir)
+            raise RunLockError(f"{self.path}: cannot write the run lock: {f.cause}; "
+                               f"{f.remedy('run_dir')}") from None
         self._thread = threading.Thread(target=self._beat, name="run-lock-heartbeat", daemon=True)
         self._thread.start()
         return self

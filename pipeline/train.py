@@ -2,7 +2,8 @@
 
 Owns: the orchestration of a run (`Trainer`: set-up order, the training step, the loop, checkpoint
 and validation cadence, auto-resume, SIGTERM/SIGUSR1/SIGINT handling, the NaN policy) and the
-entry point (`main`: config errors, one-line error reporting across ranks, exit codes). The
+entry point (`main`: config errors, one-line error reporting across ranks, a dead peer's one
+line, exit codes). The
 pieces it orchestrates live in `pipeline.training` (the engine builder and lr schedule, the run's
 state, validation, console lines) and below. Must not touch: the network (`pipeline.model`), the
 objective (`pipeline.objective`), shard reading (`pipeline.data`), the checkpoint format
@@ -28,17 +29,32 @@ agree through the step's all-reduce, checkpoint and exit 0. A second SIGINT abor
 checkpoint, exit 130, one line). Loader workers ignore these signals (`pipeline.data.loader`), so a
 signal sent to the whole process group (SLURM preemption, scancel, Ctrl-C) reaches the trainer only.
 
+Start-up write check: before building anything, every rank writes a probe file where it will
+write (rank 0: the run folder and metrics.jsonl; every rank: the checkpoint folder), so a
+read-only filesystem or a folder this user may not write stops the job at once, not at the first
+checkpoint hours later (`Trainer._check_write_access`).
+
 Exit codes: 0 done (or checkpointed after SIGTERM/SIGUSR1/SIGINT), 2 config error or a user error
-found after start-up (a checkpoint or loader state from another layout or model shape, an HF
-folder that does not fit, wandb cannot start, another live job holds the run directory, the
-ranks cannot meet at MASTER_ADDR:MASTER_PORT within REFUSION_RENDEZVOUS_TIMEOUT), 3
-non-finite loss with `train.nan_policy=stop` (no checkpoint written for that step), 4 a checkpoint
-or metrics.jsonl could not be written (disk full, quota exceeded: one line naming the folder or
-file, the cause and the free space seen; the partial checkpoint folder removed, the previous one
-intact), 130 a second Ctrl-C. An error raised on one rank only is printed once by that rank; the
-other ranks exit with the same code without a traceback. Under torchrun the launcher turns these
-into its own exit 1 and a traceback; `python -m pipeline.launch` (same arguments) keeps them.
-A wandb failure mid-run is one warning line; training goes on (`pipeline.monitor`).
+found after start-up (a folder the run writes is read-only or not permitted, found by the
+start-up write check; a checkpoint or loader state from another layout, model shape or shard set;
+an HF folder that does not fit; wandb cannot start; another live job holds the run directory;
+the ranks cannot meet at MASTER_ADDR:MASTER_PORT within REFUSION_RENDEZVOUS_TIMEOUT), 3
+non-finite loss with `train.nan_policy=stop` (no checkpoint written for that step), 4 no space
+left or quota exceeded (at the start-up check or later), or any checkpoint or metrics.jsonl write
+that failed during the run (read-only, permission, ...): one line naming the folder or file, the
+failing rank, the cause (with the free space seen only for a full disk or quota) and what to do;
+the partial checkpoint folder removed, the previous one intact. 5 this rank stopped because
+another rank's process is gone (killed, crashed; one line per surviving rank instead of the
+collective's traceback; the launcher reports the dead rank). 130 a second Ctrl-C. An error raised
+on one rank only is printed once by that rank; the other ranks exit with the same code without a
+traceback. Under torchrun the launcher turns these into its own exit 1 and a traceback;
+`python -m pipeline.launch` (same arguments) keeps them. A wandb failure mid-run is one warning
+line; training goes on (`pipeline.monitor`).
+
+Continuing on more data: after the shards are rebuilt with more input, a resume is refused
+(the loader state's shard set differs) unless `data.on_shard_change=new_pass`: then weights,
+optimizer, step and lr schedule continue and the loader starts a new epoch over the new set;
+the checkpoint's `shard_sets` records each set and the step it began at.
 
 metrics.jsonl (rank 0, appended; a resumed run appends again from its checkpoint step, so a
 reader keeps the last line per (kind, step)): one JSON object per line with `kind` "train"
@@ -55,7 +71,8 @@ import signal
 import sys
 import time
 
-from pipeline.common.cli import EXIT_DISK_FULL, EXIT_INTERRUPTED, EXIT_NONFINITE, EXIT_USAGE
+from pipeline.common.cli import (EXIT_DISK_FULL, EXIT_INTERRUPTED, EXIT_NONFINITE,
+                                 EXIT_PEER_LOST, EXIT_USAGE)
 from pipeline.training.state import TrainError, TrainState
 
 log = logging.getLogger("pipeline.train")
@@ -80,8 +97,9 @@ def _first_line(e: BaseException) -> str:
 class Trainer:
     """One training run on this process (collective: every rank builds one).
 
-    Set-up order (`setup`): signals, process groups, seeds, run lock, resume decision, engine
-    (model, initial weights unless resuming, optimizer), train loader, checkpoint state, wandb.
+    Set-up order (`setup`): signals, process groups, seeds, write check, run lock, resume
+    decision, engine (model, initial weights unless resuming, optimizer), train loader,
+    checkpoint state (shard-set change), wandb.
     State that survives a restart is `self.state` (`TrainState`), the engine's and the loader's.
 
     Args:
@@ -115,7 +133,8 @@ class Trainer:
             signal.signal(s, handler)
 
     def setup(self) -> None:
-        """Process groups, seeds, run lock, engine + initial weights, loaders, resume, wandb."""
+        """Process groups, seeds, write check, run lock, engine + initial weights, loaders,
+        resume (with `data.on_shard_change`), wandb."""
         import deepspeed
         import torch
         from omegaconf import OmegaConf
@@ -142,7 +161,7 @@ class Trainer:
         self.mcfg = ModelConfig.from_dict(dict(self.plan.model_fields), source="model")
         self.ckdir = self.plan.checkpoint_dir
         self.console = ConsoleLog(cfg.train.max_steps, cfg.train.log_interval)
-        os.makedirs(cfg.run_dir, exist_ok=True)
+        self._check_write_access()
         self._lock_run_dir()
 
         # Resume decided before building: a resumed run does not need initial weights.
@@ -167,14 +186,61 @@ class Trainer:
             if state is None:
                 raise RuntimeError(f"{self.ckdir}: the latest checkpoint vanished while resuming")
             self.state.load_state_dict(state)
-            self.train_loader.load_state_dict(state["loader"],
-                                              allow_reshard="resharded_from" in state)
+            change = self.train_loader.load_state_dict(
+                state["loader"], allow_reshard="resharded_from" in state,
+                on_shard_change=cfg.data.on_shard_change)
+            if change is not None:  # data.on_shard_change=new_pass on a rebuilt shard set
+                log.info("the training shards changed since step %d (shard set %s of %s -> %s of "
+                         "%s, %d samples per epoch); data.on_shard_change=new_pass: weights, "
+                         "optimizer and lr schedule continue, the data starts a new pass "
+                         "(epoch %d) over the new set", self.step, change["from"],
+                         change["from_dir"] or "an unrecorded folder", change["to"], cfg.data.dir,
+                         change["samples_per_epoch"], change["epoch"])
             # a validation a stop signal deferred at this step, if this run still validates there
             self.state.eval_pending = self.state.eval_pending and should_evaluate(
                 self.step, cfg.train.eval_interval, False)
             log.info("resumed from %s at step %d", state["checkpoint_dir"], self.step)
+        else:
+            change = None
+        ld = self.train_loader
+        self.state.track_shard_set({"fingerprint": ld.fingerprint, "data_dir": str(cfg.data.dir),
+                                    "epoch": ld.epoch, "samples_per_epoch": ld.samples_per_epoch},
+                                   change)
         self._init_wandb()
         self.peak_flops = peak_flops_per_device(cfg)
+
+    def _check_write_access(self) -> None:
+        """Before anything is built: every rank writes a probe file where it will write
+        (`pipeline.common.diskspace.check_writable`): rank 0 in the run folder (run.lock,
+        metrics.jsonl, which it also opens for appending, wandb files), every rank in the
+        checkpoint folder (each writes its own files there; both folders are created if
+        missing). The ranks compare results, and any failure stops every rank with the same
+        one line naming the setting, the folder, the first failing rank, the cause (read-only
+        filesystem, permission denied, ...) and what to do: `NotWritableError` (exit 2, or 4
+        for a full disk or quota)."""
+        import torch.distributed as dist
+        from pipeline.common.diskspace import NotWritableError, check_writable
+        from pipeline.monitor import METRICS_FILE
+        targets = [("checkpoint.dir", self.ckdir, ())]
+        if self.is_rank0:
+            targets.insert(0, ("run_dir", self.cfg.run_dir, (METRICS_FILE,)))
+        mine = None
+        for setting, folder, files in targets:
+            failure = check_writable(folder, files)
+            if failure is not None:
+                mine = (setting, str(folder), failure)
+                break
+        box = [mine]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            box = [None] * dist.get_world_size()
+            dist.all_gather_object(box, mine)
+        bad = [(r, m) for r, m in enumerate(box) if m is not None]
+        if bad:
+            rank, (setting, folder, failure) = bad[0]
+            more = f" (and {len(bad) - 1} more rank(s))" if len(bad) > 1 else ""
+            raise NotWritableError(
+                f"{setting} {folder} is not writable on rank {rank}{more}: {failure.cause}; "
+                f"{failure.remedy(setting)} (checked at start-up, nothing was trained)", failure)
 
     def _lock_run_dir(self) -> None:
         """One job per run directory (`pipeline.runlock`): rank 0 takes `<run_dir>/run.lock`;
@@ -496,11 +562,12 @@ def _agent_store():
         return None
 
 
-def _report_error(code: int, line: str, store=None) -> int:
+def _report_error(code: int, line: str, store=None, name_rank: bool = True) -> int:
     """Print a user-facing error line once for the whole job, whichever rank raised it: the
     first rank to report it through the store prints (a rank-only error is not lost behind
     rank 0's silence), the others stay quiet. Without a store (one process, or the store is
-    gone) the line is printed. Returns `code`."""
+    gone) the line is printed. A rank other than 0 adds " (rank N)" unless `name_rank` is
+    False (the line already names the ranks it concerns). Returns `code`."""
     store, first = store if store is not None else _default_store(), True
     if store is not None:
         try:
@@ -510,7 +577,8 @@ def _report_error(code: int, line: str, store=None) -> int:
             first = True
     if first:
         rank = os.environ.get("RANK", "0")
-        print(line if rank == "0" else f"{line} (rank {rank})", file=sys.stderr, flush=True)
+        print(line if rank == "0" or not name_rank else f"{line} (rank {rank})",
+              file=sys.stderr, flush=True)
     return code
 
 
@@ -525,6 +593,24 @@ def _reported_error_code() -> int | None:
     except Exception:
         pass
     return None
+
+
+# What a collective raises when another rank's process is gone (gloo's TCP transport, NCCL).
+_LOST_PEER_MARKERS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+                      "remote process exited", "NCCL communicator was aborted")
+
+
+def _lost_peer(e: BaseException) -> str | None:
+    """When `e` is a collective that failed because another rank's process is gone, its reason
+    in a few words (e.g. "gloo: Read error [127.0.0.1]:22246: Connection reset by peer");
+    otherwise None."""
+    import re
+    text = str(e).strip()
+    if not isinstance(e, RuntimeError) or not any(m in text for m in _LOST_PEER_MARKERS):
+        return None
+    first = re.sub(r"^\[[^\]]*\]\s*", "", text.splitlines()[0])  # gloo's "[file.cc:537] "
+    first = first.split(". ")[0].rstrip(".")
+    return f"gloo: {first}" if "gloo" in text else first
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -550,6 +636,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     _launcher_env()
     from pipeline.checkpoint import CheckpointError, CheckpointWriteError
+    from pipeline.common.diskspace import NotWritableError
     from pipeline.data import DataError
     from pipeline.monitor import MonitorError
     from pipeline.parallel import RendezvousError
@@ -557,21 +644,34 @@ def main(argv: list[str] | None = None) -> int:
     try:
         trainer.setup()
         code = trainer.run()
+    except NotWritableError as e:  # found at start-up: read-only, permission (2); no space (4)
+        code = _report_error(EXIT_DISK_FULL if e.failure.disk_full else EXIT_USAGE,
+                             f"pipeline.train: error: {_first_line(e)}", name_rank=False)
     except (TrainError, CheckpointError, DataError, RendezvousError) as e:  # user errors at run time
         code = _report_error(EXIT_USAGE, f"pipeline.train: error: {_first_line(e)}")
-    except (CheckpointWriteError, MonitorError) as e:  # disk full, quota, other write errors
-        code = _report_error(EXIT_DISK_FULL, f"pipeline.train: error: {_first_line(e)}")
+    except (CheckpointWriteError, MonitorError) as e:  # read-only, disk full, other write errors
+        code = _report_error(EXIT_DISK_FULL, f"pipeline.train: error: {_first_line(e)}",
+                             name_rank=False)  # the line names the failing rank(s)
     except KeyboardInterrupt:  # a second Ctrl-C (the first one checkpoints; see _install_signals)
         print(f"pipeline.train: rank {os.environ.get('RANK', '0')}: interrupted; no checkpoint "
               f"written for the current step", file=sys.stderr, flush=True)
         code = EXIT_INTERRUPTED
-    except Exception:
-        # A rank whose peer stopped on a reported error fails in its next collective (gloo:
-        # "Connection closed by peer"); that rank's one line is the story, not this traceback.
+    except Exception as e:
+        # A rank whose peer stopped fails in its next collective (gloo: "Connection closed by
+        # peer"). A peer that reported its error: that rank's one line is the story, exit with
+        # its code. A peer that died without a word (killed, crashed): one line here naming
+        # this rank, exit 5 (the launcher reports the dead rank). Anything else: the traceback.
         peer = _reported_error_code()
-        if peer is None:
-            raise
-        code = peer
+        if peer is not None:
+            code = peer
+        else:
+            lost = _lost_peer(e)
+            if lost is None:
+                raise
+            print(f"pipeline.train: rank {os.environ.get('RANK', '0')}: stopped because another "
+                  f"process of this job is gone ({lost}); its own output or the launcher's line "
+                  f"says why", file=sys.stderr, flush=True)
+            code = EXIT_PEER_LOST
     finally:
         if trainer.run_lock is not None:
             trainer.run_lock.release()
@@ -585,4 +685,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_code = main()
+    # The outcome is decided. torchrun's agent SIGTERMs the remaining workers as soon as one has
+    # exited non-zero, and Python restores the default (fatal) handler during interpreter
+    # shutdown: ignored from here, that signal cannot turn this worker's reported exit code into
+    # "killed by SIGTERM" (an ignored disposition survives the shutdown).
+    for _s in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(_s, signal.SIG_IGN)
+    sys.exit(exit_code)

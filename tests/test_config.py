@@ -90,6 +90,7 @@ def test_valid_config_and_derived_batch_layout(tmp_path, data_dir):
     (["data.train_split=dev"], 1, "data.train_split: no split 'dev'"),
     (["train.eval_interval=5", "data.val_split=test"], 1, "data.val_split: no split 'test'"),
     (["data.packing=first_fit"], 1, "data.packing must be next_fit or best_fit, got 'first_fit'"),
+    (["data.on_shard_change=always"], 1, "data.on_shard_change must be refuse or new_pass, got 'always'"),
     (["data.max_length=8"], 1, "data.max_length=8 is shorter than the shards' max_length 16"),
     (["init.source=hf"], 1, "init.source=hf needs init.hf_path"),
     (["init.source=hf", "init.hf_path=/nonexistent"], 1, "init.hf_path: no config.json in /nonexistent"),

@@ -200,6 +200,57 @@ def test_dp_size_change_and_other_settings_are_refused():
     assert same.batches == 2
 
 
+def test_new_pass_over_a_grown_shard_set():
+    """Shards rebuilt with more input: refused by default (the same line as any other shard
+    set); with on_shard_change="new_pass" the loader continues with the next epoch over the new
+    set, batch for batch what a fresh loader of the new set yields in that epoch."""
+    url = "memory://grow"
+    first = random_samples(np.random.default_rng(6), 12)
+    write_shards(url, {"train": first}, samples_per_shard=6, max_length=48)
+    kw = dict(micro_batch_size=2, max_length=48, dp_size=2, seed=3, num_workers=0,
+              shuffle_buffer=4, vocab_size=64)
+    loader = build_loader(url, "train", dp_rank=1, **kw)
+    _take(loader, 2)            # 2 of the 3 rounds of epoch 0 (12 rows, 4 per round)
+    state, old_fp = loader.state_dict(), loader.fingerprint
+    assert state["cursor"][0] == 0
+    more = random_samples(np.random.default_rng(7), 12)
+    write_shards(url, {"train": first + more}, samples_per_shard=6, max_length=48)
+    grown = build_loader(url, "train", dp_rank=1, **kw)
+    with pytest.raises(DataError) as err:
+        grown.load_state_dict(state)
+    assert str(err.value) == (f"loader state: data was {old_fp!r} when saved, is "
+                              f"{grown.fingerprint!r} now (shards of {url} when saved, of {url} "
+                              f"now); resume with the same data settings")
+    with pytest.raises(DataError, match="on_shard_change 'sometimes' is not one of refuse, new_pass"):
+        grown.load_state_dict(state, on_shard_change="sometimes")
+    change = grown.load_state_dict(state, on_shard_change="new_pass")
+    assert change == {"from": old_fp, "from_dir": url, "to": grown.fingerprint, "epoch": 1,
+                      "samples_per_epoch": 24}
+    assert grown.cursor == (1, 0, 0) and grown.batches == 2
+    # a fresh loader of the grown set: epoch 0 is 6 rounds, then epoch 1 begins
+    fresh = _take(build_loader(url, "train", dp_rank=1, **kw), 6 + 6)
+    resumed = _take(grown, 6)
+    _same(resumed, fresh[6:])
+    seen = {k for b in resumed for k in b["keys"]}
+    assert any(int(k.removeprefix("train")) >= 12 for k in seen)   # samples only the new set has
+    assert grown.batches == 8 and grown.epoch == 1
+    # a state at the very start of an epoch (nothing of it read) begins that epoch
+    write_shards("memory://grow-a", {"train": first}, samples_per_shard=6, max_length=48)
+    untouched = build_loader("memory://grow-a", "train", dp_rank=1, **kw).state_dict()
+    again = build_loader(url, "train", dp_rank=1, **kw)
+    assert again.load_state_dict(untouched, on_shard_change="new_pass")["epoch"] == 0
+    # the same switch does not accept shards of another tokenizer
+    write_shards(url, {"train": first + more}, samples_per_shard=6, max_length=48,
+                 tokenizer=dict(DEFAULT_TOKENIZER, hash="other-tokenizer"))
+    with pytest.raises(DataError, match="made with another tokenizer"):
+        build_loader(url, "train", dp_rank=1, **kw).load_state_dict(state, on_shard_change="new_pass")
+    # an unchanged set: the switch changes nothing (exact continuation)
+    write_shards(url, {"train": first}, samples_per_shard=6, max_length=48)
+    same = build_loader(url, "train", dp_rank=1, **kw)
+    assert same.load_state_dict(state, on_shard_change="new_pass") is None
+    assert same.cursor == tuple(state["cursor"])
+
+
 def test_tokenizer_and_shape_checks():
     url = "memory://tok"
     tok = dict(DEFAULT_TOKENIZER, vocab_size=64, mask_id=70)

@@ -1,11 +1,20 @@
 """Run robustness: preemption with wandb on, rank-only user errors, the launcher's exit codes,
-one job per run directory, full disks.
+one job per run directory, full disks, read-only folders, a rank killed mid-run, clean console
+output.
 
 What is compared against what:
 - Preemption: SIGTERM at the same moment to every process of a 2-process run (trainers, their
   loader workers, wandb's service process `wandb-core`) -> exit 0, a checkpoint at the step
   reached, and the next leg continues the same wandb run id with every step's loss equal to
   metrics.jsonl, read back with wandb's own reader (`wandb leet inspect --json`).
+- Folders that cannot be written: the tests run as root, where chmod does not stop a write, so
+  read-only and full filesystems are real tmpfs mounts (`mount -o ro`, `remount,ro` during a
+  run, a filled 4 MiB tmpfs; skipped where mounting is not permitted), and "permission denied"
+  is an EACCES injected at the write probe (`tempfile.mkstemp`), in one process and on one rank
+  of two. Expected: exit 2 before any step with the exact one line (setting, folder, rank,
+  cause, remedy); mid-run, exit 4 with the read-only cause and no advice to free space.
+- A rank killed by SIGKILL mid-run: the survivor's line and the launcher's line, exactly two,
+  no traceback, the launcher's exit code 137.
 """
 from __future__ import annotations
 
@@ -384,3 +393,276 @@ def test_config_error_seen_by_one_rank_only_is_printed_once(data, tmp_path):
     assert lines == [f"pipeline.train: config error: model.preset: file not found: "
                      f"{tmp_path}/preset_1.yaml (rank 1)"], text[-3000:]
     assert "Traceback" not in text, text[-3000:]
+
+
+# ------------------------------------------------------------------ folders that cannot be written
+
+@pytest.fixture
+def mounts(tmp_path):
+    """Mount tmpfs filesystems (read-only or not) for a test: real EROFS / ENOSPC from the
+    kernel, which chmod cannot give a root test process. Skipped where mounting is not
+    permitted; everything mounted is unmounted afterwards."""
+    done = []
+
+    def mount(path: Path, *options: str) -> Path:
+        path.mkdir(parents=True, exist_ok=True)
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", ",".join(("size=4m",) + options),
+                            "tmpfs", str(path)], capture_output=True, text=True)
+        if r.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+        done.append(path)
+        return path
+    try:
+        yield mount
+    finally:
+        for p in reversed(done):
+            subprocess.run(["umount", "-l", str(p)], capture_output=True)
+
+
+def test_read_only_folders_stop_every_rank_at_start_up_in_one_line(data, tmp_path, mounts):
+    """A read-only checkpoint folder (2 ranks) or run folder (1 process): exit 2 before any
+    step, one line naming the setting, the folder and the cause, no traceback."""
+    base, d = data
+    config = _write_config(tmp_path / "ro.yaml", d, train={"max_steps": 4, "eval_interval": 0},
+                           checkpoint={"interval": 0, "keep": 1})
+    ck = mounts(tmp_path / "ck", "ro")
+    run_dir = tmp_path / "run"
+    proc = _start(2, config, run_dir, f"checkpoint.dir={ck}", log_name="log")
+    assert _finish(proc, run_dir) == 2, _log(run_dir)
+    text = (run_dir / "log.txt").read_text()
+    lines = [l for l in text.splitlines() if l.startswith("pipeline.")]
+    assert lines == [f"pipeline.train: error: checkpoint.dir {ck} is not writable on rank 0 (and 1 "
+                     f"more rank(s)): read-only file system; set checkpoint.dir to a folder on a "
+                     f"writable filesystem, or have this one remounted read-write (checked at "
+                     f"start-up, nothing was trained)"], text[-4000:]
+    assert "Traceback" not in text and "step 1/" not in text and not _metrics(run_dir)
+    # a read-only run folder: the same, before the run lock is taken
+    ro_run = mounts(tmp_path / "ro_run", "ro")
+    r = subprocess.run([sys.executable, "-m", "pipeline.train", "--config", str(config),
+                        f"run_dir={ro_run}"], cwd=ROOT, env=_env(), capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 2, r.stderr[-3000:]
+    lines = [l for l in r.stderr.splitlines() if l.startswith("pipeline.")]
+    assert lines == [f"pipeline.train: error: run_dir {ro_run} is not writable on rank 0: read-only "
+                     f"file system; set run_dir to a folder on a writable filesystem, or have this "
+                     f"one remounted read-write (checked at start-up, nothing was trained)"], r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_checkpoint_folder_turned_read_only_mid_run_names_the_cause(data, tmp_path, mounts):
+    """The filesystem goes read-only during the run (as ext4/Lustre do on errors): the save
+    fails with exit 4 and a line saying read-only, with no advice to free space."""
+    base, d = data
+    ck = mounts(tmp_path / "ck")
+    config = _write_config(tmp_path / "midro.yaml", d, train={"max_steps": 400, "eval_interval": 0},
+                           checkpoint={"interval": 0, "keep": 1, "dir": str(ck)})
+    run_dir = tmp_path / "run"
+    proc = _start(1, config, run_dir, log_name="log")
+    _wait_step(proc, run_dir, 1)
+    r = subprocess.run(["mount", "-o", "remount,ro", str(ck)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    os.killpg(proc.pid, signal.SIGTERM)           # checkpoint now
+    assert _finish(proc, run_dir) == 4, _log(run_dir)
+    text = (run_dir / "log.txt").read_text()
+    n = max(s for k, s in _metrics(run_dir) if k == "train")
+    lines = [l for l in text.splitlines() if l.startswith("pipeline.")]
+    assert lines == [f"pipeline.train: error: checkpoint {ck / f'step_{n:09d}.partial'}: rank 0 "
+                     f"could not write it: read-only file system; no partial folder was left, no "
+                     f"earlier checkpoint exists; set checkpoint.dir to a folder on a writable "
+                     f"filesystem, or have this one remounted read-write, then rerun to resume"], \
+        text[-4000:]
+    assert "Traceback" not in text
+
+
+def test_write_failure_causes_and_remedies(tmp_path, monkeypatch, mounts):
+    """`pipeline.common.diskspace`: each errno gets its own cause and remedy (free space only
+    for ENOSPC / EDQUOT); a library error that hides the errno is told apart by the probe
+    (torch's "Parent directory ... does not exist" on a read-only folder); the start-up probe
+    on a full filesystem and on a folder this user may not write (EACCES injected at the probe:
+    chmod does not stop root)."""
+    import errno
+    import tempfile
+    from pipeline.common import diskspace as ds
+    p = tmp_path / "ck" / "step_000000001.partial"
+    cases = {errno.EROFS: ("read-only file system", "remounted read-write"),
+             errno.EACCES: ("permission denied (", "fix the folder's owner or permissions"),
+             errno.EPERM: ("permission denied (", "fix the folder's owner or permissions"),
+             errno.ENOSPC: ("no space left on device (free space seen: ", "free space on that"),
+             errno.EDQUOT: ("disk quota exceeded (free space seen: ", "within your quota")}
+    for n, (cause, remedy) in cases.items():
+        f = ds.diagnose(OSError(n, os.strerror(n)), p)
+        assert f.errno == n and f.cause.startswith(cause) and remedy in f.remedy("checkpoint.dir")
+        assert ("free space" in f.cause) == (n in (errno.ENOSPC, errno.EDQUOT)), f.cause
+        assert ("free space" in f.remedy("x")) == (n in (errno.ENOSPC, errno.EDQUOT))
+        assert f.disk_full == (n in (errno.ENOSPC, errno.EDQUOT))
+    assert f"uid {os.geteuid()})" in ds.diagnose(PermissionError(errno.EACCES, "x"), p).cause
+    # torch hides the errno: the probe next to the folder tells (a real read-only mount)
+    ro = mounts(tmp_path / "ro", "ro")
+    hidden = RuntimeError(f"Parent directory {ro}/step_1.partial does not exist.")
+    f = ds.diagnose(hidden, ro / "step_1.partial")
+    assert (f.errno, f.cause) == (errno.EROFS, "read-only file system")
+    f = ds.diagnose(hidden, tmp_path / "writable")                   # the probe writes fine there
+    assert f.errno is None and f.cause.startswith(f"RuntimeError: Parent directory {ro}/step_1"
+                                                  f".partial does not exist. (free space seen: ")
+    # the start-up probe: fine, full, read-only, forbidden
+    assert ds.check_writable(tmp_path / "new" / "run", ("metrics.jsonl",)) is None
+    assert [q.name for q in (tmp_path / "new" / "run").iterdir()] == ["metrics.jsonl"]
+    full = mounts(tmp_path / "full")
+    with open(full / "filler", "wb", buffering=0) as fh:
+        try:
+            while True:
+                fh.write(b"\0" * 4096)
+        except OSError:
+            pass
+    f = ds.check_writable(full / "checkpoints")
+    assert f.errno == errno.ENOSPC and f.disk_full and f.cause.startswith("no space left on device")
+    assert ds.check_writable(ro / "checkpoints").errno == errno.EROFS
+    real = tempfile.mkstemp
+
+    def forbidden(*a, dir=None, **kw):
+        if str(dir).startswith(str(tmp_path / "forbidden")):
+            raise PermissionError(errno.EACCES, "Permission denied")
+        return real(*a, dir=dir, **kw)
+    monkeypatch.setattr(ds.tempfile, "mkstemp", forbidden)
+    f = ds.check_writable(tmp_path / "forbidden")
+    assert f.errno == errno.EACCES and not f.disk_full
+    assert f.remedy("run_dir") == ("set run_dir to a folder this user may write, or fix the "
+                                   "folder's owner or permissions")
+
+
+def _write_access_on_ranks(rank, world_size, run_dir, ckdir, forbidden_rank):
+    """`Trainer._check_write_access` on 2 gloo ranks: once as is, then with EACCES injected at
+    rank `forbidden_rank`'s probe of the checkpoint folder. Returns both outcomes."""
+    import errno
+    import tempfile
+    from types import SimpleNamespace
+    import torch.distributed as dist
+    from pipeline.common import diskspace
+    from pipeline.train import Trainer
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    t = Trainer.__new__(Trainer)
+    t.cfg, t.ckdir, t.is_rank0 = SimpleNamespace(run_dir=run_dir), ckdir, rank == 0
+    out = []
+    for inject in (False, True):
+        if inject and rank == forbidden_rank:
+            real = tempfile.mkstemp
+
+            def forbidden(*a, dir=None, **kw):
+                if str(dir) == ckdir:
+                    raise PermissionError(errno.EACCES, "Permission denied")
+                return real(*a, dir=dir, **kw)
+            diskspace.tempfile.mkstemp = forbidden
+        try:
+            t._check_write_access()
+            out.append(None)
+        except diskspace.NotWritableError as e:
+            out.append((str(e), e.failure.errno))
+    return out
+
+
+def test_every_rank_stops_on_one_rank_s_start_up_write_failure(tmp_path):
+    """Rank 1 alone may not write the checkpoint folder (a node with another mount or user):
+    both ranks stop with the same line naming rank 1 and the cause."""
+    import errno
+    from distributed import run_distributed
+    ck = str(tmp_path / "ck")
+    got = run_distributed(_write_access_on_ranks, 2, (str(tmp_path / "run"), ck, 1), timeout_s=120)
+    assert [g[0] for g in got] == [None, None]          # writable everywhere: nothing raised
+    assert got[0][1] == got[1][1]                       # the same line on both ranks
+    msg, code = got[0][1]
+    assert code == errno.EACCES
+    assert msg.startswith(f"checkpoint.dir {ck} is not writable on rank 1: permission denied (")
+    assert msg.endswith("set checkpoint.dir to a folder this user may write, or fix the folder's "
+                        "owner or permissions (checked at start-up, nothing was trained)")
+
+
+# ------------------------------------------------------------------ a rank that dies
+
+def _trainer_pid(root_pid: int, rank: int) -> int:
+    for p in _descendants(root_pid):
+        if "pipeline.train" in _cmdline(p):
+            try:
+                env = Path(f"/proc/{p}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if f"RANK={rank}".encode() in env:
+                return p
+    raise AssertionError(f"no trainer of rank {rank} under {root_pid}")
+
+
+def test_a_killed_rank_is_one_line_per_surviving_rank_and_the_launcher_names_it(data, tmp_path):
+    """SIGKILL to rank 1 mid-run (as the OOM killer does): rank 0's collective fails; it prints
+    one line naming itself and that a peer is gone (no gloo traceback) and exits 5; the launcher
+    reports rank 1's death and exits with its code (128 + 9)."""
+    base, d = data
+    config = _write_config(tmp_path / "kill.yaml", d, train={"max_steps": 400, "eval_interval": 0},
+                           checkpoint={"interval": 0, "keep": 1})
+    run_dir = tmp_path / "run"
+    proc = _start(2, config, run_dir, log_name="log")
+    _wait_step(proc, run_dir, 2)
+    victim = _trainer_pid(proc.pid, 1)
+    os.kill(victim, signal.SIGKILL)
+    assert _finish(proc, run_dir) == 128 + signal.SIGKILL, _log(run_dir)
+    text = (run_dir / "log.txt").read_text()
+    lines = [l for l in text.splitlines() if l.startswith("pipeline.")]
+    assert len(lines) == 2, text[-4000:]
+    assert lines[0].startswith("pipeline.train: rank 0: stopped because another process of this job "
+                               "is gone (gloo: ")
+    assert lines[0].endswith("); its own output or the launcher's line says why")
+    assert lines[1] == (f"pipeline.launch: worker rank 1 (pid {victim}) was killed by SIGKILL; its "
+                        f"output is above")
+    assert "Traceback" not in text and "[rank0]" not in text, text[-4000:]
+
+
+def test_launcher_reports_the_rank_that_failed_first_not_its_survivors():
+    from types import SimpleNamespace as F
+    from pipeline.launch import root_failure
+    peer_lost, killed = 5, -signal.SIGKILL
+    # same second (torchrun's timestamps are whole seconds): the dead rank, not rank 0
+    assert root_failure({0: F(exitcode=peer_lost, timestamp=100),
+                         1: F(exitcode=killed, timestamp=100)})[0] == 1
+    # the survivor was even seen first: still the dead rank
+    assert root_failure({0: F(exitcode=peer_lost, timestamp=99),
+                         1: F(exitcode=killed, timestamp=100)})[0] == 1
+    # a real error (code 1, its traceback) is a cause too; earliest, then lowest rank
+    assert root_failure({0: F(exitcode=1, timestamp=100), 1: F(exitcode=peer_lost, timestamp=99),
+                         2: F(exitcode=1, timestamp=100)})[0] == 0
+    # torchrun's agent SIGTERMs the others once one worker failed: not the cause either
+    assert root_failure({0: F(exitcode=-signal.SIGTERM, timestamp=100),
+                         1: F(exitcode=2, timestamp=100)})[0] == 1
+    # only survivors' codes: the earliest of them
+    assert root_failure({0: F(exitcode=peer_lost, timestamp=101),
+                         3: F(exitcode=peer_lost, timestamp=100)})[0] == 3
+
+
+def test_lost_peer_is_told_from_other_errors():
+    from pipeline.train import _lost_peer
+    gloo = RuntimeError("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] "
+                        "Read error [127.0.0.1]:22246: Connection reset by peer. This is typically "
+                        "caused by a remote worker hanging or bugs in the application. GLHF!")
+    assert _lost_peer(gloo) == "gloo: Read error [127.0.0.1]:22246: Connection reset by peer"
+    assert _lost_peer(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")) is None
+    assert _lost_peer(ValueError("Connection reset by peer")) is None
+
+
+# ------------------------------------------------------------------ console output
+
+def test_console_output_has_no_import_noise_and_short_floats(data, tmp_path):
+    """A tiny run with validation: no third-party import notice, every printed number short
+    (losses to 4 decimals), no float printed with 15 or more digits."""
+    import re
+    base, d = data
+    config = _write_config(tmp_path / "clean.yaml", d, train={"max_steps": 2, "eval_interval": 1,
+                                                              "eval_batches": 1},
+                           checkpoint={"interval": 0, "keep": 1})
+    r = subprocess.run([sys.executable, "-m", "pipeline.train", "--config", str(config),
+                        f"run_dir={tmp_path / 'run'}"], cwd=ROOT, env=_env(), capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = r.stdout + r.stderr
+    assert "Transformer Engine and Apex" not in out
+    assert re.search(r"validation at step 1: loss \d+\.\d{4} \| ar \d+\.\d{4} \| mdm \d+\.\d{4} ",
+                     out), out
+    assert re.search(r"step 2/2 \| loss \d+\.\d{4} \|", out), out
+    long_floats = [t for t in re.findall(r"\d+\.\d+", out) if len(t) - 1 >= 15]
+    assert not long_floats, long_floats

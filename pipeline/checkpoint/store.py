@@ -28,8 +28,9 @@ folders named exactly `step_<digits>` that hold `refusion_meta.json`, and prefer
 `latest` names (so a crash between the rename and the pointer update resumes from the older
 checkpoint, and `latest` can be pointed back by hand). Leftover `.partial` / `.old` folders,
 and `step_<N>` folders without `refusion_meta.json` older than the latest complete checkpoint,
-are deleted by the next save (`remove_leftovers`). A save that cannot be written (disk full,
-quota) raises `CheckpointWriteError` on every rank and removes its `.partial` folder.
+are deleted by the next save (`remove_leftovers`). A save that cannot be written (read-only
+filesystem, permission, disk full, quota) raises `CheckpointWriteError` on every rank and removes
+its `.partial` folder.
 """
 from __future__ import annotations
 
@@ -67,10 +68,12 @@ class CheckpointError(ValueError):
 
 
 class CheckpointWriteError(OSError):
-    """A checkpoint could not be written (disk full, quota exceeded, or another write error) on
-    at least one rank. Raised on every rank with the same one-line message naming the folder,
-    the failing rank(s) and the cause with the free space seen; the `.partial` folder has been
-    removed and the previous complete checkpoint is still the latest."""
+    """A checkpoint could not be written (read-only filesystem, permission denied, disk full,
+    quota exceeded, or another write error) on at least one rank. Raised on every rank with the
+    same one-line message naming the folder, the failing rank(s), the cause (with the free space
+    seen for a full disk or quota, `pipeline.common.diskspace`) and a remedy that fits it; the
+    `.partial` folder has been removed and the previous complete checkpoint is still the
+    latest."""
 
 
 def tag_for_step(step: int) -> str:
@@ -102,8 +105,9 @@ def _broadcast_from_rank0(obj: Any) -> Any:
     return box[0]
 
 
-def _gather_errors(error: str | None) -> list[tuple[int, str]]:
-    """Every rank's `(rank, error)` for the ranks whose `error` is not None (collective)."""
+def _gather_errors(error: Any) -> list[tuple[int, Any]]:
+    """Every rank's `(rank, error)` for the ranks whose `error` (picklable) is not None
+    (collective)."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return [(0, error)] if error is not None else []
     box: list = [None] * dist.get_world_size()
@@ -111,20 +115,30 @@ def _gather_errors(error: str | None) -> list[tuple[int, str]]:
     return [(r, e) for r, e in enumerate(box) if e is not None]
 
 
-def _write_failed(partial: Path, root: Path, failures: list[tuple[int, str]]) -> CheckpointWriteError:
-    """Rank 0 removes `partial`; every rank builds the same one-line error."""
+def _write_failed(partial: Path, root: Path, failures: list) -> CheckpointWriteError:
+    """Rank 0 removes `partial`; every rank builds the same one-line error from `failures`
+    (`[(rank, pipeline.common.diskspace.WriteFailure)]`): the folder, the failing rank, the
+    cause, what became of the partial folder and of the previous checkpoint, and a remedy that
+    fits the cause (space only for a full disk or quota). Collective."""
+    note = None
     if _rank() == 0:
+        existed = partial.exists()
         shutil.rmtree(partial, ignore_errors=True)
-    _barrier()
-    rank, cause = failures[0]
+        note = ("the partial folder could not be removed (it is never loaded; the next save "
+                "deletes it)" if partial.exists() else
+                "the partial folder was removed" if existed else "no partial folder was left")
+    note = _broadcast_from_rank0(note)
+    rank, failure = failures[0]
     others = f" (and {len(failures) - 1} more rank(s))" if len(failures) > 1 else ""
-    latest = find_latest(root)
+    try:
+        latest = find_latest(root)
+    except OSError:
+        latest = None
     kept = (f"the previous checkpoint {latest.name} is intact and stays the latest" if latest
             else "no earlier checkpoint exists")
     return CheckpointWriteError(
-        f"checkpoint {partial}: rank {rank}{others} could not write it: {cause}; the partial "
-        f"folder was removed, {kept}; free space (or use a larger checkpoint.dir) and rerun to "
-        f"resume")
+        f"checkpoint {partial}: rank {rank}{others} could not write it: {failure.cause}; {note}, "
+        f"{kept}; {failure.remedy('checkpoint.dir')}, then rerun to resume")
 
 
 def _fsync_dir(path: Path) -> None:
@@ -313,9 +327,9 @@ def save_checkpoint(engine, root_dir: str | os.PathLike, step: int, client_state
     Raises:
         ValueError: `keep_last` < 0 or `step` < 0.
         CheckpointWriteError: on every rank, when any rank could not write its files or rank 0
-            could not publish them (an OSError: disk full, quota, ...); one line naming the
-            folder, the rank and the cause with the free space seen. The `.partial` folder is
-            removed.
+            could not create the root or publish (an OSError: read-only filesystem, permission,
+            disk full, quota, ...); one line naming the folder, the rank, the cause and a
+            remedy fitting it. The `.partial` folder is removed.
         Exception: on rank 0, any other failure while publishing; the other ranks then raise
             CheckpointError (no rank is left waiting in a collective). In every case the
             previous complete checkpoint stays the latest.
@@ -331,19 +345,24 @@ def save_checkpoint(engine, root_dir: str | os.PathLike, step: int, client_state
     rank, world = _rank(), _world_size()
     t0 = time.time()
 
-    if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        remove_leftovers(root)
-    _barrier()
-
-    # Writing: any failure (disk full, quota, ...) on any rank is agreed on below, so every rank
-    # raises the same CheckpointWriteError and nobody is left waiting in a collective.
-    from pipeline.common.diskspace import write_failure_cause
+    # Writing: any failure (read-only, permission, disk full, quota, ...) on any rank is agreed
+    # on, so every rank raises the same CheckpointWriteError and nobody is left waiting in a
+    # collective.
+    from pipeline.common.diskspace import diagnose
     error = None
+    if rank == 0:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            remove_leftovers(root)
+        except OSError as e:
+            error = diagnose(e, root)
+    error = _broadcast_from_rank0(error)   # also the barrier before anyone writes
+    if error is not None:
+        raise _write_failed(partial, root, [(0, error)])
     try:
         engine.save_checkpoint(str(root), tag=partial_tag, client_state={}, save_latest=False)
     except Exception as e:  # noqa: BLE001 - reported on every rank below
-        error = write_failure_cause(e, partial)
+        error = diagnose(e, partial)
         _barrier()  # the barrier DeepSpeed's save ends with, where the other ranks wait
     if error is None:
         try:
@@ -352,10 +371,8 @@ def save_checkpoint(engine, root_dir: str | os.PathLike, step: int, client_state
             _atomic_torch_save(partial / f"refusion_rank_{rank:05d}.pt",
                                {"client_state": client_state, "rng": rng_state(), "rank": rank,
                                 "world_size": world})
-        except OSError as e:
-            error = write_failure_cause(e, partial)
-        except RuntimeError as e:  # torch's zip writer hides the errno of a short write
-            error = write_failure_cause(e, partial)
+        except (OSError, RuntimeError) as e:  # torch's zip writer hides the errno (RuntimeError)
+            error = diagnose(e, partial)
     failures = _gather_errors(error)  # also: every rank's files are closed before publishing
     if failures:
         raise _write_failed(partial, root, failures)
@@ -371,8 +388,8 @@ def save_checkpoint(engine, root_dir: str | os.PathLike, step: int, client_state
                      keep_last)
             log.info("saved checkpoint %s in %.1f s", root / tag, time.time() - t0)
         except Exception as e:  # tell the other ranks instead of leaving them in a barrier
-            if isinstance(e, OSError):  # disk full, quota, ...: the same error on every rank
-                error = ("write", write_failure_cause(e, partial))
+            if isinstance(e, OSError):  # read-only, disk full, ...: the same error on every rank
+                error = ("write", diagnose(e, partial))
             else:
                 error = ("other", f"{type(e).__name__}: {e}")
                 raise

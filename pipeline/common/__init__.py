@@ -1,7 +1,8 @@
 """Small helpers every layer may import (data prep included); they import nothing else of ours.
 
-- `exit_codes.py`: the exit codes of every entry point;
+- `cli.py`: the exit codes of every entry point, `UsageError`, dtype names;
 - `atomic_io.py`: atomic file writes (temp file, optional fsync, rename);
-- `diskspace.py`: the cause of a failed write (disk full, quota) with the free space seen;
+- `diskspace.py`: the cause of a failed write (read-only, permission, disk full, quota) with a
+  remedy that fits it, and the start-up write probe (`check_writable`);
 - `fs.py`: fsspec filesystems for URLs, with one-line errors for missing packages.
 """

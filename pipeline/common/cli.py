@@ -11,18 +11,24 @@ import torch
 EXIT_OK = 0
 # A stage failed for a reason not listed below (its traceback or failing command is shown).
 EXIT_FAILED = 1
-# A usage, config or input error found before or after start-up (one line on stderr).
+# A usage, config or input error found before or after start-up (one line on stderr); for
+# training also a folder it must write that is read-only or not permitted, found at start-up.
 EXIT_USAGE = 2
 # Training stopped on a non-finite loss (`train.nan_policy=stop`).
 EXIT_NONFINITE = 3
-# An output could not be written: the filesystem is full or the quota is exceeded (and, for
-# training, any other failed checkpoint or metrics.jsonl write); one line names the folder.
+# An output could not be written: the filesystem is full or the quota is exceeded (found at
+# start-up or later), and, for training, any failed checkpoint or metrics.jsonl write during the
+# run (read-only, permission, ...); one line names the folder, the cause and what to do.
 EXIT_DISK_FULL = 4
+# Training: this rank stopped because another rank of the job is gone (killed, crashed, node
+# lost) and a collective failed; one line per surviving rank. The cause is the other rank's own
+# output or the launcher's line (`pipeline.launch` reports that rank's code, not this one).
+EXIT_PEER_LOST = 5
 # A second Ctrl-C: stopped at once, no checkpoint.
 EXIT_INTERRUPTED = 130
 
 # Codes whose cause the process has already printed as one line (launchers add nothing).
-REPORTED = (EXIT_USAGE, EXIT_NONFINITE, EXIT_DISK_FULL)
+REPORTED = (EXIT_USAGE, EXIT_NONFINITE, EXIT_DISK_FULL, EXIT_PEER_LOST)
 
 # `--dtype` names of the CLIs (each may offer a subset).
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,

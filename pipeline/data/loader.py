@@ -54,7 +54,10 @@ with one dp_size / micro_batch_size / num_workers continues on another (`allow_r
 with every not yet consumed row of the epoch seen exactly once. Samples prefetched by workers
 but not yielded are not consumed. `data_dir`, the folder it was read from, is informational
 (for the message when the shards differ). Resuming reads the current window (indexing the
-headers of the shards it touches), never replays the epoch.
+headers of the shards it touches), never replays the epoch. A state whose shard set differs
+(shards rebuilt with more input) is refused, unless the caller asks for a new pass
+(`load_state_dict(..., on_shard_change="new_pass")`): then the loader starts the next epoch
+from its beginning over the new set.
 """
 from __future__ import annotations
 
@@ -63,6 +66,7 @@ import dataclasses
 import hashlib
 import io
 import json
+import logging
 import multiprocessing
 import posixpath
 import signal
@@ -78,6 +82,8 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from pipeline.data import shard_io
 from pipeline.data.format import DataError, check_tokenizer, read_manifest
 from pipeline.objective import ObjectiveConfig, collate, reorganize_sample
+
+log = logging.getLogger("pipeline.data")
 
 STATE_VERSION = 2
 _SALT_PIECES = 0x5EED01
@@ -121,6 +127,12 @@ class _Spec:
 
 
 PACKINGS = ("next_fit", "best_fit")
+
+
+def _digest(obj) -> str:
+    """16 hex digits of the sha256 of `obj` as sorted-key JSON (shard set and tokenizer
+    fingerprints of the loader state)."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _open_shard(fs, path: str):
@@ -500,6 +512,9 @@ class _RankDataset(IterableDataset):
 # Settings that define the global row list: a state only continues under the same ones.
 _ORDER_KEYS = ("split", "seed", "max_length", "packing", "shuffle_buffer", "shuffle", "objective",
                "data")
+# What a state may meet when its shard set (`data`) changed (`load_state_dict`'s
+# `on_shard_change`): "refuse" (one-line DataError) or "new_pass" (a new epoch over the new set).
+SHARD_CHANGE_POLICIES = ("refuse", "new_pass")
 # Settings of the layout: the same on a plain resume; another one only with allow_reshard.
 _LAYOUT_KEYS = ("dp_size", "dp_rank", "micro_batch_size")
 
@@ -523,6 +538,7 @@ class ShardLoader:
     def __init__(self, spec: _Spec, manifest: dict, fingerprint: str, num_workers: int,
                  prefetch_factor: int, data_dir: str | None = None):
         self.spec, self.manifest, self.fingerprint = spec, manifest, fingerprint
+        self.tokenizer_fingerprint = _digest(manifest["tokenizer"])
         self.data_dir = data_dir
         self.dp_rank, self.dp_size, self.num_workers = spec.dp_rank, spec.dp_size, num_workers
         self.prefetch_factor = prefetch_factor
@@ -581,7 +597,8 @@ class ShardLoader:
         return {"split": s.split, "seed": s.seed, "dp_size": s.dp_size, "dp_rank": s.dp_rank,
                 "num_workers": self.num_workers, "micro_batch_size": s.micro_batch_size,
                 "max_length": s.max_length, "packing": s.packing, "shuffle_buffer": s.window,
-                "shuffle": s.shuffle, "objective": dict(vars(s.objective)), "data": self.fingerprint}
+                "shuffle": s.shuffle, "objective": dict(vars(s.objective)), "data": self.fingerprint,
+                "tokenizer": self.tokenizer_fingerprint}
 
     def state_dict(self) -> dict:
         """JSON-able state after the last yielded batch. Its `cursor` is the same on every rank
@@ -591,7 +608,8 @@ class ShardLoader:
                 "batches": self.batches, "consumed_samples": self.consumed_samples,
                 "data_dir": self.data_dir}
 
-    def load_state_dict(self, state: dict, allow_reshard: bool = False) -> None:
+    def load_state_dict(self, state: dict, allow_reshard: bool = False,
+                        on_shard_change: str = "refuse") -> dict | None:
         """Continue after the batch the state was taken at.
 
         On the same layout (dp_size, dp_rank, micro_batch_size) the batches are bit-identical
@@ -601,15 +619,35 @@ class ShardLoader:
         seen exactly once (the cursor must come from a point where every old rank yielded the
         same number of batches, as at a training checkpoint).
 
+        A state of another shard set (its `data` fingerprint: the split's shard list with names,
+        sample and token counts, sizes and sha256, plus the tokenizer) is refused by default.
+        With `on_shard_change="new_pass"` it continues on this loader's set instead: the loader
+        starts a new pass at the first epoch the saved cursor had not begun (the saved epoch
+        + 1, or the saved epoch when the cursor was at its start), row 0, in the order that
+        epoch has over the new set; the rest of the saved pass over the old set is not read.
+        The counters (`batches`, `consumed_samples`) go on. The tokenizer must be the same
+        (a state saved before the tokenizer was recorded is taken on trust, with a warning).
+
         Args:
             state: from `state_dict()` (any rank's, when resharding).
             allow_reshard: accept another data-parallel size / rank / micro-batch size.
+            on_shard_change: "refuse" (default) or "new_pass" (see above).
+
+        Returns:
+            None, or when the shard set changed and a new pass began: {"from": saved
+            fingerprint, "from_dir": the folder it was saved from (or None), "to": this
+            loader's fingerprint, "epoch": the new pass's epoch, "samples_per_epoch": samples of
+            the new set}.
 
         Raises:
             DataError: a state of another version, seed, row length, packing, shuffle
-                settings, objective or shard set, or (without allow_reshard) another layout;
-                the message names the field.
+                settings, objective, shard set (unless `on_shard_change="new_pass"`) or
+                tokenizer, or (without allow_reshard) another layout; an unknown
+                `on_shard_change`. The message names the field.
         """
+        if on_shard_change not in SHARD_CHANGE_POLICIES:
+            raise DataError(f"on_shard_change {on_shard_change!r} is not one of "
+                            f"{', '.join(SHARD_CHANGE_POLICIES)}")
         if state.get("version") != STATE_VERSION:
             raise DataError(f"loader state: version {state.get('version')!r} is not {STATE_VERSION} "
                             f"(states of the per-stream order before version 2 cannot continue the "
@@ -623,7 +661,19 @@ class ShardLoader:
             keys = _ORDER_KEYS + _LAYOUT_KEYS
         else:
             keys = _ORDER_KEYS
-        for k in keys:
+        new_pass = on_shard_change == "new_pass" and saved.get("data") != now["data"]
+        if new_pass:
+            keys = tuple(k for k in keys if k != "data")
+            if "tokenizer" not in saved:
+                log.warning("loader state: saved before the tokenizer was recorded; starting a new "
+                            "pass over the shards of %s assuming they use the same tokenizer",
+                            self.data_dir)
+            elif saved["tokenizer"] != now["tokenizer"]:
+                raise DataError(f"loader state: the shards of {self.data_dir} were made with another "
+                                f"tokenizer than those the run trained on (tokenizer was "
+                                f"{saved['tokenizer']!r}, is {now['tokenizer']!r}); a new pass "
+                                f"(on_shard_change=new_pass) needs shards of the same tokenizer")
+        for k in keys:  # (the tokenizer is part of `data`; compared alone for a new pass only)
             if saved.get(k) != now[k]:
                 where = ""
                 if k == "data":  # the shard set: name the folders (states before data_dir: unknown)
@@ -631,9 +681,17 @@ class ShardLoader:
                              f"saved, of {self.data_dir} now)")
                 raise DataError(f"loader state: {k} was {saved.get(k)!r} when saved, is {now[k]!r} now"
                                 f"{where}; resume with the same data settings")
-        self.cursor = tuple(int(v) for v in state["cursor"])
+        cursor = tuple(int(v) for v in state["cursor"])
+        change = None
+        if new_pass:
+            epoch = cursor[0] if cursor[1:] == (0, 0) else cursor[0] + 1
+            cursor = (epoch, 0, 0)
+            change = {"from": saved.get("data"), "from_dir": state.get("data_dir"),
+                      "to": now["data"], "epoch": epoch, "samples_per_epoch": self.samples_per_epoch}
+        self.cursor = cursor
         self.batches = int(state["batches"])
         self.consumed_samples = int(state["consumed_samples"])
+        return change
 
 
 def build_loader(data_dir: str, split: str, micro_batch_size: int, max_length: int, *,
@@ -706,7 +764,6 @@ def build_loader(data_dir: str, split: str, micro_batch_size: int, max_length: i
                  vocab_limit=int(tok["vocab_size"]), objective=objective_cfg or ObjectiveConfig(),
                  shard_meta=tuple((s.get("sha256"), s.get("bytes")) for s in manifest["splits"][split]),
                  verify=verify_shards)
-    fingerprint = hashlib.sha256(json.dumps([manifest["tokenizer"], manifest["splits"][split]],
-                                            sort_keys=True).encode()).hexdigest()[:16]
+    fingerprint = _digest([manifest["tokenizer"], manifest["splits"][split]])
     return ShardLoader(spec, manifest, fingerprint, num_workers, prefetch_factor,
                        data_dir=str(data_dir))

@@ -1,10 +1,11 @@
 """What a training run must carry across a restart besides weights and optimizer: progress
-counters, the wandb run id, a deferred validation; and how a resumed run's batch plan follows
-from its checkpoint.
+counters, the wandb run id, a deferred validation, the shard sets it trained on; and how a
+resumed run's batch plan follows from its checkpoint.
 
 Owns: `TrainState` (`state_dict()` / `load_state_dict()`: the keys of a checkpoint's
-`client_state`, unchanged from earlier checkpoints), `checkpoint_client_state` (what the trainer
-saves with each checkpoint: TrainState + loader state + run config + global batch) and
+`client_state`; earlier checkpoints, without the newer keys, still load),
+`checkpoint_client_state` (what the trainer saves with each checkpoint: TrainState + loader
+state + run config + global batch) and
 `plan_for_resume` (keeping the global batch when a checkpoint is resumed on another layout).
 Must not touch: the checkpoint files (`pipeline.checkpoint`), the loader's internals (its state
 is opaque here), the loop.
@@ -38,6 +39,12 @@ class TrainState:
         wandb_run_id: the wandb run this run logs to (resumed under the same id), or None.
         eval_pending: a validation due at `step` that a stop signal deferred; the resumed run
             runs it first (`pipeline.train.should_evaluate`).
+        shard_sets: the training shard sets the run went through, oldest first: one dict per
+            set, `{"step": optimizer steps done when training on it began, "fingerprint": the
+            loader's shard-set fingerprint, "data_dir": the folder, "epoch": the loader epoch
+            it began at, "samples_per_epoch": its samples}` (a new one is appended when a run
+            resumes on rebuilt shards with `data.on_shard_change=new_pass`). Empty until the
+            trainer fills it (and in checkpoints written before it existed).
     """
 
     step: int = 0
@@ -45,14 +52,16 @@ class TrainState:
     consumed_tokens: int = 0
     wandb_run_id: str | None = None
     eval_pending: bool = False
+    shard_sets: list = dataclasses.field(default_factory=list)
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-able dict of the fields (the keys a checkpoint's client_state holds)."""
         return dataclasses.asdict(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore from a checkpoint's client_state (other keys are ignored; `wandb_run_id`
-        and `eval_pending` default to None / False for checkpoints that lack them).
+        """Restore from a checkpoint's client_state (other keys are ignored; `wandb_run_id`,
+        `eval_pending` and `shard_sets` default to None / False / [] for checkpoints that lack
+        them).
 
         Raises:
             KeyError: `step`, `consumed_samples` or `consumed_tokens` missing.
@@ -62,12 +71,34 @@ class TrainState:
         self.consumed_tokens = int(state["consumed_tokens"])
         self.wandb_run_id = state.get("wandb_run_id")
         self.eval_pending = bool(state.get("eval_pending", False))
+        self.shard_sets = [dict(s) for s in state.get("shard_sets", [])]
+
+
+    def track_shard_set(self, current: dict[str, Any], change: dict[str, Any] | None) -> None:
+        """Bring `shard_sets` up to date when a run starts (after a resume, if any).
+
+        Args:
+            current: the set this run trains on: {"fingerprint", "data_dir", "epoch" (the
+                loader's epoch now), "samples_per_epoch"}.
+            change: what `ShardLoader.load_state_dict` returned: None when the set is the one
+                the checkpoint was taken on (or a new run), else {"from", "from_dir", ...}.
+        A new run (or a checkpoint written before `shard_sets`) starts the list with the first
+        set at step 0; a change appends `current` at this run's `step`.
+        """
+        if not self.shard_sets:
+            first = (dict(current) if change is None else
+                     {"fingerprint": change["from"], "data_dir": change["from_dir"], "epoch": 0,
+                      "samples_per_epoch": None})
+            self.shard_sets.append({"step": 0, **first})
+        if change is not None:
+            self.shard_sets.append({"step": self.step, **current})
 
 
 def checkpoint_client_state(state: TrainState, loader_state: dict, config: dict,
                             global_batch_size: int) -> dict[str, Any]:
     """The `client_state` the trainer saves with a checkpoint (`pipeline.checkpoint.store`):
-    the TrainState fields plus `loader` (the loader's `state_dict()`), `config` (the resolved
+    the TrainState fields (step, consumed_samples, consumed_tokens, wandb_run_id, eval_pending,
+    shard_sets) plus `loader` (the loader's `state_dict()`), `config` (the resolved
     run config, read back by export and evaluation) and `global_batch_size` (kept when resuming
     on another layout)."""
     return {**state.state_dict(), "loader": loader_state, "config": config,
