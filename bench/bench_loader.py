@@ -99,7 +99,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--limit", type=int, default=2000, help="query/response pairs to shard")
     ap.add_argument("--max-length", type=int, default=1024, help="row length T (tokens)")
-    ap.add_argument("--micro-batch", type=int, default=4)
+    ap.add_argument("--micro-batch-size", dest="micro_batch", type=int, default=4,
+                    help="rows per micro-batch")
+    ap.add_argument("--micro-batch", dest="micro_batch", type=int, default=argparse.SUPPRESS,
+                    help=argparse.SUPPRESS)  # the old spelling
     ap.add_argument("--batches", type=int, default=200, help="micro-batches timed per setting")
     ap.add_argument("--workers", default="0,2")
     ap.add_argument("--shuffle-buffer", type=int, default=1000, help="shuffle/packing window (samples)")

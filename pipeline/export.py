@@ -1,6 +1,6 @@
 """Export CLI: write a Hugging Face Qwen3 folder from a model source.
 
-    python -m pipeline.export SRC OUT [--tp N] [--tokenizer PATH] [--dtype bfloat16]
+    python -m pipeline.export SRC OUT [--tensor-parallel-size N] [--tokenizer PATH] [--dtype bfloat16]
                                       [--max-shard-bytes B] [--overwrite]
 
 Owns: turning a source into full Hugging Face tensors plus config, then writing the folder
@@ -46,7 +46,7 @@ from typing import Callable
 
 import torch
 
-from pipeline.common.cli import DTYPES, EXIT_DISK_FULL, EXIT_USAGE
+from pipeline.common.cli import DTYPES, EXIT_DISK_FULL, EXIT_USAGE, hidden_alias
 from pipeline.model import ModelConfig, hf
 from pipeline.model.tp import tp_shard_shapes
 from pipeline.parallel import free_port
@@ -177,7 +177,7 @@ def from_hf_folder(src: Path, args) -> ExportSource:
 def from_training_checkpoint(src: Path, args) -> ExportSource:
     """`checkpoint` source: a step folder or checkpoint root written by
     `pipeline.checkpoint.save_checkpoint`; each TP rank consolidated over its DP ranks, then
-    merged (`pipeline.checkpoint.hf_export_state`). `--tp` is not used.
+    merged (`pipeline.checkpoint.hf_export_state`). `--tensor-parallel-size` is not used.
 
     Raises:
         pipeline.checkpoint.CheckpointError (a ValueError): incomplete or foreign checkpoint.
@@ -265,7 +265,7 @@ def export(src, out, tp: int = 1, tokenizer=None, dtype: str | None = None,
     """
     src, out = Path(src), Path(out)
     if tp < 1:
-        raise ValueError(f"--tp must be >= 1, got {tp}")
+        raise ValueError(f"--tensor-parallel-size must be >= 1, got {tp}")
     if dtype is not None and dtype not in EXPORT_DTYPES:
         raise ValueError(f"--dtype must be one of {sorted(EXPORT_DTYPES)}, got {dtype!r}")
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
@@ -332,8 +332,10 @@ def main(argv=None) -> int:
     p.add_argument("src", help="source: a Hugging Face Qwen3 folder, or a training checkpoint "
                                "(root or step_<N> folder)")
     p.add_argument("out", help="output folder (must be absent or empty unless --overwrite)")
-    p.add_argument("--tp", type=int, default=1,
-                   help="tensor-parallel ranks for the round trip through our model")
+    p.add_argument("--tensor-parallel-size", dest="tp", type=int, default=1,
+                   help="tensor-parallel ranks for the round trip of a Hugging Face folder "
+                        "through our model (as train.tensor_parallel_size)")
+    hidden_alias(p, "--tp", dest="tp", type=int)
     p.add_argument("--tokenizer", default=None,
                    help="tokenizer: a Hugging Face tokenizer folder, a SentencePiece model "
                         "file, or a folder holding one as tokenizer.model (e.g. <shards>/"

@@ -24,7 +24,7 @@ import os
 import sys
 from pathlib import Path
 
-from pipeline.common.cli import EXIT_USAGE
+from pipeline.common.cli import EXIT_USAGE, hidden_alias
 
 # Training figures: (metrics key, panel title); validation figures likewise.
 LOSS_PANELS = (("loss", "training loss"), ("ar_loss", "training AR term"),
@@ -242,7 +242,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m pipeline.report",
                                 description="Plot a training run's metrics.jsonl.")
     p.add_argument("run_dir", help="run folder holding metrics.jsonl")
-    p.add_argument("--out", default=None, help="output folder (default: RUN_DIR)")
+    p.add_argument("--output", dest="out", default=None, help="output folder (default: RUN_DIR)")
+    hidden_alias(p, "--out", dest="out")
     args = p.parse_args(argv)
     try:
         res = report(args.run_dir, args.out)

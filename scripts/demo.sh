@@ -119,6 +119,6 @@ PYEOF
 
 # ---------------------------------------------------------------- 7. plots
 echo "== 7. plots"
-"$PY" -m pipeline.report "$RUN" --out "$OUT/report"
+"$PY" -m pipeline.report "$RUN" --output "$OUT/report"
 echo "pictures: $OUT/report/loss.png (losses), $OUT/report/throughput.png (tokens/s, memory);" \
   "summary: $OUT/report/summary.md"

@@ -38,3 +38,19 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 class UsageError(Exception):
     """A user input problem found by a CLI or the library it calls (a path, an option, a
     file's content): reported as one line on stderr, exit code `EXIT_USAGE`."""
+
+
+def hidden_alias(parser, *names: str, dest: str, **kwargs) -> None:
+    """Accept `names` (an older spelling of an option, e.g. `--tp` for
+    `--tensor-parallel-size`) as the option stored in `dest`, without listing them in `--help`,
+    so scripts written against the old spelling keep working.
+
+    Args:
+        parser: an `argparse.ArgumentParser` (or argument group) holding the visible option.
+        names: the old spellings.
+        dest: the visible option's `dest`.
+        kwargs: the visible option's `type` / `action` (no default: the visible option's wins).
+    """
+    import argparse
+    parser.add_argument(*names, dest=dest, help=argparse.SUPPRESS, default=argparse.SUPPRESS,
+                        **kwargs)
