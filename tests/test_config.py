@@ -206,4 +206,4 @@ def test_shipped_run_configs_validate(tmp_path, data_dir):
     plan = validate(load_config("configs/qwen3_8b.yaml", [f"data.dir={data_dir}", f"init.hf_path={hf}",
                                                           "data.num_workers=1"]), world_size=32)
     assert (plan.tp_size, plan.dp_size, plan.grad_accum_steps) == (2, 16, 4)
-    assert plan.model_fields["recompute"] is True and plan.row_length == 4096
+    assert plan.model_fields["recompute"] == "full" and plan.row_length == 4096
