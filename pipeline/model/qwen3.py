@@ -418,7 +418,7 @@ class Qwen3(nn.Module):
         """
         return self.lm_head(hidden, loss_inputs=(target, coef, impl, int(chunk_tokens)))
 
-    def compile_layers(self, **compile_kwargs) -> None:
+    def compile_layers(self, enabled: bool = True, **compile_kwargs) -> None:
         """Regional `torch.compile` of the decoder layers' elementwise regions: `rms_norm` (every
         norm), `rope_qk` and `swiglu` are replaced by their compiled forms (fused forward and
         backward kernels; separate kernels per op in eager). The matrix multiplies and attention
@@ -435,12 +435,15 @@ class Qwen3(nn.Module):
         hooks keeps DeepSpeed out of the compiler.
 
         Args:
+            enabled: False puts the eager functions back (benchmarks compare both).
             **compile_kwargs: passed to `torch.compile` (e.g. `backend="aot_eager"`).
         """
         compile_kwargs.setdefault("dynamic", False)
-        norm = torch.compile(rms_norm, **compile_kwargs)
-        rope = torch.compile(rope_qk, **compile_kwargs)
-        act = torch.compile(swiglu, **compile_kwargs)
+        norm, rope, act = rms_norm, rope_qk, swiglu
+        if enabled:
+            norm = torch.compile(rms_norm, **compile_kwargs)
+            rope = torch.compile(rope_qk, **compile_kwargs)
+            act = torch.compile(swiglu, **compile_kwargs)
         for layer in self.layers:
             for n in (layer.input_layernorm, layer.post_attention_layernorm,
                       layer.self_attn.q_norm, layer.self_attn.k_norm):
