@@ -20,7 +20,8 @@
 #     DP=1, bf16, packed rows, micro-batch 2) on the same proxy for GPU_CHECK_STEPS steps, first
 #     with today's defaults (activation checkpointing full, chunked loss, foreach AdamW, no
 #     compile), then with the settings (b) chose (or, when (b) did not finish, all levers on);
-#     tokens/s, MFU, HFU, peak memory of the steps after GPU_CHECK_WARMUP;
+#     tokens/s, MFU, HFU, peak memory of the steps after GPU_CHECK_WARMUP; then, with 80 s or
+#     more left, the chosen settings with ZeRO stage 1 (DP=1: what stage 3's gathering costs);
 #  (d) time permitting (GPU_CHECK_CONTINUITY=1, the default), today's trainer on the 4-layer
 #     proxy, for continuity with the 2026-11-30 figures.
 # The closing block "GPU check summary" prints every figure and the targets of issue 19 (MFU >=
@@ -35,7 +36,7 @@
 # GPU_CHECK_WARMUP (2), GPU_CHECK_MICRO_BATCH (2), GPU_CHECK_LIMIT_S (470: every part is given
 # only the time left until then, at most its own cap below, and a part with less than 30 s left
 # is skipped with one line, so the whole check ends within 8 minutes), GPU_CHECK_DECODE_S (80,
-# cap of part a), GPU_CHECK_LEVERS_S (140, cap of part b), GPU_CHECK_TRAIN_S (110, cap of each
+# cap of part a), GPU_CHECK_LEVERS_S (130, cap of part b), GPU_CHECK_TRAIN_S (100, cap of each
 # trainer run), GPU_CHECK_CONTINUITY (1), GPU_CHECK_WORKDIR (default: a fresh folder under
 # /dev/shm when it has 8 GB free, else under $TMPDIR; removed at the end unless GPU_CHECK_KEEP=1).
 set -uo pipefail
@@ -57,8 +58,8 @@ export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 WANDB_MO
        HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$ROOT/.cache/torch_extensions}
 STEPS=${GPU_CHECK_STEPS:-6}; WARMUP=${GPU_CHECK_WARMUP:-2}; MBS=${GPU_CHECK_MICRO_BATCH:-2}
-DECODE_S=${GPU_CHECK_DECODE_S:-80}; LEVERS_S=${GPU_CHECK_LEVERS_S:-140}
-TRAIN_S=${GPU_CHECK_TRAIN_S:-110}; CONTINUITY=${GPU_CHECK_CONTINUITY:-1}
+DECODE_S=${GPU_CHECK_DECODE_S:-80}; LEVERS_S=${GPU_CHECK_LEVERS_S:-130}
+TRAIN_S=${GPU_CHECK_TRAIN_S:-100}; CONTINUITY=${GPU_CHECK_CONTINUITY:-1}
 
 if [ "$SMOKE" = 1 ]; then
   export DS_ACCELERATOR=cpu
@@ -218,11 +219,11 @@ import json, sys
 r, name = json.load(open(sys.argv[1])), sys.argv[2]
 pct = lambda v: "n/a" if v is None else f"{100 * v:.1f}%"  # noqa: E731
 s = r["settings"]
-print(f"    trainer {name:<9} {r['tokens_per_s']:>9.0f} tokens/s | MFU {pct(r['mfu'])} | HFU "
+print(f"    trainer {name:<12} {r['tokens_per_s']:>9.0f} tokens/s | MFU {pct(r['mfu'])} | HFU "
       f"{pct(r['hfu'])} | peak memory {r['peak_memory_gib']:.1f} GiB | step {r['step_s']:.2f} s "
       f"x {r['steps']} | loss {r['loss_last']:.3f} | recompute {s['activation_checkpointing']}, "
       f"loss {s['loss_impl']}, fused AdamW {s['optim_fused']}, compile {s['compile']}, "
-      f"attention {s['attention']} (set-up {r['setup_s']:.0f} s)")
+      f"attention {s['attention']}, ZeRO-{s['zero_stage']} (set-up {r['setup_s']:.0f} s)")
 EOF
 }
 
@@ -231,8 +232,15 @@ if ! over_budget "trainer"; then
   run_trainer today "$PROXY"
   # shellcheck disable=SC2086  # CHOSEN is a list of key=value words
   over_budget "trainer chosen" || run_trainer chosen "$PROXY" $CHOSEN
+  # the same with ZeRO stage 1 (DP=1: nothing to partition; what stage 3's machinery costs)
+  if [ "$(left)" -ge 80 ]; then
+    # shellcheck disable=SC2086
+    run_trainer chosen_zero1 "$PROXY" $CHOSEN train.zero_stage=1
+  else
+    say "trainer chosen_zero1: skipped (under 80 s of GPU_CHECK_LIMIT_S left)"
+  fi
 fi
-if [ "$CONTINUITY" = 1 ] && [ "$(left)" -ge 90 ]; then
+if [ "$CONTINUITY" = 1 ] && [ "$(left)" -ge 80 ]; then
   say "continuity (today's trainer on $(basename "$PROXY4")):"
   run_trainer today4 "$PROXY4"
 fi
@@ -248,7 +256,8 @@ def load(name):
     p = os.path.join(work, name)
     return json.load(open(p)) if os.path.isfile(p) else None
 today, chosen = load("train_today.json"), load("train_chosen.json")
-best = max((r["mfu"] for r in (today, chosen) if r and r.get("mfu") is not None), default=None)
+runs = (today, chosen, load("train_chosen_zero1.json"))
+best = max((r["mfu"] for r in runs if r and r.get("mfu") is not None), default=None)
 if smoke:
     pass
 elif best is None:

@@ -106,9 +106,9 @@ class TrainSection:
 
     Speed levers (each equal in loss and gradients to the default path, tests/test_levers.py;
     docs/PERFORMANCE.md "What to set on a cluster" says when to change them):
-    - `activation_checkpointing`: "none" (default), "selective" (recompute the attention core
-      and the SwiGLU activation in backward; no matrix multiply twice) or "full" (recompute each
-      block); true/false are the old boolean spelling of full/none. Sets the model's
+    - `activation_checkpointing`: "none" (default), "selective" (recompute the norms, the
+      attention core and the SwiGLU activation in backward; no matrix multiply twice) or "full"
+      (recompute each block); true/false are the old boolean spelling of full/none. Sets the model's
       `recompute`, overriding the preset's value.
     - `loss_impl`: how the output layer + cross-entropy run over the labelled positions:
       "chunked" (default: chunks of `loss_chunk_tokens` rows, each recomputed in backward, fp32

@@ -230,8 +230,18 @@ class Block(nn.Module):
         self.mlp = MLP(cfg, mcfg, init_method, out_init_method)
 
     def forward(self, x, cos, sin, plan, cache_layer=None, selective: bool = False):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, plan, cache_layer, selective)
-        return x + self.mlp(self.post_attention_layernorm(x), selective)
+        """selective: recompute the two norms, the attention core and the SwiGLU activation in
+        backward (`Qwen3` "selective" recompute); the norms then keep only their input (the
+        residual stream, alive anyway) instead of their fp32 intermediates."""
+        norm = partial(_checkpointed, self.input_layernorm) if selective else self.input_layernorm
+        x = x + self.self_attn(norm(x), cos, sin, plan, cache_layer, selective)
+        norm = (partial(_checkpointed, self.post_attention_layernorm) if selective
+                else self.post_attention_layernorm)
+        return x + self.mlp(norm(x), selective)
+
+
+def _checkpointed(fn, *args):
+    return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
 
 
 @functools.lru_cache(maxsize=None)
