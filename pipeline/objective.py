@@ -2,8 +2,11 @@
 
 Owns: turning one prepared sample (natural-order tokens, segments, slot boundaries) into the
 reorganized sequence the model is fed (docs/METHOD.md "One training sample", steps 1-5), packing
-reorganized samples into fixed-shape micro-batch tensors, and the loss (step 6), including
-applying the output layer chunk by chunk on labelled positions only (`labelled_cross_entropy`).
+reorganized samples into fixed-shape micro-batch tensors (with the label positions and varlen
+boundaries the training step needs, so that it reads nothing back from the device), and the loss
+(step 6), including applying the output layer chunk by chunk on labelled positions only
+(`labelled_cross_entropy`) or handing the labelled positions and their loss coefficients to a
+fused output layer + cross-entropy (`hybrid_loss(..., head_loss=)`, `pipeline.model.linear_ce`).
 Must not touch: the model, process groups (it only *reads* megatron-core's `parallel_state`
 to pick the vocab-parallel cross-entropy), shard I/O (see `pipeline.data`).
 

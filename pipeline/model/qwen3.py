@@ -17,7 +17,7 @@ tensor-parallel layers, so TP=1 and TP>1 share one code path:
 - `gate_up_proj`: ColumnParallelLinear holding `[gate_r; up_r]`;
 - `embed_tokens`: VocabParallelEmbedding; `lm_head`: `OutputLayer`, a ColumnParallelLinear over
   the vocab (or the embedding weight when tied); logits stay vocab-parallel (`[B, T, V / tp]`),
-  see `gather_logits`. Its `loss` entry runs the fused output layer + cross-entropy
+  see `gather_logits`. Its `loss_inputs` entry runs the fused output layer + cross-entropy
   (`pipeline.model.linear_ce`) inside the layer's own forward, so ZeRO-3 gathers its weight.
 megatron-core runs on the CPU with these flags (its CUDA-only paths fail there):
 use_cpu_initialization=True, gradient_accumulation_fusion=False, gather_output=False, no
