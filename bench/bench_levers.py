@@ -74,8 +74,13 @@ def categorize(name: str) -> str:
 
 
 def _device_events(prof):
+    """The device's kernels, copies and sets of a profile: device-side events that are not the
+    device-side images of `record_function` ranges (torch's optimizer step opens one; counting
+    it would count its kernels twice)."""
     from torch.autograd import DeviceType
-    return [e for e in prof.events() if getattr(e, "device_type", DeviceType.CPU) != DeviceType.CPU]
+    return [e for e in prof.events()
+            if getattr(e, "device_type", DeviceType.CPU) != DeviceType.CPU
+            and not getattr(e, "is_user_annotation", False)]
 
 
 def profile_phases(phases, device) -> dict:

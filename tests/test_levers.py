@@ -200,17 +200,23 @@ def test_fused_and_torch_output_loss_equal_chunked(tp1, mode, chunk):
 
 
 def test_fused_output_loss_bf16_close_to_chunked(tp1):
-    """In bf16 the fused path keeps the fp32 softmax math of the chunked path (no bf16
-    rounding of the logits' exponentials): loss within 1e-3 relative, gradients within bf16
-    rounding."""
+    """In bf16 the fused path keeps the chunked path's fp32 softmax math (logits in bf16, their
+    exponentials and sums in fp32): same loss to 1e-5, gradients within bf16 rounding (2e-2
+    relative L2 per parameter). torch's linear_cross_entropy returns each position's CE in the
+    input dtype (bf16), so its loss is within 2e-3 and its gradients within 4e-2."""
+    from pipeline.model.linear_ce import torch_linear_ce_available
     batch, ocfg = _batch("refusion", seed=6)
     model = _model(_tiny_cfg()).to(torch.bfloat16)
     (l0, s0, g0) = _step(model, batch, ocfg, "chunked", 16)
-    (l1, s1, g1) = _step(model, batch, ocfg, "fused", 16)
-    torch.testing.assert_close(l1, l0, rtol=1e-3, atol=1e-3)
-    for k in g0:
-        rel = (g1[k].float() - g0[k].float()).norm() / g0[k].float().norm().clamp(min=1e-12)
-        assert rel < 2e-2, (k, float(rel))
+    tolerances = {"fused": (1e-5, 2e-2)}
+    if torch_linear_ce_available():
+        tolerances["torch"] = (2e-3, 4e-2)
+    for impl, (loss_tol, grad_tol) in tolerances.items():
+        (l1, s1, g1) = _step(model, batch, ocfg, impl, 16)
+        torch.testing.assert_close(l1, l0, rtol=loss_tol, atol=loss_tol)
+        for k in g0:
+            rel = (g1[k].float() - g0[k].float()).norm() / g0[k].float().norm().clamp(min=1e-12)
+            assert rel < grad_tol, (impl, k, float(rel))
 
 
 def _tp2_body(rank, world_size, seed):

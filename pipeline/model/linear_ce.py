@@ -32,7 +32,8 @@ is replicated; megatron's ColumnParallelLinear all-reduces its input gradient th
 
 "torch": `torch.nn.functional.linear_cross_entropy(..., reduction="none",
 options=LinearCrossEntropyOptions(batch_chunk_size=chunk_tokens))` (torch >= 2.13; TP=1 only;
-its backward recomputes each chunk). Liger-Kernel's fused linear cross-entropy is not offered:
+its backward recomputes each chunk; it returns each position's CE in the input dtype, so in bf16
+the loss carries bf16 rounding that "fused" and "chunked" do not). Liger-Kernel's fused linear cross-entropy is not offered:
 its backward assumes a scalar loss (no per-token weights); cut-cross-entropy takes per-token
 gradients but is CUDA/Triton only and not a dependency.
 """
@@ -42,9 +43,10 @@ import torch
 
 LOSS_IMPLS = ("chunked", "fused", "torch")
 
-# Largest fp32 temporary of the fused path, in elements (64 MiB): the column block of a chunk's
-# logits that is upcast at a time.
-_BLOCK_ELEMENTS = 1 << 24
+# Largest fp32 temporary of the fused path, in elements (128 MiB): the column block of a chunk's
+# logits that is upcast at a time (2048 rows x 16384 columns; 10 blocks for Qwen3's vocab at
+# TP=1). Larger blocks mean fewer, larger kernels; smaller ones less transient memory.
+_BLOCK_ELEMENTS = 1 << 25
 
 
 def torch_linear_ce_available() -> bool:
