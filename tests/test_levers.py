@@ -280,6 +280,12 @@ def test_fused_adamw_equals_foreach_step(tp1):
     for k in finals[0]:
         torch.testing.assert_close(finals[1][k], finals[0][k], rtol=1e-5, atol=1e-5, msg=k)
         assert not torch.equal(finals[0][k], _model(_tiny_cfg()).state_dict()[k]), k
+    # a device without torch's fused kernel: one line naming the switch, not a traceback
+    from pipeline.training.state import TrainError
+    with pytest.raises(TrainError, match=r"^optim.fused: torch .* has no fused AdamW on meta; "
+                                         r"set optim.fused=false$"):
+        make_torch_adamw([{"params": [torch.nn.Parameter(torch.empty(2, device="meta"))]}],
+                         lr=1e-3, betas=(0.9, 0.95), eps=1e-8, fused=True)
 
 
 # ---- regional torch.compile -------------------------------------------------------------------

@@ -112,7 +112,8 @@ def make_torch_adamw(groups, lr: float, betas: tuple[float, float], eps: float,
     same arithmetic (tests/test_levers.py: equal to fp32 rounding).
 
     Raises:
-        ValueError: `fused` on a device type torch has no fused AdamW for (one line).
+        TrainError: `fused` on a device type torch has no fused AdamW for (one line naming
+            `optim.fused`; the trainer reports it and exits 2).
     """
     if not fused:
         return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps)
@@ -120,7 +121,8 @@ def make_torch_adamw(groups, lr: float, betas: tuple[float, float], eps: float,
     devices = {p.device.type for g in groups for p in g["params"]}
     unsupported = sorted(devices - set(_get_fused_kernels_supported_devices()))
     if unsupported:
-        raise ValueError(f"optim.fused: torch {torch.__version__} has no fused AdamW on "
+        from pipeline.training.state import TrainError
+        raise TrainError(f"optim.fused: torch {torch.__version__} has no fused AdamW on "
                          f"{', '.join(unsupported)}; set optim.fused=false")
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=True)
 
