@@ -82,7 +82,11 @@ class OptimSection:
     """AdamW with linear warmup then cosine decay to `min_lr` at `train.max_steps`.
     `grad_clip`: max global gradient L2 norm (0 disables). `impl`: "torch" uses
     torch.optim.AdamW (no C++ build; ZeRO's `zero_allow_untested_optimizer`), "deepspeed" lets
-    DeepSpeed build its own AdamW (FusedAdam on GPU, DeepSpeedCPUAdam with optimizer offload)."""
+    DeepSpeed build its own AdamW (FusedAdam on GPU, DeepSpeedCPUAdam with optimizer offload).
+    `fused` (with impl=torch): torch's fused AdamW kernel (`torch.optim.AdamW(fused=True)`: the
+    update of all parameters in a few kernels instead of the default multi-tensor loop; CUDA,
+    and the CPU in torch >= 2.4; same arithmetic, `pipeline.training.engine.make_torch_adamw`).
+    Off by default until GPU measurements say otherwise (docs/PERFORMANCE.md)."""
     lr: float = 2e-5
     min_lr: float = 0.0
     warmup_steps: int = 0
@@ -92,6 +96,7 @@ class OptimSection:
     eps: float = 1e-8
     grad_clip: float = 1.0
     impl: str = "torch"
+    fused: bool = False
 
 
 @dataclass
@@ -101,10 +106,26 @@ class TrainSection:
     `max_steps`: optimizer steps. `micro_batch_size`: rows per micro-batch per data-parallel
     rank. `grad_accum_steps` / `global_batch_size`: see module docstring. `precision`: "bf16" or
     "fp32". `zero_stage`: DeepSpeed ZeRO stage (0-3). `offload_optimizer` / `offload_params`:
-    ZeRO-Offload to CPU (params only with stage 3). `activation_checkpointing`: recompute each
-    layer in backward (sets the model's `recompute`, overriding the preset's value). `nan_policy`: "stop" (exit 3, no checkpoint written) or "skip" (drop the
-    step's update). `log_interval`, `eval_interval` (0 = never), `eval_batches` (0 = the whole
-    validation split) are in optimizer steps / micro-batches."""
+    ZeRO-Offload to CPU (params only with stage 3). `nan_policy`: "stop" (exit 3, no checkpoint
+    written) or "skip" (drop the step's update). `log_interval`, `eval_interval` (0 = never),
+    `eval_batches` (0 = the whole validation split) are in optimizer steps / micro-batches.
+
+    Speed levers (each equal in loss and gradients to the default path, tests/test_levers.py;
+    docs/PERFORMANCE.md "What to set on a cluster" says when to change them):
+    - `activation_checkpointing`: "none" (default), "selective" (recompute the norms, the
+      attention core and the SwiGLU activation in backward; no matrix multiply twice) or "full"
+      (recompute each block); true/false are the old boolean spelling of full/none. Sets the model's
+      `recompute`, overriding the preset's value.
+    - `loss_impl`: how the output layer + cross-entropy run over the labelled positions:
+      "chunked" (default: chunks of `loss_chunk_tokens` rows, each recomputed in backward, fp32
+      logits per chunk; megatron's vocab-parallel cross-entropy), "fused" (ours, any TP size:
+      gradients computed in the forward pass, no recompute of the head, no fp32 copy of a
+      chunk's logits; `pipeline.model.linear_ce`) or "torch" (`torch.nn.functional.
+      linear_cross_entropy`, torch >= 2.13, TP=1 only).
+    - `loss_chunk_tokens`: rows of logits alive at a time in the output layer (all impls).
+    - `compile`: regional `torch.compile` of each decoder block (`Qwen3.compile_layers`; the
+      first steps pay the compilation).
+    """
     max_steps: int = MISSING
     micro_batch_size: int = 1
     grad_accum_steps: Optional[int] = None
@@ -113,7 +134,10 @@ class TrainSection:
     zero_stage: int = 3
     offload_optimizer: bool = False
     offload_params: bool = False
-    activation_checkpointing: bool = False
+    activation_checkpointing: Any = False
+    loss_impl: str = "chunked"
+    loss_chunk_tokens: int = 2048
+    compile: bool = False
     tensor_parallel_size: int = 1
     seed: int = 1234
     nan_policy: str = "stop"
@@ -312,7 +336,8 @@ def _load_model_fields(cfg: DictConfig, tp: int) -> Dict[str, Any]:
     if not fields:
         raise ConfigError("model: give model.preset (a configs/model/*.yaml) or model.inline "
                           "fields (or init.source=hf with no preset to read the HF config)")
-    fields["recompute"] = bool(cfg.train.activation_checkpointing)
+    from pipeline.model.config import recompute_mode
+    fields["recompute"] = recompute_mode(cfg.train.activation_checkpointing)
     if cfg.model.attention is not None:
         from pipeline.model import ATTENTION_KINDS
         if cfg.model.attention not in ATTENTION_KINDS:
@@ -365,6 +390,24 @@ def _validate(cfg: DictConfig, world_size: int | None) -> Plan:
          f"wandb.mode must be online, offline or disabled, got {cfg.wandb.mode!r}")
     need(cfg.init.source in ("random", "hf"), f"init.source must be random or hf, got {cfg.init.source!r}")
     need(o.impl in ("torch", "deepspeed"), f"optim.impl must be torch or deepspeed, got {o.impl!r}")
+    need(not o.fused or o.impl == "torch",
+         "optim.fused needs optim.impl=torch (optim.impl=deepspeed builds DeepSpeed's own fused "
+         "Adam on GPUs)")
+    from pipeline.model.config import recompute_mode
+    from pipeline.model.linear_ce import LOSS_IMPLS, torch_linear_ce_available
+    try:
+        recompute_mode(t.activation_checkpointing)
+    except ValueError as e:
+        raise ConfigError(f"train.activation_checkpointing: {e}") from None
+    need(t.loss_impl in LOSS_IMPLS,
+         f"train.loss_impl must be one of {'|'.join(LOSS_IMPLS)}, got {t.loss_impl!r}")
+    need(t.loss_chunk_tokens >= 1, f"train.loss_chunk_tokens must be >= 1, got {t.loss_chunk_tokens}")
+    need(t.loss_impl != "torch" or t.tensor_parallel_size == 1,
+         "train.loss_impl=torch needs train.tensor_parallel_size=1 (loss_impl=fused is the "
+         "vocab-parallel one)")
+    need(t.loss_impl != "torch" or torch_linear_ce_available(),
+         "train.loss_impl=torch needs torch.nn.functional.linear_cross_entropy (torch >= 2.13); "
+         "use loss_impl=fused")
     need(t.max_steps >= 1, f"train.max_steps must be >= 1, got {t.max_steps}")
     need(t.micro_batch_size >= 1, f"train.micro_batch_size must be >= 1, got {t.micro_batch_size}")
     need(t.tensor_parallel_size >= 1, f"train.tensor_parallel_size must be >= 1, got {t.tensor_parallel_size}")

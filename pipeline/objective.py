@@ -2,9 +2,12 @@
 
 Owns: turning one prepared sample (natural-order tokens, segments, slot boundaries) into the
 reorganized sequence the model is fed (docs/METHOD.md "One training sample", steps 1-5),
-packing reorganized samples into fixed-shape micro-batch tensors, and the loss ("Loss of a
-micro-batch"), including
-applying the output layer chunk by chunk on labelled positions only (`labelled_cross_entropy`).
+packing reorganized samples into fixed-shape micro-batch tensors (with the label positions and
+varlen boundaries the training step needs, so that it reads nothing back from the device), and
+the loss ("Loss of a micro-batch"), including applying the output layer chunk by chunk on
+labelled positions only (`labelled_cross_entropy`) or handing the labelled positions and their
+loss coefficients to a fused output layer + cross-entropy (`hybrid_loss(..., head_loss=)`,
+`pipeline.model.linear_ce`).
 Must not touch: the model, process groups (it only *reads* megatron-core's `parallel_state`
 to pick the vocab-parallel cross-entropy), shard I/O (see `pipeline.data`).
 
@@ -284,7 +287,13 @@ def collate(rows: Sequence[Sequence[Reorganized]], max_length: int, pad_id: int)
         `loss_weight: FloatTensor[B, T]`, `is_masked: BoolTensor[B, T]`,
         `num_segments: LongTensor[]` (B of the MDM term), `segment_p: FloatTensor[S]` (p of each
         segment, row-major; S = num_segments), `response_tokens, real_tokens: LongTensor[]`,
-        `keys: list[str]` (row-major).
+        `keys: list[str]` (row-major), and what the training step would otherwise compute on
+        the device and read back on the host (computed here, in the loader's worker processes):
+        `label_index: LongTensor[N_lab]` (flat `b * T + t` positions with a label, increasing;
+        the output layer's rows), `cu_seqlens: IntTensor[N_seq + 1]` and `max_seqlen: int` (the
+        varlen kernel's boundaries, equal to `pipeline.model.attention.varlen_boundaries(
+        segment_ids)`: every padding token a segment of its own), `segment_lengths:
+        LongTensor[S]` (tokens of each real segment, row-major; for FLOPs).
 
     Raises:
         ValueError: a row's samples are longer than `max_length`.
@@ -323,6 +332,16 @@ def collate(rows: Sequence[Sequence[Reorganized]], max_length: int, pad_id: int)
                 last = int(s.position_ids[s.segment == s.segment[-1]].max()) + 1
             position_ids[b, used:] = np.arange(last, last + T - used)
     segment_p = np.concatenate(ps) if ps else np.zeros(0)
+    # Varlen boundaries: a segment starts at each row start, where the id changes, and at every
+    # padding token (the same rule as attention.varlen_boundaries).
+    flat = segment_ids.reshape(-1)
+    start = np.ones(B * T, dtype=bool)
+    start[1:] = flat[1:] != flat[:-1]
+    start[::T] = True
+    start |= flat == 0
+    cu = np.append(np.flatnonzero(start), B * T).astype(np.int32)
+    real_start = start & (flat > 0)
+    seg_len = np.diff(cu)[real_start[cu[:-1]]]
     return {
         "input_ids": torch.from_numpy(input_ids), "position_ids": torch.from_numpy(position_ids),
         "labels": torch.from_numpy(labels), "segment_ids": torch.from_numpy(segment_ids),
@@ -332,6 +351,10 @@ def collate(rows: Sequence[Sequence[Reorganized]], max_length: int, pad_id: int)
         "response_tokens": torch.tensor(response_tokens, dtype=torch.long),
         "real_tokens": torch.from_numpy(segment_ids > 0).sum(),
         "keys": keys,
+        "label_index": torch.from_numpy(np.flatnonzero(labels.reshape(-1) != IGNORE_INDEX)),
+        "cu_seqlens": torch.from_numpy(cu),
+        "max_seqlen": int(np.diff(cu).max()) if B * T else 0,
+        "segment_lengths": torch.from_numpy(seg_len.astype(np.int64)),
     }
 
 
@@ -381,8 +404,27 @@ def _chunk_cross_entropy(hidden: torch.Tensor, target: torch.Tensor, head) -> to
     return token_cross_entropy(head(hidden), target)
 
 
+def _labelled_rows(labels: torch.Tensor, label_index: torch.Tensor | None, device
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(flat positions of the labelled tokens, keep: 1.0 per row), with one zero-weight row at
+    position 0 when nothing is labelled. `label_index` (collate's) avoids `nonzero` on the
+    device, which would make the host wait for it."""
+    if label_index is None:
+        idx = (labels.reshape(-1) != IGNORE_INDEX).nonzero().flatten()
+    else:
+        idx = label_index.to(device, non_blocking=True)
+    keep = torch.ones(idx.shape, dtype=torch.float32, device=device)
+    if idx.numel() == 0:
+        # Keep the output layer in the graph (every parameter gets a gradient, here 0), as the
+        # full-logits loss does: ZeRO-3 expects each parameter's gradient every backward.
+        idx = torch.zeros(1, dtype=torch.long, device=device)
+        keep = torch.zeros(1, dtype=torch.float32, device=device)
+    return idx, keep
+
+
 def labelled_cross_entropy(hidden: torch.Tensor, head, labels: torch.Tensor,
-                           chunk_tokens: int = LOSS_CHUNK_TOKENS) -> torch.Tensor:
+                           chunk_tokens: int = LOSS_CHUNK_TOKENS,
+                           label_index: torch.Tensor | None = None) -> torch.Tensor:
     """Per-token cross-entropy of the labelled positions, applying the output layer in chunks.
 
     Only positions with a label go through `head` (prompt and padding tokens have none), in
@@ -399,6 +441,8 @@ def labelled_cross_entropy(hidden: torch.Tensor, head, labels: torch.Tensor,
             chunks.
         labels: LongTensor[B, T], -100 = no label.
         chunk_tokens: tokens per chunk (>= 1).
+        label_index: LongTensor[N] flat positions of the labels (collate's `label_index`), or
+            None to find them here (`nonzero`: a host sync on GPUs).
     Returns:
         FloatTensor[B, T] fp32 cross-entropy in nats, 0 where there is no label.
     Raises:
@@ -408,13 +452,7 @@ def labelled_cross_entropy(hidden: torch.Tensor, head, labels: torch.Tensor,
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     b, t, width = hidden.shape
     flat = labels.reshape(-1)
-    idx = (flat != IGNORE_INDEX).nonzero().flatten()
-    keep = torch.ones(idx.shape, dtype=torch.float32, device=hidden.device)
-    if idx.numel() == 0:
-        # Keep the output layer in the graph (every parameter gets a gradient, here 0), as the
-        # full-logits loss does: ZeRO-3 expects each parameter's gradient every backward.
-        idx = torch.zeros(1, dtype=torch.long, device=hidden.device)
-        keep = torch.zeros(1, dtype=torch.float32, device=hidden.device)
+    idx, keep = _labelled_rows(labels, label_index, hidden.device)
     h = hidden.reshape(-1, width).index_select(0, idx)
     target = torch.where(flat[idx] == IGNORE_INDEX, torch.zeros_like(idx), flat[idx])
     recompute = torch.is_grad_enabled() and h.requires_grad
@@ -432,7 +470,7 @@ def labelled_cross_entropy(hidden: torch.Tensor, head, labels: torch.Tensor,
 
 
 def hybrid_loss(outputs: torch.Tensor, batch: dict, cfg: ObjectiveConfig | None = None, *,
-                head=None, chunk_tokens: int = LOSS_CHUNK_TOKENS
+                head=None, chunk_tokens: int = LOSS_CHUNK_TOKENS, head_loss=None
                 ) -> tuple[torch.Tensor, dict]:
     """The ReFusion loss of a micro-batch (docs/METHOD.md "Loss of a micro-batch").
 
@@ -446,11 +484,20 @@ def hybrid_loss(outputs: torch.Tensor, batch: dict, cfg: ObjectiveConfig | None 
             (see `token_cross_entropy` for the in-place caveat); with `head`,
             FloatTensor[B, T, hidden], final-norm hidden states, and the logits are computed
             only at labelled positions, `chunk_tokens` at a time (`labelled_cross_entropy`:
-            the memory-lean form the trainer uses).
-        batch: a dict from `collate` (tensors are moved to the outputs' device).
+            the memory-lean form the trainer uses); with `head_loss`, the same hidden states
+            and the output layer + cross-entropy run fused.
+        batch: a dict from `collate` (tensors are moved to the outputs' device); its
+            `label_index`, when present, gives the labelled positions (no host sync).
         cfg: objective options (weights); default `ObjectiveConfig()`.
         head: None, or the output layer `FloatTensor[N, hidden] -> FloatTensor[N, V / tp]`.
         chunk_tokens: tokens per chunk with `head`.
+        head_loss: None, or the fused output layer + weighted cross-entropy
+            `(hidden FloatTensor[N, hidden], target LongTensor[N], coef FloatTensor[N]) ->
+            (sum coef * CE, CE detached FloatTensor[N])` (`Qwen3.head_loss`, its impl and chunk
+            size bound). The coefficients are the loss's own weights, known before the output
+            layer runs: `ar_weight / AR tokens` at AR-labelled positions and
+            `mdm_weight * loss_weight / num_segments` at masked ones, so the fused loss is the
+            same sum as below (same value and gradients up to float summation order).
 
     Returns:
         (loss: FloatTensor[] with grad, stats: dict of detached 0-dim tensors `ar_loss,
@@ -463,18 +510,31 @@ def hybrid_loss(outputs: torch.Tensor, batch: dict, cfg: ObjectiveConfig | None 
     is_masked = batch["is_masked"].to(dev, non_blocking=True)
     weight = batch["loss_weight"].to(dev, non_blocking=True)
     n_seg = batch["num_segments"].to(dev)
-    if head is None:
-        ce = token_cross_entropy(outputs, labels)
-    else:
-        ce = labelled_cross_entropy(outputs, head, labels, chunk_tokens)
     labelled = labels != IGNORE_INDEX
     ar_mask = labelled & ~is_masked
     mdm_mask = labelled & is_masked
     ar_tokens = ar_mask.sum()
     mdm_tokens = mdm_mask.sum()
+    fused = None
+    if head_loss is not None:
+        b, t, width = outputs.shape
+        idx, keep = _labelled_rows(labels, batch.get("label_index"), dev)
+        masked_rows = is_masked.reshape(-1)[idx]
+        coef = torch.where(masked_rows,
+                           cfg.mdm_weight * weight.reshape(-1)[idx] / n_seg.clamp(min=1),
+                           cfg.ar_weight / ar_tokens.clamp(min=1).float()) * keep
+        target = labels.reshape(-1)[idx].clamp(min=0)
+        fused, ce_rows = head_loss(outputs.reshape(-1, width).index_select(0, idx), target, coef)
+        ce = torch.zeros(b * t, dtype=torch.float32, device=dev).index_put(
+            (idx,), ce_rows * keep).view(b, t)
+    elif head is None:
+        ce = token_cross_entropy(outputs, labels)
+    else:
+        ce = labelled_cross_entropy(outputs, head, labels, chunk_tokens,
+                                    label_index=batch.get("label_index"))
     ar = torch.where(ar_mask, ce, torch.zeros_like(ce)).sum() / ar_tokens.clamp(min=1)
     mdm = torch.where(mdm_mask, ce * weight, torch.zeros_like(ce)).sum() / n_seg.clamp(min=1)
-    loss = cfg.ar_weight * ar + cfg.mdm_weight * mdm
+    loss = cfg.ar_weight * ar + cfg.mdm_weight * mdm if fused is None else fused
     seg_p = batch["segment_p"]
     resp = batch["response_tokens"]
     stats = {

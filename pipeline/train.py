@@ -58,7 +58,7 @@ the checkpoint's `shard_sets` records each set and the step it began at.
 
 metrics.jsonl (rank 0, appended; a resumed run appends again from its checkpoint step, so a
 reader keeps the last line per (kind, step)): one JSON object per line with `kind` "train"
-(step, loss, ar_loss, mdm_loss, lr, grad_norm, tokens_per_s, tflops_per_device, mfu,
+(step, loss, ar_loss, mdm_loss, lr, grad_norm, tokens_per_s, tflops_per_device, mfu, hfu,
 peak_memory_bytes, consumed_samples, consumed_tokens, step_time_s, skipped) or "val" (step,
 val_loss, val_ar_loss, val_mdm_loss, val_batches).
 """
@@ -289,8 +289,11 @@ class Trainer:
     # -- the loop -------------------------------------------------------------------------
 
     def _batch_to_device(self, batch: dict) -> dict:
-        return {k: (v.to(self.device, non_blocking=True) if hasattr(v, "to") else v)
-                for k, v in batch.items()}
+        """The batch's tensors on the device. On CUDA they are pinned first, so that the copies
+        are asynchronous: a copy from pageable memory makes the host wait for the stream."""
+        pin = self.device.type == "cuda"
+        return {k: ((v.pin_memory() if pin else v).to(self.device, non_blocking=True)
+                    if hasattr(v, "to") else v) for k, v in batch.items()}
 
     def _next_batch(self) -> dict:
         if not hasattr(self, "_train_iter"):
@@ -298,10 +301,18 @@ class Trainer:
         return next(self._train_iter)
 
     def train_step(self) -> tuple[dict, bool, bool]:
-        """Run one optimizer step (GA micro-batches). Returns (metrics, nonfinite, signal)."""
+        """Run one optimizer step (GA micro-batches). Returns (metrics, nonfinite, signal).
+
+        Nothing in the micro-batch loop reads a device value on the host: the labelled positions
+        and varlen boundaries come with the batch (`objective.collate`, in the loader workers),
+        FLOPs are counted from the batch's CPU tensors, and the step's figures are read once,
+        after its all-reduce."""
+        import functools
+
         import torch
         import torch.distributed as dist
-        from pipeline.model import segment_lengths, training_flops
+        from pipeline.model import segment_lengths
+        from pipeline.model.flops import step_flops
         from pipeline.objective import hybrid_loss
         from pipeline.training.engine import lr_at
         from pipeline.training.metrics import peak_memory_bytes
@@ -312,17 +323,33 @@ class Trainer:
         per_micro: list = []          # detached [loss, ar, mdm] per micro-batch (on device)
         keys_of: list[list[str]] = []
         tokens = rows = 0
-        model_flops = 0.0             # this rank's micro-batches, attention per packed segment
+        model_flops = hw_flops = 0.0  # this rank's micro-batches (pipeline.model.flops)
+        t = cfg.train
+        if t.loss_impl == "chunked":
+            loss_kw = {"head": eng.module.head_logits, "chunk_tokens": t.loss_chunk_tokens}
+        else:
+            loss_kw = {"head_loss": functools.partial(eng.module.head_loss, impl=t.loss_impl,
+                                                      chunk_tokens=t.loss_chunk_tokens)}
         for micro in range(plan.grad_accum_steps):
             batch = self._next_batch()
             keys_of.append(list(batch.get("keys", [])))
             b = self._batch_to_device(batch)
-            tokens += int(batch["real_tokens"])
+            real = int(batch["real_tokens"])          # CPU tensors: no device sync
+            tokens += real
             rows += int(batch["input_ids"].shape[0])
-            model_flops += training_flops(self.mcfg, segment_lengths(batch["segment_ids"]))
+            seg_len = batch.get("segment_lengths")
+            labelled = batch.get("label_index")
+            mf, hf = step_flops(
+                self.mcfg, seg_len if seg_len is not None else segment_lengths(batch["segment_ids"]),
+                int(labelled.numel()) if labelled is not None
+                else int((batch["labels"] != -100).sum()),
+                batch["input_ids"].numel() - real, self.mcfg.recompute, t.loss_impl)
+            model_flops += mf
+            hw_flops += hf
             hidden = eng(b["input_ids"], b["position_ids"], segment_ids=b["segment_ids"],
-                         return_hidden=True)
-            loss, stats = hybrid_loss(hidden, b, self.objective_cfg, head=eng.module.head_logits)
+                         return_hidden=True, cu_seqlens=b.get("cu_seqlens"),
+                         max_seqlen=b.get("max_seqlen"))
+            loss, stats = hybrid_loss(hidden, b, self.objective_cfg, **loss_kw)
             if micro == 0 and self.info.rank == 0 and step_no in set(cfg.debug.nan_at_steps):
                 loss = loss * float("nan")
             per_micro.append(torch.stack([loss.detach().float(), stats["ar_loss"].float(),
@@ -333,11 +360,11 @@ class Trainer:
         vals = torch.stack(per_micro).double()                            # [GA, 3]
         finite = torch.isfinite(vals[:, 0])
         # one all-reduce over the world: [loss, ar, mdm sums over finite micro-batches,
-        # real tokens, rows, non-finite micro-batches, signal flag, model FLOPs]
+        # real tokens, rows, non-finite micro-batches, signal flag, model FLOPs, hardware FLOPs]
         sums = torch.cat([torch.where(finite[:, None], vals, torch.zeros_like(vals)).sum(0),
                           vals.new_tensor([tokens, rows, float((~finite).sum()),
                                            1.0 if self.signal_received else 0.0,
-                                           model_flops])])
+                                           model_flops, hw_flops])])
         dist.all_reduce(sums)
         sums = sums.cpu()
         bad = [(i, keys_of[i]) for i in range(len(keys_of)) if not bool(finite[i])]
@@ -368,6 +395,7 @@ class Trainer:
         st.consumed_samples += rows
         st.consumed_tokens += tokens
         flops = sums[7].item() / tp / dt / plan.world_size   # model FLOP/s per device
+        hw = sums[8].item() / tp / dt / plan.world_size      # hardware FLOP/s per device
         gnorm = eng.get_global_grad_norm()
         metrics = {
             "kind": "train", "step": step_no,
@@ -378,6 +406,7 @@ class Trainer:
             "grad_norm": float(gnorm) if gnorm is not None and applied else None,
             "tokens_per_s": tokens / dt, "tflops_per_device": flops / 1e12,
             "mfu": (flops / self.peak_flops) if self.peak_flops else None,
+            "hfu": (hw / self.peak_flops) if self.peak_flops else None,
             "peak_memory_bytes": peak_memory_bytes(),
             "consumed_samples": st.consumed_samples, "consumed_tokens": st.consumed_tokens,
             "step_time_s": dt, "skipped": not applied,

@@ -99,9 +99,27 @@ def test_valid_config_and_derived_batch_layout(tmp_path, data_dir):
     (["checkpoint.keep=0"], 1, "checkpoint.keep must be >= 1"),
     (["model.attention=flash"], 1, "model.attention must be one of auto|sdpa|flex|varlen, got 'flash'"),
     (["log.peak_tflops=0"], 1, "log.peak_tflops must be > 0"),
+    (["train.activation_checkpointing=sometimes"], 1,
+     "train.activation_checkpointing: recompute must be one of none|selective|full"),
+    (["train.loss_impl=liger"], 1, "train.loss_impl must be one of chunked|fused|torch, got 'liger'"),
+    (["train.loss_chunk_tokens=0"], 1, "train.loss_chunk_tokens must be >= 1"),
+    (["train.loss_impl=torch", "train.tensor_parallel_size=2"], 2,
+     "train.loss_impl=torch needs train.tensor_parallel_size=1"),
+    (["optim.fused=true", "optim.impl=deepspeed"], 1, "optim.fused needs optim.impl=torch"),
 ])
 def test_validation_errors_name_the_key(tmp_path, data_dir, overrides, world, expected):
     assert expected in _error(_cfg(tmp_path, data_dir), overrides, world)
+
+
+def test_activation_checkpointing_modes_and_the_boolean_alias(tmp_path, data_dir):
+    """`train.activation_checkpointing` takes none|selective|full and the old true/false (=
+    full/none); the model's `recompute` field gets the mode."""
+    path = _cfg(tmp_path, data_dir)
+    for value, mode in (("selective", "selective"), ("full", "full"), ("none", "none"),
+                        ("true", "full"), ("false", "none")):
+        plan = validate(load_config(str(path), [f"train.activation_checkpointing={value}"]))
+        assert plan.model_fields["recompute"] == mode, value
+    assert validate(load_config(str(path))).model_fields["recompute"] == "none"
 
 
 def test_missing_required_keys_and_files(tmp_path, data_dir):
@@ -207,4 +225,4 @@ def test_shipped_run_configs_validate(tmp_path, data_dir):
     plan = validate(load_config("configs/qwen3_8b.yaml", [f"data.dir={data_dir}", f"init.hf_path={hf}",
                                                           "data.num_workers=1"]), world_size=32)
     assert (plan.tp_size, plan.dp_size, plan.grad_accum_steps) == (2, 16, 4)
-    assert plan.model_fields["recompute"] is True and plan.row_length == 4096
+    assert plan.model_fields["recompute"] == "full" and plan.row_length == 4096

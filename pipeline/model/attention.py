@@ -139,7 +139,8 @@ def varlen_boundaries(segment_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 
 def plan_attention(kind: str, segment_ids: torch.Tensor, needs_grad: bool,
-                   dtype: torch.dtype = torch.bfloat16) -> AttentionPlan:
+                   dtype: torch.dtype = torch.bfloat16, cu_seqlens: torch.Tensor | None = None,
+                   max_seqlen: int | None = None) -> AttentionPlan:
     """Prepare the packed (document-causal) attention of one forward for `kind`.
 
     Args:
@@ -147,11 +148,14 @@ def plan_attention(kind: str, segment_ids: torch.Tensor, needs_grad: bool,
         segment_ids: LongTensor[B, T], 0 = padding, each segment contiguous in its row.
         needs_grad: the forward will be differentiated (picks the CPU fallback of flex).
         dtype: dtype of q, k, v (varlen needs bf16/fp16).
+        cu_seqlens, max_seqlen: `varlen_boundaries(segment_ids)` computed beforehand (the
+            loader's collate does, in its worker processes); with both given, "varlen" takes
+            them as they are (no host sync in the step). Other kinds ignore them.
     Returns:
         AttentionPlan. Only "sdpa" builds our dense `[B, 1, T, T]` mask; "flex" builds a
         BlockMask from `document_causal_mask_mod` (`_block_mask_builder`: compiled on CUDA;
-        the eager builder used on CPU evaluates the mask densely inside torch); "varlen" builds
-        `cu_seqlens` (one host sync for the longest segment).
+        the eager builder used on CPU evaluates the mask densely inside torch); "varlen" uses
+        the given `cu_seqlens` or builds them (one host sync for the longest segment).
     """
     b, t = segment_ids.shape
     kind = resolve_attention(kind, segment_ids.device, needs_grad, dtype)
@@ -160,6 +164,10 @@ def plan_attention(kind: str, segment_ids: torch.Tensor, needs_grad: bool,
             document_causal_mask_mod(segment_ids), b, None, t, t, device=segment_ids.device)
         return AttentionPlan("flex", block_mask=block_mask)
     if kind == "varlen":
+        if cu_seqlens is not None and max_seqlen is not None:
+            return AttentionPlan("varlen", cu_seqlens=cu_seqlens.to(segment_ids.device,
+                                                                    torch.int32),
+                                 max_seqlen=int(max_seqlen))
         cu, longest = varlen_boundaries(segment_ids)
         return AttentionPlan("varlen", cu_seqlens=cu, max_seqlen=longest)
     return AttentionPlan("sdpa", mask=build_attention_mask(segment_ids, b, t,

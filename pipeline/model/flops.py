@@ -1,14 +1,33 @@
-"""FLOPs and parameter counts of a Qwen3 config, and the peak FLOP/s of known devices (for MFU).
+"""FLOPs and parameter counts of a Qwen3 config, and the peak FLOP/s of known devices (MFU, HFU).
 
 Owns: `num_parameters`, `flops_per_token`, `training_flops` (attention per packed segment),
+`step_flops` (model and hardware FLOPs of a training micro-batch: the MFU and HFU numerators),
 `segment_lengths`, the dense BF16 peak table. Must not touch: the network, the trainer's
 clocks (`pipeline.training.metrics` divides these counts by time).
+
+The accounting, written down once (every count is 2 FLOPs per multiply-add; forward + backward
+is 3x the forward, as PaLM appendix B and nanoGPT's `estimate_mfu` count):
+- body: `6 * N_body` per token, `N_body` = the weights of all blocks' linear layers (q, k, v, o,
+  gate, up, down); norms and the embedding lookup are not matrix multiplies;
+- attention: `12 * L * H_q * D` per query-key pair a token attends to (QK^T and AV), counted per
+  packed segment and causally (a token at offset i of its segment: i + 1 pairs);
+- output layer: `6 * V * h` per position whose logits are computed, which is only the positions
+  that carry a label (`pipeline.objective` runs the head there alone), not every token.
+MFU (PaLM, Chowdhery et al. 2022, section 4.1 and appendix B) divides these model FLOPs of the
+real (non-padding) tokens by time x peak. HFU divides the FLOPs the step's matrix multiplies
+execute: the same terms for every fed token (padding included: each padding token is a segment
+of its own), plus what is computed twice: activation recompute (`full`: one more forward of every
+block, `selective`: one more forward of the attention core, as Korthikanti et al. 2022,
+"Reducing Activation Recomputation in Large Transformer Models", sections 4-5, count it) and the
+output layer's forward again in backward (`loss_impl` "chunked" and "torch"; "fused" computes
+its gradients in the forward pass). Masked-out work of a dense-mask kernel (sdpa computes the
+whole `T x T` score matrix) is not counted: HFU counts the work the step needs as designed.
 """
 from __future__ import annotations
 
 import torch
 
-from pipeline.model.config import ModelConfig
+from pipeline.model.config import ModelConfig, recompute_mode
 
 
 def num_parameters(cfg: ModelConfig, include_embedding: bool = True) -> int:
@@ -69,26 +88,86 @@ def segment_lengths(segment_ids: torch.Tensor) -> torch.Tensor:
     return torch.unique(key, return_counts=True)[1] if key.numel() else key
 
 
-def training_flops(cfg: ModelConfig, segment_lengths: torch.Tensor | list[int]) -> float:
+def _body_params(cfg: ModelConfig) -> int:
+    """Weights of all blocks' linear layers (the matrix-multiply parameters without the head)."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    return cfg.num_layers * (h * d * (cfg.num_attention_heads * 2 + cfg.num_key_value_heads * 2)
+                             + 3 * h * cfg.intermediate_size)
+
+
+def _attention_per_pair(cfg: ModelConfig) -> float:
+    """Training FLOPs of attention per query-key pair over all layers (QK^T and AV, x3)."""
+    return 12.0 * cfg.num_layers * cfg.num_attention_heads * cfg.head_dim
+
+
+def training_flops(cfg: ModelConfig, segment_lengths: torch.Tensor | list[int],
+                   labelled_tokens: int | None = None) -> float:
     """Model FLOPs of one training forward + backward over packed segments (for MFU).
 
-    `6 * N * tokens + 12 * L * H_q * D * sum_s s (s + 1) / 2`, with `tokens = sum_s s`: the
-    PaLM appendix B / nanoGPT `estimate_mfu` count (N as in `flops_per_token`: weights in matrix
-    multiplies, 2 FLOPs per multiply-add, x3 for forward + backward), except that attention is
-    counted per packed segment and causally: a token at offset i of its segment attends to the
-    i + 1 tokens up to itself (QK^T and AV: 2 matmuls x 2 FLOPs x D per query-key pair per head
-    per layer, x3), instead of the full row window of `flops_per_token`. Padding is not counted;
-    activation recompute is not counted (model FLOPs).
+    `6 * N_body * tokens + 6 * V * h * labelled + 12 * L * H_q * D * sum_s s (s + 1) / 2`, with
+    `tokens = sum_s s` (the module docstring's accounting): the PaLM appendix B / nanoGPT
+    `estimate_mfu` count, except that attention is counted per packed segment and causally (a
+    token at offset i of its segment attends to the i + 1 tokens up to itself) instead of the
+    full row window of `flops_per_token`, and the output layer only at the `labelled_tokens`
+    positions whose logits are computed. Padding is not counted; activation recompute is not
+    counted (model FLOPs).
 
     Args:
         segment_lengths: tokens of each segment (`segment_lengths(segment_ids)`).
+        labelled_tokens: positions that carry a label (the output layer runs there only);
+            None counts the output layer at every token (as `flops_per_token` does).
     Returns:
         FLOPs (float).
     """
     s = torch.as_tensor(segment_lengths, dtype=torch.float64)
     tokens, pairs = float(s.sum()), float((s * (s + 1) / 2).sum())
-    dense = flops_per_token(cfg, 0) * tokens
-    return dense + 12.0 * cfg.num_layers * cfg.num_attention_heads * cfg.head_dim * pairs
+    head_rows = tokens if labelled_tokens is None else float(labelled_tokens)
+    return (6.0 * _body_params(cfg) * tokens + 6.0 * cfg.vocab_size * cfg.hidden_size * head_rows
+            + _attention_per_pair(cfg) * pairs)
+
+
+def step_flops(cfg: ModelConfig, segment_lengths: torch.Tensor | list[int],
+               labelled_tokens: int, padding_tokens: int = 0, recompute="none",
+               loss_impl: str = "chunked") -> tuple[float, float]:
+    """Model and hardware FLOPs of one training micro-batch (the MFU and HFU numerators).
+
+    Model FLOPs: `training_flops(cfg, segment_lengths, labelled_tokens)`. Hardware FLOPs (module
+    docstring): the same over every fed token, `padding_tokens` included (each a one-token
+    segment), plus the recomputed forwards: `recompute` "full" adds
+    `2 * N_body + 4 * L * H_q * D * pairs` (one forward of every block), "selective" adds
+    `4 * L * H_q * D * pairs` (one forward of the attention core), "none" nothing; `loss_impl`
+    "chunked" and "torch" add `2 * V * h * labelled` (the head's forward again in backward),
+    "fused" nothing.
+
+    Args:
+        segment_lengths: tokens of each real segment (LongTensor[N] or list; padding left out).
+        labelled_tokens: positions with a label (the output layer's rows).
+        padding_tokens: fed padding tokens (rows x row length - real tokens).
+        recompute: activation checkpointing mode ("none" | "selective" | "full", or the bool
+            alias of `ModelConfig.recompute`).
+        loss_impl: "chunked" | "fused" | "torch" (`pipeline.model.linear_ce.LOSS_IMPLS`).
+    Returns:
+        (model FLOPs, hardware FLOPs), floats.
+    Raises:
+        ValueError: unknown `recompute` or `loss_impl`.
+    """
+    mode = recompute_mode(recompute)
+    if loss_impl not in ("chunked", "fused", "torch"):
+        raise ValueError(f"loss_impl must be chunked, fused or torch, got {loss_impl!r}")
+    s = torch.as_tensor(segment_lengths, dtype=torch.float64)
+    tokens, pairs = float(s.sum()), float((s * (s + 1) / 2).sum())
+    model = training_flops(cfg, s, labelled_tokens)
+    fed, fed_pairs = tokens + padding_tokens, pairs + padding_tokens
+    head = 2.0 * cfg.vocab_size * cfg.hidden_size * labelled_tokens     # one head forward
+    attn_fwd = _attention_per_pair(cfg) / 3 * fed_pairs                 # one attention forward
+    hardware = (6.0 * _body_params(cfg) * fed + 3 * head + 3 * attn_fwd)
+    if mode == "full":
+        hardware += 2.0 * _body_params(cfg) * fed + attn_fwd
+    elif mode == "selective":
+        hardware += attn_fwd
+    if loss_impl != "fused":
+        hardware += head
+    return model, hardware
 
 
 # Dense (no sparsity) BF16 tensor-core peak of one device in TFLOP/s, from the vendor

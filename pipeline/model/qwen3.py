@@ -15,16 +15,25 @@ tensor-parallel layers, so TP=1 and TP>1 share one code path:
   (`[q_r; k_r; v_r]` along the output dim), so each rank attends over its own heads;
 - `o_proj`, `down_proj`: RowParallelLinear (input is parallel, output all-reduced);
 - `gate_up_proj`: ColumnParallelLinear holding `[gate_r; up_r]`;
-- `embed_tokens`: VocabParallelEmbedding; `lm_head`: ColumnParallelLinear over the vocab (or the
-  embedding weight when tied); logits stay vocab-parallel (`[B, T, V / tp]`), see `gather_logits`.
+- `embed_tokens`: VocabParallelEmbedding; `lm_head`: `OutputLayer`, a ColumnParallelLinear over
+  the vocab (or the embedding weight when tied); logits stay vocab-parallel (`[B, T, V / tp]`),
+  see `gather_logits`. Its `loss_inputs` entry runs the fused output layer + cross-entropy
+  (`pipeline.model.linear_ce`) inside the layer's own forward, so ZeRO-3 gathers its weight.
 megatron-core runs on the CPU with these flags (its CUDA-only paths fail there):
 use_cpu_initialization=True, gradient_accumulation_fusion=False, gather_output=False, no
 sequence parallelism.
+
+Training levers that live here (all default off; the trainer sets them from the run config):
+activation checkpointing `cfg.recompute` ("none" | "selective" | "full", see `ModelConfig`),
+regional `torch.compile` of the decoder layers (`compile_layers`), precomputed varlen boundaries
+(`forward(..., cu_seqlens=, max_seqlen=)`, built by the loader's collate so that no step reads a
+device value on the host), and the output-layer kernel (`head_loss`).
 
 Tensors are batch-first: `[B, T, hidden]`.
 """
 from __future__ import annotations
 
+import functools
 import math
 from functools import partial
 
@@ -34,7 +43,7 @@ from torch import nn
 
 from pipeline.model.attention import (AttentionPlan, _eye_offset, attention, build_attention_mask,
                                       plan_attention)
-from pipeline.model.config import ModelConfig
+from pipeline.model.config import ModelConfig, recompute_mode
 from pipeline.model.kv_cache import KVCache
 from pipeline.model.tp import partition_dim
 
@@ -56,10 +65,19 @@ def _megatron_config(dtype: torch.dtype, init_weights: bool):
     )
 
 
-class RMSNorm(nn.Module):
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm (Zhang & Sennrich 2019) as Qwen3 computes it: in fp32, then cast back, then scale.
 
-    `y = weight * (x / sqrt(mean(x^2, -1) + eps)).to(x.dtype)`; x: `[..., dim]`.
+    `y = weight * (x / sqrt(mean(x^2, -1) + eps)).to(x.dtype)`; x: `[..., dim]`, weight: `[dim]`.
+    """
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm as a module (`rms_norm`; `impl` is the function, replaced by its compiled form by
+    `Qwen3.compile_layers`).
 
     With `reduce_grad_over_tp=True` (q/k norms: each TP rank normalizes only its own heads) the
     weight enters through megatron's `copy_to_tensor_model_parallel_region`, so its gradient is
@@ -73,15 +91,14 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
         self.reduce_grad_over_tp = reduce_grad_over_tp and _tp_size() > 1
+        self.impl = rms_norm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight
         if self.reduce_grad_over_tp:
             from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
             weight = copy_to_tensor_model_parallel_region(weight)
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return weight * xf.to(x.dtype)
+        return self.impl(x, weight, self.eps)
 
 
 def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float,
@@ -106,6 +123,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
+def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`apply_rope` of the queries and the keys (one region for `Qwen3.compile_layers`)."""
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+
 class Attention(nn.Module):
     """GQA self-attention with QK-norm and RoPE; heads split over the tensor-parallel group."""
 
@@ -125,28 +148,46 @@ class Attention(nn.Module):
             init_method=out_init_method, bias=False, input_is_parallel=True, skip_bias_add=False)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps, mcfg.params_dtype, reduce_grad_over_tp=True)
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps, mcfg.params_dtype, reduce_grad_over_tp=True)
+        self.rope = rope_qk
 
-    def forward(self, x, cos, sin, plan, cache_layer=None):
+    def forward(self, x, cos, sin, plan, cache_layer=None, selective: bool = False):
         """x: `[B, T, hidden]`; plan: an `AttentionPlan` (for "sdpa" its mask is `[B, 1, T, S]`);
         cache_layer: `(past_k, past_v, store)` where past_*: `[B, H_kv/tp, S - T, D]` and
-        `store(k, v)` keeps the new keys/values as the cache's pending entries."""
-        b, t, _ = x.shape
-        d = self.head_dim
+        `store(k, v)` keeps the new keys/values as the cache's pending entries; selective:
+        recompute the attention core (`_core`: q/k norms, RoPE, the kernel) in backward
+        instead of keeping its activations (training, no cache)."""
         qkv, _ = self.qkv_proj(x)
+        if selective and cache_layer is None:
+            out = torch.utils.checkpoint.checkpoint(self._core, qkv, cos, sin, plan,
+                                                    use_reentrant=False)
+        else:
+            out = self._core(qkv, cos, sin, plan, cache_layer)
+        out, _ = self.o_proj(out)
+        return out
+
+    def _core(self, qkv, cos, sin, plan, cache_layer=None):
+        """The attention core between the projections: `qkv: [B, T, (H_q + 2 H_kv) / tp * D]`
+        -> `[B, T, H_q / tp * D]`."""
+        b, t, _ = qkv.shape
+        d = self.head_dim
         q, k, v = qkv.split((self.n_q * d, self.n_kv * d, self.n_kv * d), dim=-1)
         q = self.q_norm(q.view(b, t, self.n_q, d)).transpose(1, 2)
         k = self.k_norm(k.view(b, t, self.n_kv, d)).transpose(1, 2)
         v = v.view(b, t, self.n_kv, d).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = self.rope(q, k, cos, sin)
         if cache_layer is not None:
             past_k, past_v, store = cache_layer
             store(k, v)
             k = torch.cat((past_k, k), dim=2)
             v = torch.cat((past_v, v), dim=2)
         out = attention(q, k, v, plan)
-        out = out.transpose(1, 2).reshape(b, t, self.n_q * d)
-        out, _ = self.o_proj(out)
-        return out
+        return out.transpose(1, 2).reshape(b, t, self.n_q * d)
+
+
+def swiglu(gate_up: torch.Tensor, inner: int) -> torch.Tensor:
+    """SwiGLU activation of `gate_up: [..., 2 * inner]` = `[gate; up]`: `silu(gate) * up`."""
+    gate, up = gate_up.split(inner, dim=-1)
+    return F.silu(gate) * up
 
 
 class MLP(nn.Module):
@@ -156,6 +197,7 @@ class MLP(nn.Module):
         from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
         super().__init__()
         self.inner = cfg.intermediate_size // _tp_size()
+        self.act = swiglu
         self.gate_up_proj = ColumnParallelLinear(
             cfg.hidden_size, 2 * cfg.intermediate_size, config=mcfg, init_method=init_method,
             bias=False, gather_output=False)
@@ -163,10 +205,16 @@ class MLP(nn.Module):
             cfg.intermediate_size, cfg.hidden_size, config=mcfg, init_method=out_init_method,
             bias=False, input_is_parallel=True, skip_bias_add=False)
 
-    def forward(self, x):
+    def forward(self, x, selective: bool = False):
+        """x: `[B, T, hidden]`; selective: recompute the SwiGLU activation in backward (keeps
+        only `gate_up` instead of gate, silu(gate), up and their product)."""
         gate_up, _ = self.gate_up_proj(x)
-        gate, up = gate_up.split(self.inner, dim=-1)
-        out, _ = self.down_proj(F.silu(gate) * up)
+        if selective:
+            act = torch.utils.checkpoint.checkpoint(self.act, gate_up, self.inner,
+                                                    use_reentrant=False)
+        else:
+            act = self.act(gate_up, self.inner)
+        out, _ = self.down_proj(act)
         return out
 
 
@@ -181,9 +229,49 @@ class Block(nn.Module):
                                                 mcfg.params_dtype)
         self.mlp = MLP(cfg, mcfg, init_method, out_init_method)
 
-    def forward(self, x, cos, sin, plan, cache_layer=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, plan, cache_layer)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, cos, sin, plan, cache_layer=None, selective: bool = False):
+        """selective: recompute the two norms, the attention core and the SwiGLU activation in
+        backward (`Qwen3` "selective" recompute); the norms then keep only their input (the
+        residual stream, alive anyway) instead of their fp32 intermediates."""
+        norm = partial(_checkpointed, self.input_layernorm) if selective else self.input_layernorm
+        x = x + self.self_attn(norm(x), cos, sin, plan, cache_layer, selective)
+        norm = (partial(_checkpointed, self.post_attention_layernorm) if selective
+                else self.post_attention_layernorm)
+        return x + self.mlp(norm(x), selective)
+
+
+def _checkpointed(fn, *args):
+    return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
+
+
+@functools.lru_cache(maxsize=None)
+def _output_layer_class():
+    """`OutputLayer`: megatron-core's ColumnParallelLinear over the vocab, plus a `loss_inputs`
+    entry that runs `pipeline.model.linear_ce.linear_cross_entropy` on this layer's weight.
+    Computing the loss inside the layer's own forward is what makes ZeRO-3 gather the
+    (partitioned) weight for it and hand its gradient back, as for the plain logits."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+
+    class OutputLayer(ColumnParallelLinear):
+        """The LM head (`lm_head`): `forward(hidden)` -> `(logits [..., V / tp], None)` as
+        ColumnParallelLinear; `forward(hidden_rows, loss_inputs=(target, coef, impl,
+        chunk_tokens))` -> `(loss [], ce [N])` (`linear_cross_entropy`)."""
+
+        def forward(self, input_, weight=None, runtime_gather_output=None, loss_inputs=None):
+            if loss_inputs is None:
+                return super().forward(input_, weight, runtime_gather_output)
+            from megatron.core import parallel_state
+            from pipeline.model.linear_ce import linear_cross_entropy
+            target, coef, impl, chunk_tokens = loss_inputs
+            tp = parallel_state.get_tensor_model_parallel_world_size()
+            rows = self.weight.shape[0]
+            group = parallel_state.get_tensor_model_parallel_group() if tp > 1 else None
+            start = parallel_state.get_tensor_model_parallel_rank() * rows
+            return linear_cross_entropy(input_, self.weight, target, coef, impl=impl,
+                                        chunk_tokens=chunk_tokens, vocab_start=start,
+                                        group=group)
+
+    return OutputLayer
 
 
 class Qwen3(nn.Module):
@@ -207,7 +295,7 @@ class Qwen3(nn.Module):
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32,
                  init_weights: bool = True):
-        from megatron.core.tensor_parallel import ColumnParallelLinear, VocabParallelEmbedding
+        from megatron.core.tensor_parallel import VocabParallelEmbedding
         super().__init__()
         self.tp = _tp_size()
         cfg.validate(self.tp)
@@ -221,7 +309,7 @@ class Qwen3(nn.Module):
         self.layers = nn.ModuleList(Block(cfg, mcfg, init, out_init)
                                     for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.lm_head = ColumnParallelLinear(
+        self.lm_head = _output_layer_class()(
             cfg.hidden_size, cfg.vocab_size, config=mcfg, init_method=init, bias=False,
             gather_output=False, skip_weight_param_allocation=cfg.tie_word_embeddings)
         if cfg.tie_word_embeddings:
@@ -250,7 +338,9 @@ class Qwen3(nn.Module):
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
                 segment_ids: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None,
-                kv_cache: KVCache | None = None, return_hidden: bool = False) -> torch.Tensor:
+                kv_cache: KVCache | None = None, return_hidden: bool = False,
+                cu_seqlens: torch.Tensor | None = None,
+                max_seqlen: int | None = None) -> torch.Tensor:
         """Vocab-parallel logits of the fed tokens (or the final hidden states).
 
         Args:
@@ -267,8 +357,12 @@ class Qwen3(nn.Module):
                 (see `KVCache.commit`). Without a mask the new tokens are causal among
                 themselves and see all valid cached entries.
             return_hidden: return the final-norm hidden states instead of logits, so that the
-                caller applies the output layer (`head_logits`) only where it needs logits
-                (e.g. chunked over labelled tokens, `pipeline.objective.hybrid_loss`).
+                caller applies the output layer (`head_logits`, `head_loss`) only where it needs
+                logits (e.g. chunked over labelled tokens, `pipeline.objective.hybrid_loss`).
+            cu_seqlens, max_seqlen: the varlen kernel's segment boundaries of `segment_ids`
+                (IntTensor[N + 1] on the model's device, int), as `objective.collate` computes
+                them; None computes them here (`attention.varlen_boundaries`, one host sync).
+                Used by packed forwards with the "varlen" kernel only.
         Packed forwards (`segment_ids`, no mask, no cache) attend with the kernel of
         `cfg.attention` (see `plan_attention`); the others use SDPA.
         Returns:
@@ -299,14 +393,18 @@ class Qwen3(nn.Module):
                 segment_ids, b, t, past, kv_cache.valid_mask(), device=input_ids.device))
         elif segment_ids is not None:
             plan = plan_attention(self.cfg.attention, segment_ids,
-                                  needs_grad=torch.is_grad_enabled(), dtype=x.dtype)
+                                  needs_grad=torch.is_grad_enabled(), dtype=x.dtype,
+                                  cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+        mode = "none"
+        if self.training and kv_cache is None and torch.is_grad_enabled():
+            mode = recompute_mode(self.cfg.recompute)
         for i, layer in enumerate(self.layers):
             cache_layer = kv_cache.layer_view(i) if kv_cache is not None else None
-            if self.cfg.recompute and self.training and kv_cache is None:
+            if mode == "full":
                 x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, plan,
                                                       use_reentrant=False)
             else:
-                x = layer(x, cos, sin, plan, cache_layer)
+                x = layer(x, cos, sin, plan, cache_layer, mode == "selective")
         x = self.norm(x)
         return x if return_hidden else self.head_logits(x)
 
@@ -316,6 +414,54 @@ class Qwen3(nn.Module):
         `FloatTensor[..., V / tp]`, in the parameter dtype."""
         logits, _ = self.lm_head(hidden)
         return logits
+
+    def head_loss(self, hidden: torch.Tensor, target: torch.Tensor, coef: torch.Tensor,
+                  impl: str = "fused", chunk_tokens: int = 2048
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The output layer fused with the weighted cross-entropy (`pipeline.model.linear_ce`).
+
+        Args:
+            hidden: FloatTensor[N, hidden], final-norm hidden states of the positions to score.
+            target: LongTensor[N], token ids. coef: FloatTensor[N], loss coefficient per row.
+            impl: "fused" or "torch"; chunk_tokens: rows of logits alive at a time.
+        Returns:
+            (loss: FloatTensor[] = sum coef * CE, ce: FloatTensor[N] detached, fp32).
+        """
+        return self.lm_head(hidden, loss_inputs=(target, coef, impl, int(chunk_tokens)))
+
+    def compile_layers(self, enabled: bool = True, **compile_kwargs) -> None:
+        """Regional `torch.compile` of the decoder layers' elementwise regions: `rms_norm` (every
+        norm), `rope_qk` and `swiglu` are replaced by their compiled forms (fused forward and
+        backward kernels; separate kernels per op in eager). The matrix multiplies and attention
+        kernels are single kernels already and stay as they are. One compilation per region
+        and shape serves every layer (`dynamic=False` unless given). Parameter names and the
+        state dict are unchanged; every `recompute` mode works (checkpointed regions call the
+        compiled functions again in backward).
+
+        Why regions and not `torch.compile` of whole blocks (torchtitan's per-block compile):
+        under DeepSpeed ZeRO-3 every submodule call runs DeepSpeed's gather/release hooks, which
+        DeepSpeed marks `torch.compiler.disable`, so a whole-block compile breaks into the same
+        pieces at each projection, and dynamo also compiles DeepSpeed's hook frames (measured on
+        the CPU: recompile-limit warnings in DeepSpeed's code). Compiling the regions between the
+        hooks keeps DeepSpeed out of the compiler.
+
+        Args:
+            enabled: False puts the eager functions back (benchmarks compare both).
+            **compile_kwargs: passed to `torch.compile` (e.g. `backend="aot_eager"`).
+        """
+        compile_kwargs.setdefault("dynamic", False)
+        norm, rope, act = rms_norm, rope_qk, swiglu
+        if enabled:
+            norm = torch.compile(rms_norm, **compile_kwargs)
+            rope = torch.compile(rope_qk, **compile_kwargs)
+            act = torch.compile(swiglu, **compile_kwargs)
+        for layer in self.layers:
+            for n in (layer.input_layernorm, layer.post_attention_layernorm,
+                      layer.self_attn.q_norm, layer.self_attn.k_norm):
+                n.impl = norm
+            layer.self_attn.rope = rope
+            layer.mlp.act = act
+        self.norm.impl = norm
 
 
 class _GatherLastDim(torch.autograd.Function):

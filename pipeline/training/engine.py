@@ -2,8 +2,9 @@
 the model under `zero.Init`, its initial weights, the optimizer and its parameter groups, and
 the learning-rate schedule the trainer applies each step.
 
-Owns: `deepspeed_config`, `zero_sizes`, `lr_at`, `param_groups`, `initial_weights`,
-`build_engine`. Must not touch: the loop, checkpoints, data, logging.
+Owns: `deepspeed_config`, `zero_sizes`, `lr_at`, `param_groups`, `make_torch_adamw`,
+`initial_weights`, `build_engine` (which also applies the model-side levers that must precede
+`deepspeed.initialize`: regional `torch.compile`). Must not touch: the loop, checkpoints, data, logging.
 """
 from __future__ import annotations
 
@@ -103,6 +104,29 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
             {"params": no_decay, "weight_decay": 0.0}]
 
 
+def make_torch_adamw(groups, lr: float, betas: tuple[float, float], eps: float,
+                     fused: bool = False) -> torch.optim.AdamW:
+    """`torch.optim.AdamW` over `groups` (`param_groups`). `fused=True` is `optim.fused`: torch's
+    fused AdamW kernel (the whole update of all parameters in a few kernels instead of
+    torch's default multi-tensor "foreach" loop; CUDA, and the CPU in torch >= 2.4), with the
+    same arithmetic (tests/test_levers.py: equal to fp32 rounding).
+
+    Raises:
+        TrainError: `fused` on a device type torch has no fused AdamW for (one line naming
+            `optim.fused`; the trainer reports it and exits 2).
+    """
+    if not fused:
+        return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps)
+    from torch.optim.optimizer import _get_fused_kernels_supported_devices
+    devices = {p.device.type for g in groups for p in g["params"]}
+    unsupported = sorted(devices - set(_get_fused_kernels_supported_devices()))
+    if unsupported:
+        from pipeline.training.state import TrainError
+        raise TrainError(f"optim.fused: torch {torch.__version__} has no fused AdamW on "
+                         f"{', '.join(unsupported)}; set optim.fused=false")
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=True)
+
+
 def initial_weights(cfg, mcfg, tp_rank: int, tp_size: int
                     ) -> tuple[Iterator[tuple[str, torch.Tensor]], str]:
     """This TP rank's initial parameters and a name for messages: the Hugging Face folder of
@@ -152,11 +176,15 @@ def build_engine(cfg, plan, mcfg, init: Iterable[tuple[str, torch.Tensor]] | Non
         copy_into_model(model, init, source=init_source)
     log.info("model built and initialized (%s) in %.1f s", init_source or "resume",
              time.time() - t0)
+    if cfg.train.compile:
+        model.compile_layers()
+        log.info("decoder blocks compiled with torch.compile (train.compile; the first steps "
+                 "include the compilation)")
     optimizer = None
     if cfg.optim.impl == "torch":
-        optimizer = torch.optim.AdamW(param_groups(model, cfg.optim.weight_decay),
-                                      lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2),
-                                      eps=cfg.optim.eps)
+        optimizer = make_torch_adamw(param_groups(model, cfg.optim.weight_decay),
+                                     lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2),
+                                     eps=cfg.optim.eps, fused=bool(cfg.optim.fused))
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config,
                                            mpu=mpu)
     return engine

@@ -1,6 +1,6 @@
 """Step metrics of the training job: device peaks for MFU, peak memory, and the console line.
 
-Owns: `peak_flops_per_device` (the MFU denominator), `peak_memory_bytes`, and `ConsoleLog`
+Owns: `peak_flops_per_device` (the MFU and HFU denominator), `peak_memory_bytes`, and `ConsoleLog`
 (the console line of a train or validation record, train losses averaged over the steps since
 the previous line, Megatron-style). What a record holds is the trainer's (`pipeline.train`);
 where records go is `pipeline.monitor`'s. Must not touch: metrics.jsonl, wandb.
@@ -76,10 +76,12 @@ class ConsoleLog:
                                                       for i in range(3))
             self._window.clear()
         mfu = f"{100 * m['mfu']:.1f}%" if m["mfu"] is not None else "n/a"
+        hfu = f"{100 * m['hfu']:.1f}%" if m.get("hfu") is not None else "n/a"
         log.info("step %d/%d | loss %.4f | ar %.4f | mdm %.4f (means since last line) | lr %.3e | "
-                 "grad norm %s | %.0f tokens/s | %.3f TFLOP/s/device | MFU %s | peak mem %.2f GiB "
-                 "| samples %d | tokens %d%s", m["step"], self.max_steps, m["loss"], m["ar_loss"],
-                 m["mdm_loss"], m["lr"], _num(m["grad_norm"], ".3f"), m["tokens_per_s"],
-                 m["tflops_per_device"], mfu, m["peak_memory_bytes"] / 2 ** 30,
+                 "grad norm %s | %.0f tokens/s | %.3f TFLOP/s/device | MFU %s | HFU %s | peak mem "
+                 "%.2f GiB | samples %d | tokens %d%s", m["step"], self.max_steps, m["loss"],
+                 m["ar_loss"], m["mdm_loss"], m["lr"], _num(m["grad_norm"], ".3f"),
+                 m["tokens_per_s"], m["tflops_per_device"], mfu, hfu,
+                 m["peak_memory_bytes"] / 2 ** 30,
                  m["consumed_samples"], m["consumed_tokens"],
                  " | SKIPPED (non-finite loss)" if m["skipped"] else "")
