@@ -190,45 +190,36 @@ def main() -> int:
     ours = {"steps": 0, "real": 0, "fed": 0, "seconds": 0.0, "rates": []}
     base = {"steps": 0, "real": 0, "fed": 0, "seconds": 0.0, "rates": []}
     alt = {"steps": 0, "real": 0, "fed": 0, "seconds": 0.0, "rates": []}
+
+    def record(arm, step, real, fed, dt):
+        if step:   # step 0 is warm-up
+            arm["steps"] += 1
+            arm["real"] += real
+            arm["fed"] += fed
+            arm["seconds"] += dt
+            arm["rates"].append(real / dt)
+
+    def packed_step(model, opt, it):
+        """One timed step of ours on the next batch of `it`: (real tokens, fed tokens, seconds)."""
+        sync()
+        t0 = time.perf_counter()
+        batch = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in next(it).items()}
+        logits = model(batch["input_ids"], batch["position_ids"],
+                       segment_ids=batch["segment_ids"])
+        loss, st = hybrid_loss(logits, batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sync()
+        return int(st["real_tokens"]), batch["input_ids"].numel(), time.perf_counter() - t0
+
     # The arms alternate step by step, so both see the same machine load.
     for step in range(args.steps + 1):
         # ours: packed rows, reorganization in the loader (timed: it is part of our step)
-        sync()
-        t0 = time.perf_counter()
-        batch = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in next(loader).items()}
-        logits = model_a(batch["input_ids"], batch["position_ids"],
-                         segment_ids=batch["segment_ids"])
-        loss, st = hybrid_loss(logits, batch)
-        loss.backward()
-        opt_a.step()
-        opt_a.zero_grad(set_to_none=True)
-        sync()
-        dt = time.perf_counter() - t0
-        real_a = int(st["real_tokens"])
-        if step:
-            ours["steps"] += 1
-            ours["real"] += real_a
-            ours["fed"] += batch["input_ids"].numel()
-            ours["seconds"] += dt
-            ours["rates"].append(real_a / dt)
+        real_a, fed, dt = packed_step(model_a, opt_a, loader)
+        record(ours, step, real_a, fed, dt)
         # ours with the other packing (its own stream of the same data)
-        sync()
-        t0 = time.perf_counter()
-        batch_c = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in next(loader_c).items()}
-        logits = model_c(batch_c["input_ids"], batch_c["position_ids"],
-                         segment_ids=batch_c["segment_ids"])
-        loss_c, st_c = hybrid_loss(logits, batch_c)
-        loss_c.backward()
-        opt_c.step()
-        opt_c.zero_grad(set_to_none=True)
-        sync()
-        dt = time.perf_counter() - t0
-        if step:
-            alt["steps"] += 1
-            alt["real"] += int(st_c["real_tokens"])
-            alt["fed"] += batch_c["input_ids"].numel()
-            alt["seconds"] += dt
-            alt["rates"].append(int(st_c["real_tokens"]) / dt)
+        record(alt, step, *packed_step(model_c, opt_c, loader_c))
         # baseline: the next samples of the same stream order, as many real tokens as ours
         samples, n = [], 0
         while n < real_a:
@@ -246,13 +237,7 @@ def main() -> int:
         opt_b.step()
         opt_b.zero_grad(set_to_none=True)
         sync()
-        dt = time.perf_counter() - t0
-        if step:
-            base["steps"] += 1
-            base["real"] += real
-            base["fed"] += fed
-            base["seconds"] += dt
-            base["rates"].append(real / dt)
+        record(base, step, real, fed, time.perf_counter() - t0)
     print(f"model {Path(args.model_config).name}: hidden {cfg.hidden_size}, layers "
           f"{cfg.num_layers}, vocab {cfg.vocab_size}; data {args.data} (row length {T}); "
           f"device {device}, {args.dtype}; torch threads {torch.get_num_threads()}")

@@ -96,3 +96,28 @@ def write_shards(data_dir: str, splits: dict, samples_per_shard: int = 10,
     with fs.open(f"{root}/manifest.json", "wb") as f:
         f.write(json.dumps(manifest, indent=1).encode())
     return manifest
+
+
+def write_train_val(data_dir: str, n_train: int, n_val: int, samples_per_shard: int,
+                    seed: int = 0, max_length: int = 24, min_length: int = 8) -> dict:
+    """A shard folder with a train and a val split of random samples (vocabulary 64), drawn
+    in that order from `np.random.default_rng(seed)`: the small training set the trainer
+    tests share. Returns the manifest."""
+    rng = np.random.default_rng(seed)
+    kw = dict(vocab_size=64, max_length=max_length, min_length=min_length)
+    return write_shards(str(data_dir), {"train": random_samples(rng, n_train, **kw),
+                                        "val": random_samples(rng, n_val, **kw)},
+                        samples_per_shard=samples_per_shard)
+
+
+# The tiny Qwen3 shape the trainer tests share (its vocabulary is the fixtures' 64 ids).
+TINY_MODEL = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+              "max_position_embeddings": 64}
+
+
+def tiny_model_yaml(**extra) -> str:
+    """`TINY_MODEL` (plus `extra` fields) as a YAML flow mapping for a run config's
+    `model.inline`, with braces doubled for `str.format` templates."""
+    fields = {**TINY_MODEL, **extra}
+    return "{{" + ", ".join(f"{k}: {v}" for k, v in fields.items()) + "}}"

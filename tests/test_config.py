@@ -14,12 +14,10 @@ import pytest
 import torch
 
 from pipeline.config import ConfigError, load_config, validate
-from shard_fixtures import random_samples, write_shards
+from shard_fixtures import TINY_MODEL, random_samples, write_shards
 
 ROOT = Path(__file__).resolve().parents[1]
-MODEL = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_layers": 2,
-         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
-         "max_position_embeddings": 64}
+MODEL = dict(TINY_MODEL)
 
 
 @pytest.fixture(scope="module")

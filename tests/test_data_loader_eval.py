@@ -10,11 +10,9 @@ import numpy as np
 import pytest
 
 from distributed import run_distributed
-from shard_fixtures import random_samples, write_shards
+from shard_fixtures import TINY_MODEL, random_samples, write_shards
 
-MODEL = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_layers": 2,
-         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
-         "max_position_embeddings": 64, "init_std": 0.1}
+MODEL = dict(TINY_MODEL, init_std=0.1)
 
 
 class _Engine:

@@ -10,14 +10,12 @@ import os
 import numpy as np
 
 from distributed import run_distributed
-from shard_fixtures import random_samples, write_shards
+from shard_fixtures import random_samples, tiny_model_yaml, write_shards
 
 CONFIG = """\
 run_dir: {run}
 model:
-  inline: {{vocab_size: 64, hidden_size: 32, intermediate_size: 64, num_layers: 2,
-           num_attention_heads: 4, num_key_value_heads: 2, head_dim: 8,
-           max_position_embeddings: 64}}
+  inline: """ + tiny_model_yaml() + """
 data: {{dir: {data}, num_workers: 0, shuffle_buffer: 8}}
 train: {{max_steps: 1, micro_batch_size: 2, precision: bf16, zero_stage: 3}}
 wandb: {{mode: disabled}}

@@ -18,15 +18,13 @@ import torch
 
 from distributed import run_distributed
 from pipeline.parallel import free_port
-from shard_fixtures import random_samples, write_shards
+from shard_fixtures import random_samples, tiny_model_yaml, write_shards
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = """\
 run_dir: {run}
 model:
-  inline: {{vocab_size: 64, hidden_size: 32, intermediate_size: 64, num_layers: 2,
-           num_attention_heads: 4, num_key_value_heads: 2, head_dim: 8,
-           max_position_embeddings: 64, init_std: 0.2}}
+  inline: """ + tiny_model_yaml(init_std=0.2) + """
 data: {{dir: {data}, num_workers: 0, shuffle_buffer: 8}}
 optim: {{lr: 1.0e-2, warmup_steps: 0}}
 train: {{max_steps: 3, micro_batch_size: 2, precision: fp32, zero_stage: 3,

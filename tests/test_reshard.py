@@ -15,12 +15,11 @@ import pytest
 import torch
 
 from distributed import run_distributed
+from shard_fixtures import TINY_MODEL
 from pipeline import checkpoint as ckpt
 from pipeline.checkpoint import store as ckpt_store
 
-MODEL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
-             num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-             max_position_embeddings=64, init_std=0.1)
+MODEL = dict(TINY_MODEL, init_std=0.1)
 GLOBAL_ROWS, SEQ = 4, 12
 
 

@@ -26,11 +26,10 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-from shard_fixtures import random_samples, write_shards
-from test_train import (ROOT, _env, _finish, _kill_tree, _log, _metrics, _wait_step,
+from shard_fixtures import write_train_val
+from test_train import (ROOT, _env, _finish, _log, _metrics, _wait_step,
                         _wandb_history, _write_config)
 
 
@@ -58,13 +57,8 @@ def _cmdline(pid: int) -> str:
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     base = tmp_path_factory.mktemp("safety")
-    rng = np.random.default_rng(0)
     d = base / "data"
-    write_shards(str(d), {"train": random_samples(rng, 48, vocab_size=64, max_length=24,
-                                                  min_length=8),
-                          "val": random_samples(rng, 4, vocab_size=64, max_length=24,
-                                                min_length=8)},
-                 samples_per_shard=12)
+    write_train_val(d, 48, 4, samples_per_shard=12)
     return base, d
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from shard_fixtures import random_samples, write_shards
+from shard_fixtures import random_samples, tiny_model_yaml, write_shards
 
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTER = ROOT / "tests" / "slurm" / "local_cluster.sh"
@@ -34,9 +34,7 @@ SCRIPT = ROOT / "slurm" / "pretrain.sh"
 CONFIG = """\
 run_dir: {run}
 model:
-  inline: {{vocab_size: 64, hidden_size: 32, intermediate_size: 64, num_layers: 2,
-           num_attention_heads: 4, num_key_value_heads: 2, head_dim: 8,
-           max_position_embeddings: 64}}
+  inline: """ + tiny_model_yaml() + """
 data: {{dir: {data}, num_workers: 1, shuffle_buffer: 8}}
 optim: {{lr: 1.0e-3, warmup_steps: 1}}
 train: {{max_steps: {max_steps}, micro_batch_size: 2, precision: fp32, zero_stage: 3,

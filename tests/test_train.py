@@ -39,13 +39,11 @@ import numpy as np
 import pytest
 import torch
 
-from shard_fixtures import random_samples, write_shards
+from shard_fixtures import TINY_MODEL, write_train_val
 
 ROOT = Path(__file__).resolve().parents[1]
 
-MODEL = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_layers": 2,
-         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
-         "max_position_embeddings": 64, "init_std": 0.1}
+MODEL = dict(TINY_MODEL, init_std=0.1)
 MAX_STEPS = 8
 
 
@@ -176,13 +174,8 @@ def _wandb_history(run_dir: Path) -> tuple[list[str], dict[int, dict]]:
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     base = tmp_path_factory.mktemp("train")
-    rng = np.random.default_rng(0)
     data = base / "data"
-    write_shards(str(data), {"train": random_samples(rng, 48, vocab_size=64, max_length=24,
-                                                     min_length=8),
-                             "val": random_samples(rng, 8, vocab_size=64, max_length=24,
-                                                   min_length=8)},
-                 samples_per_shard=12)
+    write_train_val(data, 48, 8, samples_per_shard=12)
     config = _write_config(base / "run.yaml", data)
     return base, config
 

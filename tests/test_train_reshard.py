@@ -14,10 +14,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-from shard_fixtures import random_samples, write_shards
+from shard_fixtures import write_train_val
 # The tiny model and the subprocess environment of the other entry-point tests.
 from test_train import MODEL, _env
 
@@ -45,12 +44,8 @@ def _train_metrics(run_dir: Path) -> dict[int, dict]:
 @pytest.fixture(scope="module")
 def config(tmp_path_factory):
     base = tmp_path_factory.mktemp("train_reshard")
-    rng = np.random.default_rng(0)
     data = base / "data"
-    write_shards(str(data), {"train": random_samples(rng, 40, vocab_size=64, max_length=24,
-                                                     min_length=8),
-                             "val": random_samples(rng, 4, vocab_size=64, max_length=24,
-                                                   min_length=8)}, samples_per_shard=10)
+    write_train_val(data, 40, 4, samples_per_shard=10)
     cfg = {"model": {"inline": MODEL}, "data": {"dir": str(data), "num_workers": 0},
            "optim": {"lr": 1e-3, "warmup_steps": 2, "grad_clip": 1.0, "weight_decay": 0.01},
            "train": {"max_steps": 6, "micro_batch_size": 1, "grad_accum_steps": 2,
