@@ -139,8 +139,9 @@ class KVCache:
     # ---------------------------------------------------------------------------------------
     # The forward's side (Qwen3.forward)
 
-    def _reserve(self, columns: int) -> None:
-        """Grow the storage (by at least half) so that it holds `columns` columns."""
+    def reserve(self, columns: int) -> None:
+        """Grow the storage (by at least half, bumping `version`) so that it holds `columns`
+        columns; a no-op when it already does."""
         have = self.storage_columns
         if columns <= have:
             return
@@ -160,7 +161,7 @@ class KVCache:
         small device op; no device value is read back.
         """
         need = self.width + t
-        self._reserve(need)
+        self.reserve(need)
         self._pending = t
         dev = self.length.device
         self._write_rows = torch.arange(self.batch_size, device=dev)[:, None]       # [B, 1]
