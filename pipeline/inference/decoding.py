@@ -471,17 +471,21 @@ def _forward(model, batch: _Batch, cache, graphs: dict | None) -> torch.Tensor:
     g = graphs.get("step")
     if g is not None and g.version == cache.version:
         return g(batch.ids, batch.positions)
-    g = _GraphedStep(model, cache, batch.ids, batch.positions)
-    if g.ok:
-        graphs["step"] = g
-    else:
-        graphs.clear()
-        graphs["off"] = True   # for the rest of this decode
-        import logging
-        logging.getLogger("pipeline.inference").warning(
-            "decoding: the CUDA graph of the AR step did not reproduce the eager logits; "
-            "decoding on without it")
-    return g.first
+    why = None
+    try:
+        g = _GraphedStep(model, cache, batch.ids, batch.positions)
+        if g.ok:
+            graphs["step"] = g
+            return g.first
+        why = "its replay did not reproduce the eager logits"
+    except Exception as e:   # e.g. an operation that cannot be captured
+        why = f"capture failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+    graphs.clear()
+    graphs["off"] = True   # for the rest of this decode
+    import logging
+    logging.getLogger("pipeline.inference").warning(
+        "decoding: no CUDA graph for the AR step: %s; decoding on without it", why)
+    return _gather(model(batch.ids, batch.positions, kv_cache=cache))
 
 
 def _run(model, rows: list[_Row], programs: list, max_len: int,

@@ -16,6 +16,7 @@ read a device value back.
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
@@ -102,6 +103,7 @@ class KVCache:
         self.width = 0
         self._pending = 0
         self._write_rows = self._write_cols = None
+        self._columns = 0
 
     @classmethod
     def for_model(cls, model: "Qwen3", batch_size: int, capacity: int,
@@ -166,13 +168,19 @@ class KVCache:
         dev = self.length.device
         self._write_rows = torch.arange(self.batch_size, device=dev)[:, None]       # [B, 1]
         self._write_cols = self.length[:, None] + torch.arange(t, device=dev)[None]  # [B, T]
-        return self.columns(t)
+        self._columns = self.columns(t)
+        return self._columns
 
     def columns(self, t: int) -> int:
         """Attention width (storage columns read) of a forward of `t` new tokens."""
         if self.fixed_width:
             return self.storage_columns
         return min(_round_up(self.width + t, self.bucket), self.storage_columns)
+
+    def layer_view(self, layer: int):
+        """The function `(k, v) -> (keys, values)` that `Attention.forward` calls for layer
+        `layer` of the forward `begin` prepared: `write_and_read` at that forward's width."""
+        return partial(self.write_and_read, layer, columns=self._columns)
 
     def write_and_read(self, layer: int, k: torch.Tensor, v: torch.Tensor, columns: int
                        ) -> tuple[torch.Tensor, torch.Tensor]:

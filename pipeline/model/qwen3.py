@@ -295,7 +295,7 @@ class Qwen3(nn.Module):
                 new = build_attention_mask(segment_ids, b, t)[:, 0]
                 if past:   # padding (segment 0) sees only itself
                     cached = (segment_ids != 0)[:, :, None].expand(b, t, past)
-            columns = kv_cache.begin(t)
+            columns = kv_cache.begin(t)   # new keys/values then go in place: layer_view
             plan = plan_decode_attention(kv_cache.length, t, columns, x.dtype,
                                          self.cfg.num_attention_heads
                                          // self.cfg.num_key_value_heads, new, cached)
@@ -311,8 +311,7 @@ class Qwen3(nn.Module):
             plan = plan_attention(self.cfg.attention, segment_ids,
                                   needs_grad=torch.is_grad_enabled(), dtype=x.dtype)
         for i, layer in enumerate(self.layers):
-            cache_layer = (partial(kv_cache.write_and_read, i, columns=columns)
-                           if kv_cache is not None else None)
+            cache_layer = kv_cache.layer_view(i) if kv_cache is not None else None
             if self.cfg.recompute and self.training and kv_cache is None:
                 x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, plan,
                                                       use_reentrant=False)
