@@ -534,12 +534,13 @@ def _run(model, rows: list[_Row], programs: list, max_len: int,
             # Every fed token may see all of its row's cache; among the new tokens: causal,
             # the request's own mask, padding query positions see only themselves.
             intra = torch.eye(T, dtype=torch.bool).expand(B, T, T).clone()
+            causal = torch.ones(T, T, dtype=torch.bool).tril()
             for b, (nc, toks, _) in feeds.items():
                 t = len(toks)
-                m = torch.ones(t, t, dtype=torch.bool).tril()
+                m = intra[slot[b], :t, :t]
+                m.copy_(causal[:t, :t])
                 if reqs[b].mask is not None:
                     m[nc:, nc:] = reqs[b].mask
-                intra[slot[b], :t, :t] = m
         batch = _pack(committed, torch.tensor(ids_rows, dtype=torch.long),
                       torch.tensor(pos_rows, dtype=torch.long), intra, device)
         if committed is not None:
