@@ -15,8 +15,8 @@ with random prompts; a random model's distributions are
 flat, so its figures only show the mechanics. Prompts: the query/response prompts of the demo
 shards' val split when `--data` exists and the model has a tokenizer, else random ids.
 
-The last line compares our AR decoding with transformers' `Qwen3ForCausalLM.generate` using its
-static KV cache (`cache_implementation="static"`), on the same weights (copied from our model)
+With `--vs-transformers`, a last line compares our AR decoding with transformers'
+`Qwen3ForCausalLM.generate` using its static KV cache (`cache_implementation="static"`), on the same weights (copied from our model)
 and the same prompts (left-padded for transformers), greedy, without EOS, so both produce
 `--gen-length` tokens per prompt: tokens/s of each (median of `--repeats` timed calls after
 one warm-up call) as a ratio, and how many prompts got identical tokens. transformers compiles
@@ -26,7 +26,7 @@ absorbs the compilation); `--hf-compile off` measures it eager.
     .venv/bin/python bench/bench_decoding.py [--model outputs/demo/hf] [--data outputs/demo/shards]
         [--prompts 8] [--gen-length 64] [--slot-size 4] [--num-blocks 2] [--batch-size 8]
         [--repeats 3] [--device auto|cpu|cuda[:N]] [--dtype float32|bfloat16|float16]
-        [--hf-compile auto|off] [--no-hf]
+        [--vs-transformers [--hf-compile auto|off]]
 """
 from __future__ import annotations
 
@@ -162,8 +162,8 @@ def main() -> int:
     ap.add_argument("--hf-compile", default="auto", choices=("auto", "off"),
                     help="transformers' generate: its default (compiled on CUDA with a static "
                          "cache) or eager")
-    ap.add_argument("--no-hf", action="store_true",
-                    help="skip the comparison with transformers' generate")
+    ap.add_argument("--vs-transformers", action="store_true",
+                    help="add AR tokens/s against transformers' generate (static cache)")
     args = ap.parse_args()
     from pipeline.inference.decoding import ar_generate, refusion_generate
     from pipeline.common.cli import DTYPES, UsageError
@@ -258,7 +258,7 @@ def main() -> int:
                                             args.num_blocks, st, tt, 0.0, mask_id, eos_id,
                                             exact_cache=args.exact_cache))
         line("refusion", st, tt, r)
-    if not args.no_hf:
+    if args.vs_transformers:
         c = compare_with_transformers(model, prompts[:args.batch_size], args.gen_length,
                                       args.repeats, args.hf_compile)
         print(f"ar vs transformers generate (static cache, {c['hf_mode']}; same weights and "

@@ -264,3 +264,23 @@ def test_ar_generate_equals_transformers_static_cache_generate(model):
     assert c["ratio"] == pytest.approx(c["ours_tokens_per_s"] / c["hf_tokens_per_s"])
     with pytest.raises(ValueError, match="hf_compile"):
         compare_with_transformers(model, prompts, 10, 1, "always", hf=hf)
+
+
+def test_bench_decoding_vs_transformers_line(tmp_path):
+    """`bench/bench_decoding.py --vs-transformers` (tiny random model, CPU) appends one line
+    with both tokens/s, their ratio and the identical-token count (all prompts here)."""
+    import os
+    import subprocess
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root))
+    env.pop("MASTER_PORT", None)
+    r = subprocess.run([sys.executable, str(root / "bench" / "bench_decoding.py"), "--device",
+                        "cpu", "--data", str(tmp_path / "none"), "--prompts", "2",
+                        "--gen-length", "4", "--num-blocks", "1", "--repeats", "1",
+                        "--vs-transformers"], cwd=root, env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    last = r.stdout.splitlines()[-1]
+    assert last.startswith("ar vs transformers generate (static cache, eager; same weights "
+                           "and 2 prompts, greedy, no EOS, 4 tokens each): ours "), last
+    assert "ratio " in last and last.endswith("identical tokens 2/2 prompts"), last
