@@ -90,7 +90,7 @@ def test_decode_attention_folds_gqa_like_repeated_heads():
     """Kind "decode" (query heads folded onto their key/value head) equals SDPA over keys and
     values repeated per query head, with the same mask."""
     import torch.nn.functional as F
-    from pipeline.model.attention import attention, plan_decode_attention
+    from pipeline.model.attention import attention, decode_mask, plan_decode_attention
     g = torch.Generator().manual_seed(1)
     b, hq, hkv, t, s, d = 2, 6, 2, 3, 9, 8
     q = torch.randn(b, hq, t, d, generator=g, dtype=torch.float64)
@@ -98,7 +98,6 @@ def test_decode_attention_folds_gqa_like_repeated_heads():
     v = torch.randn(b, hkv, s, d, generator=g, dtype=torch.float64)
     length = torch.tensor([2, 6])
     plan = plan_decode_attention(length, t, s, torch.float64, hq // hkv)
-    from pipeline.model.attention import decode_mask
     ref = F.scaled_dot_product_attention(q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1),
                                          attn_mask=decode_mask(length, t, s))
     assert (attention(q, k, v, plan) - ref).abs().max().item() < 1e-12
