@@ -1,4 +1,5 @@
-"""Decoding speed: TPF and tokens/s of plan-and-infill (refusion) vs AR mode, across thresholds.
+"""Decoding speed: TPF and tokens/s of plan-and-infill (refusion) vs AR mode, across thresholds,
+and AR decoding against transformers' `generate`.
 
 Prints one line per setting: generated tokens, model forwards, TPF (tokens / forwards), tokens/s
 (tokens / wall seconds of the batched decode; each setting is decoded `--repeats` times and the
@@ -14,9 +15,18 @@ with random prompts; a random model's distributions are
 flat, so its figures only show the mechanics. Prompts: the query/response prompts of the demo
 shards' val split when `--data` exists and the model has a tokenizer, else random ids.
 
+With `--vs-transformers`, a last line compares our AR decoding with transformers'
+`Qwen3ForCausalLM.generate` using its static KV cache (`cache_implementation="static"`), on the same weights (copied from our model)
+and the same prompts (left-padded for transformers), greedy, without EOS, so both produce
+`--gen-length` tokens per prompt: tokens/s of each (median of `--repeats` timed calls after
+one warm-up call) as a ratio, and how many prompts got identical tokens. transformers compiles
+its forward with a static cache on CUDA by default (`--hf-compile auto`; the warm-up call
+absorbs the compilation); `--hf-compile off` measures it eager.
+
     .venv/bin/python bench/bench_decoding.py [--model outputs/demo/hf] [--data outputs/demo/shards]
         [--prompts 8] [--gen-length 64] [--slot-size 4] [--num-blocks 2] [--batch-size 8]
         [--repeats 3] [--device auto|cpu|cuda[:N]] [--dtype float32|bfloat16|float16]
+        [--vs-transformers [--hf-compile auto|off]]
 """
 from __future__ import annotations
 
@@ -33,6 +43,97 @@ sys.path.insert(0, str(ROOT / "tests"))
 import torch  # noqa: E402
 
 GRID = [(0.9, 0.9), (0.9, 0.5), (0.6, 0.3), (0.6, 0.1), (0.3, 0.3), (0.3, 0.0), (1.5, 0.0)]
+
+
+def hf_twin(model):
+    """transformers' `Qwen3ForCausalLM` holding the weights of our `model` (TP=1), in its dtype
+    and on its device, in eval mode.
+
+    Raises:
+        ValueError: the copy left a transformers tensor without a value.
+    """
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from pipeline.model.hf import hf_config_dict, merge_tp_state_dicts
+    p = next(model.parameters())
+    state = merge_tp_state_dicts([{n: t.detach() for n, t in model.named_parameters()}],
+                                 model.cfg)
+    with torch.device(p.device):
+        hf = Qwen3ForCausalLM(Qwen3Config(**hf_config_dict(model.cfg))).to(p.dtype)
+    missing, _ = hf.load_state_dict(state, strict=False)
+    missing = [m for m in missing if not (m == "lm_head.weight" and model.cfg.tie_word_embeddings)]
+    if missing:
+        raise ValueError(f"hf_twin: no value for transformers tensors {missing[:5]}")
+    return hf.eval()
+
+
+def _left_padded(prompts: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(ids, attention_mask)`: LongTensor[B, max P] left-padded with 0, and its 0/1 mask."""
+    t = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), t, dtype=torch.long)
+    am = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, t - len(p):] = torch.tensor(p)
+        am[i, t - len(p):] = 1
+    return ids.to(device), am.to(device)
+
+
+def compare_with_transformers(model, prompts: list[list[int]], gen_length: int, repeats: int,
+                              hf_compile: str = "auto", hf=None,
+                              cuda_graph: bool = False) -> dict:
+    """AR tokens/s of ours vs transformers' `generate` with its static cache (see the module
+    docstring): same weights (`hf_twin(model)` unless `hf`, a `Qwen3ForCausalLM` with our
+    model's weights, is given), same prompts, greedy, no EOS, `gen_length` new tokens per
+    prompt, one batched call each.
+
+    Args:
+        hf_compile: "auto" (transformers' default: compiled on CUDA with a static cache) or
+            "off" (`disable_compile=True`).
+        cuda_graph: our AR steps from a CUDA graph (`ar_generate(cuda_graph=True)`).
+    Returns:
+        dict: `ours_tokens_per_s`, `hf_tokens_per_s`, `ratio` (ours / transformers),
+        `same_tokens` (prompts whose greedy tokens are identical), `prompts`, `ours_tokens`,
+        `hf_tokens` (`list[list[int]]`), `hf_mode`. Tokens/s: `len(prompts) * gen_length`
+        over the median wall seconds of `repeats` timed calls after one warm-up call, the device
+        synchronized.
+    """
+    import time
+    from pipeline.inference.decoding import ar_generate
+    from pipeline.inference.loading import synchronize
+    if hf_compile not in ("auto", "off"):
+        raise ValueError(f"hf_compile must be auto or off, got {hf_compile!r}")
+    device = next(model.parameters()).device
+    hf = hf_twin(model) if hf is None else hf
+    # No EOS: generate runs to max_new_tokens, as ar_generate(..., eos_id=None) does.
+    hf.generation_config.eos_token_id = None
+    hf.generation_config.pad_token_id = 0
+    ids, am = _left_padded(prompts, device)
+    kw = dict(attention_mask=am, max_new_tokens=gen_length, do_sample=False,
+              cache_implementation="static", pad_token_id=0, eos_token_id=None)
+    if hf_compile == "off":
+        kw["disable_compile"] = True
+
+    def timed(fn):
+        fn()   # warm-up (transformers compiles here on CUDA)
+        secs, out = [], None
+        for _ in range(repeats):
+            synchronize(device)
+            t0 = time.perf_counter()
+            out = fn()
+            synchronize(device)
+            secs.append(time.perf_counter() - t0)
+        return out, statistics.median(secs)
+
+    with torch.no_grad():
+        ours, ours_s = timed(lambda: ar_generate(model, prompts, gen_length, 0.0, None,
+                                                 cuda_graph=cuda_graph).tokens)
+        seq, hf_s = timed(lambda: hf.generate(ids, **kw))
+    hf_tokens = seq[:, ids.shape[1]:].tolist()
+    n = len(prompts) * gen_length
+    return {"ours_tokens_per_s": n / ours_s, "hf_tokens_per_s": n / hf_s,
+            "ratio": hf_s / ours_s, "same_tokens": sum(a == b for a, b in zip(ours, hf_tokens)),
+            "prompts": len(prompts), "ours_tokens": ours, "hf_tokens": hf_tokens,
+            "hf_mode": ("eager" if hf_compile == "off" or device.type != "cuda"
+                        else "transformers' default (auto-compiled on CUDA)")}
 
 
 def main() -> int:
@@ -58,6 +159,11 @@ def main() -> int:
                     help="auto (CUDA when available), cpu, cuda or cuda:N")
     ap.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                     help="parameter dtype (default: bfloat16 on CUDA, float32 on the CPU)")
+    ap.add_argument("--hf-compile", default="auto", choices=("auto", "off"),
+                    help="transformers' generate: its default (compiled on CUDA with a static "
+                         "cache) or eager")
+    ap.add_argument("--vs-transformers", action="store_true",
+                    help="add AR tokens/s against transformers' generate (static cache)")
     args = ap.parse_args()
     from pipeline.inference.decoding import ar_generate, refusion_generate
     from pipeline.common.cli import DTYPES, UsageError
@@ -152,6 +258,14 @@ def main() -> int:
                                             args.num_blocks, st, tt, 0.0, mask_id, eos_id,
                                             exact_cache=args.exact_cache))
         line("refusion", st, tt, r)
+    if args.vs_transformers:
+        c = compare_with_transformers(model, prompts[:args.batch_size], args.gen_length,
+                                      args.repeats, args.hf_compile)
+        print(f"ar vs transformers generate (static cache, {c['hf_mode']}; same weights and "
+              f"{c['prompts']} prompts, greedy, no EOS, {args.gen_length} tokens each): ours "
+              f"{c['ours_tokens_per_s']:.1f} tokens/s, transformers "
+              f"{c['hf_tokens_per_s']:.1f} tokens/s, ratio {c['ratio']:.2f}; identical tokens "
+              f"{c['same_tokens']}/{c['prompts']} prompts")
     return 0
 
 

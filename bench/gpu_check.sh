@@ -7,9 +7,9 @@
 # No network, no checkpoint saves. On one GPU it:
 #  0. writes a folder of random packed-training shards (rows of 4096 tokens, Qwen3's vocabulary;
 #     the real Qwen3 tokenizer in $WORK/tokenizer);
-#  (a) decoding: runs bench/gpu_decode_check.py when that file is in the tree (per-forward
-#     milliseconds of AR and refusion decoding, AR tokens/s against transformers' `generate`; it
-#     prints its own lines and targets), else says it is not there;
+#  (a) decoding: bench/gpu_decode_check.py (per-forward milliseconds of AR and refusion decoding,
+#     the CUDA-graph AR step, AR tokens/s against transformers' `generate` with its static
+#     cache; it prints its own lines and targets);
 #  (b) bench/bench_levers.py on the 16-layer Qwen3-8B-shaped proxy (configs/model/
 #     qwen3_8b_16layers.yaml, 4.33B parameters) in ONE process: the plain packed step (no
 #     DeepSpeed) with today's settings, then each lever alone (recompute selective / none,
@@ -137,20 +137,13 @@ EOF
 stamp "random shards written"
 say "GPU check on $GPU_NAME, $(date -u +%Y-%m-%d), torch $("$PYTHON" -c 'import torch; print(torch.__version__)'); packed rows of $SEQ tokens, micro-batch $MBS, $DTYPE; work folder $WORK"
 
-# ---- (a) decoding: bench/gpu_decode_check.py (built separately; run when present) ----------
-# >>> decode part: runs bench/gpu_decode_check.py when the file exists. Only the options its
-# >>> --help lists are passed (--device, --smoke, --workdir, --tokenizer, --time-limit); its
-# >>> stdout lines go into the summary as they are.
+# ---- (a) decoding: bench/gpu_decode_check.py ------------------------------------------------
+# Its stdout lines (per-forward ms, tokens/s against transformers, the targets) go into the
+# summary as they are; its figures also land in $WORK/decode.json.
 if [ -f bench/gpu_decode_check.py ]; then
   if ! over_budget "decoding (bench/gpu_decode_check.py)"; then
-    help=$("$PYTHON" bench/gpu_decode_check.py --help 2>/dev/null || true)
-    dargs=()
-    has() { grep -q -- "$1" <<<"$help"; }
-    has "--device" && dargs+=(--device "$DEVICE")
-    [ "$SMOKE" = 1 ] && has "--smoke" && dargs+=(--smoke)
-    has "--workdir" && dargs+=(--workdir "$WORK/decode")
-    has "--tokenizer" && dargs+=(--tokenizer "$WORK/tokenizer")
-    has "--time-limit" && dargs+=(--time-limit "$(( $(budget "$DECODE_S") - 10 ))")
+    dargs=(--budget-s "$(( $(budget "$DECODE_S") - 10 ))" --json "$WORK/decode.json")
+    [ "$SMOKE" = 1 ] && dargs+=(--smoke)
     MASTER_ADDR=127.0.0.1 MASTER_PORT="$(free_port)" \
       timeout "$(budget "$DECODE_S")" "$PYTHON" bench/gpu_decode_check.py "${dargs[@]}" \
       > "$WORK/decode.log" 2>&1

@@ -45,10 +45,15 @@ second and later selected slots it was computed with the earlier slots' drafts i
 
 Batch layout of a forward: row b feeds `carry_b + request_b` (carry = tokens to be encoded and
 committed ahead of the request: the prompt at the first forward, re-encoded slots in exact
-mode), right-padded to the longest row; the attention mask is built explicitly; rows that have
-finished leave the batch (`KVCache.select_rows`). Every tensor the model and the KV cache see
-is created on the model's device (the cache in the model's dtype); logits stay there; only
-the chosen tokens and their probabilities come back to the host.
+mode), right-padded to the longest row; rows that have finished leave the batch
+(`KVCache.select_rows`). The host sends the ids, positions, the mask among the new tokens (only
+when a request has one) and the previous forward's commit index to the device in one copy
+(`_pack`); the model writes the new keys/values into the cache in place and builds the mask
+over the cache on the device; the driver itself never reads a device value back. Every tensor
+the model and the KV cache see is on the model's device (the cache in the model's dtype);
+logits stay there; only the chosen tokens and their probabilities come back to the host (the
+row programs read them). `ar_generate(..., cuda_graph=True)` replays its one-token steps from
+a CUDA graph.
 """
 from __future__ import annotations
 
@@ -380,12 +385,123 @@ def _ar_program(row: _Row, *, gen_length: int, temperature: float, eos_id: int |
 # The batched driver: one forward per step serving every active row.
 
 
-def _run(model, rows: list[_Row], programs: list, max_len: int) -> int:
-    """Drive the row programs to completion; returns the number of forward calls."""
+@dataclass
+class _Batch:
+    """One forward's inputs on the device, from one host-to-device copy.
+
+    ids, positions: LongTensor[B, T]; mask: BoolTensor[B, 1, T, T] among the new tokens (None =
+    causal: no row's request carries a mask); committed: LongTensor[B_prev, N] of the previous
+    forward's commit index (None: nothing to commit)."""
+
+    ids: torch.Tensor
+    positions: torch.Tensor
+    mask: torch.Tensor | None
+    committed: torch.Tensor | None
+
+
+def _pack(committed: torch.Tensor | None, ids: torch.Tensor, positions: torch.Tensor,
+          mask: torch.Tensor | None, device: torch.device) -> _Batch:
+    """Copy a forward's host tensors to `device` as one byte buffer (one transfer, no stall:
+    `host_to_device`) and split it there into views. Host inputs: committed `LongTensor[B', N]`
+    or None, ids/positions `LongTensor[B, T]`, mask `BoolTensor[B, T, T]` or None."""
+    from pipeline.model.kv_cache import host_to_device
+    ints = [x.reshape(-1) for x in (committed, ids, positions) if x is not None]
+    parts = [torch.cat(ints).view(torch.uint8)]
+    if mask is not None:
+        parts.append(mask.reshape(-1).view(torch.uint8))
+    buf = host_to_device(torch.cat(parts) if len(parts) > 1 else parts[0], device)
+    n_int = sum(x.numel() for x in ints)
+    flat = buf[:8 * n_int].view(torch.int64)
+    o = 0
+    if committed is not None:
+        o = committed.numel()
+        dev_committed = flat[:o].view(committed.shape)
+    b, t = ids.shape
+    return _Batch(ids=flat[o:o + b * t].view(b, t),
+                  positions=flat[o + b * t:o + 2 * b * t].view(b, t),
+                  mask=(buf[8 * n_int:].view(torch.bool).view(b, 1, t, t)
+                        if mask is not None else None),
+                  committed=dev_committed if committed is not None else None)
+
+
+class _GraphedStep:
+    """A CUDA graph of the forward of one new token per row (the AR step), over the cache at its
+    full storage width (`KVCache.fixed_width`), so every replay has the same shapes.
+
+    Built at a step whose eager forward it also runs: the eager logits are that step's result,
+    and the graph's replay must reproduce them (else `ok` is False and the caller stays eager).
+    Valid while the cache's storage is unchanged (`version`) and for its batch size."""
+
+    def __init__(self, model, cache, ids: torch.Tensor, positions: torch.Tensor):
+        self.cache, self.version = cache, cache.version
+        self.ids, self.positions = ids.clone(), positions.clone()
+        dev = ids.device
+        cache.fixed_width = True
+        try:
+            self.first = _gather(model(self.ids, self.positions, kv_cache=cache))
+            side = torch.cuda.Stream(dev)          # warm-up on a side stream, as torch advises
+            side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(side):
+                model(self.ids, self.positions, kv_cache=cache)
+            torch.cuda.current_stream(dev).wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.out = _gather(model(self.ids, self.positions, kv_cache=cache))
+            self.graph.replay()   # rewrites this step's keys/values: the same values
+            self.ok = bool(torch.allclose(self.out.float(), self.first.float(), rtol=1e-2,
+                                          atol=1e-2))
+        finally:
+            cache.fixed_width = False
+
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        self.ids.copy_(ids)
+        self.positions.copy_(positions)
+        self.cache.begin(1)   # host bookkeeping of the step (pending entries); storage unchanged
+        self.graph.replay()
+        return self.out.clone()
+
+
+def _forward(model, batch: _Batch, cache, graphs: dict | None) -> torch.Tensor:
+    """Logits `[B, T, V]` of one batched forward; through a CUDA graph when `graphs` is a dict
+    (CUDA, the caller asked for it) and the step is one token per row without a mask."""
+    if graphs is None or graphs.get("off") or batch.mask is not None or batch.ids.shape[1] != 1:
+        return _gather(model(batch.ids, batch.positions, attention_mask=batch.mask,
+                             kv_cache=cache))
+    cache.reserve(cache.width + 1)
+    g = graphs.get("step")
+    if g is not None and g.version == cache.version:
+        return g(batch.ids, batch.positions)
+    why = None
+    try:
+        g = _GraphedStep(model, cache, batch.ids, batch.positions)
+        if g.ok:
+            graphs["step"] = g
+            return g.first
+        why = "its replay did not reproduce the eager logits"
+    except Exception as e:   # e.g. an operation that cannot be captured
+        why = f"capture failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+    graphs.clear()
+    graphs["off"] = True   # for the rest of this decode
+    import logging
+    logging.getLogger("pipeline.inference").warning(
+        "decoding: no CUDA graph for the AR step: %s; decoding on without it", why)
+    return _gather(model(batch.ids, batch.positions, kv_cache=cache))
+
+
+def _run(model, rows: list[_Row], programs: list, max_len: int,
+         cuda_graph: bool = False) -> int:
+    """Drive the row programs to completion; returns the number of forward calls.
+
+    Per forward, the host builds the ids, positions, the mask among the new tokens (only when
+    a request has one) and the previous forward's commit index, copies them to the device in
+    one transfer (`_pack`), commits there, and runs the model; the mask over the cache is built
+    on the device (`Qwen3.forward`). `cuda_graph` (CUDA only): replay one-token-per-row steps
+    from a captured graph (`_GraphedStep`)."""
     from pipeline.model import KVCache
 
     device = _model_device(model)
     cache = KVCache.for_model(model, batch_size=len(rows), capacity=max_len)
+    graphs = {} if cuda_graph and device.type == "cuda" else None
     reqs: dict[int, _Request] = {}
     for b, prog in enumerate(programs):
         try:
@@ -394,50 +510,51 @@ def _run(model, rows: list[_Row], programs: list, max_len: int) -> int:
             pass
     calls = 0
     order = list(range(len(rows)))  # order[i] = the row held by cache row i
+    committed = None   # LongTensor[B, N]: the last forward's commit index, not yet applied
     while reqs:
+        keep = None
         if len(reqs) < len(order):
             # Finished rows leave the batch: later forwards carry only active rows.
             keep = [i for i, b in enumerate(order) if b in reqs]
-            cache.select_rows(torch.tensor(keep, dtype=torch.long, device=device))
             order = [order[i] for i in keep]
         B = len(order)
         slot = {b: i for i, b in enumerate(order)}
         feeds = {}
         for b, req in reqs.items():
             row = rows[b]
-            nc = len(row.carry)
-            toks = row.carry + req.tokens
-            pos = row.carry_positions + req.positions
-            t = len(toks)
-            m = torch.ones(t, t, dtype=torch.bool).tril()
-            if req.mask is not None:
-                m[nc:, nc:] = req.mask
-            feeds[b] = (nc, toks, pos, m)
+            feeds[b] = (len(row.carry), row.carry + req.tokens,
+                        row.carry_positions + req.positions)
         T = max(len(f[1]) for f in feeds.values())
         ids_rows, pos_rows = [[0] * T for _ in range(B)], [[0] * T for _ in range(B)]
-        intra = torch.eye(T, dtype=torch.bool).expand(B, T, T).clone()
-        for b, (nc, toks, pos, m) in feeds.items():
-            t, i = len(toks), slot[b]
-            ids_rows[i][:t] = toks
-            pos_rows[i] = list(pos) + [pos[-1]] * (T - t)
-            intra[i, :t, :t] = m
-        # Built on the host from Python lists, then created on the model's device in one
-        # copy each. Every fed token may see all of its row's cache (the model masks columns
-        # past a row's length); padding query positions see only themselves among the new
-        # tokens.
-        input_ids = torch.tensor(ids_rows, dtype=torch.long, device=device)
-        position_ids = torch.tensor(pos_rows, dtype=torch.long, device=device)
-        attn = torch.cat((torch.ones(B, T, cache.width, dtype=torch.bool), intra),
-                         -1)[:, None].to(device)
+        for b, (nc, toks, pos) in feeds.items():
+            ids_rows[slot[b]][:len(toks)] = toks
+            pos_rows[slot[b]] = list(pos) + [pos[-1]] * (T - len(toks))
+        intra = None
+        if any(req.mask is not None for req in reqs.values()):
+            # Every fed token may see all of its row's cache; among the new tokens: causal,
+            # the request's own mask, padding query positions see only themselves.
+            intra = torch.eye(T, dtype=torch.bool).expand(B, T, T).clone()
+            causal = torch.ones(T, T, dtype=torch.bool).tril()
+            for b, (nc, toks, _) in feeds.items():
+                t = len(toks)
+                m = intra[slot[b], :t, :t]
+                m.copy_(causal[:t, :t])
+                if reqs[b].mask is not None:
+                    m[nc:, nc:] = reqs[b].mask
+        batch = _pack(committed, torch.tensor(ids_rows, dtype=torch.long),
+                      torch.tensor(pos_rows, dtype=torch.long), intra, device)
+        if committed is not None:
+            cache.commit(committed, on_device=batch.committed)
+        if keep is not None:
+            cache.select_rows(torch.tensor(keep, dtype=torch.long))
         with torch.no_grad():
-            logits = _gather(model(input_ids, position_ids, attention_mask=attn,
-                                   kv_cache=cache))
+            logits = _forward(model, batch, cache, graphs)
         calls += 1
         index = [[] for _ in range(B)]
         nxt: dict[int, _Request] = {}
         for b, req in reqs.items():
             row = rows[b]
-            nc, toks, _, _ = feeds[b]
+            nc = feeds[b][0]
             row.forwards[req.kind] += 1
             row.carry, row.carry_positions = [], []
             lg = logits[slot[b], nc:nc + len(req.tokens)]
@@ -448,11 +565,8 @@ def _run(model, rows: list[_Row], programs: list, max_len: int) -> int:
             index[slot[b]] = list(range(nc)) + [nc + i for i in row.commit]
             row.commit = []
         n = max(len(i) for i in index)
-        if n:
-            cache.commit(torch.tensor([i + [-1] * (n - len(i)) for i in index],
-                                      dtype=torch.long, device=device))
-        else:
-            cache.discard_pending()
+        committed = (torch.tensor([i + [-1] * (n - len(i)) for i in index], dtype=torch.long)
+                     if n else None)
         reqs = nxt
     return calls
 
@@ -527,7 +641,8 @@ def refusion_generate(model, prompt_ids, gen_length: int, slot_size: int, num_bl
 
 @torch.no_grad()
 def ar_generate(model, prompt_ids, gen_length: int, temperature: float, eos_id: int | None,
-                attention_mask: torch.Tensor | None = None, seed: int = 0) -> GenerationOutput:
+                attention_mask: torch.Tensor | None = None, seed: int = 0,
+                cuda_graph: bool = False) -> GenerationOutput:
     """Plain autoregressive decoding (one token per forward after a prefill) with the same model
     and KV cache: the baseline for TPF/TPS/accuracy.
 
@@ -536,6 +651,10 @@ def ar_generate(model, prompt_ids, gen_length: int, temperature: float, eos_id: 
         gen_length: tokens to generate at most (stops earlier at EOS, which is kept).
         temperature: sampling temperature (0 = greedy).
         eos_id: end-of-sequence id, or None.
+        cuda_graph: on CUDA, replay the one-token steps from a CUDA graph captured at the first
+            of them (the cache then attends over its full storage width); the capture is
+            checked against the eager logits of its step, and decoding stays eager if they
+            differ. Ignored elsewhere.
 
     Returns:
         `GenerationOutput` (forwards by kind: "prefill", "ar").
@@ -552,7 +671,8 @@ def ar_generate(model, prompt_ids, gen_length: int, temperature: float, eos_id: 
     rows = [_Row(prompt=p) for p in prompts]
     programs = [_ar_program(r, gen_length=gen_length, temperature=temperature, eos_id=eos_id,
                             generator=gen) for r in rows]
-    calls = _run(model, rows, programs, max(len(p) for p in prompts) + gen_length)
+    calls = _run(model, rows, programs, max(len(p) for p in prompts) + gen_length,
+                 cuda_graph=cuda_graph)
     return GenerationOutput(tokens=[r.output(eos_id) for r in rows],
                             forwards=[r.forwards for r in rows], batch_forwards=calls,
                             seconds=_clock(_model_device(model)) - t0,

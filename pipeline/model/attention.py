@@ -2,11 +2,13 @@
 
 Owns: the dense boolean masks (`build_attention_mask`), the per-forward `AttentionPlan`
 (`plan_attention`: dense mask for "sdpa", FlexAttention block mask for "flex", `cu_seqlens`
-for "varlen"), the kernel choice and its fallbacks (`resolve_attention`), and `attention(q, k,
-v, plan)`. Must not touch: projections, RoPE, the KV cache's storage (`pipeline.model.kv_cache`).
+for "varlen"; `plan_decode_attention`: the KV-cache forward's mask, built on the device), the
+kernel choice and its fallbacks (`resolve_attention`), and `attention(q, k, v, plan)`. Must not
+touch: projections, RoPE, the KV cache's storage (`pipeline.model.kv_cache`).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from dataclasses import dataclass
@@ -47,6 +49,59 @@ def build_attention_mask(segment_ids: torch.Tensor | None, batch: int, q_len: in
     return new[:, None]
 
 
+def decode_mask(length: torch.Tensor, t: int, columns: int, new: torch.Tensor | None = None,
+                cached: torch.Tensor | None = None) -> torch.Tensor:
+    """Mask of a KV-cache forward over the cache's storage layout, built on `length`'s device.
+
+    Row b's committed entries are storage columns `[0, length[b])` and its T new tokens sit at
+    columns `[length[b], length[b] + T)` (`pipeline.model.kv_cache`); the forward reads the
+    first `columns` columns. New token i may see: committed entries (where `cached` allows),
+    new token j where `new[b, i, j]` (default: j <= i, causal), nothing else. A query with
+    nothing to see is allowed to see itself (no NaN).
+
+    Args:
+        length: LongTensor[B], committed entries per row (on the device).
+        t: new tokens per row. columns: key length read (>= max(length) + t).
+        new: BoolTensor[B, T, T] or None (causal).
+        cached: BoolTensor[B, T, W] or None (all committed entries visible); column c < W is
+            storage column c (W = the cache's width).
+    Returns:
+        BoolTensor[B, 1, T, columns], True = may attend.
+    """
+    b, dev = length.shape[0], length.device
+    rel = torch.arange(columns, device=dev)[None, :] - length[:, None]   # [B, S]: new index j
+    relq = rel[:, None, :]                                               # [B, 1, S]
+    qi = torch.arange(t, device=dev)[None, :, None]                      # [1, T, 1]
+    is_new = (relq >= 0) & (relq < t)
+    if new is None:
+        see = is_new & (relq <= qi)
+    else:
+        see = is_new & new.to(torch.bool).gather(
+            2, rel.clamp(0, max(t - 1, 0))[:, None, :].expand(b, t, columns))
+    committed = relq < 0
+    if cached is not None:
+        committed = committed & F.pad(cached.to(torch.bool), (0, columns - cached.shape[-1]))
+    mask = see | committed                                               # [B, T, S]
+    mask = mask | ((relq == qi) & ~mask.any(-1, keepdim=True))
+    return mask[:, None]
+
+
+def plan_decode_attention(length: torch.Tensor, t: int, columns: int, dtype: torch.dtype,
+                          group: int, new: torch.Tensor | None = None,
+                          cached: torch.Tensor | None = None) -> "AttentionPlan":
+    """The attention plan of a KV-cache forward: `decode_mask` as an additive bias in `dtype`
+    (0 / -inf), its rows repeated for `group` = H_q / H_kv query heads folded onto each key/value
+    head (see `attention`, kind "decode"). Built once per forward, on the device; arguments as
+    `decode_mask`. Returns AttentionPlan("decode", mask=FloatTensor[B, 1, group * T, columns])."""
+    mask = decode_mask(length, t, columns, new, cached)
+    bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+    bias.masked_fill_(~mask, float("-inf"))
+    b = mask.shape[0]
+    if group > 1:
+        bias = bias[:, :, None].expand(b, 1, group, t, columns).reshape(b, 1, group * t, columns)
+    return AttentionPlan("decode", mask=bias)
+
+
 _notified: set[str] = set()
 
 
@@ -62,8 +117,10 @@ class AttentionPlan:
 
     Attributes:
         kind: "causal" (plain causal SDPA, no segments), "sdpa" (SDPA with `mask`), "flex"
-            (FlexAttention with `block_mask`) or "varlen" (flash varlen over `cu_seqlens`).
-        mask: BoolTensor[B, 1, T, S], True = may attend ("sdpa" only).
+            (FlexAttention with `block_mask`), "varlen" (flash varlen over `cu_seqlens`) or
+            "decode" (a KV-cache forward: SDPA with GQA folded into the query length).
+        mask: BoolTensor[B, 1, T, S], True = may attend ("sdpa"); FloatTensor[B, 1, G * T, S]
+            additive bias ("decode", `plan_decode_attention`).
         block_mask: `torch.nn.attention.flex_attention.BlockMask` ("flex" only).
         cu_seqlens: IntTensor[N + 1] start offset of each segment in the flattened `[B * T]`
             tokens, then B * T ("varlen" only). max_seqlen: longest segment (tokens).
@@ -237,6 +294,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     if plan.kind == "flex":
         return _flex(q, k, v, plan.block_mask)
+    if plan.kind == "decode":
+        return _decode_attention(q, k, v, plan.mask)
     if plan.kind == "varlen":
         from torch.nn.attention.varlen import varlen_attn
         b, hq, t, d = q.shape
@@ -255,6 +314,29 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         k = k.repeat_interleave(group, dim=1)
         v = v.repeat_interleave(group, dim=1)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=plan.mask)
+
+
+def _decode_backends(device: torch.device):
+    """SDPA backends of KV-cache forwards: on CUDA only the memory-efficient kernel (math as the
+    fallback, e.g. float64). It takes an arbitrary bias and needs no per-shape setup, whereas
+    torch may otherwise pick cuDNN attention, which builds an execution plan for every new
+    key length (the cache grows every step). Elsewhere: torch's own choice."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    return sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
+def _decode_attention(q, k, v, bias):
+    """GQA without repeating keys/values: the G = H_q / H_kv query heads of each key/value head
+    are folded into the query length (`[B, H_kv, G * T, D]`), so every backend reads each cached
+    key/value once; `bias` rows are repeated to match (`plan_decode_attention`)."""
+    b, hq, t, d = q.shape
+    hkv = k.shape[1]
+    with _decode_backends(q.device):
+        out = F.scaled_dot_product_attention(q.reshape(b, hkv, (hq // hkv) * t, d), k, v,
+                                             attn_mask=bias)
+    return out.reshape(b, hq, t, d)
 
 
 def _eye_offset(t: int, s: int, offset: int, device) -> torch.Tensor:

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.model.attention import (AttentionPlan, _eye_offset, attention, build_attention_mask,
-                                      plan_attention)
+                                      plan_attention, plan_decode_attention)
 from pipeline.model.config import ModelConfig, recompute_mode
 from pipeline.model.kv_cache import KVCache
 from pipeline.model.tp import partition_dim
@@ -152,10 +152,11 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, plan, cache_layer=None, selective: bool = False):
         """x: `[B, T, hidden]`; plan: an `AttentionPlan` (for "sdpa" its mask is `[B, 1, T, S]`);
-        cache_layer: `(past_k, past_v, store)` where past_*: `[B, H_kv/tp, S - T, D]` and
-        `store(k, v)` keeps the new keys/values as the cache's pending entries; selective:
-        recompute the attention core (`_core`: q/k norms, RoPE, the kernel) in backward
-        instead of keeping its activations (training, no cache)."""
+        cache_layer: a function `(k, v) -> (keys, values)` that writes the new keys/values
+        `[B, H_kv/tp, T, D]` into the KV cache in place and returns the `[B, H_kv/tp, S, D]`
+        views attention reads (`KVCache.write_and_read`); selective: recompute the attention
+        core (`_core`: q/k norms, RoPE, the kernel) in backward instead of keeping its
+        activations (training, no cache)."""
         qkv, _ = self.qkv_proj(x)
         if selective and cache_layer is None:
             out = torch.utils.checkpoint.checkpoint(self._core, qkv, cos, sin, plan,
@@ -176,10 +177,7 @@ class Attention(nn.Module):
         v = v.view(b, t, self.n_kv, d).transpose(1, 2)
         q, k = self.rope(q, k, cos, sin)
         if cache_layer is not None:
-            past_k, past_v, store = cache_layer
-            store(k, v)
-            k = torch.cat((past_k, k), dim=2)
-            v = torch.cat((past_v, v), dim=2)
+            k, v = cache_layer(k, v)
         out = attention(q, k, v, plan)
         return out.transpose(1, 2).reshape(b, t, self.n_q * d)
 
@@ -349,13 +347,18 @@ class Qwen3(nn.Module):
             segment_ids: LongTensor[B, T] or None; packed segments (attend causally within the
                 own segment only; 0 = padding, attends only to itself).
             attention_mask: BoolTensor[B, 1, T, S] or None, True = may attend, with
-                `S = kv_cache.width + T` (`T` without a cache). Takes precedence over
+                `S = kv_cache.width + T` (`T` without a cache): the first `width` columns are
+                the cache's columns, the last T the new tokens. With a cache, `S = T` also
+                works and means: every committed entry visible, the mask among the new tokens
+                as given (for width 0 the two readings agree). Takes precedence over
                 `segment_ids`. Cache columns past a row's `length` are masked out regardless.
                 A query row with no True entry is allowed to attend to itself (no NaN).
-            kv_cache: KVCache or None. With a cache, attention covers the valid cached entries
-                plus the new tokens, and the new keys/values become the cache's pending entries
-                (see `KVCache.commit`). Without a mask the new tokens are causal among
-                themselves and see all valid cached entries.
+            kv_cache: KVCache or None. With a cache, the new keys/values are written into the
+                cache in place as its pending entries (see `KVCache.commit`) and attention
+                covers the valid cached entries plus the new tokens, with a mask built on the
+                device (`plan_decode_attention`; GQA without repeating keys/values). Without a
+                mask the new tokens are causal among themselves and see all valid cached
+                entries.
             return_hidden: return the final-norm hidden states instead of logits, so that the
                 caller applies the output layer (`head_logits`, `head_loss`) only where it needs
                 logits (e.g. chunked over labelled tokens, `pipeline.objective.hybrid_loss`).
@@ -373,24 +376,32 @@ class Qwen3(nn.Module):
         b, t = input_ids.shape
         x = self.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
-        past = kv_cache.width if kv_cache is not None else 0
         plan = AttentionPlan("causal")
-        if attention_mask is not None:
-            if attention_mask.shape[-2:] != (t, past + t):
+        if kv_cache is not None:
+            past = kv_cache.width
+            new = cached = None
+            if attention_mask is not None:
+                if attention_mask.shape[-2:] not in ((t, past + t), (t, t)):
+                    raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, "
+                                     f"expected [B, 1, {t}, {past + t}] or [B, 1, {t}, {t}]")
+                mask = attention_mask[:, 0]
+                new, cached = mask[..., -t:], (mask[..., :past] if mask.shape[-1] > t else None)
+            elif segment_ids is not None:
+                new = build_attention_mask(segment_ids, b, t)[:, 0]
+                if past:   # padding (segment 0) sees only itself
+                    cached = (segment_ids != 0)[:, :, None].expand(b, t, past)
+            columns = kv_cache.begin(t)   # new keys/values then go in place: layer_view
+            plan = plan_decode_attention(kv_cache.length, t, columns, x.dtype,
+                                         self.cfg.num_attention_heads
+                                         // self.cfg.num_key_value_heads, new, cached)
+        elif attention_mask is not None:
+            if attention_mask.shape[-2:] != (t, t):
                 raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, "
-                                 f"expected [B, 1, {t}, {past + t}]")
+                                 f"expected [B, 1, {t}, {t}]")
             mask = attention_mask.to(torch.bool)
-            if past:
-                mask = mask & torch.cat(
-                    (kv_cache.valid_mask()[:, None, None, :],
-                     mask.new_ones(kv_cache.batch_size, 1, 1, t)), dim=-1)
             # A row with nothing to attend to would give NaN: let it see itself.
             empty = ~mask.any(-1, keepdim=True)                                # [B, 1, T, 1]
-            diag = _eye_offset(t, past + t, past, mask.device)
-            plan = AttentionPlan("sdpa", mask=mask | (empty & diag))
-        elif past:
-            plan = AttentionPlan("sdpa", mask=build_attention_mask(
-                segment_ids, b, t, past, kv_cache.valid_mask(), device=input_ids.device))
+            plan = AttentionPlan("sdpa", mask=mask | (empty & _eye_offset(t, t, 0, mask.device)))
         elif segment_ids is not None:
             plan = plan_attention(self.cfg.attention, segment_ids,
                                   needs_grad=torch.is_grad_enabled(), dtype=x.dtype,
