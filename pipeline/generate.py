@@ -3,7 +3,8 @@
     python -m pipeline.generate --model HF_DIR_OR_CHECKPOINT (--prompt TEXT | --prompts FILE.jsonl)
         [--mode refusion|ar] [--gen-length N] [--slot-size K] [--num-blocks B]
         [--slot-threshold X] [--token-threshold Y] [--temperature T] [--batch-size N]
-        [--exact-cache] [--raw] [--tokenizer PATH] [--device auto|cpu|cuda[:N]]
+        [--exact-cache] [--verify authors|correct] [--raw] [--tokenizer PATH]
+        [--device auto|cpu|cuda[:N]]
         [--dtype float32|bfloat16|float16|float64]
         [--seed S] [--json] [--json-out FILE]
 
@@ -30,7 +31,8 @@ prompt's sample depends on the batch it is decoded in (`--batch-size`, the other
 their order) as well as on the seed; greedy decoding (temperature 0) does not.
 `--prompts FILE.jsonl`: one JSON object per line with a "prompt" (or "query") string.
 `--json` / `--json-out`: {"settings": the model and decoding options used (mode, gen_length,
-slot_size, num_blocks, thresholds, temperature, seed, exact_cache, ...), "summary", "results"}.
+slot_size, num_blocks, thresholds, temperature, seed, exact_cache, verify, ...), "summary",
+"results"}.
 TPS = a prompt's generated tokens / wall seconds of its batch (tokens per second), measured
 after one short untimed warm-up decode, the device synchronized before each clock reading.
 Exit codes: 0 done; 2 usage or input error (one line on stderr).
@@ -372,7 +374,8 @@ def decode_batch(loaded: Loaded, prompts: list[list[int]], args) -> "object":
     return refusion_generate(loaded.model, prompts, args.gen_length, args.slot_size,
                              args.num_blocks, args.slot_threshold, args.token_threshold,
                              args.temperature, loaded.mask_id, loaded.eos_id,
-                             exact_cache=args.exact_cache, seed=args.seed)
+                             exact_cache=args.exact_cache, seed=args.seed,
+                             verify=getattr(args, "verify", "authors"))
 
 
 def warm_up(loaded: Loaded, prompt: list[int]) -> None:
@@ -406,6 +409,12 @@ def add_decoding_args(p: argparse.ArgumentParser) -> None:
                         "i.e. --batch-size, for the same --seed)")
     p.add_argument("--exact-cache", action="store_true",
                    help="re-encode slots infilled in parallel (exact KV cache)")
+    p.add_argument("--verify", choices=("authors", "correct"), default="authors",
+                   help="refusion: what a rejected draft becomes. authors: the reference "
+                        "algorithm (re-drafted from masks and force-accepted); correct: the AR "
+                        "head's own token from the verify forward (speculative decoding's "
+                        "correction; with one slot per block, --token-threshold >= 0.5 and "
+                        "temperature 0 the output equals --mode ar). pipeline/decoding.py")
     p.add_argument("--batch-size", type=int, default=8, help="prompts decoded together")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")
     p.add_argument("--device", default="auto",
@@ -433,7 +442,8 @@ def decoding_settings(args, mode) -> dict:
     """The settings a decode ran with, recorded in the JSON outputs (`mode`: a mode or a list
     of modes)."""
     keys = ("gen_length", "slot_size", "num_blocks", "slot_threshold", "token_threshold",
-            "temperature", "seed", "exact_cache", "batch_size", "device", "dtype", "tokenizer")
+            "temperature", "seed", "exact_cache", "verify", "batch_size", "device", "dtype",
+            "tokenizer")
     return {"model": str(args.model), "mode": mode, **{k: getattr(args, k) for k in keys}}
 
 
@@ -449,6 +459,8 @@ def check_decoding_args(args, refusion: bool = True) -> None:
         raise UsageError("--temperature must be >= 0")
     if not 0 <= args.token_threshold <= 1:  # 1: never accept a drafted token by probability
         raise UsageError(f"--token-threshold {args.token_threshold} must be in [0, 1]")
+    if getattr(args, "verify", "authors") not in ("authors", "correct"):
+        raise UsageError(f"--verify {args.verify}: expected authors or correct")
     if not args.slot_threshold >= 0:  # > 1 is valid: one slot (the best) per step
         raise UsageError(f"--slot-threshold {args.slot_threshold} must be >= 0 (values >= 1 "
                          f"select one slot per step)")

@@ -115,7 +115,7 @@ class RefusionLM(TemplateLM):
         pretrained: HF folder or training checkpoint (`pipeline.generate.load_for_inference`).
         mode: "refusion" (plan-and-infill) or "ar" (left to right) for `generate_until`.
         gen_length, slot_size, num_blocks, slot_threshold, token_threshold, temperature,
-            exact_cache, seed: decoding options, as `python -m pipeline.generate`
+            exact_cache, seed, verify: decoding options, as `python -m pipeline.generate`
             (defaults: its defaults).
         batch_size: prompts decoded / sequences scored together (int).
         dtype: "float32" | "bfloat16" | "float16" | "float64" (parameter dtype; None: bf16 on
@@ -133,6 +133,7 @@ class RefusionLM(TemplateLM):
     def __init__(self, pretrained=None, mode: str = "refusion", gen_length=128, slot_size=4,
                  num_blocks=2, slot_threshold=0.6, token_threshold=0.3, temperature=0.0,
                  exact_cache=False, seed=0, batch_size=8, dtype=None, device=None,
+                 verify="authors",
                  tokenizer=None, max_batch_size=None, **kwargs):
         super().__init__()
         if kwargs:
@@ -156,6 +157,7 @@ class RefusionLM(TemplateLM):
                 slot_threshold=float(slot_threshold), token_threshold=float(token_threshold),
                 temperature=float(temperature), exact_cache=_as_bool(exact_cache),
                 seed=int(seed), batch_size=bs, dtype=None if dtype is None else str(dtype),
+                verify=str(verify),
                 tokenizer=tokenizer)
         except ValueError as e:
             raise UsageError(f"--model_args: {e}")
@@ -367,8 +369,8 @@ class RefusionLM(TemplateLM):
         """Added by the harness to the results' `config`: our settings and speed figures."""
         settings = {k: getattr(self.settings, k) for k in (
             "model", "mode", "gen_length", "slot_size", "num_blocks", "slot_threshold",
-            "token_threshold", "temperature", "exact_cache", "seed", "batch_size", "dtype",
-            "tokenizer")}
+            "token_threshold", "temperature", "exact_cache", "verify", "seed", "batch_size",
+            "dtype", "tokenizer")}
         settings["device"] = str(self._device)
         return {"refusion": {"settings": settings, "generation": self.generation_figures()}}
 
@@ -499,8 +501,8 @@ def main(argv=None) -> int:
         model_args = {"pretrained": str(args.model), "mode": args.mode,
                       **{k: getattr(args, k) for k in (
                           "gen_length", "slot_size", "num_blocks", "slot_threshold",
-                          "token_threshold", "temperature", "exact_cache", "seed", "dtype",
-                          "tokenizer")}}
+                          "token_threshold", "temperature", "exact_cache", "verify", "seed",
+                          "dtype", "tokenizer")}}
         results = evaluate(model_args, tasks, args)
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
