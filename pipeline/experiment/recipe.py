@@ -267,7 +267,7 @@ class Experiment:
         same subset for `refusion` and, as the contrast without MDM training, `ar_continued`,
         at each slot size and token threshold of DECODE_GRID; cached under `<out>/diagnose/`."""
         import torch
-        from pipeline.evaluate import slot_acceptance
+        from pipeline.experiment.diagnosis import slot_acceptance
         from pipeline.generate import load_for_inference
         torch.set_num_threads(self.threads)
         examples = None
@@ -384,7 +384,7 @@ def plot_frontier(rows: list[dict], path: Path) -> dict:
     Returns:
         {panel: {series label: (x values, y values)}} of the points drawn.
     """
-    from pipeline.report import _pyplot, _save
+    from pipeline.report import pyplot as _pyplot, save_figure as _save
     plt = _pyplot()
     panels = (("exact_match", "tpf", "exact match", "TPF (tokens per forward)"),
               ("token_accuracy", "tpf", "token accuracy", "TPF (tokens per forward)"),
