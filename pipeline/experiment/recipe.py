@@ -1,41 +1,34 @@
 """The scaled-down ReFusion recipe, ReFusion vs AR, end to end: `make experiment`.
 
-    python -m pipeline.experiment [--out outputs/experiment] [--pretrain-steps N]
-        [--finetune-steps N] [--threads T] [--nproc P] [--only-report]
+    python -m pipeline.experiment [--task math|code] [--out outputs/experiment/<task>]
+        [--pretrain-steps N] [--finetune-steps N] [--micro-batch-size B] [--threads T]
+        [--nproc P] [--parallel] [--only-report]
 
-Owns: the experiment's stages, their skip-if-done logic, and its report (report.md, frontier.png,
-loss.png). Must not touch: training, decoding, evaluation loops, plotting of one run (it calls
-`pipeline.train`, `pipeline.export` as subprocesses, `pipeline.evaluate` and `pipeline.report`
-as libraries).
+Owns: the experiment's stages, their skip-if-done logic and timings. Must not touch:
+training, decoding, evaluation loops, plotting of one run (it calls `pipeline.train`,
+`pipeline.export` and data_prep as subprocesses, `pipeline.evaluate` and `pipeline.report` as
+libraries). The task's fixed choices are in `pipeline.experiment.tasks`, the diagnosis in
+`pipeline.experiment.diagnosis`, the report text and figures in `pipeline.experiment.writeup`.
 
-Stages (each skipped when its result exists, so an interrupted run resumes; the trainer itself
-resumes from its latest checkpoint):
-0. data: a SentencePiece tokenizer (4000 pieces) and shards of the embedded stdlib corpus
-   (functions as query = signature + docstring / response = body, plus source text), 256-token
-   samples, 5% of the records held out as the validation split.
-1. `pretrain_ar`: a small Qwen3 (configs/model/experiment.yaml) from scratch, `objective.mode=ar`.
-2. export it (`pipeline.export`); from it, with equal compute (same steps, batch, data order and
-   learning-rate schedule): `refusion` (`init.source=hf`, `objective.mode=refusion`) and
+Stages (each skipped when its result exists, so an interrupted run resumes with the same
+command; the trainer itself resumes from its latest checkpoint):
+0. data: the task's tokenizer and shards (math: the problems first).
+1. `pretrain_ar`: a small Qwen3 (the task's run config) from scratch, `objective.mode=ar`.
+2. export it (`pipeline.export`); from it, with equal compute (same steps, batch, data order
+   and learning-rate schedule): `refusion` (`init.source=hf`, `objective.mode=refusion`) and
    `ar_continued` (`init.source=hf`, `objective.mode=ar`); export both.
-3. evaluation on the validation split: the validation loss of every exported model under the
-   ReFusion objective (`pipeline.evaluate.validation_loss`: AR and MDM terms); decoding of the
-   fixed QA subset EVAL_SUBSET (exact match, token accuracy, TPF, tokens/s): AR decoding of
-   `refusion` and `ar_continued` (the baselines), and ReFusion decoding of `refusion` over
-   DECODE_GRID. Each decode result is cached as JSON under `<out>/eval/`.
-3b. diagnosis: `pipeline.evaluate.slot_acceptance` (teacher-forced plan + verify profile of
-   the same subset) for `refusion` and `ar_continued` at each slot size and token threshold.
-4. `report.md` (settings, tables, Pareto frontier of TPF vs exact match, the target check),
-   `frontier.png`, `loss.png` (all runs; continuation steps placed after the pretraining steps).
-
-The evaluation subset and grid are fixed here, before any result was seen (do not tune them to
-the result): every validation query/response segment whose reference body, EOS included, is
-at most 32 tokens, decoded greedily with 32 generated tokens at most.
-Exit codes: 0 done; 1 a stage failed (its command and exit code on stderr).
+3. evaluation: the validation loss of both stage-2 models under the ReFusion objective
+   (`pipeline.evaluate.validation_loss`), then every decode of `task.jobs()` (AR decoding of
+   both models, the ReFusion grid of `refusion`, the task's extra decodes), each cached as
+   JSON under `<out>/eval/<set>/<model>__<setting>.json` with every decoded answer.
+3b. diagnosis: `slot_acceptance` (teacher-forced plan + verify profile) of `refusion` and
+   `ar_continued` on the main held-out set, per slot size; cached under `<out>/diagnose/`.
+4. `report.md`, `frontier.png`, `loss.png`.
+Exit codes: 0 done; 1 a stage failed (its command and exit code on stderr); 2 bad options.
 """
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import shutil
@@ -45,18 +38,10 @@ import time
 from pathlib import Path
 
 from pipeline.atomic_io import write_json, write_text
+from pipeline.experiment.tasks import ROOT, TASKS, Setting, Task
 
-ROOT = Path(__file__).resolve().parents[1]
-
-# Fixed before any result: the evaluation subset and the decoding grid.
-EVAL_MAX_BODY_TOKENS = 32          # reference body incl. EOS, in tokens
-GEN_LENGTH = 32                    # a multiple of every slot size below
-NUM_BLOCKS = 2
-DECODE_BATCH = 64                  # prompts per decode call (2 calls for the subset)
-DECODE_GRID = {"slot_size": (4, 8), "slot_threshold": (0.5, 0.9),
-               "token_threshold": (0.1, 0.5, 0.9)}
 VAL_LOSS_BATCHES = 40              # micro-batches of 4 samples (160 of the validation split)
-TARGET_TPF, TARGET_EM_RATIO = 1.5, 0.9   # issue 10: TPF >= 1.5 at >= 90% of AR exact match
+TARGET_TPF, TARGET_EM_RATIO = 1.5, 0.9   # TPF >= 1.5 at >= 90% of AR's exact match
 
 RUN_LABELS = {"pretrain_ar": "1. AR pretraining (from scratch)",
               "refusion": "2a. ReFusion fine-tuning", "ar_continued": "2b. AR continued"}
@@ -81,10 +66,6 @@ def _env(threads: int) -> dict:
     return env
 
 
-def _run(cmd: list[str], threads: int) -> None:
-    _run_many([cmd], threads)
-
-
 def _run_many(cmds: list[list[str]], threads: int) -> None:
     """Run commands concurrently from the repository root; raise StageError for the first
     that failed (after all have ended)."""
@@ -104,30 +85,37 @@ def _run_many(cmds: list[list[str]], threads: int) -> None:
 
 
 class Experiment:
-    """The stages over one output folder (`out`); see the module docstring.
+    """The stages of one task over one output folder; see the module docstring.
 
     Args:
-        out: output folder (created).
-        pretrain_steps, finetune_steps: optimizer steps of stage 1 and of each stage-2 run.
+        task: a `pipeline.experiment.tasks.Task` (or its name).
+        out: output folder (created; default `outputs/experiment/<task>`).
+        pretrain_steps, finetune_steps: optimizer steps of stage 1 and of each stage-2 run
+            (default: the task's).
         threads: torch threads per training process (OMP_NUM_THREADS) and for evaluation.
         nproc: training processes (torchrun, DeepSpeed over the data-parallel group).
-        micro_batch_size: packed rows per optimizer step (all three runs).
+        micro_batch_size: packed rows per optimizer step (all three runs; default the task's).
         parallel: train the two stage-2 runs concurrently.
-        config: the run config YAML shared by the three training runs.
+        config: the run config YAML shared by the three training runs (default the task's).
     """
 
-    def __init__(self, out: str, pretrain_steps: int, finetune_steps: int, threads: int,
-                 nproc: int, config: str, micro_batch_size: int = 8, parallel: bool = False):
-        self.out = Path(out)
-        self.parallel = parallel
-        self.micro_batch_size = micro_batch_size
-        self.pretrain_steps, self.finetune_steps = pretrain_steps, finetune_steps
-        self.threads, self.nproc, self.config = threads, nproc, config
-        self.shards = self.out / "shards"
-        self.spm = self.out / "tokenizer" / "spm.model"
+    def __init__(self, task: Task | str, out: str | None = None,
+                 pretrain_steps: int | None = None, finetune_steps: int | None = None,
+                 threads: int = 2, nproc: int = 1, micro_batch_size: int | None = None,
+                 parallel: bool = False, config: str | None = None):
+        self.task = TASKS[task] if isinstance(task, str) else task
+        t = self.task
+        self.out = Path(out or f"outputs/experiment/{t.name}")
+        self.pretrain_steps = pretrain_steps or t.pretrain_steps
+        self.finetune_steps = finetune_steps or t.finetune_steps
+        self.micro_batch_size = micro_batch_size or t.micro_batch_size
+        self.threads, self.nproc, self.parallel = threads, nproc, parallel
+        self.config = config or t.config
+        self.shards = t.shards(self.out)
         self.timings_path = self.out / "timings.json"
         self.timings = (json.loads(self.timings_path.read_text())
                         if self.timings_path.is_file() else {})
+        self._examples: dict[str, list[dict]] = {}
 
     # ---------------------------------------------------------------- bookkeeping
     def _timed(self, name: str, fn) -> None:
@@ -143,20 +131,19 @@ class Experiment:
     def hf_dir(self, name: str) -> Path:
         return self.out / "hf" / name
 
+    def eval_path(self, model: str, set_name: str, s: Setting) -> Path:
+        return self.out / "eval" / set_name / f"{model}__{s.name()}.json"
+
+    def examples(self, set_name: str) -> list[dict]:
+        if set_name not in self._examples:
+            self._examples[set_name] = self.task.examples(self.out, set_name)
+        return self._examples[set_name]
+
     # ---------------------------------------------------------------- 0. data
     def stage_data(self):
-        py = sys.executable
-        if (self.shards / "manifest.json").is_file() and self.spm.is_file():
+        if not self.task.prepare(self.out, lambda cmd: _run_many([cmd], self.threads)):
             _log(f"data: {self.shards} exists, kept")
             return False
-        if not self.spm.is_file():
-            _run([py, "data_prep/train_tokenizer.py", "--input", "stdlib", "--output",
-                  str(self.spm), "--vocab-size", "4000"], self.threads)
-        _run([py, "data_prep/shard.py", "--input", "stdlib", "--format", "auto", "--tokenizer",
-              str(self.spm), "--output", str(self.shards), "--max-length", "256",
-              "--val-fraction", "0.05", "--slot-sizes", "4,8,16,32", "--seed", "0",
-              "--workers", str(max(1, self.threads)), "--no-progress", "--overwrite"],
-             self.threads)
 
     # ---------------------------------------------------------------- 1./2. training
     def _finished(self, name: str, steps: int) -> bool:
@@ -187,16 +174,17 @@ class Experiment:
             _run_many(todo, self.threads)
         else:
             for cmd in todo:
-                _run(cmd, self.threads)
+                _run_many([cmd], self.threads)
 
     def stage_export(self, name: str):
         hf = self.hf_dir(name)
         if (hf / "config.json").is_file() and (hf / "tokenizer.model").is_file():
             _log(f"export {name}: {hf} exists, kept")
             return False
-        _run([sys.executable, "-m", "pipeline.export", str(self.run_dir(name) / "checkpoints"),
-              str(hf), "--tokenizer", str(self.shards / "tokenizer"), "--dtype", "float32",
-              "--overwrite"], self.threads)
+        _run_many([[sys.executable, "-m", "pipeline.export",
+                    str(self.run_dir(name) / "checkpoints"), str(hf), "--tokenizer",
+                    str(self.shards / "tokenizer"), "--dtype", "float32", "--overwrite"]],
+                  self.threads)
         shutil.copy(self.shards / "tokenizer" / "tokenizer.model", hf / "tokenizer.model")
 
     def finetune_overrides(self, mode: str) -> list[str]:
@@ -206,11 +194,6 @@ class Experiment:
                 f"optim.warmup_steps={min(30, self.finetune_steps // 10)}"]
 
     # ---------------------------------------------------------------- 3. evaluation
-    def eval_examples(self) -> list[dict]:
-        from pipeline.evaluate import shard_qa_examples
-        ex = shard_qa_examples(str(self.shards), "val", 10 ** 9)
-        return [e for e in ex if len(e["reference_ids"]) <= EVAL_MAX_BODY_TOKENS]
-
     def _cached(self, path: Path, model: str) -> dict | None:
         """A cached result, if it was computed from the current export of `model`."""
         weights = self.hf_dir(model) / "config.json"
@@ -218,27 +201,32 @@ class Experiment:
             return json.loads(path.read_text())
         return None
 
+    def decode_args(self, s: Setting) -> argparse.Namespace:
+        """The options `pipeline.evaluate.exact_match_eval` reads for a setting (AR: the
+        ReFusion fields are unused)."""
+        g = self.task.gen_length
+        return argparse.Namespace(gen_length=g, slot_size=s.slot_size, num_blocks=s.blocks(g),
+                                  slot_threshold=s.slot_threshold,
+                                  token_threshold=s.token_threshold, verify=s.verify,
+                                  temperature=0.0, exact_cache=False, seed=0,
+                                  batch_size=self.task.decode_batch)
+
     def stage_eval(self):
         import torch
         from pipeline.evaluate import exact_match_eval, validation_loss
         from pipeline.generate import check_decoding_args, load_for_inference
         torch.set_num_threads(self.threads)
-        examples = self.eval_examples()
-        _log(f"evaluation subset: {len(examples)} validation functions with bodies of at most "
-             f"{EVAL_MAX_BODY_TOKENS} tokens")
-        jobs = {"refusion": [("ar", None)] + [("refusion", s) for s in grid_settings()],
-                "ar_continued": [("ar", None)]}
         ran = False   # False when everything was cached: the first run's time stays recorded
-        for model, modes in jobs.items():
-            loaded = None
+        by_model: dict[str, list] = {}
+        for model, set_name, s in self.task.jobs():
+            by_model.setdefault(model, []).append((set_name, s))
+        for model, jobs in by_model.items():
             loss_path = self.out / "eval" / f"{model}__val_loss.json"
-            todo = []
-            for mode, s in modes:
-                path = self.out / "eval" / f"{model}__{setting_name(mode, s)}.json"
-                if self._cached(path, model) is None:
-                    todo.append((mode, s, path))
-            if self._cached(loss_path, model) is None or todo:
-                loaded = load_for_inference(str(self.hf_dir(model)))
+            todo = [(n, s) for n, s in jobs if self._cached(self.eval_path(model, n, s), model)
+                    is None]
+            if self._cached(loss_path, model) is not None and not todo:
+                continue
+            loaded = load_for_inference(str(self.hf_dir(model)))
             if self._cached(loss_path, model) is None:
                 ran = True
                 t0 = time.time()
@@ -248,40 +236,43 @@ class Experiment:
                 write_json(loss_path, {"model": model, "loss": loss})
                 _log(f"{model}: validation loss {loss['val_loss']:.4f} (AR "
                      f"{loss['val_ar_loss']:.4f}, MDM {loss['val_mdm_loss']:.4f})")
-            for mode, s, path in todo:
+            for set_name, s in todo:
                 ran = True
-                args = decode_args(s)
-                check_decoding_args(args, refusion=mode == "refusion")
-                r = exact_match_eval(loaded, examples, args, [mode])
-                doc = {"model": model, "mode": mode, "setting": s, "gen_length": GEN_LENGTH,
-                       "num_blocks": NUM_BLOCKS, **r[mode], "samples": r["samples"]}
-                write_json(path, doc)
-                _log(f"{model} {setting_name(mode, s)}: exact match {doc['exact_match']:.3f} "
+                args = self.decode_args(s)
+                check_decoding_args(args, refusion=s.mode == "refusion")
+                examples = self.examples(set_name)
+                r = exact_match_eval(loaded, examples, args, [s.mode], self.task.metric,
+                                     keep_outputs=True)
+                doc = {"model": model, "set": set_name, "mode": s.mode,
+                       "setting": s.to_dict(), "gen_length": args.gen_length,
+                       "num_blocks": args.num_blocks, **r[s.mode]}
+                write_json(self.eval_path(model, set_name, s), doc, indent=None)
+                _log(f"{model} {set_name} {s.name()}: exact match {doc['exact_match']:.3f} "
                      f"token accuracy {doc['token_accuracy']:.3f} TPF {doc['tpf']:.2f} "
                      f"tokens/s {doc['tps']:.0f}")
             del loaded
         return None if ran else False
 
     def stage_diagnose(self):
-        """Teacher-forced plan + verify profile (`pipeline.evaluate.slot_acceptance`) of the
-        same subset for `refusion` and, as the contrast without MDM training, `ar_continued`,
-        at each slot size and token threshold of DECODE_GRID; cached under `<out>/diagnose/`."""
+        """Teacher-forced plan + verify profile (`diagnosis.slot_acceptance`) of the main set
+        for `refusion` and, as the contrast without MDM training, `ar_continued`, at each of
+        the task's slot sizes and the grid's token thresholds; cached under `<out>/diagnose/`."""
         import torch
         from pipeline.experiment.diagnosis import slot_acceptance
         from pipeline.generate import load_for_inference
         torch.set_num_threads(self.threads)
-        examples = None
+        t = self.task
+        thresholds = sorted({s.token_threshold for s in t.grid})
         ran = False
         for model in ("refusion", "ar_continued"):
             loaded = None
-            for k in DECODE_GRID["slot_size"]:
+            for k in t.diagnose_slot_sizes:
                 path = self.out / "diagnose" / f"{model}__slot_acceptance_k{k}.json"
                 if self._cached(path, model) is not None:
                     continue
-                examples = examples if examples is not None else self.eval_examples()
                 loaded = loaded or load_for_inference(str(self.hf_dir(model)))
-                r = slot_acceptance(loaded, examples, k, GEN_LENGTH // NUM_BLOCKS,
-                                    DECODE_GRID["token_threshold"])
+                r = slot_acceptance(loaded, self.examples(t.main_set), k,
+                                    t.diagnose_block_size, thresholds)
                 write_json(path, {"model": model, **r})
                 ran = True
                 _log(f"{model} k={k}: first token {r['first_token_accuracy']:.3f}, drafts by "
@@ -290,23 +281,25 @@ class Experiment:
             del loaded
         return None if ran else False
 
-    def collect_diagnose(self) -> list[dict]:
-        return [json.loads(p.read_text())
-                for p in sorted((self.out / "diagnose").glob("*__slot_acceptance_k*.json"))]
-
     # ---------------------------------------------------------------- 4. report
     def collect(self) -> dict:
-        rows, losses, grid = [], {}, grid_settings()
-        for p in sorted((self.out / "eval").glob("*.json")):
+        """Cached results of the current task's jobs: {"rows": [result docs], "losses":
+        {model: validation loss figures}, "diagnose": [profiles]}."""
+        rows, losses = [], {}
+        for model, set_name, s in self.task.jobs():
+            p = self.eval_path(model, set_name, s)
+            if p.is_file():
+                rows.append(json.loads(p.read_text()))
+        for p in sorted((self.out / "eval").glob("*__val_loss.json")):
             d = json.loads(p.read_text())
-            if p.name.endswith("__val_loss.json"):
-                losses[d["model"]] = d["loss"]
-            elif d["mode"] == "ar" or d["setting"] in grid:   # results of this grid only
-                rows.append(d)
-        return {"rows": rows, "losses": losses}
+            losses[d["model"]] = d["loss"]
+        diag = [json.loads(p.read_text())
+                for p in sorted((self.out / "diagnose").glob("*__slot_acceptance_k*.json"))]
+        return {"rows": rows, "losses": losses, "diagnose": diag}
 
-    def stage_report(self) -> Path:
-        from pipeline.report import ReportError, plot_loss, read_metrics
+    def training_runs(self) -> dict:
+        """{run label: metrics} of the three runs, stage-2 steps counted after stage 1."""
+        from pipeline.report import ReportError, read_metrics
         runs, offset = {}, {"pretrain_ar": 0, "refusion": self.pretrain_steps,
                             "ar_continued": self.pretrain_steps}
         for name, label in RUN_LABELS.items():
@@ -318,15 +311,28 @@ class Experiment:
             runs[label] = {k: [{**{f: x for f, x in r.items() if f not in drop},
                                 "step": r["step"] + offset[name], "run_step": r["step"]}
                                for r in v] for k, v in m.items()}
+        return runs
+
+    def stage_report(self) -> Path:
+        from pipeline.experiment.writeup import plot_frontier, report_markdown
+        from pipeline.report import plot_loss
+        runs = self.training_runs()
         if runs:
             plot_loss(runs, self.out / "loss.png")
         got = self.collect()
-        plot_frontier(got["rows"], self.out / "frontier.png")
-        text = report_markdown(self, got, runs)
+        main = [r for r in got["rows"] if r["set"] == self.task.main_set]
+        plot_frontier(main, self.out / "frontier.png", self.task, TARGET_TPF, TARGET_EM_RATIO)
+        tok = None
+        spm = self.task.spm(self.out)
+        if spm.is_file():
+            from data_prep.tokenizer_io import load_tokenizer
+            tok = load_tokenizer(str(spm))
+        text = report_markdown(self, got, runs, tok, TARGET_TPF, TARGET_EM_RATIO)
         write_text(self.out / "report.md", text)
         return self.out / "report.md"
 
     def run(self) -> Path:
+        self.out.mkdir(parents=True, exist_ok=True)
         self._timed("data", self.stage_data)
         self._timed("train pretrain_ar", lambda: self.stage_train([(
             "pretrain_ar", self.pretrain_steps,
@@ -345,223 +351,36 @@ class Experiment:
         return self.stage_report()
 
 
-# ---------------------------------------------------------------- decoding settings
-def grid_settings() -> list[dict]:
-    """The ReFusion decoding settings of DECODE_GRID, in a fixed order."""
-    keys = list(DECODE_GRID)
-    return [dict(zip(keys, v)) for v in itertools.product(*DECODE_GRID.values())]
-
-
-def setting_name(mode: str, s: dict | None) -> str:
-    if mode == "ar":
-        return "ar"
-    return f"refusion_k{s['slot_size']}_s{s['slot_threshold']}_t{s['token_threshold']}"
-
-
-def decode_args(s: dict | None) -> argparse.Namespace:
-    """The options `pipeline.evaluate.exact_match_eval` reads, for a grid setting (None: AR)."""
-    s = s or {"slot_size": 4, "slot_threshold": 0.5, "token_threshold": 0.5}
-    return argparse.Namespace(gen_length=GEN_LENGTH, num_blocks=NUM_BLOCKS, temperature=0.0,
-                              exact_cache=False, seed=0, batch_size=DECODE_BATCH, **s)
-
-
-def pareto(rows: list[dict]) -> list[dict]:
-    """ReFusion rows not dominated in (TPF, exact match, token accuracy): no other row is at
-    least as good in all three and better in one. Sorted by TPF."""
-    def key(r):
-        return (r["tpf"], r["exact_match"], r["token_accuracy"])
-    out = [r for r in rows
-           if not any(all(a >= b for a, b in zip(key(o), key(r))) and key(o) != key(r)
-                      for o in rows)]
-    return sorted(out, key=lambda r: r["tpf"])
-
-
-# ---------------------------------------------------------------- figures and text
-def plot_frontier(rows: list[dict], path: Path) -> dict:
-    """TPF and tokens/s against exact match and token accuracy: one point per ReFusion setting
-    (colour = slot size, marker = slot threshold), the AR baselines as stars.
-
-    Returns:
-        {panel: {series label: (x values, y values)}} of the points drawn.
-    """
-    from pipeline.report import pyplot as _pyplot, save_figure as _save
-    plt = _pyplot()
-    panels = (("exact_match", "tpf", "exact match", "TPF (tokens per forward)"),
-              ("token_accuracy", "tpf", "token accuracy", "TPF (tokens per forward)"),
-              ("exact_match", "tps", "exact match", "tokens/s"))
-    fig, axes = plt.subplots(1, 3, figsize=(16, 5))
-    drawn: dict = {}
-    colors = {4: "tab:blue", 8: "tab:orange", 16: "tab:green", 32: "tab:purple"}
-    markers = {0.5: "o", 0.9: "s"}
-    for ax, (xk, yk, xl, yl) in zip(axes, panels):
-        d = drawn.setdefault(f"{yl} vs {xl}", {})
-        for r in rows:
-            if r["mode"] == "refusion" and r["model"] == "refusion":
-                s = r["setting"]
-                label = f"ReFusion k={s['slot_size']} slot thr {s['slot_threshold']}"
-                ax.scatter(r[xk], r[yk], c=colors.get(s["slot_size"], "gray"),
-                           marker=markers.get(s["slot_threshold"], "^"), s=30,
-                           label=label if label not in d else None)
-                ax.annotate(f"t{s['token_threshold']}", (r[xk], r[yk]), fontsize=6,
-                            xytext=(3, 2), textcoords="offset points")
-            elif r["mode"] == "ar":
-                label = f"AR decoding of {r['model']}"
-                ax.scatter(r[xk], r[yk], marker="*", s=160, edgecolors="black",
-                           c={"refusion": "white", "ar_continued": "black",
-                              "pretrain_ar": "gray"}.get(r["model"], "red"), label=label)
-            else:
-                continue
-            xs, ys = d.setdefault(label, ([], []))
-            xs.append(r[xk])
-            ys.append(r[yk])
-        if yk == "tpf":
-            ax.axhline(TARGET_TPF, color="red", linestyle=":", linewidth=1,
-                       label=f"target TPF {TARGET_TPF}")
-        ax.set_xlabel(xl)
-        ax.set_ylabel(yl)
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7, loc="best")
-    fig.suptitle(f"ReFusion decoding grid vs AR baselines (validation functions, bodies <= "
-                 f"{EVAL_MAX_BODY_TOKENS} tokens, greedy)")
-    fig.tight_layout()
-    _save(fig, path)
-    plt.close(fig)
-    return drawn
-
-
-def _f(v, fmt=".3f"):
-    return "-" if v is None else format(v, fmt)
-
-
-def report_markdown(exp: Experiment, got: dict, runs: dict) -> str:
-    rows = got["rows"]
-    ref = [r for r in rows if r["mode"] == "refusion"]
-    ar = {r["model"]: r for r in rows if r["mode"] == "ar"}
-    n_ex = rows[0]["examples"] if rows else 0
-    L = ["# ReFusion vs AR, scaled down (`make experiment`)", ""]
-    L += ["## Settings", "",
-          f"- data: stdlib corpus, SentencePiece 4000 pieces, 256-token samples, 5% held out "
-          f"(`{exp.shards}`)",
-          f"- model: `configs/model/experiment.yaml`; run config `{exp.config}`; "
-          f"{exp.nproc} process(es) x {exp.threads} thread(s)",
-          f"- 1. AR pretraining from scratch: {exp.pretrain_steps} steps of "
-          f"{exp.micro_batch_size} packed 256-token rows",
-          f"- 2a. ReFusion fine-tuning and 2b. AR continued training from the export: "
-          f"{exp.finetune_steps} steps each, same batch, data order and lr schedule",
-          f"- evaluation: {n_ex} validation functions whose body (EOS included) has <= "
-          f"{EVAL_MAX_BODY_TOKENS} tokens; greedy; gen length {GEN_LENGTH}; ReFusion "
-          f"{NUM_BLOCKS} blocks; grid {DECODE_GRID}", ""]
-    if exp.timings:
-        L += ["Stage wall times (s): " + ", ".join(f"{k} {v:.0f}" for k, v in
-                                                  exp.timings.items()), ""]
-    L += ["## Training", "", "| run | steps | tokens | last train loss (AR / MDM) | "
-          "last validation loss (AR / MDM) |", "|---|---|---|---|---|"]
-    for label, m in runs.items():
-        tr, va = m.get("train", []), m.get("val", [])
-        if not tr:
-            continue
-        t = tr[-1]
-        k = max(1, min(10, len(tr) // 4))
-        def mean(key):
-            vals = [x[key] for x in tr[-k:] if isinstance(x.get(key), (int, float))]
-            return sum(vals) / len(vals) if vals else None
-        v = va[-1] if va else {}
-        L.append(f"| {label} | {t['run_step']} | {t.get('consumed_tokens', '-')} | "
-                 f"{_f(mean('loss'))} ({_f(mean('ar_loss'))} / {_f(mean('mdm_loss'))}) | "
-                 f"{_f(v.get('val_loss'))} ({_f(v.get('val_ar_loss'))} / "
-                 f"{_f(v.get('val_mdm_loss'))}) |")
-    L += ["", "(train loss: mean of the last logged steps; each run's validation uses its "
-          "own objective; steps of 2a/2b are counted after stage 1 in loss.png)", ""]
-    if got["losses"]:
-        L += [f"Validation loss of every exported model under the ReFusion objective "
-              f"(`pipeline.evaluate.validation_loss`, first {VAL_LOSS_BATCHES * 4} validation samples):", "",
-              "| model | loss | AR term | MDM term |", "|---|---|---|---|"]
-        for m, v in got["losses"].items():
-            L.append(f"| {m} | {_f(v['val_loss'], '.4f')} | {_f(v['val_ar_loss'], '.4f')} | "
-                     f"{_f(v['val_mdm_loss'], '.4f')} |")
-        L.append("")
-    L += ["## Decoding", "", "| model | decode mode | slot size | slot thr | token thr | TPF | "
-          "tokens/s | exact match | token accuracy |", "|---|---|---|---|---|---|---|---|---|"]
-    for r in sorted(rows, key=lambda r: (r["mode"] != "ar", r["model"],
-                                         json.dumps(r["setting"], sort_keys=True))):
-        s = r["setting"] or {}
-        L.append(f"| {r['model']} | {r['mode']} | {s.get('slot_size', '-')} | "
-                 f"{s.get('slot_threshold', '-')} | {s.get('token_threshold', '-')} | "
-                 f"{r['tpf']:.2f} | {r['tps']:.0f} | {r['exact_match']:.3f} | "
-                 f"{r['token_accuracy']:.3f} |")
-    L.append("")
-    if ref:
-        L += ["## Frontier", "", "ReFusion settings not dominated in (TPF, exact match, token "
-              "accuracy):", ""]
-        for r in pareto(ref):
-            s = r["setting"]
-            L.append(f"- k={s['slot_size']}, slot thr {s['slot_threshold']}, token thr "
-                     f"{s['token_threshold']}: TPF {r['tpf']:.2f}, exact match "
-                     f"{r['exact_match']:.3f}, token accuracy {r['token_accuracy']:.3f}")
-        base = ar.get("ar_continued") or ar.get("refusion")
-        if base is not None:
-            need = TARGET_EM_RATIO * base["exact_match"]
-            hit = [r for r in ref if r["tpf"] >= TARGET_TPF and r["exact_match"] >= need]
-            L += ["", f"Target (TPF >= {TARGET_TPF} with exact match >= {TARGET_EM_RATIO:.0%} "
-                  f"of AR decoding of `{base['model']}`, i.e. >= {need:.3f}): "
-                  + (f"reached by {len(hit)} setting(s)." if hit else "not reached.")]
-            if base["exact_match"] == 0:
-                L += ["", "The exact-match side of the target is empty here (the AR baseline's "
-                      "exact match is 0, so any setting meets it): compare token accuracy, and "
-                      "see the diagnosis below for what limits TPF."]
-        L.append("")
-    diag = exp.collect_diagnose()
-    if diag:
-        thr = [str(t) for t in DECODE_GRID["token_threshold"]]
-        L += ["## Why this TPF: one plan + verify step, teacher-forced", "",
-              "`pipeline.evaluate.slot_acceptance`: at every slot of every reference answer, with "
-              "the prompt and the reference before the slot as context (what a decode that got "
-              "everything before right would hold), the plan drafts the slot from masks and one "
-              "verify forward accepts drafted tokens while their causal probability exceeds the "
-              "token threshold. A decode step (plan + verify, 2 forwards) commits a whole slot "
-              "only when all k drafted tokens are accepted; otherwise it commits less per forward.",
-              "", "| model | k | slots | first token correct | draft correct by offset | whole "
-              "slot drafted correctly | tokens accepted per slot (thr " + " / ".join(thr) +
-              ") | of them a correct prefix | AR next-token accuracy |",
-              "|---|---|---|---|---|---|---|---|---|"]
-        for d in diag:
-            offs = " ".join(f"{x:.2f}" for x in d["draft_accuracy_by_offset"] if x is not None)
-            L.append(f"| {d['model']} | {d['slot_size']} | {d['slots']} | "
-                     f"{d['first_token_accuracy']:.3f} | {offs} | {d['exact_slot_drafts']:.3f} | "
-                     + " / ".join(f"{d['accepted'][t]:.2f}" for t in thr) + " | "
-                     + " / ".join(f"{d['accepted_correct'][t]:.2f}" for t in thr) + " | "
-                     f"{d['ar_next_token_accuracy']:.3f} |")
-        L.append("")
-    L += ["Figures: `frontier.png` (TPF / tokens/s vs exact match and token accuracy), "
-          "`loss.png` (training and validation losses of all runs).", ""]
-    return "\n".join(L)
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m pipeline.experiment",
-                                description="ReFusion vs AR, scaled down (issue 10).",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--out", default="outputs/experiment")
-    p.add_argument("--config", default="configs/experiment.yaml")
-    p.add_argument("--pretrain-steps", type=int, default=3000)
-    p.add_argument("--finetune-steps", type=int, default=1500)
-    p.add_argument("--micro-batch-size", type=int, default=8,
-                   help="rows of 256 tokens per optimizer step (all three runs)")
+                                description="ReFusion vs AR, scaled down (issues 10 and 20).")
+    p.add_argument("--task", choices=sorted(TASKS), default="math",
+                   help="math (default): GSM8K-form word problems; code: stdlib functions")
+    p.add_argument("--out", default=None, help="output folder (default outputs/experiment/TASK)")
+    p.add_argument("--config", default=None, help="run config (default: the task's)")
+    p.add_argument("--pretrain-steps", type=int, default=None,
+                   help="default: the task's (math 2400, code 3000)")
+    p.add_argument("--finetune-steps", type=int, default=None,
+                   help="steps of each stage-2 run (default: the task's, math 1500, code 1500)")
+    p.add_argument("--micro-batch-size", type=int, default=None,
+                   help="rows of 256 tokens per optimizer step, all three runs (default 8)")
     p.add_argument("--parallel", action="store_true",
                    help="train the two stage-2 runs at the same time (each with --threads)")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--nproc", type=int, default=1)
+    p.add_argument("--threads", type=int, default=2,
+                   help="torch threads per process (default 2)")
+    p.add_argument("--nproc", type=int, default=1, help="training processes (default 1)")
     p.add_argument("--only-report", action="store_true",
                    help="rewrite report.md and the figures from what is there")
     args = p.parse_args(argv)
-    if min(args.pretrain_steps, args.finetune_steps, args.threads, args.nproc,
-           args.micro_batch_size) < 1:
+    given = [v for v in (args.pretrain_steps, args.finetune_steps, args.micro_batch_size)
+             if v is not None]
+    if min(given + [args.threads, args.nproc]) < 1:
         print("error: --pretrain-steps, --finetune-steps, --micro-batch-size, --threads, "
-              "--nproc must be >= 1",
-              file=sys.stderr)
+              "--nproc must be >= 1", file=sys.stderr)
         return 2
-    exp = Experiment(args.out, args.pretrain_steps, args.finetune_steps, args.threads,
-                     args.nproc, args.config, args.micro_batch_size, args.parallel)
+    exp = Experiment(args.task, args.out, args.pretrain_steps, args.finetune_steps,
+                     args.threads, args.nproc, args.micro_batch_size, args.parallel,
+                     args.config)
     t0 = time.time()
     try:
         path = exp.stage_report() if args.only_report else exp.run()
