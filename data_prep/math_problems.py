@@ -1,7 +1,7 @@
 """`python data_prep/math_problems.py`: a deterministic generator of GSM8K-form word problems.
 
-    python data_prep/math_problems.py --output DIR [--train 80000] [--test 400] [--dev 400]
-        [--unseen 200] [--seed 0]
+    python data_prep/math_problems.py --output DIR [--train 80000] [--test 200] [--dev 200]
+        [--test-unseen 100] [--seed 0]
 
 Owns: the math task's data (templates, number ranges, the answer format, the splits) written
 as JSONL query/response records that `data_prep/shard.py` and `data_prep/train_tokenizer.py`
@@ -56,7 +56,7 @@ from pipeline.atomic_io import write_json, write_text
 
 MAX_VALUE = 999        # every operand, intermediate and final result is in [0, MAX_VALUE]
 HELD_OUT_FRACTION = 0.04   # share of problem keys in each held-out pool (test, dev)
-DEFAULT_SIZES = {"train": 80000, "test": 400, "dev": 400, "test_unseen": 200}
+DEFAULT_SIZES = {"train": 80000, "test": 200, "dev": 200, "test_unseen": 100}
 
 ANNOTATION = re.compile(r"<<(\d+)([-+*/])(\d+)=(\d+)>>(\d+)")
 

@@ -39,14 +39,18 @@ def test_jobs_are_unique_and_fit_the_generation_length(name):
 
 def test_math_grid_is_the_recorded_one():
     t = TASKS["math"]
-    assert len(t.grid) == 16 and t.metric == "final_answer" and t.gen_length == 128
-    assert {s.verify for s in t.grid} == {"authors", "correct"}
-    assert {s.slot_size for s in t.grid} == {4, 8} and {s.num_blocks for s in t.grid} == {0, 4}
-    assert {s.token_threshold for s in t.grid} == {0.4, 0.9}
+    assert len(t.grid) == 12 and t.metric == "final_answer" and t.gen_length == 128
+    for verify, thresholds in (("authors", {0.4, 0.9}), ("correct", {0.9})):
+        part = [s for s in t.grid if s.verify == verify]
+        assert len(part) == 4 * len(thresholds)
+        assert {s.token_threshold for s in part} == thresholds
+        assert {s.slot_size for s in part} == {4, 8} and {s.num_blocks for s in part} == {0, 4}
     assert {s.slot_threshold for s in t.grid} == {0.9}
-    one = Setting("refusion", 8, 0, 0.9, 0.4, "correct")
+    assert t.sizes == {"train": 80000, "test": 200, "dev": 200, "test_unseen": 100}
+    one = Setting("refusion", 8, 0, 0.9, 0.9, "correct")
+    assert one in t.grid
     assert Experiment("math", out="x").decode_args(one).num_blocks == 16   # 1 slot per block
-    assert one.name() == "refusion_k8_b1slot_s0.9_t0.4_correct"
+    assert one.name() == "refusion_k8_b1slot_s0.9_t0.9_correct"
     assert TASKS["code"].grid[0].name() == "refusion_k4_b2_s0.5_t0.1_authors"
 
 
