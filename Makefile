@@ -1,7 +1,8 @@
 # Two set-up commands (see README): `make demo` runs the main job, `make test` runs the tests.
 # Each creates and fills its own virtual environment on first use. `make experiment` runs the
-# scaled-down ReFusion-vs-AR recipe (docs/EXPERIMENTS.md; 47 minutes on 2 idle CPU cores,
-# not part of `make test`); EXPERIMENT_ARGS passes options, e.g. "--pretrain-steps 400".
+# scaled-down ReFusion-vs-AR recipe (docs/EXPERIMENTS.md; not part of `make test`) on
+# TASK=math (GSM8K-form word problems, the default) or TASK=code (stdlib functions, 47 minutes
+# on 2 idle CPU cores); EXPERIMENT_ARGS passes options, e.g. "--pretrain-steps 400".
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -9,6 +10,7 @@ PY := $(VENV)/bin/python
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 export WANDB_MODE ?= offline
 export PYTHONUNBUFFERED := 1
+TASK ?= math
 
 .PHONY: venv demo test experiment clean
 
@@ -26,7 +28,7 @@ demo: venv
 	bash scripts/demo.sh
 
 experiment: venv
-	$(PY) -m pipeline.experiment $(EXPERIMENT_ARGS)
+	$(PY) -m pipeline.experiment --task $(TASK) $(EXPERIMENT_ARGS)
 
 test: venv
 	$(PY) -m pytest -q tests

@@ -153,6 +153,8 @@ def main() -> int:
     ap.add_argument("--batch-size", type=int, default=8, help="prompts decoded together")
     ap.add_argument("--repeats", type=int, default=3,
                     help="timed decodes per setting; tokens/s uses the median wall time")
+    ap.add_argument("--verify", choices=("authors", "correct"), default="authors",
+                    help="what a rejected draft becomes (pipeline.generate --verify)")
     ap.add_argument("--exact-cache", action="store_true",
                     help="re-encode slots infilled in parallel (exact KV cache)")
     ap.add_argument("--device", default="auto",
@@ -256,7 +258,8 @@ def main() -> int:
     for st, tt in GRID:
         r = run(lambda p: refusion_generate(model, p, args.gen_length, args.slot_size,
                                             args.num_blocks, st, tt, 0.0, mask_id, eos_id,
-                                            exact_cache=args.exact_cache))
+                                            exact_cache=args.exact_cache,
+                                            verify=args.verify))
         line("refusion", st, tt, r)
     if args.vs_transformers:
         c = compare_with_transformers(model, prompts[:args.batch_size], args.gen_length,

@@ -2,7 +2,8 @@
 
     python -m pipeline.evaluate --model HF_DIR_OR_CHECKPOINT --data SHARDS_DIR_OR_JSONL
         [--split val] [--max-batches N] [--micro-batch-size B] [--limit N]
-        [--modes refusion,ar] [decoding options of pipeline.generate] [--json] [--json-out F]
+        [--modes refusion,ar] [--metric text|final_answer] [decoding options of
+        pipeline.generate] [--json] [--json-out F]
     python -m pipeline.evaluate --model ... --task humaneval [--limit N] [--modes ...]
 
 Owns: the evaluation loops and their figures. Must not touch: the loss (`pipeline.objective`),
@@ -24,9 +25,11 @@ decoding (`pipeline.inference.decoding`), shard layout (read with webdataset / `
 Fair comparison of modes: when refusion is among `--modes`, `--gen-length` is rounded up to a
 multiple of `--slot-size` (refusion's generation region is whole slots) and every mode gets
 that same length; the report's `settings.gen_length` is the length used.
-Exact match: decoded text (EOS and after removed) equals the reference, both stripped of
-surrounding whitespace. `agreement_with_ar`: fraction of examples where refusion mode decodes
-the same text as ar mode (docs/METHOD.md "TPF, TPS and the other figures"). TPF = generated tokens / forwards;
+Exact match (`--metric text`, default): decoded text (EOS and after removed) equals the
+reference, both stripped of surrounding whitespace; `--metric final_answer`: the number after
+`####` (GSM8K's metric, `final_answer`) equals the reference's. `agreement_with_ar`: fraction of
+examples where refusion mode decodes the same text as ar mode (docs/METHOD.md "TPF, TPS and the
+other figures"). TPF = generated tokens / forwards;
 TPS = generated tokens / decode wall seconds, over all examples of a mode.
 The JSON report records `settings` (model, modes, decoding options, limit, split, task, data,
 the device and dtype used). `--device auto|cpu|cuda[:N]` and `--dtype` as `pipeline.generate`
@@ -38,6 +41,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -113,23 +117,26 @@ def _cut_at_eos(ids: list[int], eos_id: int) -> list[int]:
 
 
 def decode_examples(loaded, prompts: list[list[int]], args, mode: str):
-    """Decode prompt ids in batches of `args.batch_size`; returns (token lists, figures)."""
+    """Decode prompt ids in batches of `args.batch_size`; returns (token lists, figures:
+    tokens, forwards, seconds, tpf, tps, and `commit_forward`, one list per prompt)."""
     from pipeline.inference.cli import decode_batch, warm_up
     ns = argparse.Namespace(**{**vars(args), "mode": mode})
     if prompts:
         warm_up(loaded, prompts[0])
-    tokens, forwards, seconds = [], 0, 0.0
+    tokens, traces, forwards, seconds = [], [], 0, 0.0
     for i in range(0, len(prompts), args.batch_size):
         try:
             out = decode_batch(loaded, prompts[i:i + args.batch_size], ns)
         except ValueError as e:
             raise UsageError(str(e))
         tokens += out.tokens
+        traces += out.commit_forward
         forwards += sum(out.num_forwards(j) for j in range(len(out.tokens)))
         seconds += out.seconds
     n = sum(len(t) for t in tokens)
     return tokens, {"tokens": n, "forwards": forwards, "seconds": seconds,
-                    "tpf": n / forwards if forwards else 0.0, "tps": n / seconds if seconds else 0.0}
+                    "tpf": n / forwards if forwards else 0.0, "tps": n / seconds if seconds else 0.0,
+                    "commit_forward": traces}
 
 
 def token_accuracy(decoded: list[list[int]], references: list[list[int]], eos_id: int
@@ -160,14 +167,62 @@ def token_accuracy(decoded: list[list[int]], references: list[list[int]], eos_id
     return hits / total if total else None
 
 
-def exact_match_eval(loaded, examples: list[dict], args, modes) -> dict:
+FINAL_ANSWER = re.compile(r"####\s*(-?[0-9.,]+)")
+METRICS = ("text", "final_answer")
+
+
+def final_answer(text: str) -> str | None:
+    """The final answer of a GSM8K-form solution: the number after the first `####`, as the
+    GSM8K metric reads it (lm-evaluation-harness's gsm8k strict match, `#### (-?[0-9.,]+)`),
+    normalized: commas and a trailing "." removed, an integral decimal written as an integer
+    ("72.0" -> "72").
+
+    Returns:
+        the number as a string, or None when the text has no `####` followed by a number.
+    """
+    m = FINAL_ANSWER.search(text)
+    if m is None:
+        return None
+    s = m.group(1).replace(",", "").rstrip(".")
+    try:
+        v = float(s)
+    except ValueError:
+        return None
+    return str(int(v)) if v.is_integer() and "e" not in s.lower() else s
+
+
+def answers_match(decoded: str, reference: str, metric: str = "text") -> bool:
+    """Whether a decoded answer counts as exact: `metric` "text" = equal after stripping
+    surrounding whitespace; "final_answer" = the same `final_answer` (not None)."""
+    if metric == "final_answer":
+        got = final_answer(decoded)
+        return got is not None and got == final_answer(reference)
+    return decoded.strip() == reference.strip()
+
+
+def exact_match_eval(loaded, examples: list[dict], args, modes, metric: str = "text",
+                     keep_outputs: bool = False) -> dict:
     """Exact match of decoded answers per mode, with TPF/TPS, and refusion-vs-AR agreement.
 
     Args:
         examples: [{"prompt_ids", "reference" (text) or "reference_ids"}]. When every example
             has "reference_ids", each mode also reports `token_accuracy` (see
             `token_accuracy`).
+        metric: what exact means (`answers_match`): "text" (the whole answer) or
+            "final_answer" (GSM8K's: the number after `####`).
+        keep_outputs: also return every decoded answer per mode (`outputs`: {"ids", "text",
+            "commit_forward"}, see `GenerationOutput.commit_forward`).
+
+    Returns:
+        {mode: {"examples", "metric", "exact_match", "text_match" (whole answer equal),
+        "tokens", "forwards", "seconds", "tpf", "tps", ["token_accuracy"], ["outputs"]},
+        "samples": the first 3 references with each mode's text}; with both modes,
+        refusion's "agreement_with_ar" (same text as ar mode).
+    Raises:
+        UsageError: an unknown metric, or a decode error.
     """
+    if metric not in METRICS:
+        raise UsageError(f"--metric {metric}: expected one of {', '.join(METRICS)}")
     eos = loaded.eos_id
     refs = [e["reference"] if "reference" in e else loaded.decode(_cut_at_eos(e["reference_ids"],
                                                                               eos))
@@ -176,123 +231,25 @@ def exact_match_eval(loaded, examples: list[dict], args, modes) -> dict:
     res, texts = {}, {}
     for mode in modes:
         toks, fig = decode_examples(loaded, prompts, args, mode)
+        traces = fig.pop("commit_forward")
         texts[mode] = [loaded.decode(_cut_at_eos(t, eos)) for t in toks]
-        hits = sum(a.strip() == b.strip() for a, b in zip(texts[mode], refs))
-        res[mode] = {"examples": len(examples), "exact_match": hits / len(examples)
-                     if examples else None, **fig}
+        hits = sum(answers_match(a, b, metric) for a, b in zip(texts[mode], refs))
+        same = sum(answers_match(a, b) for a, b in zip(texts[mode], refs))
+        n = len(examples)
+        res[mode] = {"examples": n, "metric": metric, "exact_match": hits / n if n else None,
+                     "text_match": same / n if n else None, **fig}
         if examples and all("reference_ids" in e for e in examples):
             res[mode]["token_accuracy"] = token_accuracy(
                 toks, [e["reference_ids"] for e in examples], eos)
+        if keep_outputs:
+            res[mode]["outputs"] = [{"ids": list(t), "text": x, "commit_forward": f}
+                                    for t, x, f in zip(toks, texts[mode], traces)]
     if "refusion" in texts and "ar" in texts and examples:
         res["refusion"]["agreement_with_ar"] = sum(
             a == b for a, b in zip(texts["refusion"], texts["ar"])) / len(examples)
     res["samples"] = [{"reference": r, **{m: texts[m][i] for m in modes}}
                       for i, r in enumerate(refs[:3])]
     return res
-
-
-@torch.no_grad()
-def slot_acceptance(loaded, examples: list[dict], slot_size: int, block_size: int,
-                    thresholds=(0.1, 0.5, 0.9), batch_size: int = 64) -> dict:
-    """Teacher-forced profile of one plan + verify step of ReFusion decoding, at every slot of
-    every reference answer: why a decode reaches the TPF it does.
-
-    For each example and each slot start s = 0, k, 2k, ... inside its reference (EOS included),
-    the committed context is the prompt plus the reference's first s tokens (what a decode that
-    got everything before s right would have in its cache). Plan: masks from s to the end of
-    s's block (blocks of `block_size` tokens from the answer start, as the decoder splits
-    gen_length), fed causally after that context: the draft is the argmax at each mask. Verify:
-    the slot's drafted tokens fed after the context: q_j = P(draft_j | context, draft_<j).
-    A step accepts draft_0 and then draft_j while q_j > threshold (the decoder's rule).
-
-    Args:
-        loaded: `pipeline.generate.Loaded`.
-        examples: [{"prompt_ids": list[int], "reference_ids": list[int] (EOS included)}].
-        slot_size: k (tokens); block_size: tokens per decoding block (gen_length / num_blocks),
-            a multiple of k.
-        thresholds: token thresholds to evaluate.
-        batch_size: sequences per forward.
-
-    Returns:
-        {"slots": number of slots profiled, "slot_size", "first_token_accuracy" (draft_0 ==
-        reference, the slot-selection token), "draft_accuracy_by_offset" ([k] fractions: draft_j
-        == reference_j, over slots long enough), "exact_slot_drafts" (fraction of slots whose
-        whole draft equals the reference), "accepted" ({threshold: mean tokens accepted per slot
-        by one verify}), "accepted_correct" ({threshold: mean accepted tokens that are a
-        correct prefix}), "ar_next_token_accuracy" (greedy causal prediction of reference_j
-        from the reference prefix, over the same positions: the AR decode's ceiling)}.
-    Raises:
-        ValueError: block_size not a positive multiple of slot_size.
-    """
-    from pipeline.inference.decoding import _gather
-    k = slot_size
-    if block_size < k or block_size % k:
-        raise ValueError(f"block_size {block_size} must be a positive multiple of slot_size {k}")
-    model, mask_id = loaded.model, loaded.mask_id
-    device = next(model.parameters()).device
-
-    def logits_of(seqs: list[list[int]]) -> list[torch.Tensor]:
-        out = []
-        for i in range(0, len(seqs), batch_size):
-            chunk = seqs[i:i + batch_size]
-            t = max(map(len, chunk))
-            ids = torch.tensor([c + [0] * (t - len(c)) for c in chunk], device=device)
-            pos = torch.arange(t, device=device).expand(len(chunk), t)
-            lg = _gather(model(ids, pos)).float().cpu()   # plain causal; right padding inert
-            out += [lg[j, :len(c)] for j, c in enumerate(chunk)]
-        return out
-
-    jobs = []   # (prompt, reference, s, slot length)
-    for e in examples:
-        ref = list(e["reference_ids"])
-        for s in range(0, len(ref), k):
-            jobs.append((list(e["prompt_ids"]), ref, s, min(k, len(ref) - s)))
-    if not jobs:
-        return {"slots": 0, "slot_size": k}
-    plans = logits_of([p + r[:s] + [mask_id] * ((s // block_size + 1) * block_size - s)
-                       for p, r, s, _ in jobs])
-    drafts = [lg[len(p) + s:len(p) + s + n].argmax(-1) for lg, (p, r, s, n) in zip(plans, jobs)]
-    verifies = logits_of([p + r[:s] + d.tolist() for d, (p, r, s, _) in zip(drafts, jobs)])
-    ar = logits_of([p + r for p, r, s, _ in jobs if s == 0])
-    ar_by_ex = iter(ar)
-    first = exact = 0
-    off_hit, off_n = [0] * k, [0] * k
-    acc = {t: 0 for t in thresholds}
-    acc_ok = {t: 0 for t in thresholds}
-    ar_hit = ar_n = 0
-    cur = None
-    for (p, r, s, n), d, vl in zip(jobs, drafts, verifies):
-        if s == 0:
-            cur = next(ar_by_ex)
-        gold = torch.tensor(r[s:s + n])
-        ok = d == gold
-        first += int(ok[0])
-        exact += int(bool(ok.all()))
-        for j in range(n):
-            off_hit[j] += int(ok[j])
-            off_n[j] += 1
-        ar_pred = cur[len(p) + s - 1:len(p) + s + n - 1].argmax(-1)
-        ar_hit += int((ar_pred == gold).sum())
-        ar_n += n
-        q = torch.softmax(vl[len(p) + s:len(p) + s + n - 1], -1).gather(
-            -1, d[1:, None])[:, 0] if n > 1 else torch.empty(0)
-        for t in thresholds:
-            m = 1
-            while m < n and float(q[m - 1]) > t:
-                m += 1
-            acc[t] += m
-            c = 0
-            while c < m and bool(ok[c]):
-                c += 1
-            acc_ok[t] += c
-    total = len(jobs)
-    return {"slots": total, "slot_size": k,
-            "first_token_accuracy": first / total,
-            "draft_accuracy_by_offset": [h / c if c else None for h, c in zip(off_hit, off_n)],
-            "exact_slot_drafts": exact / total,
-            "accepted": {str(t): acc[t] / total for t in thresholds},
-            "accepted_correct": {str(t): acc_ok[t] / total for t in thresholds},
-            "ar_next_token_accuracy": ar_hit / ar_n}
 
 
 # --------------------------------------------------------------------------------------------
@@ -370,6 +327,7 @@ def humaneval_eval(loaded, args, modes) -> dict:
     res = {}
     for mode in modes:
         toks, fig = decode_examples(loaded, prompts, args, mode)
+        fig.pop("commit_forward")
         comps = [truncate_completion(_continuation_text(loaded, p, _cut_at_eos(t, loaded.eos_id)))
                  for p, t in zip(prompts, toks)]
         checks = run_humaneval_checks(problems, comps)
@@ -399,6 +357,9 @@ def main(argv=None) -> int:
                    help="rows per micro-batch of the validation loss")
     p.add_argument("--limit", type=int, default=16, help="decoded examples (0 = all)")
     p.add_argument("--modes", default="refusion,ar", help="comma list of decoding modes")
+    p.add_argument("--metric", choices=METRICS, default="text",
+                   help="exact match of the whole answer (text) or of the number after '####' "
+                        "(final_answer: GSM8K's metric)")
     p.add_argument("--json", action="store_true", help="print one JSON document")
     p.add_argument("--json-out", default=None, help="also write the JSON document to this file")
     add_decoding_args(p)
@@ -427,6 +388,7 @@ def main(argv=None) -> int:
             loaded = load_model_from_args(args, load_for_inference)
         report: dict = {"model": str(args.model),
                         "settings": {**decoding_settings(args, modes), "limit": args.limit,
+                                     "metric": args.metric,
                                      "split": args.split, "task": args.task,
                                      "data": args.data}}
         t0 = time.perf_counter()
@@ -447,7 +409,7 @@ def main(argv=None) -> int:
             except DataError as e:
                 raise UsageError(str(e))
             if ex:
-                report["qa"] = exact_match_eval(loaded, ex, args, modes)
+                report["qa"] = exact_match_eval(loaded, ex, args, modes, args.metric)
         elif Path(args.data).is_file():
             ex = []
             for n, rec in enumerate(read_prompts_jsonl(args.data), 1):
@@ -457,7 +419,7 @@ def main(argv=None) -> int:
                     raise UsageError(f"{args.data}: record {n} needs a \"query\" (or \"prompt\") "
                                      f"string and a \"response\" (or \"answer\") string")
                 ex.append({"prompt_ids": loaded.tokenizer.prompt_ids(q), "reference": r})
-            report["qa"] = exact_match_eval(loaded, ex[:limit], args, modes)
+            report["qa"] = exact_match_eval(loaded, ex[:limit], args, modes, args.metric)
         else:
             raise UsageError(f"--data {args.data}: no such file or folder")
         report["seconds"] = time.perf_counter() - t0
@@ -481,7 +443,9 @@ def main(argv=None) -> int:
             if r is None:
                 continue
             v = r["exact_match"] if key == "qa" else r["pass@1"]
-            score = (f"{'exact match' if key == 'qa' else 'pass@1'} "
+            what = ("exact match" + (" (final answer)" if args.metric == "final_answer" else "")
+                    if key == "qa" else "pass@1")
+            score = (f"{what} "
                      f"{'-' if v is None else format(v, '.3f')}")
             extra = (f"  agreement with AR {r['agreement_with_ar']:.3f}"
                      if "agreement_with_ar" in r else "")

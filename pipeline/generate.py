@@ -3,8 +3,8 @@
     python -m pipeline.generate --model HF_DIR_OR_CHECKPOINT (--prompt TEXT | --prompts FILE.jsonl)
         [--mode refusion|ar] [--gen-length N] [--slot-size K] [--num-blocks B]
         [--slot-threshold X] [--token-threshold Y] [--temperature T] [--batch-size N]
-        [--exact-cache] [--raw] [--tokenizer PATH] [--device auto|cpu|cuda[:N]]
-        [--dtype float32|bfloat16|float16|float64]
+        [--exact-cache] [--verify authors|correct] [--raw] [--tokenizer PATH]
+        [--device auto|cpu|cuda[:N]] [--dtype float32|bfloat16|float16|float64]
         [--seed S] [--json] [--json-out FILE]
 
 Owns: this command's options (prompts, mode, output), batching and printing. Must not touch:
@@ -30,7 +30,8 @@ prompt's sample depends on the batch it is decoded in (`--batch-size`, the other
 their order) as well as on the seed; greedy decoding (temperature 0) does not.
 `--prompts FILE.jsonl`: one JSON object per line with a "prompt" (or "query") string.
 `--json` / `--json-out`: {"settings": the model and decoding options used (mode, gen_length,
-slot_size, num_blocks, thresholds, temperature, seed, exact_cache, ...), "summary", "results"}.
+slot_size, num_blocks, thresholds, temperature, seed, exact_cache, verify, ...), "summary",
+"results"}.
 TPS = a prompt's generated tokens / wall seconds of its batch (tokens per second), measured
 after one short untimed warm-up decode, the device synchronized before each clock reading.
 Exit codes: 0 done; 2 usage or input error (one line on stderr).

@@ -12,7 +12,7 @@
 
 Owns: `RefusionLM`, the harness model class registered as `refusion`, and the CLI above.
 Must not touch: the decoding algorithms (`pipeline.inference.decoding`), model loading
-(`pipeline.generate.load_for_inference`), task definitions and metrics (the harness's).
+(`pipeline.inference.loading.load_for_inference`), task definitions and metrics (the harness's).
 
 The harness (lm-eval 0.4.x) asks a model for three things:
 - `generate_until(context, {"until": [...], ...})`: the context is encoded as
@@ -111,10 +111,10 @@ class RefusionLM(TemplateLM):
     """Our Qwen3 (`pipeline.model.Qwen3`, TP=1) as an lm-evaluation-harness model.
 
     Args (all also accepted as strings, as the harness's `--model_args` gives them):
-        pretrained: HF folder or training checkpoint (`pipeline.generate.load_for_inference`).
+        pretrained: HF folder or training checkpoint (`pipeline.inference.loading.load_for_inference`).
         mode: "refusion" (plan-and-infill) or "ar" (left to right) for `generate_until`.
         gen_length, slot_size, num_blocks, slot_threshold, token_threshold, temperature,
-            exact_cache, seed: decoding options, as `python -m pipeline.generate`
+            exact_cache, seed, verify: decoding options, as `python -m pipeline.generate`
             (defaults: its defaults).
         batch_size: prompts decoded / sequences scored together (int).
         dtype: "float32" | "bfloat16" | "float16" | "float64" (parameter dtype; None: bf16 on
@@ -132,6 +132,7 @@ class RefusionLM(TemplateLM):
     def __init__(self, pretrained=None, mode: str = "refusion", gen_length=128, slot_size=4,
                  num_blocks=2, slot_threshold=0.6, token_threshold=0.3, temperature=0.0,
                  exact_cache=False, seed=0, batch_size=8, dtype=None, device=None,
+                 verify="authors",
                  tokenizer=None, max_batch_size=None, **kwargs):
         super().__init__()
         if kwargs:
@@ -155,6 +156,7 @@ class RefusionLM(TemplateLM):
                 slot_threshold=float(slot_threshold), token_threshold=float(token_threshold),
                 temperature=float(temperature), exact_cache=_as_bool(exact_cache),
                 seed=int(seed), batch_size=bs, dtype=None if dtype is None else str(dtype),
+                verify=str(verify),
                 tokenizer=tokenizer)
         except ValueError as e:
             raise UsageError(f"--model_args: {e}")
@@ -366,8 +368,8 @@ class RefusionLM(TemplateLM):
         """Added by the harness to the results' `config`: our settings and speed figures."""
         settings = {k: getattr(self.settings, k) for k in (
             "model", "mode", "gen_length", "slot_size", "num_blocks", "slot_threshold",
-            "token_threshold", "temperature", "exact_cache", "seed", "batch_size", "dtype",
-            "tokenizer")}
+            "token_threshold", "temperature", "exact_cache", "verify", "seed", "batch_size",
+            "dtype", "tokenizer")}
         settings["device"] = str(self._device)
         return {"refusion": {"settings": settings, "generation": self.generation_figures()}}
 
@@ -496,8 +498,8 @@ def main(argv=None) -> int:
         model_args = {"pretrained": str(args.model), "mode": args.mode,
                       **{k: getattr(args, k) for k in (
                           "gen_length", "slot_size", "num_blocks", "slot_threshold",
-                          "token_threshold", "temperature", "exact_cache", "seed", "dtype",
-                          "tokenizer")}}
+                          "token_threshold", "temperature", "exact_cache", "verify", "seed",
+                          "dtype", "tokenizer")}}
         results = evaluate(model_args, tasks, args)
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)

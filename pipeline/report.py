@@ -12,7 +12,8 @@ Writes into `--out` (default: RUN_DIR):
   figures the run logged: MFU is null on CPU).
 - `summary.md`: steps, first/last loss (window means), last validation losses, mean tokens/s.
 Figures are drawn with matplotlib's headless Agg backend. Several runs can share one figure
-(`plot_loss({name: metrics, ...})`; used by `pipeline.experiment`).
+(`plot_loss({name: metrics, ...})`; used by `pipeline.experiment`, which also draws with
+`pyplot` and `save_figure`).
 Exit codes: 0 done; 2 missing, empty or malformed metrics file (one line on stderr).
 """
 from __future__ import annotations
@@ -91,15 +92,17 @@ def series(records: list[dict], key: str, scale: float = 1.0) -> tuple[list[int]
     return xs, ys
 
 
-def _pyplot():
+def pyplot():
+    """`matplotlib.pyplot` on the headless Agg backend (no display needed)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     return plt
 
 
-def _save(fig, path: Path) -> None:
-    """Write a figure atomically (temporary file in the same folder, then rename)."""
+def save_figure(fig, path: str | os.PathLike) -> None:
+    """Write a matplotlib figure as PNG (90 dpi) atomically (temporary file in the same folder,
+    then rename)."""
     from pipeline.common.atomic_io import atomic_path
     with atomic_path(path, suffix=".png") as tmp:
         fig.savefig(tmp, format="png", dpi=90)
@@ -116,7 +119,7 @@ def plot_loss(runs: dict[str, dict[str, list[dict]]], path: str | os.PathLike) -
         The plotted data: {panel title: {run label: (steps, values)}} (only series with at
         least one point; losses in nats).
     """
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
     plotted: dict = {}
     panels = list(LOSS_PANELS) + [(None, "validation loss")]
@@ -143,7 +146,7 @@ def plot_loss(runs: dict[str, dict[str, list[dict]]], path: str | os.PathLike) -
         else:
             ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes)
     fig.tight_layout()
-    _save(fig, Path(path))
+    save_figure(fig, Path(path))
     plt.close(fig)
     return plotted
 
@@ -154,7 +157,7 @@ def plot_throughput(metrics: dict[str, list[dict]], path: str | os.PathLike) -> 
     Returns:
         {panel title: (steps, values)} of the panels drawn (values in the panel's unit).
     """
-    plt = _pyplot()
+    plt = pyplot()
     train = metrics.get("train", [])
     drawn = [(t, series(train, k, s)) for k, t, s in THROUGHPUT_PANELS]
     drawn = [(t, xy) for t, xy in drawn if xy[0]]
@@ -168,7 +171,7 @@ def plot_throughput(metrics: dict[str, list[dict]], path: str | os.PathLike) -> 
     if not drawn:
         axes.flat[0].text(0.5, 0.5, "no throughput logged", ha="center", va="center")
     fig.tight_layout()
-    _save(fig, Path(path))
+    save_figure(fig, Path(path))
     plt.close(fig)
     return dict(drawn)
 

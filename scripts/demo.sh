@@ -122,3 +122,6 @@ echo "== 7. plots"
 "$PY" -m pipeline.report "$RUN" --output "$OUT/report"
 echo "pictures: $OUT/report/loss.png (losses), $OUT/report/throughput.png (tokens/s, memory);" \
   "summary: $OUT/report/summary.md"
+echo "This demo shows the pipeline working end to end (data, distributed training, export," \
+  "decoding, evaluation); a model this small and this briefly trained cannot show the method" \
+  "itself: for ReFusion vs AR (speed-up and accuracy) run 'make experiment' (docs/EXPERIMENTS.md)."

@@ -1,74 +1,130 @@
-"""pipeline.experiment: the report stage (tables, frontier, target check, figures) from cached
-evaluation results and metrics files written here; the training/decoding stages are the
-trainer's, exporter's and evaluator's (tested in their own files)."""
+"""pipeline.experiment: the tasks' fixed choices, and the report stage (tables, frontier, target
+check per verify mode, side-by-side answers with the committing forwards marked, figures) from
+cached results written here; the training/decoding stages are the trainer's, exporter's and
+evaluator's (tested in their own files). The experiment itself is not run by the tests."""
 import json
 
 import pytest
 
-from pipeline import experiment as ex
+from pipeline.experiment import Experiment, Setting, TASKS
+from pipeline.experiment import writeup as wu
 
 
-def _row(model, mode, setting, tpf, em, acc, tps=100.0):
-    return {"model": model, "mode": mode, "setting": setting, "examples": 10, "tpf": tpf,
-            "tps": tps, "exact_match": em, "token_accuracy": acc, "tokens": 50, "forwards": 25,
-            "seconds": 1.0}
+def _row(model, mode, setting, tpf, em, acc, tps=100.0, set_name="val", outputs=None):
+    r = {"model": model, "mode": mode, "set": set_name,
+         "setting": setting.to_dict() if setting else None, "examples": 10, "tpf": tpf,
+         "tps": tps, "exact_match": em, "token_accuracy": acc, "tokens": 50, "forwards": 25,
+         "seconds": 1.0}
+    if outputs is not None:
+        r["outputs"] = outputs
+    return r
 
 
-def test_grid_names_are_unique_and_ar_uses_the_same_length():
-    grid = ex.grid_settings()
-    assert len(grid) == 2 * 2 * 3
-    names = {ex.setting_name("refusion", s) for s in grid}
-    assert len(names) == len(grid) and ex.setting_name("ar", None) == "ar"
-    for s in grid:   # every slot size divides the generation length: same length for AR
-        assert ex.GEN_LENGTH % s["slot_size"] == 0
-        assert (ex.GEN_LENGTH // s["slot_size"]) % ex.NUM_BLOCKS == 0
-    assert ex.decode_args(None).gen_length == ex.GEN_LENGTH
+@pytest.mark.parametrize("name", ["code", "math"])
+def test_jobs_are_unique_and_fit_the_generation_length(name):
+    task = TASKS[name]
+    jobs = task.jobs()
+    assert len({(m, s, x.name()) for m, s, x in jobs}) == len(jobs)
+    assert jobs[:2] == [("refusion", task.main_set, Setting()),
+                        ("ar_continued", task.main_set, Setting())]
+    e = Experiment(task, out="unused")
+    for _, _, s in jobs:
+        if s.mode == "refusion":
+            a = e.decode_args(s)
+            assert task.gen_length % s.slot_size == 0
+            assert (task.gen_length // s.slot_size) % a.num_blocks == 0
+            assert a.verify == s.verify and a.temperature == 0.0
+    assert e.decode_args(Setting()).gen_length == task.gen_length
+
+
+def test_math_grid_is_the_recorded_one():
+    t = TASKS["math"]
+    assert len(t.grid) == 12 and t.metric == "final_answer" and t.gen_length == 128
+    for verify, thresholds in (("authors", {0.4, 0.9}), ("correct", {0.9})):
+        part = [s for s in t.grid if s.verify == verify]
+        assert len(part) == 4 * len(thresholds)
+        assert {s.token_threshold for s in part} == thresholds
+        assert {s.slot_size for s in part} == {4, 8} and {s.num_blocks for s in part} == {0, 4}
+    assert {s.slot_threshold for s in t.grid} == {0.9}
+    assert t.sizes == {"train": 80000, "test": 200, "dev": 200, "test_unseen": 100}
+    one = Setting("refusion", 8, 0, 0.9, 0.9, "correct")
+    assert one in t.grid
+    assert Experiment("math", out="x").decode_args(one).num_blocks == 16   # 1 slot per block
+    assert one.name() == "refusion_k8_b1slot_s0.9_t0.9_correct"
+    assert TASKS["code"].grid[0].name() == "refusion_k4_b2_s0.5_t0.1_authors"
 
 
 def test_pareto_drops_dominated_settings():
-    a = _row("refusion", "refusion", {"k": 1}, 2.0, 0.10, 0.5)
-    b = _row("refusion", "refusion", {"k": 2}, 1.0, 0.20, 0.6)
-    c = _row("refusion", "refusion", {"k": 3}, 1.0, 0.10, 0.5)   # dominated by a and b
-    d = _row("refusion", "refusion", {"k": 4}, 2.0, 0.10, 0.5)   # equal to a: both kept
-    assert ex.pareto([a, b, c, d]) == [b, a, d]
+    s = Setting("refusion")
+    a = _row("refusion", "refusion", s, 2.0, 0.10, 0.5)
+    b = _row("refusion", "refusion", s, 1.0, 0.20, 0.6)
+    c = _row("refusion", "refusion", s, 1.0, 0.10, 0.5)   # dominated by a and b
+    d = _row("refusion", "refusion", s, 2.0, 0.10, 0.5)   # equal to a: both kept
+    assert wu.pareto([a, b, c, d]) == [b, a, d]
 
 
-def test_report_stage_writes_tables_figures_and_the_target_check(tmp_path):
-    e = ex.Experiment(str(tmp_path), pretrain_steps=4, finetune_steps=2, threads=1, nproc=1,
-                      config="configs/experiment.yaml", micro_batch_size=2)
-    grid = ex.grid_settings()
-    rows = [_row("ar_continued", "ar", None, 1.0, 0.20, 0.50),
-            _row("refusion", "ar", None, 1.0, 0.18, 0.45),
-            _row("refusion", "refusion", grid[0], 1.6, 0.19, 0.44),    # meets the target
-            _row("refusion", "refusion", grid[1], 2.5, 0.10, 0.30),    # fast, inaccurate
-            _row("refusion", "refusion", {"slot_size": 99}, 9.0, 1.0, 1.0)]  # not in grid
-    for i, r in enumerate(rows):
-        (tmp_path / "eval").mkdir(exist_ok=True)
-        (tmp_path / "eval" / f"r{i}.json").write_text(json.dumps(r))
-    (tmp_path / "eval" / "refusion__val_loss.json").write_text(json.dumps(
-        {"model": "refusion", "loss": {"val_loss": 5.0, "val_ar_loss": 2.0,
-                                       "val_mdm_loss": 3.0}}))
+def test_marked_text_groups_tokens_by_the_forward_that_committed_them(tmp_path):
+    import sentencepiece as spm
+    from pipeline.tokenizer import load_tokenizer
+    path = tmp_path / "t.model"
+    with open(path, "wb") as f:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(["Mia has 4 pens and 5 cups."] * 50), model_writer=f,
+            vocab_size=40, model_type="char", pad_id=0, unk_id=1, bos_id=2, eos_id=3,
+            user_defined_symbols=["<|mask|>", "<|user|>", "<|assistant|>"], minloglevel=2)
+    tok = load_tokenizer(str(path))
+    ids = tok.encode("Mia has 4 pens")
+    fw = [2] * 4 + [4] * (len(ids) - 4)
+    text = wu.marked_text(tok, ids + [tok.info.eos_id, 9], fw + [6, 6], tok.info.eos_id)
+    assert text == "{2:Mia}{4: has 4 pens}"          # the space stays with its token ("▁h")
+    assert wu.plain_text(tok, ids + [tok.info.eos_id], tok.info.eos_id) == "Mia has 4 pens"
+
+
+def _write(path, doc):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc))
+
+
+def _metrics(tmp_path):
     for name, mdm in (("pretrain_ar", 0.0), ("refusion", 1.5)):
         d = tmp_path / "runs" / name
         d.mkdir(parents=True)
         d.joinpath("metrics.jsonl").write_text("".join(json.dumps(
             {"kind": "train", "step": s, "loss": 3.0 + mdm, "ar_loss": 3.0, "mdm_loss": mdm,
              "consumed_tokens": 100 * s}) + "\n" for s in (1, 2)))
-    (tmp_path / "diagnose").mkdir()
-    (tmp_path / "diagnose" / "refusion__slot_acceptance_k4.json").write_text(json.dumps(
-        {"model": "refusion", "slots": 12, "slot_size": 4, "first_token_accuracy": 0.5,
-         "draft_accuracy_by_offset": [0.5, 0.25, 0.125, None], "exact_slot_drafts": 0.125,
-         "accepted": {"0.1": 2.5, "0.5": 1.75, "0.9": 1.25},
-         "accepted_correct": {"0.1": 1.0, "0.5": 0.75, "0.9": 0.5},
-         "ar_next_token_accuracy": 0.625}))
+
+
+def test_code_report_tables_frontier_and_target(tmp_path):
+    e = Experiment("code", str(tmp_path), pretrain_steps=4, finetune_steps=2, threads=1,
+                   micro_batch_size=2)
+    grid = TASKS["code"].grid
+    rows = [_row("ar_continued", "ar", None, 1.0, 0.20, 0.50),
+            _row("refusion", "ar", None, 1.0, 0.18, 0.45),
+            _row("refusion", "refusion", grid[0], 1.6, 0.19, 0.44),    # meets the target
+            _row("refusion", "refusion", grid[1], 2.5, 0.10, 0.30)]    # fast, inaccurate
+    for r in rows:
+        _write(e.eval_path(r["model"], "val", Setting.from_dict(r["setting"])), r)
+    _write(e.eval_path("refusion", "val", Setting("refusion", 99)),         # not a job: ignored
+           _row("refusion", "refusion", Setting("refusion", 99), 9.0, 1.0, 1.0))
+    _write(tmp_path / "eval" / "refusion__val_loss.json",
+           {"model": "refusion", "loss": {"val_loss": 5.0, "val_ar_loss": 2.0,
+                                          "val_mdm_loss": 3.0}})
+    _metrics(tmp_path)
+    _write(tmp_path / "diagnose" / "refusion__slot_acceptance_k4.json",
+           {"model": "refusion", "slots": 12, "slot_size": 4, "first_token_accuracy": 0.5,
+            "draft_accuracy_by_offset": [0.5, 0.25, 0.125, None], "exact_slot_drafts": 0.125,
+            "accepted": {"0.1": 2.5, "0.5": 1.75, "0.9": 1.25},
+            "accepted_correct": {"0.1": 1.0, "0.5": 0.75, "0.9": 0.5},
+            "ar_next_token_accuracy": 0.625, "accepted_verify_correct": 1.5})
     md = e.stage_report().read_text()
     assert ("| refusion | 4 | 12 | 0.500 | 0.50 0.25 0.12 | 0.125 | 2.50 / 1.75 / 1.25 | "
-            "1.00 / 0.75 / 0.50 | 0.625 |") in md
+            "1.00 / 0.75 / 0.50 | 1.50 | 0.625 |") in md
     assert (tmp_path / "frontier.png").read_bytes()[:4] == b"\x89PNG"
     assert (tmp_path / "loss.png").read_bytes()[:4] == b"\x89PNG"
-    assert "| refusion | refusion | 4 | 0.5 | 0.1 | 1.60 | 100 | 0.190 | 0.440 |" in md
-    assert "| 99 |" not in md and "9.00" not in md            # results of another grid ignored
-    assert "i.e. >= 0.180): reached by 1 setting(s)." in md
+    assert ("| refusion | refusion | authors | 4 | 2 blocks | 0.5 | 0.1 | 1.60 | 100 | 0.190 | "
+            "0.440 | - |") in md
+    assert "| 99 |" not in md and "9.00" not in md
+    assert "i.e. >= 0.180:" in md and "- verify authors: reached by 1 setting(s)" in md
     assert "exact-match side of the target is empty" not in md
     assert "| refusion | 5.0000 | 2.0000 | 3.0000 |" in md
     # The AR run's logged MDM term (0) is not reported as an MDM loss; steps are the run's own.
@@ -76,25 +132,57 @@ def test_report_stage_writes_tables_figures_and_the_target_check(tmp_path):
     assert "| 2a. ReFusion fine-tuning | 2 | 200 | 4.500 (3.000 / 1.500) |" in md
 
 
-def test_frontier_plot_draws_one_point_per_setting(tmp_path):
-    grid = ex.grid_settings()
-    rows = [_row("refusion", "refusion", s, 1.0 + i / 10, 0.1, 0.2) for i, s in enumerate(grid)]
-    rows.append(_row("ar_continued", "ar", None, 1.0, 0.3, 0.4))
-    drawn = ex.plot_frontier(rows, tmp_path / "f.png")
-    panel = drawn["TPF (tokens per forward) vs exact match"]
-    assert panel["AR decoding of ar_continued"] == ([0.3], [1.0])
-    refusion_tpf = sorted(y for k, (xs, ys) in panel.items() if k.startswith("ReFusion")
-                          for y in ys)
-    assert refusion_tpf == pytest.approx([1.0 + i / 10 for i in range(len(grid))])
-
-
 def test_target_check_says_when_the_baseline_exact_match_is_zero(tmp_path):
-    e = ex.Experiment(str(tmp_path), pretrain_steps=4, finetune_steps=2, threads=1, nproc=1,
-                      config="configs/experiment.yaml", micro_batch_size=2)
-    (tmp_path / "eval").mkdir()
-    for i, r in enumerate([_row("ar_continued", "ar", None, 1.0, 0.0, 0.14),
-                           _row("refusion", "refusion", ex.grid_settings()[0], 0.7, 0.0, 0.15)]):
-        (tmp_path / "eval" / f"r{i}.json").write_text(json.dumps(r))
+    e = Experiment("code", str(tmp_path), pretrain_steps=4, finetune_steps=2, threads=1)
+    g = TASKS["code"].grid[0]
+    for r in (_row("ar_continued", "ar", None, 1.0, 0.0, 0.14),
+              _row("refusion", "refusion", g, 0.7, 0.0, 0.15)):
+        _write(e.eval_path(r["model"], "val", Setting.from_dict(r["setting"])), r)
     md = e.stage_report().read_text()
-    assert "i.e. >= 0.000): not reached." in md          # TPF 0.7 < 1.5
+    assert "i.e. >= 0.000:" in md and "- verify authors: not reached." in md
     assert "exact-match side of the target is empty" in md
+
+
+def test_math_report_per_verify_mode_identity_with_ar_and_side_by_side(tmp_path):
+    """The math task's report from fake results on a real (small) problem set and tokenizer:
+    the target is checked per verify mode, a decode whose ids equal AR's is counted as
+    identical, the unseen set gets its own table, and the first problems are shown with the
+    reference, AR and the sample settings' marked decodes."""
+    from data_prep import math_problems as mp
+    from data_prep.train_tokenizer import train
+    t = TASKS["math"]
+    e = Experiment("math", str(tmp_path), pretrain_steps=4, finetune_steps=2, threads=1)
+    mp.write_splits(tmp_path / "problems", {"train": 300, "test": 5, "dev": 0,
+                                            "test_unseen": 4})
+    train([str(tmp_path / "problems" / "train.jsonl")], str(t.spm(tmp_path)), 400)
+    ex = e.examples("test")
+    assert len(ex) == 5 and ex[0]["reference_ids"][-1] == 3            # EOS closes it
+    ref_out = [{"ids": x["reference_ids"], "commit_forward": list(range(1, len(
+        x["reference_ids"]) + 1)), "text": x["reference"]} for x in ex]
+    wrong = [dict(o, ids=o["ids"][:3] + [5] + o["ids"][4:]) for o in ref_out]
+    paired = [dict(o, commit_forward=[(j // 4) * 2 + 2 for j in range(len(o["ids"]))])
+              for o in ref_out]
+    authors, correct = t.sample_settings[0], t.sample_settings[1]
+    rows = [_row("ar_continued", "ar", None, 1.0, 0.9, 0.99, set_name="test", outputs=ref_out),
+            _row("refusion", "ar", None, 1.0, 0.85, 0.97, set_name="test", outputs=ref_out),
+            _row("refusion", "refusion", authors, 1.9, 0.10, 0.70, set_name="test",
+                 outputs=wrong),
+            _row("refusion", "refusion", correct, 1.7, 0.85, 0.97, set_name="test",
+                 outputs=paired),
+            _row("refusion", "ar", None, 1.0, 0.5, 0.9, set_name="unseen")]
+    for r in rows:
+        _write(e.eval_path(r["model"], r["set"], Setting.from_dict(r["setting"])), r)
+    md = e.stage_report().read_text()
+    assert "i.e. >= 0.810:" in md
+    assert "- verify authors: not reached." in md
+    assert "- verify correct: reached by 1 setting(s); the fastest: k=8, 4 blocks" in md
+    assert ("| refusion | refusion | correct | 8 | 4 blocks | 0.9 | 0.9 | 1.70 | 100 | 0.850 | "
+            "0.970 | 1.000 |") in md
+    assert ("| refusion | refusion | authors | 8 | 4 blocks | 0.9 | 0.9 | 1.90 | 100 | 0.100 | "
+            "0.700 | 0.000 |") in md
+    assert "## Decoding `unseen` (10 examples)" in md
+    assert f"**Problem 1.** {ex[0]['query']}" in md and ex[0]["reference"] in md
+    from pipeline.tokenizer import load_tokenizer
+    tok = load_tokenizer(str(t.spm(tmp_path)))
+    first = wu.marked_text(tok, paired[0]["ids"], paired[0]["commit_forward"], 3)
+    assert first.startswith("{2:") and "{4:" in first and first in md

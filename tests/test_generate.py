@@ -217,12 +217,14 @@ def test_help_shows_defaults_and_json_records_settings(tp1, folder, capsys):
         assert piece in help_text
     rc, out, _ = _run(capsys, ["--model", str(folder), "--prompt", "x", "--gen-length", "8",
                                "--num-blocks", "1", "--token-threshold", "0.2", "--seed", "5",
-                               "--exact-cache", "--json", "--device", "cpu"])
+                               "--exact-cache", "--verify", "correct", "--json", "--device",
+                               "cpu"])
     assert rc == 0
     s = json.loads(out)["settings"]
     assert s == {"model": str(folder), "mode": "refusion", "gen_length": 8, "slot_size": 4,
                  "num_blocks": 1, "slot_threshold": 0.6, "token_threshold": 0.2,
-                 "temperature": 0.0, "seed": 5, "exact_cache": True, "batch_size": 8,
+                 "temperature": 0.0, "seed": 5, "exact_cache": True, "verify": "correct",
+                 "batch_size": 8,
                  "device": "cpu", "dtype": "float32", "tokenizer": None}  # fp32: the CPU default
 
 

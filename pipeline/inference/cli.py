@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 
 from pipeline.common.cli import DTYPES, UsageError
+from pipeline.inference.decoding import VERIFY_MODES
 from pipeline.inference.loading import Loaded, load_for_inference
 
 
@@ -27,7 +28,8 @@ def decode_batch(loaded: Loaded, prompts: list[list[int]], args) -> "object":
     return refusion_generate(loaded.model, prompts, args.gen_length, args.slot_size,
                              args.num_blocks, args.slot_threshold, args.token_threshold,
                              args.temperature, loaded.mask_id, loaded.eos_id,
-                             exact_cache=args.exact_cache, seed=args.seed)
+                             exact_cache=args.exact_cache, seed=args.seed,
+                             verify=getattr(args, "verify", "authors"))
 
 
 def warm_up(loaded: Loaded, prompt: list[int]) -> None:
@@ -61,6 +63,12 @@ def add_decoding_args(p: argparse.ArgumentParser) -> None:
                         "i.e. --batch-size, for the same --seed)")
     p.add_argument("--exact-cache", action="store_true",
                    help="re-encode slots infilled in parallel (exact KV cache)")
+    p.add_argument("--verify", choices=VERIFY_MODES, default="authors",
+                   help="refusion: what a rejected draft becomes. authors: the reference "
+                        "algorithm (re-drafted from masks and force-accepted); correct: the AR "
+                        "head's own token from the verify forward (speculative decoding's "
+                        "correction; with one slot per block, --token-threshold >= 0.5 and "
+                        "temperature 0 the output equals --mode ar). docs/METHOD.md")
     p.add_argument("--batch-size", type=int, default=8, help="prompts decoded together")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")
     p.add_argument("--device", default="auto",
@@ -88,7 +96,8 @@ def decoding_settings(args, mode) -> dict:
     """The settings a decode ran with, recorded in the JSON outputs (`mode`: a mode or a list
     of modes)."""
     keys = ("gen_length", "slot_size", "num_blocks", "slot_threshold", "token_threshold",
-            "temperature", "seed", "exact_cache", "batch_size", "device", "dtype", "tokenizer")
+            "temperature", "seed", "exact_cache", "verify", "batch_size", "device", "dtype",
+            "tokenizer")
     return {"model": str(args.model), "mode": mode, **{k: getattr(args, k) for k in keys}}
 
 
@@ -104,6 +113,8 @@ def check_decoding_args(args, refusion: bool = True) -> None:
         raise UsageError("--temperature must be >= 0")
     if not 0 <= args.token_threshold <= 1:  # 1: never accept a drafted token by probability
         raise UsageError(f"--token-threshold {args.token_threshold} must be in [0, 1]")
+    if getattr(args, "verify", "authors") not in VERIFY_MODES:
+        raise UsageError(f"--verify {args.verify}: expected one of {', '.join(VERIFY_MODES)}")
     if not args.slot_threshold >= 0:  # > 1 is valid: one slot (the best) per step
         raise UsageError(f"--slot-threshold {args.slot_threshold} must be >= 0 (values >= 1 "
                          f"select one slot per step)")

@@ -33,6 +33,28 @@ step of a prompt ("row"):
    still decoded; the output is the committed tokens sorted by original position, ending at the
    first EOS (inclusive).
 
+2'. `verify="correct"` (an option; the default "authors" is steps 2-3 above, the reference):
+   the plan drafts the open (not yet committed) offsets of the block's slots, which may now be
+   parts of slots; the selected slots' drafts are verified once, concatenated in slot order
+   (plain causal), and walked left to right. Each drafted token is judged by the AR head's
+   prediction for its position: the logits at the token before it in this forward when that
+   is its left neighbour, else the logits kept from the forward that encoded its committed left
+   neighbour (the prompt's last token for the first position). It is accepted when it is the
+   AR head's choice (argmax; its sample at temperature > 0) or its probability exceeds
+   token_threshold; at the first one that is not, the AR head's choice is committed in its
+   place (speculative decoding's correction token) and the walk stops; after a fully accepted
+   walk, the AR head's choice for the next position is committed too (the bonus token). A
+   correction or bonus token is encoded ahead of the row's next forward (carried). The rest of
+   a partly committed slot stays masked and is planned again. A draft whose left neighbour is
+   not decoded yet (a slot planned ahead of the ones before it) has no AR prediction and is
+   kept as drafted, as the authors' decoder keeps every slot's first token. Consequences: one
+   plan + one verify per step, each committing at least one token; no committed token is one
+   the AR head rejected while it could judge it; with one slot per block (left-to-right
+   slots), token_threshold >= 0.5 and greedy decoding, the output equals `ar_generate`'s token
+   for token (a token with probability > 0.5 is the argmax), at TPF = (accepted drafts +
+   1) / 2 per step. The keys/values are always those of the committed sequence in commit order
+   (`exact_cache` has no effect).
+
 Where this differs from the reference code (ML-GSAI/ReFusion `generate.py`): prompts are batched
 (each row keeps its own state; each model forward serves every row's current phase, so rows at
 different progress share forwards); parallel slots share one batch row with a block-diagonal
@@ -65,7 +87,8 @@ from typing import Generator, Sequence
 
 import torch
 
-__all__ = ["GenerationOutput", "refusion_generate", "ar_generate", "split_prompts"]
+__all__ = ["GenerationOutput", "refusion_generate", "ar_generate", "split_prompts",
+           "VERIFY_MODES"]
 
 FORWARD_KINDS = ("prefill", "plan", "verify", "draft", "ar")
 
@@ -84,7 +107,11 @@ class GenerationOutput:
         seconds: wall-clock seconds of the whole call, the model's device synchronized at both
             ends (CUDA work is asynchronous).
         tpf_reference_style: per prompt, the reference code's "TPF" (per-step average of
-            slot_size x slots committed / forwards of that step); None in ar mode.
+            slot_size x slots committed / forwards of that step); None in ar mode. With
+            verify="correct": tokens committed per step / 2.
+        commit_forward: per prompt, aligned with `tokens`: the 1-based index of the prompt's
+            forward after which each token was committed (tokens sharing an index were
+            accepted together: the parallel infill made visible).
     """
 
     tokens: list[list[int]]
@@ -92,6 +119,7 @@ class GenerationOutput:
     batch_forwards: int
     seconds: float
     tpf_reference_style: list[float | None] = field(default_factory=list)
+    commit_forward: list[list[int]] = field(default_factory=list)
 
     def num_forwards(self, i: int) -> int:
         """Forwards of prompt i (all kinds)."""
@@ -219,19 +247,34 @@ class _Row:
     # Indices into the last request's tokens to commit to the cache, in this order.
     commit: list[int] = field(default_factory=list)
     forwards: Counter = field(default_factory=Counter)
+    # Per entry of `tokens`: the number of forwards this row had taken when it was committed.
+    commit_forward: list[int] = field(default_factory=list)
+    # Logits at the last carried token of the latest forward (its AR prediction of the next
+    # position; None when nothing was carried) and that token's position.
+    carry_logits: torch.Tensor | None = None
+    carry_last: int = -1
     eos_pos: int | None = None
     ref_tpf_sum: float = 0.0
     ref_tpf_steps: int = 0
 
     def output(self, eos_id: int | None) -> list[int]:
         """Generated ids sorted by position, ending at the first EOS (inclusive)."""
+        return [tok for tok, _ in self._generated(eos_id)]
+
+    def trace(self, eos_id: int | None) -> list[int]:
+        """Per token of `output`: the 1-based index (among this row's forwards) of the forward
+        after which it was committed."""
+        return [f for _, f in self._generated(eos_id)]
+
+    def _generated(self, eos_id: int | None) -> list[tuple[int, int]]:
         p = len(self.prompt)
-        gen = sorted((pos, tok) for pos, tok in zip(self.positions, self.tokens) if pos >= p)
+        gen = sorted((pos, tok, f) for pos, tok, f in
+                     zip(self.positions[p:], self.tokens[p:], self.commit_forward))
         out = []
-        for expect, (pos, tok) in enumerate(gen, start=p):
+        for expect, (pos, tok, f) in enumerate(gen, start=p):
             if pos != expect:
                 raise AssertionError(f"generated positions are not contiguous at {expect}")
-            out.append(tok)
+            out.append((tok, f))
             if eos_id is not None and tok == eos_id:
                 break
         return out
@@ -249,49 +292,79 @@ def _block_causal(lengths: Sequence[int]) -> torch.Tensor:
     return m
 
 
+VERIFY_MODES = ("authors", "correct")
+
+
+def _select(score: torch.Tensor, slot_threshold: float) -> list[int]:
+    """Indices of the planned slots to infill: score > slot_threshold, else the single best."""
+    chosen = [i for i in range(len(score)) if score[i] > slot_threshold]
+    return chosen or [int(score.argmax())]
+
+
 def _refusion_program(row: _Row, *, gen_length: int, slot_size: int, num_blocks: int,
                       slot_threshold: float, token_threshold: float, temperature: float,
-                      mask_id: int, eos_id: int | None, exact_cache: bool,
+                      mask_id: int, eos_id: int | None, exact_cache: bool, verify: str,
                       generator) -> Generator[_Request, torch.Tensor, None]:
     k = slot_size
     p0 = len(row.prompt)
     n_slots = gen_length // k
     per_block = n_slots // num_blocks
-    status = ["masked"] * n_slots  # masked | committed | discarded
+    filled = [False] * gen_length  # by offset from the generation start: committed
+    # verify="correct": offset -> logits of the AR head's prediction for that offset (computed at
+    # the committed token before it, with the context it was encoded in).
+    pred: dict[int, torch.Tensor] = {}
 
     def start(s: int) -> int:
         return p0 + s * k
 
+    def is_open(o: int) -> bool:
+        """Offset o still to decode: not committed and not after a committed EOS."""
+        return not filled[o] and (row.eos_pos is None or p0 + o < row.eos_pos)
+
+    def open_offsets(s: int) -> list[int]:
+        return [o for o in range(s * k, (s + 1) * k) if is_open(o)]
+
     def commit_tokens(toks: list[int], poss: list[int]) -> None:
         row.tokens.extend(toks)
         row.positions.extend(poss)
+        row.commit_forward.extend([sum(row.forwards.values())] * len(toks))
         for t, q in zip(toks, poss):
+            filled[q - p0] = True
             if eos_id is not None and t == eos_id and (row.eos_pos is None or q < row.eos_pos):
                 row.eos_pos = q
-        if row.eos_pos is not None:
-            for s in range(n_slots):
-                if status[s] == "masked" and start(s) > row.eos_pos:
-                    status[s] = "discarded"
 
     for b in range(num_blocks):
         block = range(b * per_block, (b + 1) * per_block)
         while True:
-            masked = [s for s in block if status[s] == "masked"]
+            masked = [s for s in block if open_offsets(s)]
             if not masked:
                 break
-            # 1. plan
-            positions = [start(s) + j for s in masked for j in range(k)]
+            # 1. plan: masks at the open offsets of the block's open slots
+            offs = [open_offsets(s) for s in masked]
+            first = [sum(map(len, offs[:i])) for i in range(len(offs))]
+            positions = [p0 + o for os_ in offs for o in os_]
             logits = yield _Request("plan", [mask_id] * len(positions), positions)
             row.commit = []
+            if verify == "correct" and row.carry_logits is not None:
+                o = row.carry_last - p0 + 1   # the carried token's AR prediction of the next
+                if 0 <= o < gen_length and is_open(o):
+                    pred[o] = row.carry_logits
             x0 = _sample(logits, temperature, generator)
-            probs = _token_probs(logits, x0).view(len(masked), k)
-            x0 = x0.cpu().view(len(masked), k)
-            score = probs[:, 0]
-            chosen = [i for i in range(len(masked)) if score[i] > slot_threshold]
-            if not chosen:
-                chosen = [int(score.argmax())]
+            probs = _token_probs(logits, x0)
+            x0 = x0.cpu()
+            chosen = _select(probs[first], slot_threshold)
             sel = [masked[i] for i in chosen]
-            drafts = x0[chosen].clone()  # LongTensor[n, k]
+            if verify == "correct":
+                d_off = [o for i in chosen for o in offs[i]]
+                d_tok = [int(x0[first[i] + j]) for i in chosen for j in range(len(offs[i]))]
+                logits = yield _Request("verify", d_tok, [p0 + o for o in d_off])
+                row.commit = []
+                _correct(row, d_off, d_tok, logits, pred, is_open, commit_tokens, p0=p0,
+                         gen_length=gen_length, token_threshold=token_threshold,
+                         temperature=temperature, eos_id=eos_id, generator=generator)
+                continue
+            # authors' verify: every slot is whole (masked or committed)
+            drafts = x0.view(len(masked), k)[chosen].clone()  # LongTensor[n, k]
             n = len(sel)
             sel_pos = [start(s) + j for s in sel for j in range(k)]
             # 2. verify the concatenation (fast path)
@@ -308,8 +381,6 @@ def _refusion_program(row: _Row, *, gen_length: int, slot_size: int, num_blocks:
             if eos_hits or prefix >= k:
                 m = eos_hits[0] + 1 if eos_hits else (prefix // k) * k
                 row.commit = list(range(m))
-                for s in sel[:math.ceil(m / k)]:
-                    status[s] = "committed"
                 commit_tokens(flat[:m].tolist(), sel_pos[:m])
                 row.ref_tpf_sum += k * math.ceil(m / k) / 2
                 row.ref_tpf_steps += 1
@@ -355,13 +426,62 @@ def _refusion_program(row: _Row, *, gen_length: int, slot_size: int, num_blocks:
                 row.carry_positions.extend(pos[:m])
             else:
                 row.commit = list(range(m))
-            for s in sel:
-                status[s] = "committed"
             commit_tokens(flat[:m], pos[:m])
             row.ref_tpf_sum += k * n_chosen / (2 * rounds + 2)
             row.ref_tpf_steps += 1
-        if all(st != "masked" for st in status):
+        if not any(is_open(o) for o in range(gen_length)):
             break
+
+
+def _correct(row: _Row, d_off: list[int], d_tok: list[int], logits: torch.Tensor,
+             pred: dict, is_open, commit_tokens, *, p0: int, gen_length: int,
+             token_threshold: float, temperature: float, eos_id: int | None,
+             generator) -> None:
+    """verify="correct": what one verify forward of the drafts `d_tok` (at offsets `d_off`, fed
+    causally in this order after the cache; `logits: FloatTensor[n, V]`) commits.
+
+    A drafted token is judged by the AR head's prediction of its offset: the logits at the
+    token before it in this forward when that is its left neighbour, else `pred[offset]` (kept
+    from the forward that encoded its committed left neighbour); a token whose left neighbour
+    is not decoded yet has no AR prediction and keeps its draft (as in the authors' decoder).
+    It is accepted when it is the AR head's choice (argmax, or its sample at temperature > 0)
+    or its probability exceeds `token_threshold`; at the first token that is not, the AR head's
+    own choice is committed instead (the correction) and the walk stops. After a fully
+    accepted walk the AR head's choice for the next open offset is committed (the bonus). The
+    accepted drafts keep this forward's keys/values (fed in commit order: exact); a correction
+    or bonus token is carried into the row's next forward, whose logits at it give `pred` of
+    the offset after it."""
+    m, extra = 0, None
+    for i, (o, d) in enumerate(zip(d_off, d_tok)):
+        if i > 0 and d_off[i - 1] == o - 1:
+            v = logits[i - 1]
+        else:
+            v = pred.get(o)
+        if v is not None:
+            a = int(_sample(v, temperature, generator))
+            if d != a and not float(_token_probs(v, torch.tensor(d))) > token_threshold:
+                extra = (a, o)
+                break
+        m = i + 1
+        if eos_id is not None and d == eos_id:
+            break
+    row.commit = list(range(m))
+    commit_tokens(d_tok[:m], [p0 + o for o in d_off[:m]])
+    if extra is None and m == len(d_tok) and (eos_id is None or eos_id not in d_tok):
+        o = d_off[-1] + 1   # bonus: the token after the last accepted one
+        if o < gen_length and is_open(o):
+            extra = (int(_sample(logits[-1], temperature, generator)), o)
+    if extra is not None:
+        commit_tokens([extra[0]], [p0 + extra[1]])
+        row.carry, row.carry_positions = [extra[0]], [p0 + extra[1]]
+    for i in range(m):   # AR predictions of open offsets after accepted tokens, for later steps
+        o = d_off[i] + 1
+        if o < gen_length and is_open(o):
+            pred[o] = logits[i].clone()   # a copy: not a view keeping the batch's logits
+    for o in [o for o in pred if not is_open(o)]:
+        del pred[o]
+    row.ref_tpf_sum += (m + (extra is not None)) / 2
+    row.ref_tpf_steps += 1
 
 
 def _ar_program(row: _Row, *, gen_length: int, temperature: float, eos_id: int | None,
@@ -375,6 +495,7 @@ def _ar_program(row: _Row, *, gen_length: int, temperature: float, eos_id: int |
         tok = int(_sample(logits[-1], temperature, generator))
         row.tokens.append(tok)
         row.positions.append(p0 + i)
+        row.commit_forward.append(sum(row.forwards.values()))
         if (eos_id is not None and tok == eos_id) or i == gen_length - 1:
             return
         logits = yield _Request("ar", [tok], [p0 + i])
@@ -556,6 +677,8 @@ def _run(model, rows: list[_Row], programs: list, max_len: int,
             row = rows[b]
             nc = feeds[b][0]
             row.forwards[req.kind] += 1
+            row.carry_logits = logits[slot[b], nc - 1].clone() if nc else None
+            row.carry_last = row.carry_positions[-1] if nc else -1
             row.carry, row.carry_positions = [], []
             lg = logits[slot[b], nc:nc + len(req.tokens)]
             try:
@@ -587,7 +710,7 @@ def refusion_generate(model, prompt_ids, gen_length: int, slot_size: int, num_bl
                       slot_threshold: float, token_threshold: float, temperature: float,
                       mask_id: int, eos_id: int | None, exact_cache: bool = False,
                       attention_mask: torch.Tensor | None = None,
-                      seed: int = 0) -> GenerationOutput:
+                      seed: int = 0, verify: str = "authors") -> GenerationOutput:
     """Plan-and-infill decoding of a batch of prompts with a KV cache (module docstring).
 
     Args:
@@ -608,14 +731,21 @@ def refusion_generate(model, prompt_ids, gen_length: int, slot_size: int, num_bl
             instead of keeping each slot's prefix-only keys/values (the reference's choice).
         attention_mask: `Tensor[B, T]` marking real prompt tokens of a padded `prompt_ids`.
         seed: seed of the sampling generator (used only when temperature > 0).
+        verify: "authors" (default: the reference algorithm, module docstring steps 2-3) or
+            "correct" (step 2' of the module docstring: a rejected draft is replaced by the
+            AR head's own token; the KV cache is then always exact and `exact_cache` has no
+            effect).
 
     Returns:
-        `GenerationOutput` (generated ids per prompt, forwards by kind, TPF, TPS).
+        `GenerationOutput` (generated ids per prompt, forwards by kind, TPF, TPS, the forward
+        that committed each token).
 
     Raises:
-        ValueError: inconsistent sizes, or the prompt + generation exceeds the model's
-            `max_position_embeddings`.
+        ValueError: inconsistent sizes, an unknown `verify`, or the prompt + generation
+            exceeds the model's `max_position_embeddings`.
     """
+    if verify not in VERIFY_MODES:
+        raise ValueError(f"verify must be one of {', '.join(VERIFY_MODES)}, got {verify!r}")
     g = _check(gen_length, slot_size, num_blocks)
     prompts = split_prompts(prompt_ids, attention_mask)
     _check_positions(model, prompts, g)
@@ -629,14 +759,16 @@ def refusion_generate(model, prompt_ids, gen_length: int, slot_size: int, num_bl
     programs = [_refusion_program(r, gen_length=g, slot_size=slot_size, num_blocks=num_blocks,
                                   slot_threshold=slot_threshold, token_threshold=token_threshold,
                                   temperature=temperature, mask_id=mask_id, eos_id=eos_id,
-                                  exact_cache=exact_cache, generator=gen) for r in rows]
+                                  exact_cache=exact_cache, verify=verify, generator=gen)
+                for r in rows]
     max_len = max(len(p) for p in prompts) + g
     calls = _run(model, rows, programs, max_len)
     return GenerationOutput(
         tokens=[r.output(eos_id) for r in rows], forwards=[r.forwards for r in rows],
         batch_forwards=calls, seconds=_clock(_model_device(model)) - t0,
         tpf_reference_style=[r.ref_tpf_sum / r.ref_tpf_steps if r.ref_tpf_steps else 0.0
-                             for r in rows])
+                             for r in rows],
+        commit_forward=[r.trace(eos_id) for r in rows])
 
 
 @torch.no_grad()
@@ -676,7 +808,8 @@ def ar_generate(model, prompt_ids, gen_length: int, temperature: float, eos_id: 
     return GenerationOutput(tokens=[r.output(eos_id) for r in rows],
                             forwards=[r.forwards for r in rows], batch_forwards=calls,
                             seconds=_clock(_model_device(model)) - t0,
-                            tpf_reference_style=[None] * len(rows))
+                            tpf_reference_style=[None] * len(rows),
+                            commit_forward=[r.trace(eos_id) for r in rows])
 
 
 def _check_positions(model, prompts: list[list[int]], g: int) -> None:

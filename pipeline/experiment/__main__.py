@@ -1,0 +1,5 @@
+import sys
+
+from pipeline.experiment.recipe import main
+
+sys.exit(main())

@@ -1,0 +1,263 @@
+"""The experiment's tasks: what each one trains on, evaluates on, and decodes with.
+
+Owns: the fixed choices of a task (data preparation commands, held-out sets and their metric,
+generation length, the decoding grid, the diagnosis settings, default budgets), written here
+before any decode result was seen, and recorded in each task's report. Must not touch:
+training, decoding and evaluation loops (`pipeline.experiment.recipe` runs them).
+
+- `code` (issue 10): the embedded stdlib corpus (functions as query = signature + docstring /
+  response = body, plus source text); exact match of the whole body on the validation
+  functions whose body is at most 32 tokens.
+- `math` (issue 20): GSM8K-form word problems from `data_prep/math_problems.py`; exact match of
+  the final answer (GSM8K's metric: the number after `####`) on 200 held-out problems of the
+  training templates (`test`) and 100 problems of 3 templates never trained on (`unseen`).
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One decode: AR (`mode="ar"`, the other fields unused) or ReFusion with these options
+    (`pipeline.inference.decoding.refusion_generate`). `num_blocks=0` means one slot per block
+    (gen_length / slot_size blocks: slots strictly left to right)."""
+
+    mode: str = "ar"
+    slot_size: int = 4
+    num_blocks: int = 1
+    slot_threshold: float = 0.9
+    token_threshold: float = 0.9
+    verify: str = "authors"
+
+    def blocks(self, gen_length: int) -> int:
+        """The number of blocks for `gen_length` (resolving 0 = one slot per block)."""
+        return gen_length // self.slot_size if self.num_blocks == 0 else self.num_blocks
+
+    def name(self) -> str:
+        """File-name form, unique per setting: `ar` or `refusion_k4_b2_s0.9_t0.5_authors`
+        (`b1slot`: one slot per block)."""
+        if self.mode == "ar":
+            return "ar"
+        b = "1slot" if self.num_blocks == 0 else str(self.num_blocks)
+        return (f"refusion_k{self.slot_size}_b{b}_s{self.slot_threshold}_t"
+                f"{self.token_threshold}_{self.verify}")
+
+    def label(self) -> str:
+        """Short human-readable form for tables and legends."""
+        if self.mode == "ar":
+            return "AR"
+        order = "left-to-right slots" if self.num_blocks == 0 else f"{self.num_blocks} blocks"
+        return (f"k={self.slot_size}, {order}, slot thr {self.slot_threshold}, token thr "
+                f"{self.token_threshold}, verify {self.verify}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> "Setting":
+        return cls(**d) if d else cls()
+
+
+AR = Setting()
+
+
+class Task:
+    """Base of a task. Attributes set by subclasses:
+
+    name, title; config (run config YAML); pretrain_steps, finetune_steps, micro_batch_size
+    (defaults); gen_length (tokens generated at most; a multiple of every slot size used);
+    decode_batch (prompts per decode call); metric ("text" | "final_answer", see
+    `pipeline.evaluate.answers_match`); main_set (the held-out set of the grid, the frontier
+    and the target); grid (`Setting`s of the ReFusion decodes of the `refusion` model on
+    main_set); extra (further (model, set, Setting) decodes); diagnose_slot_sizes,
+    diagnose_block_size; sample_settings (ReFusion settings whose decodes are shown side by
+    side with AR in the report); data_description.
+    """
+
+    name = ""
+    title = ""
+    config = "configs/experiment.yaml"
+    metric = "text"
+    main_set = "val"
+    decode_batch = 64
+    extra: tuple = ()
+    sample_settings: tuple = ()
+
+    def jobs(self) -> list[tuple[str, str, Setting]]:
+        """Every decode of the evaluation stage as (model, set, setting), AR baselines first."""
+        out = [("refusion", self.main_set, AR), ("ar_continued", self.main_set, AR)]
+        out += [("refusion", self.main_set, s) for s in self.grid]
+        return out + [j for j in self.extra if j not in out]
+
+    def sets(self) -> list[str]:
+        return list(dict.fromkeys(s for _, s, _ in self.jobs()))
+
+    def shards(self, out: Path) -> Path:
+        return out / "shards"
+
+    def spm(self, out: Path) -> Path:
+        return out / "tokenizer" / "spm.model"
+
+    def prepare(self, out: Path, run) -> bool:
+        """Write tokenizer and shards under `out` (skipped when present); `run(cmd)` runs a
+        command. Returns False when everything was there."""
+        raise NotImplementedError
+
+    def examples(self, out: Path, set_name: str) -> list[dict]:
+        """The held-out examples of a set: [{"prompt_ids", "reference_ids" (EOS included), and
+        "reference" (text) where the metric needs it}]."""
+        raise NotImplementedError
+
+    def settings_text(self) -> list[str]:
+        """Markdown bullet lines recording the task's fixed choices."""
+        return []
+
+
+class CodeTask(Task):
+    """Issue 10's recipe on the embedded stdlib corpus (see the module docstring)."""
+
+    name = "code"
+    title = "stdlib code (functions: signature + docstring -> body)"
+    pretrain_steps, finetune_steps, micro_batch_size = 3000, 1500, 8
+    gen_length = 32
+    num_blocks = 2
+    eval_max_body_tokens = 32          # reference body incl. EOS, in tokens
+    grid = tuple(Setting("refusion", k, 2, s, t)
+                 for k, s, t in itertools.product((4, 8), (0.5, 0.9), (0.1, 0.5, 0.9)))
+    diagnose_slot_sizes = (4, 8)
+    diagnose_block_size = 16           # gen_length / num_blocks
+    sample_settings = (Setting("refusion", 8, 2, 0.9, 0.1),)
+    data_description = ("stdlib corpus, SentencePiece 4000 pieces, 256-token samples, 5% of "
+                        "the records held out")
+
+    def prepare(self, out: Path, run) -> bool:
+        shards, spm = self.shards(out), self.spm(out)
+        if (shards / "manifest.json").is_file() and spm.is_file():
+            return False
+        py = sys.executable
+        if not spm.is_file():
+            run([py, "data_prep/train_tokenizer.py", "--input", "stdlib", "--output", str(spm),
+                 "--vocab-size", "4000"])
+        run([py, "data_prep/shard.py", "--input", "stdlib", "--format", "auto", "--tokenizer",
+             str(spm), "--output", str(shards), "--max-length", "256", "--val-fraction", "0.05",
+             "--slot-sizes", "4,8,16,32", "--seed", "0", "--workers", "2", "--no-progress",
+             "--overwrite"])
+        return True
+
+    def examples(self, out: Path, set_name: str) -> list[dict]:
+        from pipeline.evaluate import shard_qa_examples
+        ex = shard_qa_examples(str(self.shards(out)), "val", 10 ** 9)
+        return [e for e in ex if len(e["reference_ids"]) <= self.eval_max_body_tokens]
+
+    def settings_text(self) -> list[str]:
+        return [f"- evaluation (`val`): the validation functions whose body (EOS included) has "
+                f"<= {self.eval_max_body_tokens} tokens; exact match of the whole body; greedy; "
+                f"gen length {self.gen_length}",
+                f"- ReFusion grid: slot size {{4, 8}} x slot threshold {{0.5, 0.9}} x token "
+                f"threshold {{0.1, 0.5, 0.9}}, {self.num_blocks} blocks, verify authors"]
+
+
+class MathTask(Task):
+    """Issue 20: GSM8K-form word problems (see the module docstring).
+
+    Fixed before any decode result of the experiment's models: the generator's sizes and
+    difficulty (`data_prep/math_problems.py`: 80,000 training problems of 12 templates, 2-4
+    steps, numbers up to 999; 200 `test` problems disjoint by problem key; 100 `unseen`
+    problems of 3 other templates), the metric (GSM8K's final answer), gen length 128 (the
+    longest answer is 121 tokens), and the grid: slot size {4, 8} x order {4 blocks of 32
+    tokens (the paper's GSM8K setting: 4 blocks, slot threshold 0.9), one slot per block (left
+    to right)}, slot threshold 0.9, with verify=authors at token threshold {0.4 (the paper's
+    GSM8K value), 0.9} and verify=correct at 0.9 (with greedy decoding every threshold >= 0.5
+    accepts exactly the drafts equal to the AR head's choice, so 0.4 would differ only by
+    drafts of probability in (0.4, 0.5) that are not the argmax). Extra decodes:
+    `ar_continued` with verify=correct (k=4, left to right: what the corrected decoder does
+    without ReFusion training); on `unseen`, AR decoding of both models and the `refusion`
+    model at k=4, 4 blocks, thresholds 0.9, both verify modes. The set sizes and the grid
+    were cut from 400 / 200 problems and 16 settings to these by the measured cost of
+    ReFusion decoding on 2 CPU cores (a plan forward feeds every mask of the block), before
+    any decode of the experiment's models.
+    """
+
+    name = "math"
+    title = "GSM8K-form word problems (data_prep/math_problems.py)"
+    config = "configs/experiment_math.yaml"
+    pretrain_steps, finetune_steps, micro_batch_size = 2400, 1500, 8
+    metric = "final_answer"
+    main_set = "test"
+    gen_length = 128
+    sizes = {"train": 80000, "test": 200, "dev": 200, "test_unseen": 100}
+    seed = 0
+    vocab_pieces = 1000
+    grid = (tuple(Setting("refusion", k, b, 0.9, t, "authors")
+                  for k, b, t in itertools.product((4, 8), (4, 0), (0.4, 0.9)))
+            + tuple(Setting("refusion", k, b, 0.9, 0.9, "correct")
+                    for k, b in itertools.product((4, 8), (4, 0))))
+    extra = (("ar_continued", "test", Setting("refusion", 4, 0, 0.9, 0.9, "correct")),
+             ("refusion", "unseen", AR), ("ar_continued", "unseen", AR),
+             ("refusion", "unseen", Setting("refusion", 4, 4, 0.9, 0.9, "authors")),
+             ("refusion", "unseen", Setting("refusion", 4, 4, 0.9, 0.9, "correct")))
+    diagnose_slot_sizes = (4, 8)
+    diagnose_block_size = 32           # gen_length / 4 blocks
+    sample_settings = (Setting("refusion", 8, 4, 0.9, 0.9, "authors"),
+                       Setting("refusion", 8, 4, 0.9, 0.9, "correct"),
+                       Setting("refusion", 8, 0, 0.9, 0.9, "correct"))
+    data_description = ("GSM8K-form problems (data_prep/math_problems.py, seed 0): 80,000 "
+                        "training problems, SentencePiece 1000 pieces, one problem per sample "
+                        "(<= 256 tokens), 1% of the training problems held out for the "
+                        "validation loss")
+    SET_FILES = {"test": "test.jsonl", "unseen": "test_unseen.jsonl", "dev": "dev.jsonl"}
+
+    def problems_dir(self, out: Path) -> Path:
+        return out / "problems"
+
+    def prepare(self, out: Path, run) -> bool:
+        shards, spm, probs = self.shards(out), self.spm(out), self.problems_dir(out)
+        if ((shards / "manifest.json").is_file() and spm.is_file()
+                and (probs / "info.json").is_file()):
+            return False
+        py = sys.executable
+        if not (probs / "info.json").is_file():
+            run([py, "data_prep/math_problems.py", "--output", str(probs), "--seed",
+                 str(self.seed)] + [a for s, n in self.sizes.items()
+                                    for a in (f"--{s.replace('_', '-')}", str(n))])
+        if not spm.is_file():
+            run([py, "data_prep/train_tokenizer.py", "--input", str(probs / "train.jsonl"),
+                 "--output", str(spm), "--vocab-size", str(self.vocab_pieces)])
+        run([py, "data_prep/shard.py", "--input", str(probs / "train.jsonl"), "--format", "auto",
+             "--tokenizer", str(spm), "--output", str(shards), "--max-length", "256",
+             "--val-fraction", "0.01", "--slot-sizes", "4,8,16,32", "--seed", "0",
+             "--workers", "2", "--no-progress", "--overwrite"])
+        return True
+
+    def examples(self, out: Path, set_name: str) -> list[dict]:
+        from pipeline.tokenizer import load_tokenizer
+        tok = load_tokenizer(str(self.spm(out)))
+        path = self.problems_dir(out) / self.SET_FILES[set_name]
+        out_ = []
+        for line in path.read_text().splitlines():
+            r = json.loads(line)
+            out_.append({"prompt_ids": tok.prompt_ids(r["query"]), "reference": r["response"],
+                         "reference_ids": tok.encode(r["response"]) + [tok.info.eos_id],
+                         "query": r["query"]})
+        return out_
+
+    def settings_text(self) -> list[str]:
+        s = self.sizes
+        return [f"- held-out sets: `test` = {s['test']} problems of the training templates, "
+                f"disjoint from training by problem key (template + numbers); `unseen` = "
+                f"{s['test_unseen']} problems of 3 templates never trained on",
+                f"- metric: exact match of the final answer (the number after `####`, GSM8K's); "
+                f"also token accuracy against the reference solution and whole-solution match",
+                f"- greedy decoding, gen length {self.gen_length}; ReFusion grid on `test`: "
+                f"slot size {{4, 8}} x order {{4 blocks, one slot per block}}, slot threshold "
+                f"0.9; verify authors at token threshold {{0.4, 0.9}}, verify correct at 0.9"]
+
+
+TASKS = {"code": CodeTask(), "math": MathTask()}

@@ -1,0 +1,352 @@
+"""The experiment's report: `report.md` text, `frontier.png`, the side-by-side solutions.
+
+Owns: turning cached results (`Experiment.collect()`: decode results, validation losses,
+diagnosis profiles) and training metrics into tables, the target check, the Pareto frontier,
+and decoded answers with the tokens each forward committed marked. Must not touch: running
+anything (no model, no decoding); plotting of one run (`pipeline.report`).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from pipeline.experiment.tasks import Setting
+
+COLORS = {4: "tab:blue", 8: "tab:orange", 16: "tab:green", 32: "tab:purple"}
+MARKERS = {"authors": "o", "correct": "^"}
+
+
+def _f(v, fmt=".3f"):
+    return "-" if v is None else format(v, fmt)
+
+
+def setting_of(row: dict) -> Setting:
+    return Setting.from_dict(row.get("setting")) if row["mode"] == "refusion" else Setting()
+
+
+def pareto(rows: list[dict]) -> list[dict]:
+    """Rows not dominated in (TPF, exact match, token accuracy): no other row is at least as
+    good in all three and better in one. Sorted by TPF."""
+    def key(r):
+        return (r["tpf"], r["exact_match"], r.get("token_accuracy") or 0.0)
+    out = [r for r in rows
+           if not any(all(a >= b for a, b in zip(key(o), key(r))) and key(o) != key(r)
+                      for o in rows)]
+    return sorted(out, key=lambda r: r["tpf"])
+
+
+def same_as_ar(row: dict, rows: list[dict]) -> float | None:
+    """Fraction of examples whose decoded ids equal the AR decoding of the same model on the
+    same set (None when either has no kept outputs)."""
+    ar = next((r for r in rows if r["mode"] == "ar" and r["model"] == row["model"]
+               and r.get("set") == row.get("set")), None)
+    if ar is None or "outputs" not in ar or "outputs" not in row:
+        return None
+    pairs = list(zip(row["outputs"], ar["outputs"]))
+    return sum(a["ids"] == b["ids"] for a, b in pairs) / len(pairs) if pairs else None
+
+
+def target_check(rows: list[dict], tpf: float, ratio: float) -> dict:
+    """The target per verify mode: ReFusion decoding of `refusion` at TPF >= tpf with exact
+    match >= ratio x the exact match of `ar_continued`'s AR decoding.
+
+    Returns:
+        {"baseline": that exact match or None, "need": ratio x baseline, verify mode: [rows
+        meeting it]} over the refusion-mode rows of the `refusion` model in `rows`.
+    """
+    base = next((r for r in rows if r["mode"] == "ar" and r["model"] == "ar_continued"), None)
+    out: dict = {"baseline": None if base is None else base["exact_match"]}
+    if base is None:
+        return out
+    need = ratio * base["exact_match"]
+    out["need"] = need
+    for r in rows:
+        if r["mode"] == "refusion" and r["model"] == "refusion":
+            v = setting_of(r).verify
+            out.setdefault(v, [])
+            if r["tpf"] >= tpf and r["exact_match"] >= need:
+                out[v].append(r)
+    return out
+
+
+# ---------------------------------------------------------------- figures
+def plot_frontier(rows: list[dict], path: Path, task, target_tpf: float = 1.5,
+                  target_ratio: float = 0.9) -> dict:
+    """TPF and tokens/s against exact match and token accuracy: one point per ReFusion decode
+    of the main set (colour = slot size, marker = verify mode, hollow = one slot per block),
+    AR decodes as stars; the target region's edges as dotted lines.
+
+    Returns:
+        {panel: {series label: (x values, y values)}} of the points drawn.
+    """
+    from pipeline.report import pyplot, save_figure
+    plt = pyplot()
+    panels = (("exact_match", "tpf", "exact match", "TPF (tokens per forward)"),
+              ("token_accuracy", "tpf", "token accuracy", "TPF (tokens per forward)"),
+              ("exact_match", "tps", "exact match", "tokens/s"))
+    fig, axes = plt.subplots(1, 3, figsize=(17, 5.5))
+    drawn: dict = {}
+    base = target_check(rows, target_tpf, target_ratio)
+    for ax, (xk, yk, xl, yl) in zip(axes, panels):
+        d = drawn.setdefault(f"{yl} vs {xl}", {})
+        for r in rows:
+            if r.get(xk) is None:
+                continue
+            if r["mode"] == "refusion":
+                s = setting_of(r)
+                order = "1 slot/block" if s.num_blocks == 0 else f"{s.num_blocks} blocks"
+                who = "" if r["model"] == "refusion" else f" [{r['model']}]"
+                label = f"ReFusion k={s.slot_size} {order} verify {s.verify}{who}"
+                color = COLORS.get(s.slot_size, "gray") if r["model"] == "refusion" else "black"
+                ax.scatter(r[xk], r[yk], marker=MARKERS.get(s.verify, "s"), s=40,
+                           facecolors="none" if s.num_blocks == 0 else color,
+                           edgecolors=color, label=label if label not in d else None)
+                ax.annotate(f"t{s.token_threshold}", (r[xk], r[yk]), fontsize=6,
+                            xytext=(3, 2), textcoords="offset points")
+            else:
+                label = f"AR decoding of {r['model']}"
+                ax.scatter(r[xk], r[yk], marker="*", s=180, edgecolors="black",
+                           c={"refusion": "white", "ar_continued": "black"}.get(r["model"],
+                                                                                "red"),
+                           label=label if label not in d else None)
+            xs, ys = d.setdefault(label, ([], []))
+            xs.append(r[xk])
+            ys.append(r[yk])
+        if yk == "tpf":
+            ax.axhline(target_tpf, color="red", linestyle=":", linewidth=1,
+                       label=f"target TPF {target_tpf}")
+        if xk == "exact_match" and base.get("need") is not None:
+            ax.axvline(base["need"], color="red", linestyle="--", linewidth=1,
+                       label=f"{target_ratio:.0%} of ar_continued's AR exact match")
+        ax.set_xlabel(xl)
+        ax.set_ylabel(yl)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=6, loc="best")
+    fig.suptitle(f"ReFusion decoding vs AR: {task.title}, held-out set `{task.main_set}`, greedy")
+    fig.tight_layout()
+    save_figure(fig, path)
+    plt.close(fig)
+    return drawn
+
+
+# ---------------------------------------------------------------- side-by-side answers
+def marked_text(tok, ids: list[int], commit_forward: list[int], eos_id: int) -> str:
+    """The decoded answer with each run of consecutive tokens committed by the same forward
+    written `{f:text}` (f = the row's forward after which they were committed). Text pieces
+    are cut from the decode of growing prefixes, so spaces survive."""
+    n = ids.index(eos_id) if eos_id in ids else len(ids)
+    ids, fw = ids[:n], commit_forward[:n]
+    if not ids:
+        return ""
+
+    def text(j):
+        return tok.sp.DecodeIds(ids[:j]) if hasattr(tok, "sp") else tok.tok.decode(ids[:j])
+    out, start = [], 0
+    for j in range(1, n + 1):
+        if j == n or fw[j] != fw[start]:
+            head, full = text(start), text(j)
+            piece = full[len(head):] if full.startswith(head) else full
+            out.append(f"{{{fw[start]}:{piece}}}")
+            start = j
+    return "".join(out)
+
+
+def plain_text(tok, ids: list[int], eos_id: int) -> str:
+    n = ids.index(eos_id) if eos_id in ids else len(ids)
+    return tok.sp.DecodeIds(ids[:n]) if hasattr(tok, "sp") else tok.tok.decode(ids[:n])
+
+
+def samples_markdown(rows: list[dict], task, examples: list[dict] | None, tok,
+                     n: int = 3) -> list[str]:
+    """The first `n` examples of the main set: reference, AR decodes, and the task's sample
+    settings with the tokens each forward committed marked."""
+    if tok is None:
+        return []
+    eos = tok.info.eos_id
+    pick = [("AR decoding of ar_continued", "ar_continued", Setting())]
+    pick += [("AR decoding of refusion", "refusion", Setting())]
+    pick += [(f"ReFusion decoding of refusion ({s.label()})", "refusion", s)
+             for s in task.sample_settings]
+    found = []
+    for title, model, s in pick:
+        r = next((r for r in rows if r["model"] == model and setting_of(r) == s
+                  and "outputs" in r), None)
+        if r is not None:
+            found.append((title, r))
+    if not found:
+        return []
+    L = ["## Decoded answers side by side", "",
+         f"The first {n} problems of `{task.main_set}` (not selected). In ReFusion decodes, "
+         "`{f:text}` marks the tokens committed together after the row's f-th forward (a plan "
+         "or verify; with several slots per step, runs with the same f are filled in "
+         "parallel). Forward counts include the plan forwards, so a verify that accepts a "
+         "whole slot shows as one run.", ""]
+    for i in range(n):
+        if examples is not None and i < len(examples) and "query" in examples[i]:
+            L += [f"**Problem {i + 1}.** {examples[i]['query']}", ""]
+        else:
+            L += [f"**Example {i + 1}.**", ""]
+        if examples is not None and i < len(examples):
+            ref = examples[i].get("reference") or plain_text(
+                tok, examples[i]["reference_ids"], eos)
+            L += ["Reference:", "```", ref, "```"]
+        for title, r in found:
+            if i >= len(r["outputs"]):
+                continue
+            o = r["outputs"][i]
+            body = (plain_text(tok, o["ids"], eos) if r["mode"] == "ar"
+                    else marked_text(tok, o["ids"], o["commit_forward"], eos))
+            forwards = max(o["commit_forward"]) if o["commit_forward"] else 0
+            L += [f"{title}: {len(o['ids'])} tokens, committed by forward {forwards} at the "
+                  f"latest", "```", body, "```"]
+        L.append("")
+    return L
+
+
+# ---------------------------------------------------------------- report.md
+def decode_table(rows: list[dict]) -> list[str]:
+    L = ["| model | decoding | verify | k | order | slot thr | token thr | TPF | tokens/s | "
+         "exact match | token accuracy | identical to AR decoding of the same model |",
+         "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def order(r):
+        s = setting_of(r)
+        return (r["mode"] != "ar", r["model"] != "refusion", s.verify, s.slot_size,
+                s.num_blocks, s.token_threshold)
+    for r in sorted(rows, key=order):
+        s = setting_of(r)
+        if r["mode"] == "ar":
+            cells = ["ar", "-", "-", "-", "-", "-"]
+        else:
+            cells = ["refusion", s.verify, str(s.slot_size),
+                     "1 slot/block" if s.num_blocks == 0 else f"{s.num_blocks} blocks",
+                     str(s.slot_threshold), str(s.token_threshold)]
+        same = same_as_ar(r, rows) if r["mode"] == "refusion" else None
+        L.append(f"| {r['model']} | " + " | ".join(cells) + f" | {r['tpf']:.2f} | "
+                 f"{r['tps']:.0f} | {r['exact_match']:.3f} | {_f(r.get('token_accuracy'))} | "
+                 f"{_f(same)} |")
+    return L
+
+
+def report_markdown(exp, got: dict, runs: dict, tok=None, target_tpf: float = 1.5,
+                    target_ratio: float = 0.9) -> str:
+    """report.md of an `Experiment` (`exp`) from `exp.collect()` (`got`), the training runs'
+    metrics (`runs`: {label: read_metrics result}) and the task's tokenizer (for the
+    side-by-side answers; None leaves them out)."""
+    task = exp.task
+    rows = got["rows"]
+    main = [r for r in rows if r.get("set") == task.main_set]
+    n_main = main[0]["examples"] if main else 0
+    L = [f"# ReFusion vs AR, scaled down: {task.title} (`make experiment TASK={task.name}`)", ""]
+    L += ["## Settings", "",
+          f"- data: {task.data_description} (`{exp.shards}`)",
+          f"- model: run config `{exp.config}`; {exp.nproc} process(es) x {exp.threads} "
+          f"thread(s)",
+          f"- 1. AR pretraining from scratch: {exp.pretrain_steps} steps of "
+          f"{exp.micro_batch_size} packed 256-token rows",
+          f"- 2a. ReFusion fine-tuning and 2b. AR continued training from the export: "
+          f"{exp.finetune_steps} steps each, same batch, data order and lr schedule"]
+    L += task.settings_text()
+    L += ["- the held-out sets, metric, generation length and grid were fixed before any "
+          "decode result was seen (`pipeline/experiment/tasks.py`)", ""]
+    if exp.timings:
+        total = sum(exp.timings.values())
+        L += ["Stage wall times (s): " + ", ".join(f"{k} {v:.0f}" for k, v in
+                                                  exp.timings.items())
+              + f"; total {total:.0f} s ({total / 60:.1f} min)", ""]
+    L += ["## Training", "", "| run | steps | tokens | last train loss (AR / MDM) | "
+          "last validation loss (AR / MDM) |", "|---|---|---|---|---|"]
+    for label, m in runs.items():
+        tr, va = m.get("train", []), m.get("val", [])
+        if not tr:
+            continue
+        t = tr[-1]
+        k = max(1, min(10, len(tr) // 4))
+
+        def mean(key):
+            vals = [x[key] for x in tr[-k:] if isinstance(x.get(key), (int, float))]
+            return sum(vals) / len(vals) if vals else None
+        v = va[-1] if va else {}
+        L.append(f"| {label} | {t['run_step']} | {t.get('consumed_tokens', '-')} | "
+                 f"{_f(mean('loss'))} ({_f(mean('ar_loss'))} / {_f(mean('mdm_loss'))}) | "
+                 f"{_f(v.get('val_loss'))} ({_f(v.get('val_ar_loss'))} / "
+                 f"{_f(v.get('val_mdm_loss'))}) |")
+    L += ["", "(train loss: mean of the last logged steps; each run's validation uses its "
+          "own objective; steps of 2a/2b are counted after stage 1 in loss.png)", ""]
+    if got["losses"]:
+        L += ["Validation loss of both stage-2 models under the ReFusion objective "
+              "(`pipeline.evaluate.validation_loss`, first 160 validation samples):", "",
+              "| model | loss | AR term | MDM term |", "|---|---|---|---|"]
+        for m, v in got["losses"].items():
+            L.append(f"| {m} | {_f(v['val_loss'], '.4f')} | {_f(v['val_ar_loss'], '.4f')} | "
+                     f"{_f(v['val_mdm_loss'], '.4f')} |")
+        L.append("")
+    metric = ("exact match of the final answer (the number after `####`)"
+              if task.metric == "final_answer" else "exact match of the whole answer")
+    L += [f"## Decoding `{task.main_set}` ({n_main} examples)", "",
+          f"Greedy; {metric}; token accuracy against the reference ids; TPF = generated tokens "
+          f"/ forwards; tokens/s at batch {task.decode_batch}; the last column: answers whose "
+          "ids equal the AR decoding of the same model.", ""]
+    L += decode_table(main) + [""]
+    ref = [r for r in main if r["mode"] == "refusion" and r["model"] == "refusion"]
+    if ref:
+        L += ["## Frontier and target", "", "ReFusion decodes of `refusion` not dominated in "
+              "(TPF, exact match, token accuracy):", ""]
+        for r in pareto(ref):
+            L.append(f"- {setting_of(r).label()}: TPF {r['tpf']:.2f}, exact match "
+                     f"{r['exact_match']:.3f}, token accuracy {_f(r.get('token_accuracy'))}")
+        tc = target_check(main, target_tpf, target_ratio)
+        if tc.get("need") is not None:
+            L += ["", f"Target: TPF >= {target_tpf} with exact match >= {target_ratio:.0%} of "
+                  f"the AR decoding of `ar_continued` (the equal-compute AR model), i.e. >= "
+                  f"{tc['need']:.3f}:", ""]
+            for v in sorted(k for k in tc if k not in ("baseline", "need")):
+                hit = tc[v]
+                best = max(hit, key=lambda r: r["tpf"]) if hit else None
+                L.append(f"- verify {v}: " + (
+                    f"reached by {len(hit)} setting(s); the fastest: {setting_of(best).label()}"
+                    f" (TPF {best['tpf']:.2f}, exact match {best['exact_match']:.3f})."
+                    if hit else "not reached."))
+            if tc["baseline"] == 0:
+                L += ["", "The exact-match side of the target is empty here (the AR "
+                      "baseline's exact match is 0, so any setting meets it): compare token "
+                      "accuracy, and see the diagnosis below for what limits TPF."]
+        L.append("")
+    others = [r for r in rows if r.get("set") != task.main_set]
+    for set_name in dict.fromkeys(r["set"] for r in others):
+        part = [r for r in others if r["set"] == set_name]
+        L += [f"## Decoding `{set_name}` ({part[0]['examples']} examples)", ""]
+        L += decode_table(part) + [""]
+    examples = None
+    try:
+        examples = exp.examples(task.main_set)[:3]
+    except (OSError, ValueError, KeyError):
+        pass
+    L += samples_markdown(main, task, examples, tok)
+    diag = got.get("diagnose") or []
+    if diag:
+        thr = list(diag[0]["accepted"])
+        L += ["## Diagnosis: one plan + verify step, teacher-forced", "",
+              "`pipeline.experiment.diagnosis.slot_acceptance`: at every slot of every reference "
+              "answer of the main set, with the prompt and the reference before the slot as "
+              "context (what a decode that got everything before right would hold), the plan "
+              "drafts the slot from masks and one verify forward accepts drafted tokens while "
+              "their causal probability exceeds the token threshold (the authors' rule; the "
+              "slot's first token is always kept), or, for verify=correct, while they equal the "
+              "AR head's greedy choice (the first token included).", "",
+              "| model | k | slots | first token correct | draft correct by offset | whole "
+              "slot drafted correctly | tokens accepted per slot (thr " + " / ".join(thr) +
+              ") | of them a correct prefix | drafts equal to the AR choice (verify=correct) | "
+              "AR next-token accuracy |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+        for d in diag:
+            offs = " ".join(f"{x:.2f}" for x in d["draft_accuracy_by_offset"] if x is not None)
+            L.append(f"| {d['model']} | {d['slot_size']} | {d['slots']} | "
+                     f"{d['first_token_accuracy']:.3f} | {offs} | {d['exact_slot_drafts']:.3f} | "
+                     + " / ".join(f"{d['accepted'][t]:.2f}" for t in thr) + " | "
+                     + " / ".join(f"{d['accepted_correct'][t]:.2f}" for t in thr) + " | "
+                     f"{_f(d.get('accepted_verify_correct'), '.2f')} | "
+                     f"{d['ar_next_token_accuracy']:.3f} |")
+        L.append("")
+    L += ["Figures: `frontier.png` (TPF / tokens/s vs exact match and token accuracy), "
+          "`loss.png` (training and validation losses of all runs).", ""]
+    return "\n".join(L)
