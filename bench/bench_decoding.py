@@ -199,7 +199,7 @@ def main() -> int:
         source = args.model
         prompts = []
         if (Path(args.data) / "manifest.json").is_file():
-            from pipeline.evaluate import shard_qa_examples
+            from pipeline.inference.evaluation import shard_qa_examples
             prompts = [e["prompt_ids"] for e in shard_qa_examples(args.data, "val", args.prompts)]
         if not prompts:
             prompts = [loaded.tokenizer.prompt_ids(q) for q in

@@ -6,7 +6,7 @@
 Owns: the math task's data (templates, number ranges, the answer format, the splits) written
 as JSONL query/response records that `data_prep/shard.py` and `data_prep/train_tokenizer.py`
 read (`--input DIR/train.jsonl`). Must not touch: tokenization, shards, evaluation (the
-final-answer metric is `pipeline.evaluate.final_answer`).
+final-answer metric is `pipeline.inference.evaluation.final_answer`).
 
 A problem is a multi-step word problem with integer arithmetic (+, -, *, /), 2 to 4 steps,
 drawn from a template: the template fixes the chain of operations, the numbers are drawn from

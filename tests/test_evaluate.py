@@ -88,7 +88,8 @@ def test_validation_loss_does_not_depend_on_the_micro_batch_size(loaded, shards)
 
 
 def test_cli_on_shards_reports_loss_and_both_modes(loaded, folder, shards, capsys):
-    from pipeline.evaluate import main, shard_qa_examples
+    from pipeline.evaluate import main
+    from pipeline.inference.evaluation import shard_qa_examples
     ex = shard_qa_examples(str(shards), "val", 100)
     assert ex and all(len(e["prompt_ids"]) > 0 for e in ex)
     rc = main(["--model", str(folder), "--data", str(shards), "--limit", "3", "--gen-length",
@@ -105,7 +106,8 @@ def test_cli_on_shards_reports_loss_and_both_modes(loaded, folder, shards, capsy
 
 def test_exact_match_counts_known_answers(loaded, tmp_path, capsys):
     """References set to what ar mode decodes must score 1.0 in ar mode; others 0."""
-    from pipeline.evaluate import decode_examples, main
+    from pipeline.inference.evaluation import decode_examples
+    from pipeline.evaluate import main
     from pipeline.inference.cli import add_decoding_args
     import argparse
     queries = ["def f(x):", "import json", "class A:"]
@@ -127,7 +129,7 @@ def test_exact_match_counts_known_answers(loaded, tmp_path, capsys):
 
 def test_humaneval_harness_runs_the_executor(loaded):
     import argparse
-    from pipeline.evaluate import humaneval_eval, humaneval_problems, run_humaneval_checks
+    from pipeline.inference.evaluation import humaneval_eval, humaneval_problems, run_humaneval_checks
     from pipeline.inference.cli import add_decoding_args
     p = argparse.ArgumentParser()
     add_decoding_args(p)
@@ -180,7 +182,7 @@ def test_humaneval_skips_and_counts_over_long_prompts(loaded):
     """The tiny model has 512 positions; with --gen-length 480 only problems whose prompt has
     <= 32 tokens fit; the others are skipped before decoding and counted."""
     import argparse
-    from pipeline.evaluate import humaneval_eval, humaneval_problems
+    from pipeline.inference.evaluation import humaneval_eval, humaneval_problems
     from pipeline.inference.cli import add_decoding_args
     p = argparse.ArgumentParser()
     add_decoding_args(p)
@@ -218,7 +220,7 @@ def test_humaneval_cli_warns_that_it_executes_model_code(loaded, capsys):
 
 
 def test_token_accuracy_counts_positions_of_the_reference():
-    from pipeline.evaluate import token_accuracy
+    from pipeline.inference.evaluation import token_accuracy
     eos = 3
     # ref 1: 4 tokens (EOS included), 3 agree (the decoded EOS comes one step late);
     # ref 2: 3 tokens, decoded stops early (missing positions are wrong), 1 agrees;
@@ -235,7 +237,7 @@ def test_exact_match_eval_reports_token_accuracy_of_shard_references(loaded):
     """References = ar mode's own ids: token accuracy 1.0; one reference changed at one of
     its n positions: (total - 1) / total."""
     import argparse
-    from pipeline.evaluate import decode_examples, exact_match_eval
+    from pipeline.inference.evaluation import decode_examples, exact_match_eval
     from pipeline.inference.cli import add_decoding_args
     p = argparse.ArgumentParser()
     add_decoding_args(p)
@@ -255,7 +257,7 @@ def test_exact_match_eval_reports_token_accuracy_of_shard_references(loaded):
 def test_run_settings_of_a_training_checkpoint(tmp_path, folder):
     """A training checkpoint's recorded train.seed and objective become the validation-loss
     defaults (the trainer's validation figure for that step); an HF folder has none."""
-    from pipeline.evaluate import run_settings
+    from pipeline.inference.evaluation import run_settings
     step = tmp_path / "ck" / "step_000000004"
     step.mkdir(parents=True)
     torch.save({"client_state": {"config": {"train": {"seed": 11},

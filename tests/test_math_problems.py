@@ -1,6 +1,6 @@
 """data_prep/math_problems.py: the GSM8K-form problem generator (determinism, splits, answer
 format and arithmetic, the CLI, and that shard.py reads its JSONL), and the final-answer metric
-(`pipeline.evaluate.final_answer`) on the generated answers and on GSM8K-style strings.
+(`pipeline.inference.evaluation.final_answer`) on the generated answers and on GSM8K-style strings.
 
 The arithmetic is checked independently of the generator's own `check_response`: every
 `<<a op b=c>>c` annotation is parsed here and evaluated with Python's `fractions.Fraction`."""
@@ -105,7 +105,7 @@ def test_check_response_rejects_wrong_arithmetic_and_form():
 
 
 def test_final_answer_metric():
-    from pipeline.evaluate import answers_match, final_answer
+    from pipeline.inference.evaluation import answers_match, final_answer
     assert final_answer("a\nb <<3*6=18>>18.\n#### 72") == "72"
     assert final_answer("#### 1,234") == "1234" and final_answer("####-5") == "-5"
     assert final_answer("#### 72.0") == "72" and final_answer("#### 7.5.") == "7.5"

@@ -195,7 +195,7 @@ def test_missing_filesystem_package_is_one_line_everywhere(tmp_path, capsys, spm
     code = train_tokenizer.main(["--input", str(tmp_path / "x.jsonl"), "--output", f"{url}/t.model"])
     err = capsys.readouterr().err
     assert code == 2 and len(err.strip().splitlines()) == 1 and "pip install s3fs" in err, err
-    from pipeline.evaluate import shard_qa_examples  # its CLI turns DataError into one line
+    from pipeline.inference.evaluation import shard_qa_examples
     with pytest.raises(DataError) as e:
         shard_qa_examples(url, "val", 4)
     assert "pip install s3fs" in str(e.value)

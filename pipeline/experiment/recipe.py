@@ -18,7 +18,7 @@ command; the trainer itself resumes from its latest checkpoint):
    and learning-rate schedule): `refusion` (`init.source=hf`, `objective.mode=refusion`) and
    `ar_continued` (`init.source=hf`, `objective.mode=ar`); export both.
 3. evaluation: the validation loss of both stage-2 models under the ReFusion objective
-   (`pipeline.evaluate.validation_loss`), then every decode of `task.jobs()` (AR decoding of
+   (`pipeline.training.validation.validation_loss`), then every decode of `task.jobs()` (AR decoding of
    both models, the ReFusion grid of `refusion`, the task's extra decodes), each cached as
    JSON under `<out>/eval/<set>/<model>__<setting>.json` with every decoded answer.
 3b. diagnosis: `slot_acceptance` (teacher-forced plan + verify profile) of `refusion` and
@@ -202,7 +202,7 @@ class Experiment:
         return None
 
     def decode_args(self, s: Setting) -> argparse.Namespace:
-        """The options `pipeline.evaluate.exact_match_eval` reads for a setting (AR: the
+        """The options `pipeline.inference.evaluation.exact_match_eval` reads for a setting (AR: the
         ReFusion fields are unused)."""
         g = self.task.gen_length
         return argparse.Namespace(gen_length=g, slot_size=s.slot_size, num_blocks=s.blocks(g),
@@ -213,7 +213,7 @@ class Experiment:
 
     def stage_eval(self):
         import torch
-        from pipeline.evaluate import exact_match_eval
+        from pipeline.inference.evaluation import exact_match_eval
         from pipeline.training.validation import validation_loss
         from pipeline.inference.cli import check_decoding_args
         from pipeline.inference.loading import load_for_inference

@@ -74,7 +74,7 @@ class Task:
     name, title; config (run config YAML); pretrain_steps, finetune_steps, micro_batch_size
     (defaults); gen_length (tokens generated at most; a multiple of every slot size used);
     decode_batch (prompts per decode call); metric ("text" | "final_answer", see
-    `pipeline.evaluate.answers_match`); main_set (the held-out set of the grid, the frontier
+    `pipeline.inference.evaluation.answers_match`); main_set (the held-out set of the grid, the frontier
     and the target); grid (`Setting`s of the ReFusion decodes of the `refusion` model on
     main_set); extra (further (model, set, Setting) decodes); diagnose_slot_sizes,
     diagnose_block_size; sample_settings (ReFusion settings whose decodes are shown side by
@@ -152,7 +152,7 @@ class CodeTask(Task):
         return True
 
     def examples(self, out: Path, set_name: str) -> list[dict]:
-        from pipeline.evaluate import shard_qa_examples
+        from pipeline.inference.evaluation import shard_qa_examples
         ex = shard_qa_examples(str(self.shards(out)), "val", 10 ** 9)
         return [e for e in ex if len(e["reference_ids"]) <= self.eval_max_body_tokens]
 

@@ -274,7 +274,7 @@ def report_markdown(exp, got: dict, runs: dict, tok=None, target_tpf: float = 1.
           "own objective; steps of 2a/2b are counted after stage 1 in loss.png)", ""]
     if got["losses"]:
         L += ["Validation loss of both stage-2 models under the ReFusion objective "
-              "(`pipeline.evaluate.validation_loss`, first 160 validation samples):", "",
+              "(`pipeline.training.validation.validation_loss`, first 160 validation samples):", "",
               "| model | loss | AR term | MDM term |", "|---|---|---|---|"]
         for m, v in got["losses"].items():
             L.append(f"| {m} | {_f(v['val_loss'], '.4f')} | {_f(v['val_ar_loss'], '.4f')} | "

