@@ -5,7 +5,7 @@ vs AR continued training, exports, the decoding grid, the diagnosis, the report)
 fixed choices (`tasks`: `code` and `math`), the teacher-forced diagnosis (`diagnosis`) and the
 report's text and figures (`writeup`). Must not touch: training, decoding and evaluation loops
 (it runs `pipeline.train`, `pipeline.export` and data_prep as subprocesses and calls
-`pipeline.evaluate` and `pipeline.report` as libraries).
+`pipeline.inference.evaluation` and `pipeline.report` as libraries).
 """
 from pipeline.experiment.recipe import Experiment, StageError, main
 from pipeline.experiment.tasks import TASKS, Setting
