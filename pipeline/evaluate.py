@@ -3,7 +3,7 @@
     python -m pipeline.evaluate --model HF_DIR_OR_CHECKPOINT --data SHARDS_DIR_OR_JSONL
         [--split val] [--max-batches N] [--micro-batch-size B] [--limit N]
         [--modes refusion,ar] [--metric text|final_answer] [decoding options of
-        pipeline.generate] [--json] [--json-out F]
+        pipeline.generate] [--json] [--output FILE]
     python -m pipeline.evaluate --model ... --task humaneval [--limit N] [--modes ...]
 
 Owns: this command's options, which evaluations run, the JSON report and its printing. The
@@ -48,7 +48,7 @@ import time
 from pathlib import Path
 
 
-from pipeline.common.cli import EXIT_USAGE, UsageError
+from pipeline.common.cli import EXIT_USAGE, UsageError, hidden_alias
 from pipeline.inference.cli import (add_decoding_args, check_decoding_args, check_json_out,
                                     decoding_settings, load_model_from_args, read_prompts_jsonl)
 from pipeline.inference.evaluation import (METRICS, check_humaneval_installed, exact_match_eval,
@@ -91,7 +91,9 @@ def main(argv=None) -> int:
                    help="exact match of the whole answer (text) or of the number after '####' "
                         "(final_answer: GSM8K's metric)")
     p.add_argument("--json", action="store_true", help="print one JSON document")
-    p.add_argument("--json-out", default=None, help="also write the JSON document to this file")
+    p.add_argument("--output", dest="json_out", default=None, metavar="FILE",
+                   help="also write the JSON document to this file")
+    hidden_alias(p, "--json-out", dest="json_out")
     add_decoding_args(p)
     p.set_defaults(gen_length=64, num_blocks=2, seed=None)
     p._option_string_actions["--seed"].help = (

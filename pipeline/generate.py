@@ -5,7 +5,7 @@
         [--slot-threshold X] [--token-threshold Y] [--temperature T] [--batch-size N]
         [--exact-cache] [--verify authors|correct] [--raw] [--tokenizer PATH]
         [--device auto|cpu|cuda[:N]] [--dtype float32|bfloat16|float16|float64]
-        [--seed S] [--json] [--json-out FILE]
+        [--seed S] [--json] [--output FILE]
 
 Owns: this command's options (prompts, mode, output), batching and printing. Must not touch:
 the decoding algorithms (`pipeline.inference.decoding`), loading (`pipeline.inference.loading`),
@@ -29,7 +29,7 @@ Sampling (`--temperature` > 0) draws from one generator per batch, seeded by `--
 prompt's sample depends on the batch it is decoded in (`--batch-size`, the other prompts and
 their order) as well as on the seed; greedy decoding (temperature 0) does not.
 `--prompts FILE.jsonl`: one JSON object per line with a "prompt" (or "query") string.
-`--json` / `--json-out`: {"settings": the model and decoding options used (mode, gen_length,
+`--json` / `--output FILE`: {"settings": the model and decoding options used (mode, gen_length,
 slot_size, num_blocks, thresholds, temperature, seed, exact_cache, verify, ...), "summary",
 "results"}.
 TPS = a prompt's generated tokens / wall seconds of its batch (tokens per second), measured
@@ -43,7 +43,7 @@ import contextlib
 import json
 import sys
 
-from pipeline.common.cli import EXIT_USAGE, UsageError
+from pipeline.common.cli import EXIT_USAGE, UsageError, hidden_alias
 from pipeline.inference.cli import (add_decoding_args, check_decoding_args, check_json_out,
                                     decode_batch, decoding_settings, load_model_from_args,
                                     read_prompts_jsonl, warm_up)
@@ -62,7 +62,9 @@ def main(argv=None) -> int:
                    help="plan-and-infill (refusion) or left-to-right (ar) decoding")
     p.add_argument("--raw", action="store_true", help="feed prompts as plain text")
     p.add_argument("--json", action="store_true", help="print one JSON document")
-    p.add_argument("--json-out", default=None, help="also write the JSON document to this file")
+    p.add_argument("--output", dest="json_out", default=None, metavar="FILE",
+                   help="also write the JSON document to this file")
+    hidden_alias(p, "--json-out", dest="json_out")
     add_decoding_args(p)
     args = p.parse_args(argv)
     try:

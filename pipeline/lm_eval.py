@@ -3,10 +3,10 @@
     python -m pipeline.lm_eval --model HF_DIR_OR_CHECKPOINT --tasks gsm8k,humaneval,...
         [--mode refusion|ar] [decoding options of pipeline.generate: --gen-length, --slot-size,
         --num-blocks, --slot-threshold, --token-threshold, --temperature, --exact-cache, --seed,
-        --dtype, --device, --tokenizer] [harness options: --limit N, --output_path DIR,
-        --include_path DIR, --log_samples, --num_fewshot N, --batch_size N,
-        --apply_chat_template, --fewshot_as_multiturn, --system_instruction TEXT,
-        --confirm_run_unsafe_code]
+        --dtype, --device, --tokenizer, --batch-size N] [harness options: --limit N,
+        --output DIR, --include-path DIR, --log-samples, --num-fewshot N,
+        --apply-chat-template, --fewshot-as-multiturn, --system-instruction TEXT,
+        --confirm-run-unsafe-code (the harness's underscore spellings are accepted too)]
     python -m pipeline.lm_eval run --model refusion --model_args pretrained=PATH,mode=ar,...
         [any option of the harness's own `lm_eval run`]     (also: `refusion-lm-eval ...`)
 
@@ -18,7 +18,7 @@ The harness (lm-eval 0.4.x) asks a model for three things:
 - `generate_until(context, {"until": [...], ...})`: the context is encoded as
   `pipeline.generate --raw` encodes text (SentencePiece BOS in front when the tokenizer has
   one), except that special-token strings in it become their ids (`RefusionLM.tok_encode`),
-  left-truncated to `max_length - gen_length` tokens, decoded in batches of `--batch_size` with
+  left-truncated to `max_length - gen_length` tokens, decoded in batches of `--batch-size` with
   `pipeline.generate.decode_batch` (the same call as `python -m pipeline.generate`: refusion
   plan-and-infill or ar), the text cut at the first occurrence of any `until` string. The
   generation length is `--gen-length` (refusion: rounded up to whole slots), not the task's
@@ -31,12 +31,12 @@ The harness (lm-eval 0.4.x) asks a model for three things:
   float64 model); `is_greedy` = every continuation token is the argmax.
 - `loglikelihood_rolling(text)`: the harness's rolling windows of `max_length` tokens, each
   scored as above, summed.
-`max_length` is the model's `max_position_embeddings`. With `--apply_chat_template` the
+`max_length` is the model's `max_position_embeddings`. With `--apply-chat-template` the
 harness renders its chat turns with `apply_chat_template` (Hugging Face tokenizers: the
 tokenizer's template, exactly what `pipeline.generate` does for a prompt; SentencePiece: the
 data pipeline's `<|user|> ... <|assistant|>` layout) and the result is encoded as above.
 
-The results file (`--output_path`) carries, in `config.refusion`, the decoding settings and the
+The results file (`--output`) carries, in `config.refusion`, the decoding settings and the
 generation figures of the run: prompts, tokens, forwards, seconds, TPF (generated tokens /
 forwards) and TPS (generated tokens / decode wall seconds), measured after one untimed warm-up
 decode as in `pipeline.generate`. Sampling (`--temperature` > 0) depends on the batch a prompt
@@ -74,8 +74,9 @@ except ImportError as _e:  # the optional `eval` extra
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 
-from pipeline.common.cli import DTYPES, UsageError
-from pipeline.inference.cli import add_decoding_args, check_decoding_args, decode_batch, warm_up
+from pipeline.common.cli import DTYPES, UsageError, hidden_alias
+from pipeline.inference.cli import (DECODING_DEFAULTS, add_decoding_args, check_decoding_args,
+                                    decode_batch, warm_up)
 from pipeline.inference.loading import load_for_inference
 
 HARNESS_COMMANDS = ("run", "ls", "validate")
@@ -129,11 +130,17 @@ class RefusionLM(TemplateLM):
         UsageError: bad paths, out-of-range options, unknown dtype, `batch_size=auto`.
     """
 
-    def __init__(self, pretrained=None, mode: str = "refusion", gen_length=128, slot_size=4,
-                 num_blocks=2, slot_threshold=0.6, token_threshold=0.3, temperature=0.0,
-                 exact_cache=False, seed=0, batch_size=8, dtype=None, device=None,
-                 verify="authors",
-                 tokenizer=None, max_batch_size=None, **kwargs):
+    def __init__(self, pretrained=None, mode: str = "refusion",
+                 gen_length=DECODING_DEFAULTS["gen_length"],
+                 slot_size=DECODING_DEFAULTS["slot_size"],
+                 num_blocks=DECODING_DEFAULTS["num_blocks"],
+                 slot_threshold=DECODING_DEFAULTS["slot_threshold"],
+                 token_threshold=DECODING_DEFAULTS["token_threshold"],
+                 temperature=DECODING_DEFAULTS["temperature"],
+                 exact_cache=DECODING_DEFAULTS["exact_cache"], seed=DECODING_DEFAULTS["seed"],
+                 batch_size=DECODING_DEFAULTS["batch_size"], dtype=None, device=None,
+                 verify=DECODING_DEFAULTS["verify"], tokenizer=None, max_batch_size=None,
+                 **kwargs):
         super().__init__()
         if kwargs:
             raise UsageError(f"--model_args: unknown key(s) {', '.join(sorted(kwargs))} for "
@@ -145,7 +152,7 @@ class RefusionLM(TemplateLM):
         if dtype is not None and str(dtype) not in DTYPES:
             raise UsageError(f"dtype {dtype!r}: expected one of {', '.join(sorted(DTYPES))}")
         try:
-            bs = int(batch_size) if batch_size is not None else 8
+            bs = int(batch_size) if batch_size is not None else DECODING_DEFAULTS["batch_size"]
         except ValueError:
             raise UsageError(f"batch_size {batch_size!r}: give an integer (no 'auto' for "
                              f"model refusion)")
@@ -459,24 +466,33 @@ def build_parser() -> argparse.ArgumentParser:
     if "--device" not in p._option_string_actions:
         p.add_argument("--device", default="auto",
                        help="auto (CUDA when available), cpu, cuda or cuda:N")
-    # The harness's flags, same names and meaning as `lm_eval run`.
+    # The harness's options, same meaning as `lm_eval run`, in this project's spelling (dashes);
+    # the harness's underscore spelling is accepted too (hidden aliases).
     h = p.add_argument_group("lm-evaluation-harness options")
     h.add_argument("--tasks", default=None, help="comma-separated task names or YAML files")
-    h.add_argument("--batch_size", dest="batch_size", type=int, default=argparse.SUPPRESS,
-                   help="same as --batch-size")
     h.add_argument("--limit", type=float, default=None,
                    help="examples per task (an integer count, or a fraction < 1)")
-    h.add_argument("--num_fewshot", type=int, default=None, help="few-shot examples")
-    h.add_argument("--output_path", default=None, help="folder (or .json) for the results")
-    h.add_argument("--log_samples", action="store_true", help="also save every sample")
-    h.add_argument("--include_path", default=None, help="folder of extra task YAMLs")
-    h.add_argument("--apply_chat_template", nargs="?", const=True, default=False,
-                   help="render prompts with the chat template")
-    h.add_argument("--fewshot_as_multiturn", action="store_true",
-                   help="few-shot examples as chat turns (with --apply_chat_template)")
-    h.add_argument("--system_instruction", default=None, help="system prompt text")
-    h.add_argument("--confirm_run_unsafe_code", action="store_true",
-                   help="allow tasks that execute model-written code (humaneval, mbpp)")
+    for name, kw in (("num-fewshot", dict(type=int, default=None, help="few-shot examples")),
+                     ("output", dict(dest="output_path", default=None, metavar="DIR",
+                                     help="folder (or .json) for the results")),
+                     ("log-samples", dict(action="store_true", help="also save every sample")),
+                     ("include-path", dict(default=None, help="folder of extra task YAMLs")),
+                     ("apply-chat-template", dict(nargs="?", const=True, default=False,
+                                                  help="render prompts with the chat template")),
+                     ("fewshot-as-multiturn", dict(action="store_true",
+                                                   help="few-shot examples as chat turns (with "
+                                                        "--apply-chat-template)")),
+                     ("system-instruction", dict(default=None, help="system prompt text")),
+                     ("confirm-run-unsafe-code", dict(action="store_true",
+                                                      help="allow tasks that execute "
+                                                           "model-written code (humaneval, "
+                                                           "mbpp)"))):
+        dest = kw.pop("dest", name.replace("-", "_"))
+        h.add_argument(f"--{name}", dest=dest, **kw)
+        old = "--output_path" if name == "output" else f"--{name.replace('-', '_')}"
+        alias = {k: v for k, v in kw.items() if k in ("type", "action", "nargs", "const",
+                                                      "metavar")}
+        hidden_alias(h, old, dest=dest, **alias)
     return p
 
 
@@ -493,7 +509,7 @@ def main(argv=None) -> int:
             raise UsageError(f"--limit {args.limit} must be > 0")
         pick_device(args.device)
         if args.output_path is None and args.log_samples:
-            raise UsageError("--log_samples needs --output_path")
+            raise UsageError("--log-samples needs --output")
         tasks = resolve_tasks(args.tasks, args.include_path)
         model_args = {"pretrained": str(args.model), "mode": args.mode,
                       **{k: getattr(args, k) for k in (

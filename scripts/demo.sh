@@ -70,13 +70,13 @@ JSONL
 for MODE in refusion ar; do
   echo "== 4. decode ($MODE mode)"
   "$PY" -m pipeline.generate --model "$HF" --tokenizer "$SPM_FILE" --prompts "$OUT/prompts.jsonl" \
-    --mode "$MODE" "${GEN[@]}" --batch-size 4 --json-out "$OUT/decode_$MODE.json"
+    --mode "$MODE" "${GEN[@]}" --batch-size 4 --output "$OUT/decode_$MODE.json"
 done
 
 # ---------------------------------------------------------------- 5. evaluate
 echo "== 5. evaluate on the validation split (loss; exact match of 8 held-out function bodies)"
 "$PY" -m pipeline.evaluate --model "$HF" --tokenizer "$SPM_FILE" --data "$SHARDS" \
-  --limit 8 "${GEN[@]}" --json-out "$OUT/eval.json"
+  --limit 8 "${GEN[@]}" --output "$OUT/eval.json"
 
 # ---------------------------------------------------------------- 6. summary
 echo "== 6. summary"

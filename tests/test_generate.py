@@ -134,15 +134,16 @@ def test_hf_tokenizer_folder_uses_the_chat_template(tp1, tmp_path, capsys):
 
 def test_json_out_folder_and_empty_tokenizer_folder_exit_2_before_decoding(tp1, folder, capsys,
                                                                           tmp_path):
-    """--json-out naming an existing folder is refused up front (no decode whose results would
-    be lost); a --tokenizer folder without tokenizer files is one line naming the option."""
+    """--output (here in its old spelling --json-out) naming an existing folder is refused up
+    front (no decode whose results would be lost); a --tokenizer folder without tokenizer files
+    is one line naming the option."""
     from unittest import mock
     import pipeline.generate as G
     with mock.patch.object(G, "decode_batch", side_effect=AssertionError("decoded")):
         rc, out, err = _run(capsys, ["--model", str(folder), "--prompt", "x", "--json-out",
                                      str(tmp_path)])
     assert rc == 2 and out == ""
-    assert err.strip() == f"error: --json-out {tmp_path}: is a folder; give a file path"
+    assert err.strip() == f"error: --output {tmp_path}: is a folder; give a file path"
     empty = tmp_path / "empty"
     empty.mkdir()
     rc, _, err = _run(capsys, ["--model", str(folder), "--prompt", "x", "--tokenizer",

@@ -14,7 +14,7 @@ import json
 import os
 from pathlib import Path
 
-from pipeline.common.cli import DTYPES, UsageError
+from pipeline.common.cli import DTYPES, UsageError, hidden_alias
 from pipeline.inference.decoding import VERIFY_MODES
 from pipeline.inference.loading import Loaded, load_for_inference
 
@@ -43,34 +43,47 @@ def warm_up(loaded: Loaded, prompt: list[int]) -> None:
         pass
 
 
+# The decoding options' defaults, the one statement of them (the CLIs' flags, lm_eval's
+# `--model_args`). k = 4 and the thresholds 0.6 / 0.3 are the reference code's demo settings.
+DECODING_DEFAULTS = {"gen_length": 128, "slot_size": 4, "num_blocks": 2, "slot_threshold": 0.6,
+                     "token_threshold": 0.3, "temperature": 0.0, "exact_cache": False,
+                     "verify": "authors", "batch_size": 8, "seed": 0}
+
+
 def add_decoding_args(p: argparse.ArgumentParser) -> None:
-    """The decoding options shared with `pipeline.evaluate` (defaults: the reference's demo)."""
-    p.add_argument("--gen-length", type=int, default=128,
+    """The decoding options shared by `pipeline.generate`, `pipeline.evaluate` and
+    `pipeline.lm_eval` (defaults: `DECODING_DEFAULTS`)."""
+    d = DECODING_DEFAULTS
+    p.add_argument("--gen-length", type=int, default=d["gen_length"],
                    help="tokens to generate at most; in refusion mode rounded up to a multiple "
                         "of --slot-size (the generation region is whole slots)")
-    p.add_argument("--slot-size", type=int, default=4, help="tokens per slot (k; refusion mode)")
-    p.add_argument("--num-blocks", type=int, default=2,
+    p.add_argument("--slot-size", type=int, default=d["slot_size"],
+                   help="tokens per slot (k; refusion mode)")
+    p.add_argument("--num-blocks", type=int, default=d["num_blocks"],
                    help="left-to-right blocks of the generation region (refusion mode; must "
                         "divide the number of slots)")
-    p.add_argument("--slot-threshold", type=float, default=0.6,
+    p.add_argument("--slot-threshold", type=float, default=d["slot_threshold"],
                    help="refusion: plan every masked slot whose first-token probability exceeds "
                         "this, else the best one (>= 0; >= 1 = one slot per step)")
-    p.add_argument("--token-threshold", type=float, default=0.3,
+    p.add_argument("--token-threshold", type=float, default=d["token_threshold"],
                    help="refusion: accept a drafted token when its causal probability exceeds "
-                        "this (in [0, 1]; 1 = only each slot's first token)")
-    p.add_argument("--temperature", type=float, default=0.0,
+                        "this (in [0, 1]; 1 = never by probability: each draft/verify round "
+                        "then force-accepts one more token per slot)")
+    p.add_argument("--temperature", type=float, default=d["temperature"],
                    help="0 = greedy; > 0 samples (samples depend on the batch composition, "
                         "i.e. --batch-size, for the same --seed)")
     p.add_argument("--exact-cache", action="store_true",
                    help="re-encode slots infilled in parallel (exact KV cache)")
-    p.add_argument("--verify", choices=VERIFY_MODES, default="authors",
+    p.add_argument("--verify", choices=VERIFY_MODES, default=d["verify"],
                    help="refusion: what a rejected draft becomes. authors: the reference "
                         "algorithm (re-drafted from masks and force-accepted); correct: the AR "
                         "head's own token from the verify forward (speculative decoding's "
                         "correction; with one slot per block, --token-threshold >= 0.5 and "
                         "temperature 0 the output equals --mode ar). docs/METHOD.md")
-    p.add_argument("--batch-size", type=int, default=8, help="prompts decoded together")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")
+    p.add_argument("--batch-size", type=int, default=d["batch_size"],
+                   help="prompts decoded together")
+    hidden_alias(p, "--batch_size", dest="batch_size", type=int)
+    p.add_argument("--seed", type=int, default=d["seed"], help="sampling seed (temperature > 0)")
     p.add_argument("--device", default="auto",
                    help="auto (CUDA when available), cpu, cuda or cuda:N")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
@@ -147,17 +160,17 @@ def read_prompts_jsonl(path) -> list[dict]:
 
 
 def check_json_out(path) -> None:
-    """Raise UsageError when `--json-out path` cannot be written as a file (checked before any
+    """Raise UsageError when `--output path` (the JSON results file) cannot be written as a file (checked before any
     decoding, so that no results are lost): a folder, or a parent that is a file."""
     if path is None:
         return
     path = Path(path)
     if path.is_dir():
-        raise UsageError(f"--json-out {path}: is a folder; give a file path")
+        raise UsageError(f"--output {path}: is a folder; give a file path")
     for parent in path.parents:
         if parent.exists():
             if not parent.is_dir():
-                raise UsageError(f"--json-out {path}: {parent} is not a folder")
+                raise UsageError(f"--output {path}: {parent} is not a folder")
             if not os.access(parent, os.W_OK):
-                raise UsageError(f"--json-out {path}: {parent} is not writable")
+                raise UsageError(f"--output {path}: {parent} is not writable")
             break
