@@ -44,16 +44,6 @@ def stdlib_files(root: str | None = None) -> list[str]:
     return sorted(out)
 
 
-def _line_offsets(source: str) -> list[int]:
-    """Character offset of the start of each line (index 0 = line 1)."""
-    offsets, pos = [], 0
-    for line in source.splitlines(keepends=True):
-        offsets.append(pos)
-        pos += len(line)
-    offsets.append(pos)
-    return offsets
-
-
 def qa_pairs(source: str) -> Iterator[tuple[str, str, str]]:
     """Yield `(qualified_name, query, response)` for every documented function in `source`.
 

@@ -135,10 +135,6 @@ class Tokenizer(abc.ABC):
     def prompt_ids(self, query: str) -> list[int]:
         """Token ids of the prompt for a query (see the module docstring)."""
 
-    def text_sample(self, text: str) -> tuple[list[int], int]:
-        """`(ids, prompt_length)` of a text document: `encode(text) + [eos]`, 0."""
-        return self.encode(text) + [self.info.eos_id], 0
-
     def qa_sample(self, query: str, response: str) -> tuple[list[int], int]:
         """`(ids, prompt_length)` of a query/response pair: prompt + response + [eos]."""
         prompt = self.prompt_ids(query)

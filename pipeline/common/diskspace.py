@@ -182,12 +182,6 @@ def diagnose(e: BaseException, path: str | os.PathLike) -> WriteFailure:
     return failure_of(None, path, f"{type(e).__name__}: {text[0] if text else ''}")
 
 
-def write_failure_cause(e: BaseException, path: str | os.PathLike) -> str:
-    """`diagnose(e, path).cause`: one line, e.g. "no space left on device (free space seen:
-    0 B)", "read-only file system", "<ExceptionType>: <first line> (free space seen: ...)"."""
-    return diagnose(e, path).cause
-
-
 class NotWritableError(RuntimeError):
     """A folder a job must write cannot be written, found by `check_writable` before the job
     did any work. The message is one line; `failure` is the `WriteFailure` (exit code 2, or 4

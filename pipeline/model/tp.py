@@ -65,11 +65,6 @@ class ParamSpec:
         shape[self.dim] = sum(self.part_lengths(tp_size))
         return tuple(shape)
 
-    @property
-    def full_shape(self) -> tuple[int, ...]:
-        """Shape of the whole (TP=1) native parameter."""
-        return self.rank_shape(1)
-
 
 def partition_dim(native_name: str) -> int | None:
     """Split dim over the TP group of a native parameter (0, 1, or None when replicated)."""
