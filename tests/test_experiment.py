@@ -115,10 +115,12 @@ def test_code_report_tables_frontier_and_target(tmp_path):
             "draft_accuracy_by_offset": [0.5, 0.25, 0.125, None], "exact_slot_drafts": 0.125,
             "accepted": {"0.1": 2.5, "0.5": 1.75, "0.9": 1.25},
             "accepted_correct": {"0.1": 1.0, "0.5": 0.75, "0.9": 0.5},
-            "ar_next_token_accuracy": 0.625, "accepted_verify_correct": 1.5})
+            "ar_next_token_accuracy": 0.625, "accepted_verify_correct": 1.5,
+            "ar_next_token_accuracy_by_place": {"first": 0.0, "slot_first": 0.5,
+                                                "within": 0.75}})
     md = e.stage_report().read_text()
     assert ("| refusion | 4 | 12 | 0.500 | 0.50 0.25 0.12 | 0.125 | 2.50 / 1.75 / 1.25 | "
-            "1.00 / 0.75 / 0.50 | 1.50 | 0.625 |") in md
+            "1.00 / 0.75 / 0.50 | 1.50 | 0.625 | 0.000 / 0.500 / 0.750 |") in md
     assert (tmp_path / "frontier.png").read_bytes()[:4] == b"\x89PNG"
     assert (tmp_path / "loss.png").read_bytes()[:4] == b"\x89PNG"
     assert ("| refusion | refusion | authors | 4 | 2 blocks | 0.5 | 0.1 | 1.60 | 100 | 0.190 | "

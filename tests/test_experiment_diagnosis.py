@@ -8,7 +8,10 @@ class _Rule(torch.nn.Module):
     """A stand-in model with known answers: the token at position i is f(i) = (5 i + 9) mod V.
     At a mask it predicts its own position's token (the plan/MDM reading); at any other token
     it predicts the next position's (the causal reading): `oracle`; `shifted` drafts f(i) + 1
-    at a mask instead (every draft wrong); `uniform`: zero logits.
+    at a mask instead (every draft wrong); `first_wrong` is the oracle except that, at
+    position `prompt_last` (set on the instance: the prompts' last position), it predicts a
+    wrong next token;
+    `uniform`: zero logits.
     f never yields the mask id 5 (f(i) = 4 mod 5)."""
 
     def __init__(self, kind, vocab=50, mask_id=5):
@@ -22,9 +25,13 @@ class _Rule(torch.nn.Module):
 
     def forward(self, ids, pos):
         out = torch.zeros(*ids.shape, self.vocab)
-        if self.kind in ("oracle", "shifted"):
+        if self.kind in ("oracle", "shifted", "first_wrong"):
             at_mask = self.f(pos) + (self.kind == "shifted")
             target = torch.where(ids == self.mask_id, at_mask % self.vocab, self.f(pos + 1))
+            if self.kind == "first_wrong":   # the prompt's last token predicts a wrong token
+                last = pos == self.prompt_last
+                target = torch.where(last & (ids != self.mask_id), (self.f(pos + 1) + 1)
+                                     % self.vocab, target)
             out.scatter_(-1, target[..., None], 20.0)
         return out
 
@@ -52,6 +59,18 @@ def test_slot_acceptance_on_models_with_known_answers(tp1):
     r = slot_acceptance(shifted, examples, slot_size=4, block_size=8, thresholds=(0.5,))
     assert r["first_token_accuracy"] == 0.0 and r["ar_next_token_accuracy"] == 1.0
     assert r["accepted_verify_correct"] == 0.0 and r["accepted"] == {"0.5": 1.0}
+    assert r["ar_next_token_accuracy_by_place"] == {"first": 1.0, "slot_first": 1.0,
+                                                     "within": 1.0}
+    same = [{"prompt_ids": [f(i) for i in range(3)],
+             "reference_ids": [f(i) for i in range(3, 3 + n)]} for n in (10, 4)]
+    rule = _Rule("first_wrong")
+    rule.prompt_last = 2
+    first_wrong = types.SimpleNamespace(model=rule, mask_id=5)
+    r = slot_acceptance(first_wrong, same, slot_size=4, block_size=8, thresholds=(0.5,))
+    # 2 answers: their first tokens wrong; 2 later slot starts and 10 inner tokens right
+    assert r["ar_next_token_accuracy_by_place"] == {"first": 0.0, "slot_first": 1.0,
+                                                     "within": 1.0}
+    assert r["ar_next_token_accuracy"] == 12 / 14
     uniform = types.SimpleNamespace(model=_Rule("uniform"), mask_id=5)
     r = slot_acceptance(uniform, examples, slot_size=4, block_size=8, thresholds=(0.0, 0.5))
     assert r["accepted"] == {"0.0": 3.5, "0.5": 1.0}

@@ -42,6 +42,9 @@ def slot_acceptance(loaded, examples: list[dict], slot_size: int, block_size: in
         by one verify}), "accepted_correct" ({threshold: mean accepted tokens that are a
         correct prefix}), "ar_next_token_accuracy" (greedy causal prediction of reference_j
         from the reference prefix, over the same positions: the AR decode's ceiling),
+        "ar_next_token_accuracy_by_place" (the same, split into the answer's first token
+        (predicted at the prompt's last token), the first token of every later slot, and the
+        tokens inside slots: the ReFusion objective trains only the last kind),
         "accepted_verify_correct" (mean leading drafts equal to the AR head's greedy choice,
         draft_0 judged by the prediction at the last context token: what one verify of
         `verify="correct"` accepts before its correction or bonus token)}.
@@ -84,6 +87,7 @@ def slot_acceptance(loaded, examples: list[dict], slot_size: int, block_size: in
     acc = {t: 0 for t in thresholds}
     acc_ok = {t: 0 for t in thresholds}
     ar_hit = ar_n = 0
+    by_place = {"first": [0, 0], "slot_first": [0, 0], "within": [0, 0]}
     corr = 0
     cur = None
     for (p, r, s, n), d, vl in zip(jobs, drafts, verifies):
@@ -99,6 +103,11 @@ def slot_acceptance(loaded, examples: list[dict], slot_size: int, block_size: in
         ar_pred = cur[len(p) + s - 1:len(p) + s + n - 1].argmax(-1)
         ar_hit += int((ar_pred == gold).sum())
         ar_n += n
+        hits = (ar_pred == gold).tolist()
+        for j, h in enumerate(hits):
+            place = "within" if j else ("first" if s == 0 else "slot_first")
+            by_place[place][0] += int(h)
+            by_place[place][1] += 1
         q = torch.softmax(vl[len(p) + s:len(p) + s + n - 1], -1).gather(
             -1, d[1:, None])[:, 0] if n > 1 else torch.empty(0)
         # verify="correct": leading drafts equal to the AR head's choice (offset 0 judged by
@@ -124,4 +133,6 @@ def slot_acceptance(loaded, examples: list[dict], slot_size: int, block_size: in
             "accepted": {str(t): acc[t] / total for t in thresholds},
             "accepted_correct": {str(t): acc_ok[t] / total for t in thresholds},
             "ar_next_token_accuracy": ar_hit / ar_n,
+            "ar_next_token_accuracy_by_place": {k: h / c if c else None
+                                                for k, (h, c) in by_place.items()},
             "accepted_verify_correct": corr / total}

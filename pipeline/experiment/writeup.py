@@ -332,12 +332,16 @@ def report_markdown(exp, got: dict, runs: dict, tok=None, target_tpf: float = 1.
               "drafts the slot from masks and one verify forward accepts drafted tokens while "
               "their causal probability exceeds the token threshold (the authors' rule; the "
               "slot's first token is always kept), or, for verify=correct, while they equal the "
-              "AR head's greedy choice (the first token included).", "",
+              "AR head's greedy choice (the first token included). The last column splits the "
+              "AR next-token accuracy by where the token is: the answer's first token "
+              "(predicted at the prompt's last token), a later slot's first token, a token "
+              "inside a slot (the only transition the ReFusion objective's AR term trains).", "",
               "| model | k | slots | first token correct | draft correct by offset | whole "
               "slot drafted correctly | tokens accepted per slot (thr " + " / ".join(thr) +
               ") | of them a correct prefix | drafts equal to the AR choice (verify=correct) | "
-              "AR next-token accuracy |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+              "AR next-token accuracy | of which: answer's first token / slot's first token / "
+              "inside a slot |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
         for d in diag:
             offs = " ".join(f"{x:.2f}" for x in d["draft_accuracy_by_offset"] if x is not None)
             L.append(f"| {d['model']} | {d['slot_size']} | {d['slots']} | "
@@ -345,7 +349,9 @@ def report_markdown(exp, got: dict, runs: dict, tok=None, target_tpf: float = 1.
                      + " / ".join(f"{d['accepted'][t]:.2f}" for t in thr) + " | "
                      + " / ".join(f"{d['accepted_correct'][t]:.2f}" for t in thr) + " | "
                      f"{_f(d.get('accepted_verify_correct'), '.2f')} | "
-                     f"{d['ar_next_token_accuracy']:.3f} |")
+                     f"{d['ar_next_token_accuracy']:.3f} | "
+                     + " / ".join(_f((d.get("ar_next_token_accuracy_by_place") or {}).get(k))
+                                  for k in ("first", "slot_first", "within")) + " |")
         L.append("")
     L += ["Figures: `frontier.png` (TPF / tokens/s vs exact match and token accuracy), "
           "`loss.png` (training and validation losses of all runs).", ""]
