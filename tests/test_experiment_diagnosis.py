@@ -77,3 +77,55 @@ def test_slot_acceptance_on_models_with_known_answers(tp1):
     assert r["first_token_accuracy"] == 0.0 and r["ar_next_token_accuracy"] == 0.0  # drafts 0
     with pytest.raises(ValueError, match="multiple of slot_size"):
         slot_acceptance(uniform, examples, slot_size=4, block_size=6)
+
+
+def test_first_token_effect_against_plain_ar_decoding(tp1):
+    """`first_token_effect` on a tiny random Qwen3 whose references are its own greedy AR
+    decodes: the AR head's first token is always right and its decode matches (exact match 1);
+    the plan's first token is right exactly where the argmax at the first mask after the prompt
+    (computed here from a plain forward) equals it. With every reference's first token changed,
+    the AR head's first token is always wrong and so is its decode, and the reference's first
+    token gives exactly the answers whose greedy continuation (decoded here separately) equals
+    the changed reference."""
+    import types
+
+    from pipeline.inference.decoding import ar_generate
+    from pipeline.model import ModelConfig, Qwen3
+    from pipeline.model.init import random_tp_shards
+    from pipeline.model.weights import copy_into_model
+    from pipeline.experiment.diagnosis import first_token_effect
+    V, MASK, EOS, G = 64, 63, 62, 6
+    cfg = ModelConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                      attention="sdpa", init_std=0.5)
+    m = Qwen3(cfg, init_weights=False)
+    copy_into_model(m, random_tp_shards(cfg, 5, 0, 1), source="test")
+    m.eval()
+    text = lambda ids: " ".join(map(str, ids))  # noqa: E731
+    loaded = types.SimpleNamespace(model=m, mask_id=MASK, eos_id=EOS, decode=text)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 60, (n,), generator=g).tolist() for n in (3, 5, 4, 7, 2, 6)]
+    refs = [ar_generate(m, [p], G, 0.0, EOS).tokens[0] for p in prompts]
+
+    def cut(ids):
+        return ids[:ids.index(EOS)] if EOS in ids else ids
+
+    examples = [{"prompt_ids": p, "reference_ids": r, "reference": text(cut(r))}
+                for p, r in zip(prompts, refs)]
+    with torch.no_grad():
+        plan = [int(m(torch.tensor([p + [MASK] * 4]),
+                      torch.arange(len(p) + 4)[None]).float()[0, len(p)].argmax())
+                for p in prompts]
+    r = first_token_effect(loaded, examples, G, slot_size=4, batch_size=4)
+    assert r["examples"] == 6 and r["first_token_accuracy"]["ar"] == 1.0
+    assert r["exact_match"]["ar"] == 1.0 and r["exact_match"]["reference"] == 1.0
+    assert r["first_token_accuracy"]["plan"] == sum(
+        a == ref[0] for a, ref in zip(plan, refs)) / 6
+    changed = [[(ref[0] + 1) % 60] + ref[1:] for ref in refs]
+    examples = [{"prompt_ids": p, "reference_ids": c, "reference": text(cut(c))}
+                for p, c in zip(prompts, changed)]
+    r = first_token_effect(loaded, examples, G, slot_size=4, batch_size=4)
+    assert r["first_token_accuracy"]["ar"] == 0.0 and r["exact_match"]["ar"] == 0.0
+    own = [cut([c[0]] + ar_generate(m, [p + [c[0]]], G - 1, 0.0, EOS).tokens[0])
+           if c[0] != EOS else [] for p, c in zip(prompts, changed)]
+    assert r["exact_match"]["reference"] == sum(o == cut(c) for o, c in zip(own, changed)) / 6

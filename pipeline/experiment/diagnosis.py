@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["slot_acceptance"]
+__all__ = ["slot_acceptance", "first_token_effect"]
 
 
 @torch.no_grad()
@@ -136,3 +136,60 @@ def slot_acceptance(loaded, examples: list[dict], slot_size: int, block_size: in
             "ar_next_token_accuracy_by_place": {k: h / c if c else None
                                                 for k, (h, c) in by_place.items()},
             "accepted_verify_correct": corr / total}
+
+
+@torch.no_grad()
+def first_token_effect(loaded, examples: list[dict], gen_length: int, slot_size: int,
+                       metric: str = "text", batch_size: int = 64) -> dict:
+    """How much of a model's free-decoding accuracy hangs on the answer's first token: greedy
+    AR decoding after the prompt with the first answer token chosen three ways, the AR head's
+    own choice (plain AR decoding), the plan's (the argmax at the first of `slot_size` masks
+    fed after the prompt, the MDM head), and the reference's; then the rest decoded
+    greedily. (With one slot per block the corrected decoder, `verify="correct"`, continues
+    exactly as AR decoding does, so these are also its accuracies.)
+
+    Args:
+        loaded: `pipeline.inference.loading.Loaded`.
+        examples: [{"prompt_ids", "reference_ids" (EOS included), "reference" (text)}].
+        gen_length: tokens generated at most (the first one included).
+        slot_size: masks fed after the prompt for the plan's choice.
+        metric: `pipeline.inference.evaluation.answers_match` metric.
+
+    Returns:
+        {"examples", "first_token_accuracy": {"ar", "plan"}, "exact_match": {"ar", "plan",
+        "reference"}}.
+    """
+    from pipeline.inference.decoding import ar_generate
+    from pipeline.inference.evaluation import answers_match
+    from pipeline.model import gather_logits
+    model, eos = loaded.model, loaded.eos_id
+    device = next(model.parameters()).device
+    prompts = [list(e["prompt_ids"]) for e in examples]
+    refs = [e.get("reference") or loaded.decode(e["reference_ids"][:-1]) for e in examples]
+    firsts = {"reference": [e["reference_ids"][0] for e in examples], "ar": [], "plan": []}
+    for i in range(0, len(prompts), batch_size):
+        chunk = prompts[i:i + batch_size]
+        for kind, extra in (("ar", 0), ("plan", slot_size)):
+            seqs = [p + [loaded.mask_id] * extra for p in chunk]
+            t = max(map(len, seqs))
+            ids = torch.tensor([s + [0] * (t - len(s)) for s in seqs], device=device)
+            pos = torch.arange(t, device=device).expand(len(seqs), t)
+            lg = gather_logits(model(ids, pos)).float()
+            at = [len(p) - 1 if kind == "ar" else len(p) for p in chunk]
+            firsts[kind] += [int(lg[j, a].argmax()) for j, a in enumerate(at)]
+    out = {"examples": len(examples), "first_token_accuracy": {}, "exact_match": {}}
+    for kind in ("ar", "plan", "reference"):
+        if kind != "reference":
+            out["first_token_accuracy"][kind] = sum(
+                a == b for a, b in zip(firsts[kind], firsts["reference"])) / len(examples)
+        texts = []
+        for i in range(0, len(prompts), batch_size):
+            heads = [p + [f] for p, f in zip(prompts[i:i + batch_size],
+                                             firsts[kind][i:i + batch_size])]
+            gen = ar_generate(model, heads, gen_length - 1, 0.0, eos)
+            for f, toks in zip(firsts[kind][i:i + batch_size], gen.tokens):
+                ids = [f] + toks if f != eos else [f]
+                texts.append(loaded.decode(ids[:ids.index(eos)] if eos in ids else ids))
+        out["exact_match"][kind] = sum(answers_match(t, r, metric)
+                                       for t, r in zip(texts, refs)) / len(examples)
+    return out

@@ -1,6 +1,6 @@
 """The scaled-down ReFusion recipe, ReFusion vs AR, end to end: `make experiment`.
 
-    python -m pipeline.experiment [--task math|code] [--out outputs/experiment/<task>]
+    python -m pipeline.experiment [--task math|code] [--output outputs/experiment/<task>]
         [--pretrain-steps N] [--finetune-steps N] [--micro-batch-size B] [--threads T]
         [--nproc P] [--parallel] [--only-report]
 
@@ -37,6 +37,7 @@ import sys
 import time
 from pathlib import Path
 
+from pipeline.common.cli import hidden_alias
 from pipeline.common.atomic_io import write_json, write_text
 from pipeline.experiment.tasks import ROOT, TASKS, Setting, Task
 
@@ -258,9 +259,10 @@ class Experiment:
     def stage_diagnose(self):
         """Teacher-forced plan + verify profile (`diagnosis.slot_acceptance`) of the main set
         for `refusion` and, as the contrast without MDM training, `ar_continued`, at each of
-        the task's slot sizes and the grid's token thresholds; cached under `<out>/diagnose/`."""
+        the task's slot sizes and the grid's token thresholds, and the weight of the answer's
+        first token (`diagnosis.first_token_effect`); cached under `<out>/diagnose/`."""
         import torch
-        from pipeline.experiment.diagnosis import slot_acceptance
+        from pipeline.experiment.diagnosis import first_token_effect, slot_acceptance
         from pipeline.inference.loading import load_for_inference
         torch.set_num_threads(self.threads)
         t = self.task
@@ -280,13 +282,22 @@ class Experiment:
                 _log(f"{model} k={k}: first token {r['first_token_accuracy']:.3f}, drafts by "
                      f"offset {[round(x, 3) for x in r['draft_accuracy_by_offset']]}, accepted "
                      f"per slot {r['accepted']}, AR next token {r['ar_next_token_accuracy']:.3f}")
+            path = self.out / "diagnose" / f"{model}__first_token.json"
+            if self._cached(path, model) is None:
+                loaded = loaded or load_for_inference(str(self.hf_dir(model)))
+                r = first_token_effect(loaded, self.examples(t.main_set), t.gen_length,
+                                       t.diagnose_slot_sizes[0], t.metric)
+                write_json(path, {"model": model, **r})
+                ran = True
+                _log(f"{model}: answer's first token from AR / plan: accuracy "
+                     f"{r['first_token_accuracy']}, exact match then {r['exact_match']}")
             del loaded
         return None if ran else False
 
     # ---------------------------------------------------------------- 4. report
     def collect(self) -> dict:
         """Cached results of the current task's jobs: {"rows": [result docs], "losses":
-        {model: validation loss figures}, "diagnose": [profiles]}."""
+        {model: validation loss figures}, "diagnose": [profiles], "first_token": [effects]}."""
         rows, losses = [], {}
         for model, set_name, s in self.task.jobs():
             p = self.eval_path(model, set_name, s)
@@ -297,7 +308,9 @@ class Experiment:
             losses[d["model"]] = d["loss"]
         diag = [json.loads(p.read_text())
                 for p in sorted((self.out / "diagnose").glob("*__slot_acceptance_k*.json"))]
-        return {"rows": rows, "losses": losses, "diagnose": diag}
+        first = [json.loads(p.read_text())
+                 for p in sorted((self.out / "diagnose").glob("*__first_token.json"))]
+        return {"rows": rows, "losses": losses, "diagnose": diag, "first_token": first}
 
     def training_runs(self) -> dict:
         """{run label: metrics} of the three runs, stage-2 steps counted after stage 1."""
@@ -358,7 +371,9 @@ def main(argv=None) -> int:
                                 description="ReFusion vs AR, scaled down (issues 10 and 20).")
     p.add_argument("--task", choices=sorted(TASKS), default="math",
                    help="math (default): GSM8K-form word problems; code: stdlib functions")
-    p.add_argument("--out", default=None, help="output folder (default outputs/experiment/TASK)")
+    p.add_argument("--output", dest="out", default=None,
+                   help="output folder (default outputs/experiment/TASK)")
+    hidden_alias(p, "--out", dest="out")
     p.add_argument("--config", default=None, help="run config (default: the task's)")
     p.add_argument("--pretrain-steps", type=int, default=None,
                    help="default: the task's (math 2400, code 3000)")

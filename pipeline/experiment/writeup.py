@@ -353,6 +353,22 @@ def report_markdown(exp, got: dict, runs: dict, tok=None, target_tpf: float = 1.
                      + " / ".join(_f((d.get("ar_next_token_accuracy_by_place") or {}).get(k))
                                   for k in ("first", "slot_first", "within")) + " |")
         L.append("")
+    first = got.get("first_token") or []
+    if first:
+        L += ["### The answer's first token", "",
+              "`pipeline.experiment.diagnosis.first_token_effect`: greedy AR decoding of the main "
+              "set with the answer's first token chosen three ways, then the rest decoded by the "
+              "AR head: its own choice (plain AR decoding), the plan's (the argmax at the first "
+              "of k masks after the prompt, as the authors' decoder keeps it), the reference's. "
+              "The ReFusion objective gives the prompt's last token no AR label, so the AR head "
+              "is never trained to start an answer.", "",
+              "| model | first token right: AR head / plan | exact match with the first token of: "
+              "AR head / plan / reference |", "|---|---|---|"]
+        for d in first:
+            acc, em = d["first_token_accuracy"], d["exact_match"]
+            L.append(f"| {d['model']} | {_f(acc.get('ar'))} / {_f(acc.get('plan'))} | "
+                     + " / ".join(_f(em.get(k)) for k in ("ar", "plan", "reference")) + " |")
+        L.append("")
     L += ["Figures: `frontier.png` (TPF / tokens/s vs exact match and token accuracy), "
           "`loss.png` (training and validation losses of all runs).", ""]
     return "\n".join(L)
