@@ -521,7 +521,6 @@ def test_output_and_shard_folders_inside_an_input_are_not_read(tmp_path, spm_mod
     assert code == 2 and err.strip() == (f"shard.py: error: input {od}: is also the --output folder "
                                          "(its manifest and tokenizer files would be read as data); "
                                          "use another --output"), err
-    base = dict(samples=None)
     for i, out in enumerate((od / "shards", od / "shards2", od / "shards2", od / "shards2")):
         extra = ["--max-length", 128, "--overwrite"] if i == 3 else ["--max-length", 64]
         code, err = run_shard(capsys, "--input", od, "--output", out, "--tokenizer", qdir, *extra)

@@ -253,8 +253,8 @@ class MathTask(Task):
         return [f"- held-out sets: `test` = {s['test']} problems of the training templates, "
                 f"disjoint from training by problem key (template + numbers); `unseen` = "
                 f"{s['test_unseen']} problems of 3 templates never trained on",
-                f"- metric: exact match of the final answer (the number after `####`, GSM8K's); "
-                f"also token accuracy against the reference solution and whole-solution match",
+                "- metric: exact match of the final answer (the number after `####`, GSM8K's); "
+                "also token accuracy against the reference solution and whole-solution match",
                 f"- greedy decoding, gen length {self.gen_length}; ReFusion grid on `test`: "
                 f"slot size {{4, 8}} x order {{4 blocks, one slot per block}}, slot threshold "
                 f"0.9; verify authors at token threshold {{0.4, 0.9}}, verify correct at 0.9"]
