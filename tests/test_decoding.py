@@ -11,7 +11,7 @@ recomputed logits equal to ~1e-12, so no greedy decision can flip between the tw
 import pytest
 import torch
 
-from tiny_qwen3 import make_tiny_qwen3
+from tiny_qwen3 import make_scaled_tiny_qwen3
 
 MASK = 511          # the tiny vocab is 512; the last row serves as the mask token
 SCALE = 6.0
@@ -20,14 +20,7 @@ SCALE = 6.0
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     """Tiny HF checkpoint with the LM head scaled (sharper, non-flat distributions)."""
-    from transformers import Qwen3ForCausalLM
-    src = make_tiny_qwen3(tmp_path_factory.mktemp("tiny") / "hf", seed=1)
-    hf = Qwen3ForCausalLM.from_pretrained(src, dtype=torch.float32)
-    with torch.no_grad():
-        hf.lm_head.weight.mul_(SCALE)
-    out = tmp_path_factory.mktemp("tiny") / "scaled"
-    hf.save_pretrained(out, safe_serialization=True)
-    return out
+    return make_scaled_tiny_qwen3(tmp_path_factory, seed=1, scale=SCALE)
 
 
 @pytest.fixture(scope="module")

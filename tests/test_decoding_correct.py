@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from tiny_qwen3 import make_tiny_qwen3
+from tiny_qwen3 import make_scaled_tiny_qwen3, make_tiny_qwen3
 
 MASK = 511
 SCALE = 6.0
@@ -24,16 +24,9 @@ SCALE = 6.0
 
 @pytest.fixture(scope="module")
 def random_model(tp1, tmp_path_factory):
-    from transformers import Qwen3ForCausalLM
-
     from pipeline.model.hf import config_from_hf, load_hf_into_model
     from pipeline.model import Qwen3
-    src = make_tiny_qwen3(tmp_path_factory.mktemp("tiny") / "hf", seed=1)
-    hf = Qwen3ForCausalLM.from_pretrained(src, dtype=torch.float32)
-    with torch.no_grad():
-        hf.lm_head.weight.mul_(SCALE)
-    out = tmp_path_factory.mktemp("tiny") / "scaled"
-    hf.save_pretrained(out, safe_serialization=True)
+    out = make_scaled_tiny_qwen3(tmp_path_factory, seed=1, scale=SCALE)
     m = Qwen3(config_from_hf(out), dtype=torch.float64, init_weights=False)
     load_hf_into_model(m, out)
     return m.eval()

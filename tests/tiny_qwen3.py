@@ -88,3 +88,25 @@ def make_tiny_qwen3(dir, *, seed: int = 0, with_tokenizer: bool = False, **overr
         tok.add_special_tokens({"additional_special_tokens": list(REFUSION_TOKENS)})
         tok.save_pretrained(out)
     return out
+
+
+def make_scaled_tiny_qwen3(tmp_path_factory, *, seed: int = 1, scale: float = 6.0) -> Path:
+    """`make_tiny_qwen3` with its LM head multiplied by `scale`, so that a random model's
+    next-token probabilities spread over (0, 1) and decoding thresholds take effect.
+
+    Args:
+        tmp_path_factory: pytest's fixture (two folders are made: the raw and the scaled one).
+        seed: weight seed; scale: factor applied to `lm_head.weight`.
+
+    Returns:
+        the scaled checkpoint's folder.
+    """
+    import torch
+    from transformers import Qwen3ForCausalLM
+    src = make_tiny_qwen3(tmp_path_factory.mktemp("tiny") / "hf", seed=seed)
+    hf = Qwen3ForCausalLM.from_pretrained(src, dtype=torch.float32)
+    with torch.no_grad():
+        hf.lm_head.weight.mul_(scale)
+    out = tmp_path_factory.mktemp("tiny") / "scaled"
+    hf.save_pretrained(out, safe_serialization=True)
+    return out
