@@ -62,3 +62,18 @@ def test_report_output_and_its_old_spelling_write_the_same_files(tmp_path, capsy
     names = lambda d: sorted(p.name for p in d.iterdir())  # noqa: E731
     assert names(tmp_path / "a") == names(tmp_path / "b") and "loss.png" in names(tmp_path / "a")
     assert (tmp_path / "a" / "summary.md").read_text() == (tmp_path / "b" / "summary.md").read_text()
+
+
+def test_experiment_output_and_its_old_spelling_name_the_same_folder(tmp_path, capsys):
+    """`python -m pipeline.experiment --output DIR` and the hidden `--out DIR` reach the same
+    folder; `--only-report` on a folder without decode results stops with one line (exit 2)."""
+    from pipeline.experiment.recipe import main
+    for flag in ("--output", "--out"):
+        assert main(["--task", "math", flag, str(tmp_path / "exp"), "--only-report"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err == (f"error: --only-report: {tmp_path / 'exp'} holds no decode results of "
+                       f"task math (run without --only-report first)"), err
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    help_text = capsys.readouterr().out
+    assert "--output OUT" in help_text and "--out " not in help_text

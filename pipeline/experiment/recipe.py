@@ -398,6 +398,10 @@ def main(argv=None) -> int:
     exp = Experiment(args.task, args.out, args.pretrain_steps, args.finetune_steps,
                      args.threads, args.nproc, args.micro_batch_size, args.parallel,
                      args.config)
+    if args.only_report and not any((exp.out / "eval").glob("*/*.json")):
+        print(f"error: --only-report: {exp.out} holds no decode results of task {args.task} "
+              f"(run without --only-report first)", file=sys.stderr)
+        return 2
     t0 = time.time()
     try:
         path = exp.stage_report() if args.only_report else exp.run()
