@@ -13,7 +13,9 @@ A failure in any rank raises in the test with that rank's traceback.
 """
 from __future__ import annotations
 
+import io
 import os
+import queue as queue_module
 import traceback
 
 import torch.multiprocessing as mp
@@ -31,7 +33,12 @@ def _worker(rank, world_size, port, fn, args, queue):
     torch.set_num_threads(1)
     try:
         result = fn(rank, world_size, *args)
-        queue.put((rank, True, result))
+        # Sent as bytes, not as tensors: torch's queue shares a tensor's storage through a file
+        # the sending process owns, and a rank that exits before the parent reads its result
+        # takes that file with it (FileNotFoundError in the parent).
+        buf = io.BytesIO()
+        torch.save(result, buf)
+        queue.put((rank, True, buf.getvalue()))
     except BaseException:  # report every failure to the parent
         queue.put((rank, False, traceback.format_exc()))
     finally:
@@ -82,12 +89,15 @@ def _run_once(fn, world_size: int, args: tuple, timeout_s: float) -> list:
         for _ in range(world_size):
             rank, ok, value = queue.get(timeout=timeout_s)
             if ok:
-                results[rank] = value
+                import torch
+                results[rank] = torch.load(io.BytesIO(value), weights_only=False)
             else:
                 errors.append(f"rank {rank} failed:\n{value}")
                 break
-    except Exception as e:  # queue.Empty on timeout
-        errors.append(f"timed out after {timeout_s} s waiting for ranks: {e!r}")
+    except queue_module.Empty:
+        errors.append(f"timed out after {timeout_s} s waiting for ranks")
+    except Exception as e:
+        errors.append(f"reading the ranks' results failed: {e!r}")
     finally:
         for p in procs:
             p.join(timeout=5 if errors else 60)
