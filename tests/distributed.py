@@ -18,6 +18,7 @@ import os
 import queue as queue_module
 import traceback
 
+import torch
 import torch.multiprocessing as mp
 
 from pipeline.parallel import free_port
@@ -89,7 +90,6 @@ def _run_once(fn, world_size: int, args: tuple, timeout_s: float) -> list:
         for _ in range(world_size):
             rank, ok, value = queue.get(timeout=timeout_s)
             if ok:
-                import torch
                 results[rank] = torch.load(io.BytesIO(value), weights_only=False)
             else:
                 errors.append(f"rank {rank} failed:\n{value}")

@@ -14,6 +14,7 @@ training, decoding and evaluation loops (`pipeline.experiment.recipe` runs them)
 """
 from __future__ import annotations
 
+import abc
 import itertools
 import json
 import sys
@@ -68,7 +69,7 @@ class Setting:
 AR = Setting()
 
 
-class Task:
+class Task(abc.ABC):
     """Base of a task. Attributes set by subclasses:
 
     name, title; config (run config YAML); pretrain_steps, finetune_steps, micro_batch_size
@@ -105,15 +106,15 @@ class Task:
     def spm(self, out: Path) -> Path:
         return out / "tokenizer" / "spm.model"
 
+    @abc.abstractmethod
     def prepare(self, out: Path, run) -> bool:
         """Write tokenizer and shards under `out` (skipped when present); `run(cmd)` runs a
         command. Returns False when everything was there."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def examples(self, out: Path, set_name: str) -> list[dict]:
         """The held-out examples of a set: [{"prompt_ids", "reference_ids" (EOS included), and
         "reference" (text) where the metric needs it}]."""
-        raise NotImplementedError
 
     def settings_text(self) -> list[str]:
         """Markdown bullet lines recording the task's fixed choices."""
