@@ -23,8 +23,19 @@ unlike the salted builtin `hash`):
   2. `t = rng.random(S)`, one per segment; `p = (1 - eps) * t + eps`;
   3. `u = rng.random(N)`, one per slot (all segments, natural order); slot masked iff `u < p`;
   4. `o = rng.random(N)`, one per slot; the clean slots of a segment are fed in increasing `o`
-     (a uniformly random order).
+     (a uniformly random order);
+  5. only when `ObjectiveConfig.natural_order_fraction > 0`: `n = rng.random(S)`, one per
+     segment; a segment with `n < natural_order_fraction` is fed with every slot clean, in
+     natural order (its draws 2-4 are made and unused). Drawn last, so that a fraction of 0
+     leaves every sample bit-identical to a run without the option.
 Mode "ar" draws nothing.
+
+Boundary labels (`ObjectiveConfig.boundary_labels`, docs/METHOD.md "Boundary labels"; off by
+default, the paper's labels): the prompt's last token is labelled with the response's first
+token, and a clean slot's last token at offset q with x[q+1] when q+1 is inside the segment and
+the slot starting there is masked or clean and fed later (if it was fed earlier, the token is
+already visible and the label would be a copy: none). They are AR labels (weight 1, in the AR
+mean); the fed sequence is unchanged.
 
 Plain AR baseline (`mode="ar"`): every segment is fed in natural order, nothing is masked,
 and the response is one slot, so the loss is the ordinary next-token cross-entropy of the
@@ -65,6 +76,13 @@ class ObjectiveConfig:
             sample from {4, 8, 16, 32}); a list of sizes = ignore them and re-slice each
             segment's response into slots of a size drawn per (segment, epoch) from this list.
         ar_weight / mdm_weight: loss = ar_weight * AR + mdm_weight * MDM.
+        boundary_labels: also train the AR head across slot boundaries (the prompt's last token
+            and clean slots' last tokens; module docstring, docs/METHOD.md "Boundary labels").
+            False = the paper's labels.
+        natural_order_fraction: share in [0, 1] of segments fed with every slot clean, in
+            natural order (draw 5 of the module docstring); with `boundary_labels` such a
+            segment is plain next-token training. Such segments count in the MDM term's B (as a
+            draw with nothing masked) and report p = 0. 0 = the paper's objective.
     """
 
     mode: str = "refusion"
@@ -72,6 +90,8 @@ class ObjectiveConfig:
     slot_sizes: list[int] | None = None
     ar_weight: float = 1.0
     mdm_weight: float = 1.0
+    boundary_labels: bool = False
+    natural_order_fraction: float = 0.0
 
     def __post_init__(self) -> None:
         if self.mode not in ("refusion", "ar"):
@@ -84,6 +104,13 @@ class ObjectiveConfig:
                 raise ValueError(f"objective.slot_sizes must be positive sizes, got {self.slot_sizes}")
         if self.ar_weight < 0 or self.mdm_weight < 0:
             raise ValueError("objective.ar_weight and objective.mdm_weight must be >= 0")
+        if not isinstance(self.boundary_labels, bool):
+            raise ValueError(f"objective.boundary_labels must be true or false, got "
+                             f"{self.boundary_labels!r}")
+        if not 0.0 <= float(self.natural_order_fraction) <= 1.0:
+            raise ValueError(f"objective.natural_order_fraction must be in [0, 1], got "
+                             f"{self.natural_order_fraction}")
+        self.natural_order_fraction = float(self.natural_order_fraction)
 
 
 def _key_hash(key: str) -> int:
@@ -230,6 +257,14 @@ def reorganize_sample(tokens: np.ndarray, segments: Sequence[dict], key: str, *,
         p = (1.0 - cfg.eps) * t + cfg.eps
         slot_masked = rng.random(n_slot) < p[slot_seg]
         order = rng.random(n_slot)
+        if cfg.natural_order_fraction > 0:
+            natural = rng.random(n_seg) < cfg.natural_order_fraction
+            if natural.any():
+                nat_slot = natural[slot_seg]
+                p = np.where(natural, 0.0, p)
+                slot_masked = slot_masked & ~nat_slot
+                # clean slots are ranked by `order`; natural-order ones by their start
+                order = np.where(nat_slot, slot_start.astype(np.float64), order)
 
     pos = np.arange(L, dtype=np.int64)
     tok_seg = np.repeat(np.arange(n_seg, dtype=np.int64), seg_end - seg_start)
@@ -253,8 +288,16 @@ def reorganize_sample(tokens: np.ndarray, segments: Sequence[dict], key: str, *,
     slot_end_tok = np.zeros(L, dtype=np.int64)
     slot_end_tok[in_resp] = slot_end[tok_slot[in_resp]]
     ar_lab = clean & (pos + 1 < slot_end_tok)
-    if cfg.mode == "ar":  # the last prompt token predicts the first response token
+    if cfg.mode == "ar" or cfg.boundary_labels:
+        # the last prompt token predicts the first response token
         ar_lab |= (pos + 1 == resp_start[tok_seg]) & (pos + 1 > seg_start[tok_seg])
+    if cfg.mode != "ar" and cfg.boundary_labels and n_slot > 1:
+        # a clean slot's last token predicts the next slot's first token when that slot is
+        # masked or fed later (clean slots are fed in increasing `order`; equal keys by position)
+        nxt_slot = ~last_of_seg[:-1]           # slot i has a successor i+1 in its segment
+        later = slot_masked[1:] | (order[1:] >= order[:-1])
+        cross = np.flatnonzero(nxt_slot & ~slot_masked[:-1] & later)
+        ar_lab[slot_end[cross] - 1] = True
     labels[ar_lab] = nxt[ar_lab]
     labels[tok_masked] = x[tok_masked]
     n_r = (seg_end - resp_start).astype(np.float64)
