@@ -251,6 +251,112 @@ def test_parallel_slots_equal_the_cache_free_reference(random_model, trained_mod
 
 def test_verify_is_checked(random_model):
     from pipeline.inference.decoding import refusion_generate
-    with pytest.raises(ValueError, match="verify must be one of authors, correct"):
+    with pytest.raises(ValueError, match="verify must be one of authors, correct, draft_ahead"):
         refusion_generate(random_model, [[1, 2]], 8, 4, 1, 0.5, 0.5, 0.0, MASK, None,
                           verify="fix")
+
+
+# ------------------------------------------------------------------ verify="draft_ahead"
+
+
+@torch.no_grad()
+def _draft_ahead_reference(model, prompt, G, k, token_threshold, mask_id, eos):
+    """verify="draft_ahead", greedy, from docs/METHOD.md "Drafting inside the verify forward",
+    without a cache: every forward recomputes prompt + committed tokens (natural order, plain
+    causal) + this step's drafts and masks. Returns (output, Counter of forwards)."""
+    from collections import Counter
+    P = len(prompt)
+    seq = list(prompt)                  # committed, natural order = commit order here
+    ahead: dict[int, int] = {}          # offset -> the latest prediction to draft it with
+    fw = Counter()
+    while len(seq) - P < G:
+        cur = len(seq) - P
+        end = min((cur // k + 1) * k, G)
+        drafts = [ahead[o] for o in range(cur, end) if o in ahead]
+        assert len(drafts) in (0, end - cur)
+        masks = list(range(cur + len(drafts), min(end + k, G)))
+        fw["verify" if drafts else "plan"] += 1
+        fed = seq + drafts + [mask_id] * len(masks)
+        lg = model(torch.tensor([fed]), torch.tensor([list(range(len(fed)))]))[0].double()
+        judge = lg[len(seq) - 1:len(seq) - 1 + len(drafts) + 1]   # AR logits for cur, cur+1, ...
+        new, stop = [], False
+        for i, d in enumerate(drafts):
+            pr = judge[i].softmax(-1)
+            if d != int(pr.argmax()) and not float(pr[d]) > token_threshold:
+                new.append(int(pr.argmax()))
+                break
+            new.append(d)
+            if d == eos:
+                stop = True
+                break
+        else:
+            if cur + len(drafts) < G:
+                new.append(int(judge[len(drafts)].argmax()))
+        seq += new
+        if stop or (eos is not None and new[-1] == eos):
+            break
+        preds = drafts + lg[len(seq) - len(new) + len(drafts):].argmax(-1).tolist()
+        ahead = {cur + i: t for i, t in enumerate(preds) if cur + i >= len(seq) - P}
+    return seq[P:], fw
+
+
+@pytest.mark.parametrize("k,thr", [(4, 0.5), (4, 0.9), (3, 0.6)])
+def test_draft_ahead_equals_ar_decoding_on_a_random_model(random_model, k, thr):
+    """Greedy, token threshold >= 0.5: the output is AR decoding's, with and without an EOS
+    inside; every forward after the first is a verify that also drafts."""
+    from pipeline.inference.decoding import ar_generate, refusion_generate
+    prompts = _prompts(4, seed=13)
+    G = 6 * k
+    for eos in (None, "mid"):
+        if eos == "mid":
+            eos = ar.tokens[0][G // 2]          # a token the AR decode produced
+        ar = ar_generate(random_model, prompts, G, 0.0, eos)
+        out = refusion_generate(random_model, prompts, G, k, 1, 0.9, thr, 0.0, MASK, eos,
+                                verify="draft_ahead")
+        assert out.tokens == ar.tokens, (k, thr, eos)
+        for i in range(len(prompts)):
+            assert out.forwards[i]["plan"] == 1
+            assert set(out.forwards[i]) <= {"plan", "verify"}
+    assert ar.tokens[0][-1] == eos and len(ar.tokens[0]) < G
+
+
+def test_draft_ahead_on_the_trained_model_equals_ar_at_higher_tpf_than_correct(trained_model):
+    """The trained toy model's drafts are mostly accepted: draft_ahead equals AR decoding (EOS
+    at the end of every answer), commits more than one token per forward, and needs fewer
+    forwards than the plan + verify of verify="correct" on the same prompts."""
+    from pipeline.inference.decoding import ar_generate, refusion_generate
+    rng = np.random.default_rng(5)
+    prompts = [_toy_example(rng)[0] for _ in range(12)]
+    G = 20
+    ar = ar_generate(trained_model, prompts, G, 0.0, T_EOS)
+    assert sum(t[-1] == T_EOS for t in ar.tokens) >= 10
+    for k, thr in ((4, 0.5), (4, 0.9), (2, 0.7)):
+        out = refusion_generate(trained_model, prompts, G, k, 1, 0.9, thr, 0.0, T_MASK, T_EOS,
+                                verify="draft_ahead")
+        assert out.tokens == ar.tokens, (k, thr)
+        corr = refusion_generate(trained_model, prompts, G, k, G // k, 0.9, thr, 0.0, T_MASK,
+                                 T_EOS, verify="correct")
+        fwd = sum(out.num_forwards(i) for i in range(len(prompts)))
+        fwd_corr = sum(corr.num_forwards(i) for i in range(len(prompts)))
+        tokens = sum(map(len, out.tokens))
+        assert tokens / fwd > 1.0 and fwd < fwd_corr, (k, thr, tokens, fwd, fwd_corr)
+        assert any(max(np.bincount(f)) > 2 for f in out.commit_forward)
+
+
+@pytest.mark.parametrize("k,thr", [(4, 0.2), (4, 0.0), (2, 0.3), (3, 0.9)])
+def test_draft_ahead_equals_the_cache_free_reference(random_model, trained_model, k, thr):
+    """Thresholds below 0.5 (drafts that are not the AR head's choice are accepted, so the output
+    is not AR decoding's): the cached decoder equals a recompute of the whole committed
+    sequence at every forward, forward for forward. Rejected drafts and masks therefore leave
+    no keys/values in the cache."""
+    from pipeline.inference.decoding import refusion_generate
+    rng = np.random.default_rng(8)
+    cases = [(random_model, _prompts(3, seed=14), MASK, 24, None),
+             (trained_model, [_toy_example(rng)[0] for _ in range(4)], T_MASK, 20, T_EOS)]
+    for model, prompts, mask, G, eos in cases:
+        out = refusion_generate(model, prompts, G, k, 1, 0.9, thr, 0.0, mask, eos,
+                                verify="draft_ahead")
+        for i, p in enumerate(prompts):
+            ref, fw = _draft_ahead_reference(model, p, G, k, thr, mask, eos)
+            assert out.tokens[i] == ref, (k, thr, i)
+            assert out.forwards[i] == fw

@@ -79,7 +79,10 @@ def add_decoding_args(p: argparse.ArgumentParser) -> None:
                         "algorithm (re-drafted from masks and force-accepted); correct: the AR "
                         "head's own token from the verify forward (speculative decoding's "
                         "correction; with one slot per block, --token-threshold >= 0.5 and "
-                        "temperature 0 the output equals --mode ar). docs/METHOD.md")
+                        "temperature 0 the output equals --mode ar); draft_ahead: correct's "
+                        "rule in one forward per step, the next slot drafted inside the verify "
+                        "forward (slots left to right; --num-blocks and --slot-threshold "
+                        "unused). docs/METHOD.md")
     p.add_argument("--batch-size", type=int, default=d["batch_size"],
                    help="prompts decoded together")
     hidden_alias(p, "--batch_size", dest="batch_size", type=int)

@@ -55,6 +55,23 @@ step of a prompt ("row"):
    1) / 2 per step. The keys/values are always those of the committed sequence in commit order
    (`exact_cache` has no effect).
 
+2''. `verify="draft_ahead"` (an option; docs/METHOD.md "Drafting inside the verify forward"):
+   the corrected verify's rule with the plan folded into the verify forward, slots left to
+   right (`num_blocks` and `slot_threshold` are unused: the next slot is always the one to the
+   right). Each forward feeds, after the cache and the carried token, the drafts of the open
+   offsets of the current slot, then the masks of the next slot: the AR logits at the carried
+   token and the drafts judge the drafts (accept when the AR head's choice or probability >
+   token_threshold; at the first failure the AR head's choice is committed, after a full walk
+   the AR head's choice for the next offset: the bonus), while the mask logits, which see the
+   drafts, draft the next slot. The next forward's drafts are the predictions this forward made
+   for the offsets after the committed ones (the rest of a rejected slot's old drafts, then the
+   mask predictions). One forward per step, each committing accepted drafts + 1 token; the
+   first forward has no drafts (a plan: its AR logit at the prompt's last token gives the
+   first token). Greedy with token_threshold >= 0.5, the output equals `ar_generate`'s. Only
+   the carried token and the accepted drafts (a prefix of the fed tokens, in natural order)
+   are committed to the cache, so it holds exactly the keys/values of a causal forward of the
+   committed sequence; rejected drafts and the masks leave nothing behind.
+
 Where this differs from the reference code (ML-GSAI/ReFusion `generate.py`): prompts are batched
 (each row keeps its own state; each model forward serves every row's current phase, so rows at
 different progress share forwards); parallel slots share one batch row with a block-diagonal
@@ -108,7 +125,8 @@ class GenerationOutput:
             ends (CUDA work is asynchronous).
         tpf_reference_style: per prompt, the reference code's "TPF" (per-step average of
             slot_size x slots committed / forwards of that step); None in ar mode. With
-            verify="correct": tokens committed per step / 2.
+            verify="correct": tokens committed per step / 2; "draft_ahead": tokens
+            committed per forward.
         commit_forward: per prompt, aligned with `tokens`: the 1-based index of the prompt's
             forward after which each token was committed (tokens sharing an index were
             accepted together: the parallel infill made visible).
@@ -292,7 +310,7 @@ def _block_causal(lengths: Sequence[int]) -> torch.Tensor:
     return m
 
 
-VERIFY_MODES = ("authors", "correct")
+VERIFY_MODES = ("authors", "correct", "draft_ahead")
 
 
 def _select(score: torch.Tensor, slot_threshold: float) -> list[int]:
@@ -482,6 +500,58 @@ def _correct(row: _Row, d_off: list[int], d_tok: list[int], logits: torch.Tensor
         del pred[o]
     row.ref_tpf_sum += (m + (extra is not None)) / 2
     row.ref_tpf_steps += 1
+
+
+def _draft_ahead_program(row: _Row, *, gen_length: int, slot_size: int,
+                         token_threshold: float, temperature: float, mask_id: int,
+                         eos_id: int | None, generator) -> Generator[_Request, torch.Tensor, None]:
+    """verify="draft_ahead" (module docstring, step 2''): slots left to right, one forward per
+    step. Each forward feeds, after the cache and the carried token, the drafts of the open
+    offsets up to the end of the current slot, then masks up to the end of the next slot."""
+    k, p0, g = slot_size, len(row.prompt), gen_length
+    cur = 0                              # first offset not committed (all before it are)
+    draft: list[int] = []                # drafts of offsets cur, cur + 1, ... (< slot end)
+    while cur < g:
+        end = min((cur // k + 1) * k, g)             # end of the slot holding `cur`
+        d_tok = draft[:end - cur]
+        n_mask = min(end + k, g) - cur - len(d_tok)  # rest of this slot, then the next slot
+        positions = [p0 + cur + i for i in range(len(d_tok) + n_mask)]
+        logits = yield _Request("verify" if d_tok else "plan", d_tok + [mask_id] * n_mask,
+                                positions)
+        row.commit = []
+        if row.carry_logits is None or row.carry_last != p0 + cur - 1:
+            raise AssertionError("draft_ahead: no AR prediction for the first open offset")
+        # walk the drafts with the AR head; the first failure gets the AR head's choice
+        m, extra, v = 0, None, row.carry_logits
+        for i, d in enumerate(d_tok):
+            a = int(_sample(v, temperature, generator))
+            if d != a and not float(_token_probs(v, torch.tensor(d))) > token_threshold:
+                extra = a
+                break
+            m = i + 1
+            if eos_id is not None and d == eos_id:
+                break
+            v = logits[i]
+        done = eos_id is not None and eos_id in d_tok[:m]
+        if extra is None and not done and cur + m < g:
+            extra = int(_sample(v, temperature, generator))   # the bonus token
+        row.commit = list(range(m))
+        toks = d_tok[:m] + ([extra] if extra is not None else [])
+        row.tokens.extend(toks)
+        row.positions.extend(p0 + cur + i for i in range(len(toks)))
+        row.commit_forward.extend([sum(row.forwards.values())] * len(toks))
+        row.ref_tpf_sum += len(toks)
+        row.ref_tpf_steps += 1
+        if done or (eos_id is not None and extra == eos_id):
+            row.eos_pos = p0 + cur + len(toks) - 1
+            return
+        if extra is not None:    # encoded ahead of the next forward, whose logits judge after it
+            row.carry, row.carry_positions = [extra], [p0 + cur + m]
+        # next drafts: the old drafts after the new `cur`, then this forward's mask predictions
+        x0 = _sample(logits[len(d_tok):], temperature, generator).cpu().tolist()
+        ahead = d_tok + x0               # predictions of offsets cur, cur + 1, ...
+        cur += len(toks)
+        draft = ahead[len(toks):]
 
 
 def _ar_program(row: _Row, *, gen_length: int, temperature: float, eos_id: int | None,
@@ -734,7 +804,9 @@ def refusion_generate(model, prompt_ids, gen_length: int, slot_size: int, num_bl
         verify: "authors" (default: the reference algorithm, module docstring steps 2-3) or
             "correct" (step 2' of the module docstring: a rejected draft is replaced by the
             AR head's own token; the KV cache is then always exact and `exact_cache` has no
-            effect).
+            effect) or "draft_ahead" (step 2'': the same rule, one forward per step, the next
+            slot drafted by masks fed after the drafts; slots left to right, `num_blocks`,
+            `slot_threshold` and `exact_cache` unused).
 
     Returns:
         `GenerationOutput` (generated ids per prompt, forwards by kind, TPF, TPS, the forward
@@ -756,11 +828,17 @@ def refusion_generate(model, prompt_ids, gen_length: int, slot_size: int, num_bl
     for r in rows:
         r.tokens.extend(r.prompt)
         r.positions.extend(range(len(r.prompt)))
-    programs = [_refusion_program(r, gen_length=g, slot_size=slot_size, num_blocks=num_blocks,
-                                  slot_threshold=slot_threshold, token_threshold=token_threshold,
-                                  temperature=temperature, mask_id=mask_id, eos_id=eos_id,
-                                  exact_cache=exact_cache, verify=verify, generator=gen)
-                for r in rows]
+    if verify == "draft_ahead":
+        programs = [_draft_ahead_program(r, gen_length=g, slot_size=slot_size,
+                                         token_threshold=token_threshold,
+                                         temperature=temperature, mask_id=mask_id,
+                                         eos_id=eos_id, generator=gen) for r in rows]
+    else:
+        programs = [_refusion_program(r, gen_length=g, slot_size=slot_size,
+                                      num_blocks=num_blocks, slot_threshold=slot_threshold,
+                                      token_threshold=token_threshold, temperature=temperature,
+                                      mask_id=mask_id, eos_id=eos_id, exact_cache=exact_cache,
+                                      verify=verify, generator=gen) for r in rows]
     max_len = max(len(p) for p in prompts) + g
     calls = _run(model, rows, programs, max_len)
     return GenerationOutput(
