@@ -2,7 +2,7 @@
 
     python -m pipeline.experiment [--task math|code] [--output outputs/experiment/<task>]
         [--pretrain-steps N] [--finetune-steps N] [--micro-batch-size B] [--threads T]
-        [--nproc P] [--parallel] [--only-report]
+        [--nproc P] [--parallel [N]] [--sweep] [--natural-order-fraction F] [--only-report]
 
 Owns: the experiment's stages, their skip-if-done logic and timings. Must not touch:
 training, decoding, evaluation loops, plotting of one run (it calls `pipeline.train`,
@@ -15,14 +15,21 @@ command; the trainer itself resumes from its latest checkpoint):
 0. data: the task's tokenizer and shards (math: the problems first).
 1. `pretrain_ar`: a small Qwen3 (the task's run config) from scratch, `objective.mode=ar`.
 2. export it (`pipeline.export`); from it, with equal compute (same steps, batch, data order
-   and learning-rate schedule): `refusion` (`init.source=hf`, `objective.mode=refusion`) and
-   `ar_continued` (`init.source=hf`, `objective.mode=ar`); export both.
+   and learning-rate schedule), the task's arms: `refusion` (`init.source=hf`,
+   `objective.mode=refusion`), `ar_continued` (`init.source=hf`, `objective.mode=ar`) and, for
+   the math task, `refusion_boundary` (`objective.mode=refusion`,
+   `objective.boundary_labels=true`, `objective.natural_order_fraction=F`; its run folder is
+   `runs/refusion_boundary_f<F>`); export each. With `--sweep`, one such run per share of
+   `task.sweep_fractions`.
+2b. only with `--sweep`: AR decoding and `task.sweep_setting` of every swept share (and AR
+   decoding of `ar_continued`) on `task.sweep_set`; `choose_fraction` picks F by the rule fixed
+   in `pipeline.experiment.tasks`, the rest of the run uses it, and `sweep.json` records it.
 3. evaluation: the validation loss of both stage-2 models under the ReFusion objective
    (`pipeline.training.validation.validation_loss`), then every decode of `task.jobs()` (AR decoding of
    both models, the ReFusion grid of `refusion`, the task's extra decodes), each cached as
    JSON under `<out>/eval/<set>/<model>__<setting>.json` with every decoded answer.
-3b. diagnosis: `slot_acceptance` (teacher-forced plan + verify profile) of `refusion` and
-   `ar_continued` on the main held-out set, per slot size; cached under `<out>/diagnose/`.
+3b. diagnosis: `slot_acceptance` (teacher-forced plan + verify profile) of every arm on the
+   main held-out set, per slot size; cached under `<out>/diagnose/`.
 4. `report.md`, `frontier.png`, `loss.png`.
 Exit codes: 0 done; 1 a stage failed (its command and exit code on stderr); 2 bad options.
 """
@@ -39,13 +46,41 @@ from pathlib import Path
 
 from pipeline.common.cli import hidden_alias
 from pipeline.common.atomic_io import write_json, write_text
-from pipeline.experiment.tasks import ROOT, TASKS, Setting, Task
+from pipeline.experiment.tasks import AR, ROOT, TASKS, Setting, Task
 
 VAL_LOSS_BATCHES = 40              # micro-batches of 4 samples (160 of the validation split)
-TARGET_TPF, TARGET_EM_RATIO = 1.5, 0.9   # TPF >= 1.5 at >= 90% of AR's exact match
+TARGET_TPF, TARGET_EM_RATIO = 2.0, 0.9   # issue 26: TPF >= 2 at >= 90% of AR's exact match
+GOAL_TPF, GOAL_EM_RATIO = 2.5, 0.95      # and the goal beyond it
 
 RUN_LABELS = {"pretrain_ar": "1. AR pretraining (from scratch)",
-              "refusion": "2a. ReFusion fine-tuning", "ar_continued": "2b. AR continued"}
+              "refusion": "2a. ReFusion fine-tuning", "ar_continued": "2b. AR continued",
+              "refusion_boundary": "2c. ReFusion fine-tuning, boundary labels + natural order"}
+
+
+def boundary_run(fraction: float) -> str:
+    """Run (and export) folder name of a `refusion_boundary` arm with this natural-order share."""
+    return f"refusion_boundary_f{fraction:g}"
+
+
+def choose_fraction(ar_em: dict, tpf: dict, baseline_em: float, ratio: float = TARGET_EM_RATIO
+                    ) -> float:
+    """The sweep's rule (fixed in `pipeline.experiment.tasks` before any result): among the
+    shares whose AR-decoding exact match reaches `ratio` x the AR model's, the one of largest
+    TPF of the sweep decode; if none reaches it, the one of largest exact match. Ties go to the
+    smaller share.
+
+    Args:
+        ar_em: {share: exact match of that arm's AR decoding}; tpf: {share: TPF of the sweep
+            setting}; baseline_em: exact match of `ar_continued`'s AR decoding; ratio in [0, 1].
+
+    Returns:
+        The chosen share.
+    """
+    fs = sorted(ar_em)
+    ok = [f for f in fs if ar_em[f] >= ratio * baseline_em]
+    if ok:
+        return max(ok, key=lambda f: (tpf[f], -f))
+    return max(fs, key=lambda f: (ar_em[f], -f))
 
 
 class StageError(RuntimeError):
@@ -95,22 +130,35 @@ class Experiment:
             (default: the task's).
         threads: torch threads per training process (OMP_NUM_THREADS) and for evaluation.
         nproc: training processes (torchrun, DeepSpeed over the data-parallel group).
-        micro_batch_size: packed rows per optimizer step (all three runs; default the task's).
-        parallel: train the two stage-2 runs concurrently.
-        config: the run config YAML shared by the three training runs (default the task's).
+        micro_batch_size: packed rows per optimizer step (all runs; default the task's).
+        parallel: stage-2 runs trained at the same time (1: one by one; 0 or True: all).
+        config: the run config YAML shared by the training runs (default the task's).
+        sweep: also train and compare every share of `task.sweep_fractions` (stage 2b).
+        natural_order_fraction: the `refusion_boundary` arm's share (default: the one a
+            `--sweep` of this folder chose (`sweep.json`), else the task's; `--sweep` replaces
+            it by the one it chooses).
     """
 
     def __init__(self, task: Task | str, out: str | None = None,
                  pretrain_steps: int | None = None, finetune_steps: int | None = None,
                  threads: int = 2, nproc: int = 1, micro_batch_size: int | None = None,
-                 parallel: bool = False, config: str | None = None):
+                 parallel: int | bool = 1, config: str | None = None, sweep: bool = False,
+                 natural_order_fraction: float | None = None):
         self.task = TASKS[task] if isinstance(task, str) else task
         t = self.task
         self.out = Path(out or f"outputs/experiment/{t.name}")
         self.pretrain_steps = pretrain_steps or t.pretrain_steps
         self.finetune_steps = finetune_steps or t.finetune_steps
         self.micro_batch_size = micro_batch_size or t.micro_batch_size
-        self.threads, self.nproc, self.parallel = threads, nproc, parallel
+        self.threads, self.nproc = threads, nproc
+        self.parallel = 0 if parallel is True else 1 if parallel is False else int(parallel)
+        self.sweep = sweep
+        # the share a `--sweep` of this folder chose, else the task's default
+        chosen = self.out / "sweep.json"
+        default = (json.loads(chosen.read_text())["chosen"] if chosen.is_file()
+                   else t.natural_order_fraction)
+        self.fraction = (default if natural_order_fraction is None
+                         else float(natural_order_fraction))
         self.config = config or t.config
         self.shards = t.shards(self.out)
         self.timings_path = self.out / "timings.json"
@@ -126,11 +174,22 @@ class Experiment:
             self.timings[name] = round(time.time() - t0, 1)
             write_json(self.timings_path, self.timings)
 
+    def run_name(self, name: str) -> str:
+        """The folder name of a model or run: `refusion_boundary` is the run of its share."""
+        return boundary_run(self.fraction) if name == "refusion_boundary" else name
+
     def run_dir(self, name: str) -> Path:
-        return self.out / "runs" / name
+        return self.out / "runs" / self.run_name(name)
 
     def hf_dir(self, name: str) -> Path:
-        return self.out / "hf" / name
+        return self.out / "hf" / self.run_name(name)
+
+    def stage2_runs(self) -> list[str]:
+        """Run names of stage 2: the task's arms, then (with `sweep`) every swept share."""
+        names = [self.run_name(a) for a in self.task.arms]
+        if self.sweep:
+            names += [boundary_run(f) for f in self.task.sweep_fractions]
+        return list(dict.fromkeys(names))
 
     def eval_path(self, model: str, set_name: str, s: Setting) -> Path:
         return self.out / "eval" / set_name / f"{model}__{s.name()}.json"
@@ -171,11 +230,9 @@ class Experiment:
                 todo.append(self.train_command(name, steps, overrides))
         if not todo:
             return False
-        if self.parallel:
-            _run_many(todo, self.threads)
-        else:
-            for cmd in todo:
-                _run_many([cmd], self.threads)
+        n = self.parallel or len(todo)
+        for i in range(0, len(todo), n):
+            _run_many(todo[i:i + n], self.threads)
 
     def stage_export(self, name: str):
         hf = self.hf_dir(name)
@@ -188,18 +245,32 @@ class Experiment:
                   self.threads)
         shutil.copy(self.shards / "tokenizer" / "tokenizer.model", hf / "tokenizer.model")
 
-    def finetune_overrides(self, mode: str) -> list[str]:
-        """Stage-2 options: identical for both arms except the objective mode."""
-        return ["init.source=hf", f"init.hf_path={self.hf_dir('pretrain_ar')}",
-                f"objective.mode={mode}", "optim.lr=1.0e-3", "optim.min_lr=1.0e-4",
+    def finetune_overrides(self, run: str) -> list[str]:
+        """Stage-2 options of a run: identical for every arm except the objective options
+        (`ar_continued`: mode ar; `refusion`: mode refusion; `refusion_boundary_f<F>`: mode
+        refusion with boundary labels and natural-order share F)."""
+        if run == "ar_continued":
+            objective = ["objective.mode=ar"]
+        elif run == "refusion":
+            objective = ["objective.mode=refusion"]
+        elif run.startswith("refusion_boundary_f"):
+            objective = ["objective.mode=refusion", "objective.boundary_labels=true",
+                         f"objective.natural_order_fraction={run[len('refusion_boundary_f'):]}"]
+        else:
+            raise ValueError(f"unknown stage-2 run {run!r}")
+        return ["init.source=hf", f"init.hf_path={self.hf_dir('pretrain_ar')}", *objective,
+                "optim.lr=1.0e-3", "optim.min_lr=1.0e-4",
                 f"optim.warmup_steps={min(30, self.finetune_steps // 10)}"]
 
     # ---------------------------------------------------------------- 3. evaluation
     def _cached(self, path: Path, model: str) -> dict | None:
-        """A cached result, if it was computed from the current export of `model`."""
+        """A cached result, if it was computed from the current export of `model` (the same
+        export folder, written before the result)."""
         weights = self.hf_dir(model) / "config.json"
         if path.is_file() and path.stat().st_mtime >= weights.stat().st_mtime:
-            return json.loads(path.read_text())
+            doc = json.loads(path.read_text())
+            if doc.get("hf_dir", str(self.hf_dir(model))) == str(self.hf_dir(model)):
+                return doc
         return None
 
     def decode_args(self, s: Setting) -> argparse.Namespace:
@@ -210,13 +281,73 @@ class Experiment:
                                   slot_threshold=s.slot_threshold,
                                   token_threshold=s.token_threshold, verify=s.verify,
                                   temperature=0.0, exact_cache=False, seed=0,
-                                  batch_size=self.task.decode_batch)
+                                  batch_size=s.batch_size or self.task.decode_batch)
+
+    def decode(self, loaded, model: str, set_name: str, s: Setting) -> dict:
+        """Decode `set_name` with one setting, write the result (every answer kept) to
+        `eval_path` and return it."""
+        from pipeline.inference.cli import check_decoding_args
+        from pipeline.inference.evaluation import exact_match_eval
+        args = self.decode_args(s)
+        check_decoding_args(args, refusion=s.mode == "refusion")
+        r = exact_match_eval(loaded, self.examples(set_name), args, [s.mode], self.task.metric,
+                             keep_outputs=True)
+        doc = {"model": model, "set": set_name, "mode": s.mode, "setting": s.to_dict(),
+               "gen_length": args.gen_length, "num_blocks": args.num_blocks,
+               "hf_dir": str(self.hf_dir(model)), **r[s.mode]}
+        write_json(self.eval_path(model, set_name, s), doc, indent=None)
+        _log(f"{model} {set_name} {s.name()}: exact match {doc['exact_match']:.3f} "
+             f"token accuracy {doc['token_accuracy']:.3f} TPF {doc['tpf']:.2f} "
+             f"tokens/s {doc['tps']:.0f}")
+        return doc
+
+    def stage_sweep(self):
+        """Stage 2b (`--sweep`): decode `task.sweep_set` with AR decoding and
+        `task.sweep_setting` for every swept share, and AR decoding of `ar_continued`; choose
+        the share (`choose_fraction`), use it for the rest of the run, write `sweep.json`."""
+        import torch
+        from pipeline.inference.loading import load_for_inference
+        t = self.task
+        if not self.sweep:
+            return False
+        torch.set_num_threads(self.threads)
+        ran = False
+        docs: dict = {}
+        for model, settings in ([("ar_continued", [AR])] +
+                                [(boundary_run(f), [AR, t.sweep_setting])
+                                 for f in t.sweep_fractions]):
+            loaded = None
+            for s in settings:
+                doc = self._cached(self.eval_path(model, t.sweep_set, s), model)
+                if doc is None:
+                    loaded = loaded or load_for_inference(str(self.hf_dir(model)))
+                    doc = self.decode(loaded, model, t.sweep_set, s)
+                    ran = True
+                docs[(model, s.name())] = doc
+            del loaded
+        base = docs[("ar_continued", "ar")]["exact_match"]
+        ar_em = {f: docs[(boundary_run(f), "ar")]["exact_match"] for f in t.sweep_fractions}
+        tpf = {f: docs[(boundary_run(f), t.sweep_setting.name())]["tpf"]
+               for f in t.sweep_fractions}
+        self.fraction = choose_fraction(ar_em, tpf, base)
+        rows = [{"natural_order_fraction": f, "ar_exact_match": ar_em[f],
+                 "ar_token_accuracy": docs[(boundary_run(f), "ar")]["token_accuracy"],
+                 "tpf": tpf[f],
+                 "exact_match": docs[(boundary_run(f), t.sweep_setting.name())]["exact_match"]}
+                for f in t.sweep_fractions]
+        write_json(self.out / "sweep.json", {
+            "set": t.sweep_set, "setting": t.sweep_setting.to_dict(),
+            "ar_continued_exact_match": base, "ratio": TARGET_EM_RATIO, "rows": rows,
+            "chosen": self.fraction})
+        _log(f"sweep on {t.sweep_set}: " + "; ".join(
+            f"f={r['natural_order_fraction']:g}: AR exact match {r['ar_exact_match']:.3f}, "
+            f"TPF {r['tpf']:.2f}" for r in rows)
+            + f" (ar_continued {base:.3f}); chosen natural_order_fraction={self.fraction:g}")
+        return None if ran else False
 
     def stage_eval(self):
         import torch
-        from pipeline.inference.evaluation import exact_match_eval
         from pipeline.training.validation import validation_loss
-        from pipeline.inference.cli import check_decoding_args
         from pipeline.inference.loading import load_for_inference
         torch.set_num_threads(self.threads)
         ran = False   # False when everything was cached: the first run's time stays recorded
@@ -236,30 +367,20 @@ class Experiment:
                 loss = validation_loss(loaded.model, str(self.shards), "val", 4,
                                        VAL_LOSS_BATCHES, 0)
                 loss["seconds"] = time.time() - t0
-                write_json(loss_path, {"model": model, "loss": loss})
+                write_json(loss_path, {"model": model, "loss": loss,
+                                       "hf_dir": str(self.hf_dir(model))})
                 _log(f"{model}: validation loss {loss['val_loss']:.4f} (AR "
                      f"{loss['val_ar_loss']:.4f}, MDM {loss['val_mdm_loss']:.4f})")
             for set_name, s in todo:
                 ran = True
-                args = self.decode_args(s)
-                check_decoding_args(args, refusion=s.mode == "refusion")
-                examples = self.examples(set_name)
-                r = exact_match_eval(loaded, examples, args, [s.mode], self.task.metric,
-                                     keep_outputs=True)
-                doc = {"model": model, "set": set_name, "mode": s.mode,
-                       "setting": s.to_dict(), "gen_length": args.gen_length,
-                       "num_blocks": args.num_blocks, **r[s.mode]}
-                write_json(self.eval_path(model, set_name, s), doc, indent=None)
-                _log(f"{model} {set_name} {s.name()}: exact match {doc['exact_match']:.3f} "
-                     f"token accuracy {doc['token_accuracy']:.3f} TPF {doc['tpf']:.2f} "
-                     f"tokens/s {doc['tps']:.0f}")
+                self.decode(loaded, model, set_name, s)
             del loaded
         return None if ran else False
 
     def stage_diagnose(self):
         """Teacher-forced plan + verify profile (`diagnosis.slot_acceptance`) of the main set
-        for `refusion` and, as the contrast without MDM training, `ar_continued`, at each of
-        the task's slot sizes and the grid's token thresholds, and the weight of the answer's
+        for every arm (`ar_continued` is the contrast without MDM training), at each of the
+        task's slot sizes and the grid's token thresholds, and the weight of the answer's
         first token (`diagnosis.first_token_effect`); cached under `<out>/diagnose/`."""
         import torch
         from pipeline.experiment.diagnosis import first_token_effect, slot_acceptance
@@ -268,7 +389,7 @@ class Experiment:
         t = self.task
         thresholds = sorted({s.token_threshold for s in t.grid})
         ran = False
-        for model in ("refusion", "ar_continued"):
+        for model in t.arms:
             loaded = None
             for k in t.diagnose_slot_sizes:
                 path = self.out / "diagnose" / f"{model}__slot_acceptance_k{k}.json"
@@ -277,7 +398,7 @@ class Experiment:
                 loaded = loaded or load_for_inference(str(self.hf_dir(model)))
                 r = slot_acceptance(loaded, self.examples(t.main_set), k,
                                     t.diagnose_block_size, thresholds)
-                write_json(path, {"model": model, **r})
+                write_json(path, {"model": model, "hf_dir": str(self.hf_dir(model)), **r})
                 ran = True
                 _log(f"{model} k={k}: first token {r['first_token_accuracy']:.3f}, drafts by "
                      f"offset {[round(x, 3) for x in r['draft_accuracy_by_offset']]}, accepted "
@@ -287,7 +408,7 @@ class Experiment:
                 loaded = loaded or load_for_inference(str(self.hf_dir(model)))
                 r = first_token_effect(loaded, self.examples(t.main_set), t.gen_length,
                                        t.diagnose_slot_sizes[0], t.metric)
-                write_json(path, {"model": model, **r})
+                write_json(path, {"model": model, "hf_dir": str(self.hf_dir(model)), **r})
                 ran = True
                 _log(f"{model}: answer's first token from AR / plan: accuracy "
                      f"{r['first_token_accuracy']}, exact match then {r['exact_match']}")
@@ -310,21 +431,33 @@ class Experiment:
                 for p in sorted((self.out / "diagnose").glob("*__slot_acceptance_k*.json"))]
         first = [json.loads(p.read_text())
                  for p in sorted((self.out / "diagnose").glob("*__first_token.json"))]
-        return {"rows": rows, "losses": losses, "diagnose": diag, "first_token": first}
+        arms = set(self.task.arms)
+        diag = [d for d in diag if d["model"] in arms]
+        first = [d for d in first if d["model"] in arms]
+        losses = {m: v for m, v in losses.items() if m in arms}
+        sweep = self.out / "sweep.json"
+        return {"rows": rows, "losses": losses, "diagnose": diag, "first_token": first,
+                "sweep": json.loads(sweep.read_text()) if sweep.is_file() else None}
 
     def training_runs(self) -> dict:
-        """{run label: metrics} of the three runs, stage-2 steps counted after stage 1."""
+        """{run label: metrics} of the training runs (stage 1 and the task's arms), stage-2
+        steps counted after stage 1."""
         from pipeline.report import ReportError, read_metrics
-        runs, offset = {}, {"pretrain_ar": 0, "refusion": self.pretrain_steps,
-                            "ar_continued": self.pretrain_steps}
+        runs = {}
         for name, label in RUN_LABELS.items():
+            if name != "pretrain_ar" and name not in self.task.arms:
+                continue
+            if name == "refusion_boundary":
+                label = f"{label} (share {self.fraction:g})"
+            offset = 0 if name == "pretrain_ar" else self.pretrain_steps
             try:
                 m = read_metrics(self.run_dir(name) / "metrics.jsonl")
             except ReportError:
                 continue
-            drop = ("mdm_loss", "val_mdm_loss") if name != "refusion" else ()  # AR: logged 0
+            drop = (("mdm_loss", "val_mdm_loss") if name not in self.task.refusion_arms
+                    else ())  # AR: logged 0
             runs[label] = {k: [{**{f: x for f, x in r.items() if f not in drop},
-                                "step": r["step"] + offset[name], "run_step": r["step"]}
+                                "step": r["step"] + offset, "run_step": r["step"]}
                                for r in v] for k, v in m.items()}
         return runs
 
@@ -342,7 +475,8 @@ class Experiment:
         if spm.is_file():
             from pipeline.tokenizer import load_tokenizer
             tok = load_tokenizer(str(spm))
-        text = report_markdown(self, got, runs, tok, TARGET_TPF, TARGET_EM_RATIO)
+        text = report_markdown(self, got, runs, tok, TARGET_TPF, TARGET_EM_RATIO, GOAL_TPF,
+                               GOAL_EM_RATIO)
         write_text(self.out / "report.md", text)
         return self.out / "report.md"
 
@@ -354,13 +488,12 @@ class Experiment:
             ["init.source=random", "objective.mode=ar",
              f"optim.warmup_steps={min(30, self.pretrain_steps // 10)}"])]))
         self._timed("export pretrain_ar", lambda: self.stage_export("pretrain_ar"))
-        arms = (("refusion", "refusion"), ("ar_continued", "ar"))
-        self._timed("train refusion + ar_continued" if self.parallel else "train stage 2",
-                    lambda: self.stage_train([(name, self.finetune_steps,
-                                               self.finetune_overrides(mode))
-                                              for name, mode in arms]))
-        for name, _ in arms:
+        runs = self.stage2_runs()
+        self._timed("train stage 2", lambda: self.stage_train([
+            (name, self.finetune_steps, self.finetune_overrides(name)) for name in runs]))
+        for name in runs:
             self._timed(f"export {name}", lambda: self.stage_export(name))
+        self._timed("sweep", self.stage_sweep)
         self._timed("evaluate", self.stage_eval)
         self._timed("diagnose", self.stage_diagnose)
         return self.stage_report()
@@ -381,8 +514,13 @@ def main(argv=None) -> int:
                    help="steps of each stage-2 run (default: the task's, math 1500, code 1500)")
     p.add_argument("--micro-batch-size", type=int, default=None,
                    help="rows of 256 tokens per optimizer step, all three runs (default 8)")
-    p.add_argument("--parallel", action="store_true",
-                   help="train the two stage-2 runs at the same time (each with --threads)")
+    p.add_argument("--parallel", nargs="?", type=int, const=0, default=1, metavar="N",
+                   help="train N stage-2 runs at a time, each with --threads (no N: all)")
+    p.add_argument("--sweep", action="store_true",
+                   help="also train every natural-order share of the task's sweep and choose "
+                        "refusion_boundary's by the task's rule (writes sweep.json)")
+    p.add_argument("--natural-order-fraction", type=float, default=None, metavar="F",
+                   help="refusion_boundary's natural-order share (default: the task's)")
     p.add_argument("--threads", type=int, default=2,
                    help="torch threads per process (default 2)")
     p.add_argument("--nproc", type=int, default=1, help="training processes (default 1)")
@@ -391,13 +529,17 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     given = [v for v in (args.pretrain_steps, args.finetune_steps, args.micro_batch_size)
              if v is not None]
-    if min(given + [args.threads, args.nproc]) < 1:
+    if min(given + [args.threads, args.nproc]) < 1 or args.parallel < 0:
         print("error: --pretrain-steps, --finetune-steps, --micro-batch-size, --threads, "
-              "--nproc must be >= 1", file=sys.stderr)
+              "--nproc must be >= 1 (--parallel >= 0)", file=sys.stderr)
+        return 2
+    f = args.natural_order_fraction
+    if f is not None and not 0.0 <= f <= 1.0:
+        print(f"error: --natural-order-fraction must be in [0, 1], got {f:g}", file=sys.stderr)
         return 2
     exp = Experiment(args.task, args.out, args.pretrain_steps, args.finetune_steps,
                      args.threads, args.nproc, args.micro_batch_size, args.parallel,
-                     args.config)
+                     args.config, args.sweep, args.natural_order_fraction)
     if args.only_report and not any((exp.out / "eval").glob("*/*.json")):
         print(f"error: --only-report: {exp.out} holds no decode results of task {args.task} "
               f"(run without --only-report first)", file=sys.stderr)

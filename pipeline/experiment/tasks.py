@@ -36,6 +36,7 @@ class Setting:
     slot_threshold: float = 0.9
     token_threshold: float = 0.9
     verify: str = "authors"
+    batch_size: int = 0          # prompts per decode call; 0 = the task's `decode_batch`
 
     def blocks(self, gen_length: int) -> int:
         """The number of blocks for `gen_length` (resolving 0 = one slot per block)."""
@@ -44,19 +45,23 @@ class Setting:
     def name(self) -> str:
         """File-name form, unique per setting: `ar` or `refusion_k4_b2_s0.9_t0.5_authors`
         (`b1slot`: one slot per block)."""
+        bs = f"_bs{self.batch_size}" if self.batch_size else ""
         if self.mode == "ar":
-            return "ar"
+            return "ar" + bs
         b = "1slot" if self.num_blocks == 0 else str(self.num_blocks)
         return (f"refusion_k{self.slot_size}_b{b}_s{self.slot_threshold}_t"
-                f"{self.token_threshold}_{self.verify}")
+                f"{self.token_threshold}_{self.verify}{bs}")
 
     def label(self) -> str:
         """Short human-readable form for tables and legends."""
+        bs = f", batch {self.batch_size}" if self.batch_size else ""
         if self.mode == "ar":
-            return "AR"
+            return "AR" + bs
+        if self.verify == "draft_ahead":
+            return f"k={self.slot_size}, token thr {self.token_threshold}, verify draft_ahead{bs}"
         order = "left-to-right slots" if self.num_blocks == 0 else f"{self.num_blocks} blocks"
         return (f"k={self.slot_size}, {order}, slot thr {self.slot_threshold}, token thr "
-                f"{self.token_threshold}, verify {self.verify}")
+                f"{self.token_threshold}, verify {self.verify}{bs}")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -79,7 +84,13 @@ class Task(abc.ABC):
     and the target); grid (`Setting`s of the ReFusion decodes of the `refusion` model on
     main_set); extra (further (model, set, Setting) decodes); diagnose_slot_sizes,
     diagnose_block_size; sample_settings (ReFusion settings whose decodes are shown side by
-    side with AR in the report); data_description.
+    side with AR in the report); data_description; arms (the stage-2 models: "refusion" =
+    the paper's objective, "ar_continued" = the AR baseline, and where the task has it
+    "refusion_boundary" = the ReFusion objective with `objective.boundary_labels` and a
+    natural-order share `natural_order_fraction`); arm_grid (further `Setting`s decoded on
+    main_set for every ReFusion arm); sweep_fractions, sweep_set, sweep_setting (the
+    natural-order shares `--sweep` trains, the set it chooses on, the decode whose TPF it
+    compares).
     """
 
     name = ""
@@ -90,11 +101,24 @@ class Task(abc.ABC):
     decode_batch = 64
     extra: tuple = ()
     sample_settings: tuple = ()
+    arms: tuple = ("refusion", "ar_continued")
+    arm_grid: tuple = ()
+    natural_order_fraction = 0.0
+    sweep_fractions: tuple = ()
+    sweep_set = ""
+    sweep_setting = None
+
+    @property
+    def refusion_arms(self) -> list[str]:
+        """The stage-2 models trained with the ReFusion objective."""
+        return [a for a in self.arms if a != "ar_continued"]
 
     def jobs(self) -> list[tuple[str, str, Setting]]:
-        """Every decode of the evaluation stage as (model, set, setting), AR baselines first."""
-        out = [("refusion", self.main_set, AR), ("ar_continued", self.main_set, AR)]
-        out += [("refusion", self.main_set, s) for s in self.grid]
+        """Every decode of the evaluation stage as (model, set, setting), AR baselines first:
+        the grid and `arm_grid` for every ReFusion arm, then `extra`."""
+        out = [(m, self.main_set, AR) for m in self.arms]
+        out += [(m, self.main_set, s) for m in self.refusion_arms
+                for s in self.grid + self.arm_grid]
         return out + [j for j in self.extra if j not in out]
 
     def sets(self) -> list[str]:
@@ -203,12 +227,32 @@ class MathTask(Task):
     extra = (("ar_continued", "test", Setting("refusion", 4, 0, 0.9, 0.9, "correct")),
              ("refusion", "unseen", AR), ("ar_continued", "unseen", AR),
              ("refusion", "unseen", Setting("refusion", 4, 4, 0.9, 0.9, "authors")),
-             ("refusion", "unseen", Setting("refusion", 4, 4, 0.9, 0.9, "correct")))
+             ("refusion", "unseen", Setting("refusion", 4, 4, 0.9, 0.9, "correct")),
+             ("ar_continued", "test", Setting("refusion", 4, 0, 0.9, 0.9, "draft_ahead")),
+             ("refusion_boundary", "unseen", AR),
+             ("refusion_boundary", "unseen", Setting("refusion", 8, 0, 0.9, 0.9, "draft_ahead")),
+             ("ar_continued", "test", Setting(batch_size=1)),
+             ("refusion_boundary", "test", Setting(batch_size=1)))
+    extra += tuple(("refusion_boundary", "test", Setting("refusion", k, 0, 0.9, 0.9,
+                                                         "draft_ahead", batch_size=1))
+                   for k in (4, 8, 16))
+    # Issue 26: the third arm, its decodes (drafting inside the verify forward, lossless at
+    # greedy / token threshold 0.9), tokens/s at batch 1, and the natural-order sweep; fixed
+    # before any result of the arm. The sweep's rule (`recipe.choose_fraction`): on `dev`, the
+    # largest TPF of draft_ahead k=8 among the shares whose AR decoding reaches 90% of
+    # ar_continued's exact match; if none does, the largest exact match.
+    arms = ("refusion", "ar_continued", "refusion_boundary")
+    arm_grid = tuple(Setting("refusion", k, 0, 0.9, 0.9, "draft_ahead") for k in (4, 8, 16))
+    natural_order_fraction = 0.5
+    sweep_fractions = (0.0, 0.25, 0.5, 0.75)
+    sweep_set = "dev"
+    sweep_setting = Setting("refusion", 8, 0, 0.9, 0.9, "draft_ahead")
     diagnose_slot_sizes = (4, 8)
     diagnose_block_size = 32           # gen_length / 4 blocks
     sample_settings = (Setting("refusion", 8, 4, 0.9, 0.9, "authors"),
                        Setting("refusion", 8, 4, 0.9, 0.9, "correct"),
-                       Setting("refusion", 8, 0, 0.9, 0.9, "correct"))
+                       Setting("refusion", 8, 0, 0.9, 0.9, "correct"),
+                       Setting("refusion", 8, 0, 0.9, 0.9, "draft_ahead"))
     data_description = ("GSM8K-form problems (data_prep/math_problems.py, seed 0): 80,000 "
                         "training problems, SentencePiece 1000 pieces, one problem per sample "
                         "(<= 256 tokens), 1% of the training problems held out for the "
@@ -258,7 +302,16 @@ class MathTask(Task):
                 "also token accuracy against the reference solution and whole-solution match",
                 f"- greedy decoding, gen length {self.gen_length}; ReFusion grid on `test`: "
                 f"slot size {{4, 8}} x order {{4 blocks, one slot per block}}, slot threshold "
-                f"0.9; verify authors at token threshold {{0.4, 0.9}}, verify correct at 0.9"]
+                f"0.9; verify authors at token threshold {{0.4, 0.9}}, verify correct at 0.9; "
+                f"verify draft_ahead at k {{4, 8, 16}}, token threshold 0.9 (both ReFusion "
+                f"arms); tokens/s at batch {self.decode_batch}, and at batch 1 for the AR "
+                f"decodes and draft_ahead of `refusion_boundary`",
+                f"- `refusion_boundary`: `objective.boundary_labels=true`, "
+                f"`objective.natural_order_fraction={self.natural_order_fraction:g}` (chosen "
+                f"on `{self.sweep_set}` from {{"
+                + ", ".join(f"{f:g}" for f in self.sweep_fractions) + "}: the largest TPF of "
+                f"{self.sweep_setting.label()} among the shares whose AR decoding reaches 90% "
+                f"of ar_continued's exact match, else the largest exact match)"]
 
 
 TASKS = {"code": CodeTask(), "math": MathTask()}

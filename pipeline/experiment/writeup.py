@@ -11,8 +11,13 @@ from pathlib import Path
 
 from pipeline.experiment.tasks import Setting
 
+RUN_TEXT = {"refusion": "2a. ReFusion fine-tuning (the paper's objective)",
+            "ar_continued": "2b. AR continued training",
+            "refusion_boundary": "2c. ReFusion fine-tuning with boundary labels and a "
+                                 "natural-order share"}
 COLORS = {4: "tab:blue", 8: "tab:orange", 16: "tab:green", 32: "tab:purple"}
-MARKERS = {"authors": "o", "correct": "^"}
+MARKERS = {"authors": "o", "correct": "^", "draft_ahead": "D"}
+AR_FACE = {"refusion": "white", "ar_continued": "black", "refusion_boundary": "tab:red"}
 
 
 def _f(v, fmt=".3f"):
@@ -34,11 +39,22 @@ def pareto(rows: list[dict]) -> list[dict]:
     return sorted(out, key=lambda r: r["tpf"])
 
 
+def batch_of(row: dict) -> int:
+    """The decode's batch size setting (0 = the task's default)."""
+    return int((row.get("setting") or {}).get("batch_size") or 0)
+
+
+def ar_row(rows: list[dict], model: str, set_name: str | None = None) -> dict | None:
+    """The AR decode of `model` (on `set_name` when given) at the task's default batch."""
+    return next((r for r in rows if r["mode"] == "ar" and r["model"] == model
+                 and batch_of(r) == 0 and (set_name is None or r.get("set") == set_name)),
+                None)
+
+
 def same_as_ar(row: dict, rows: list[dict]) -> float | None:
     """Fraction of examples whose decoded ids equal the AR decoding of the same model on the
     same set (None when either has no kept outputs)."""
-    ar = next((r for r in rows if r["mode"] == "ar" and r["model"] == row["model"]
-               and r.get("set") == row.get("set")), None)
+    ar = ar_row(rows, row["model"], row.get("set"))
     if ar is None or "outputs" not in ar or "outputs" not in row:
         return None
     pairs = list(zip(row["outputs"], ar["outputs"]))
@@ -46,25 +62,26 @@ def same_as_ar(row: dict, rows: list[dict]) -> float | None:
 
 
 def target_check(rows: list[dict], tpf: float, ratio: float) -> dict:
-    """The target per verify mode: ReFusion decoding of `refusion` at TPF >= tpf with exact
-    match >= ratio x the exact match of `ar_continued`'s AR decoding.
+    """The target per ReFusion model and verify mode: ReFusion decoding at TPF >= tpf with
+    exact match >= ratio x the exact match of `ar_continued`'s AR decoding.
 
     Returns:
-        {"baseline": that exact match or None, "need": ratio x baseline, verify mode: [rows
-        meeting it]} over the refusion-mode rows of the `refusion` model in `rows`.
+        {"baseline": that exact match or None, "need": ratio x baseline, (model, verify mode):
+        [rows meeting it]} over the refusion-mode rows (default batch) of every model but
+        `ar_continued` in `rows`.
     """
-    base = next((r for r in rows if r["mode"] == "ar" and r["model"] == "ar_continued"), None)
+    base = ar_row(rows, "ar_continued")
     out: dict = {"baseline": None if base is None else base["exact_match"]}
     if base is None:
         return out
     need = ratio * base["exact_match"]
     out["need"] = need
     for r in rows:
-        if r["mode"] == "refusion" and r["model"] == "refusion":
-            v = setting_of(r).verify
-            out.setdefault(v, [])
+        if r["mode"] == "refusion" and r["model"] != "ar_continued" and batch_of(r) == 0:
+            key = (r["model"], setting_of(r).verify)
+            out.setdefault(key, [])
             if r["tpf"] >= tpf and r["exact_match"] >= need:
-                out[v].append(r)
+                out[key].append(r)
     return out
 
 
@@ -85,6 +102,7 @@ def plot_frontier(rows: list[dict], path: Path, task, target_tpf: float = 1.5,
               ("exact_match", "tps", "exact match", "tokens/s"))
     fig, axes = plt.subplots(1, 3, figsize=(17, 5.5))
     drawn: dict = {}
+    rows = [r for r in rows if batch_of(r) == 0]
     base = target_check(rows, target_tpf, target_ratio)
     for ax, (xk, yk, xl, yl) in zip(axes, panels):
         d = drawn.setdefault(f"{yl} vs {xl}", {})
@@ -94,19 +112,26 @@ def plot_frontier(rows: list[dict], path: Path, task, target_tpf: float = 1.5,
             if r["mode"] == "refusion":
                 s = setting_of(r)
                 order = "1 slot/block" if s.num_blocks == 0 else f"{s.num_blocks} blocks"
+                if s.verify == "draft_ahead":
+                    order = "left to right"
                 who = "" if r["model"] == "refusion" else f" [{r['model']}]"
                 label = f"ReFusion k={s.slot_size} {order} verify {s.verify}{who}"
-                color = COLORS.get(s.slot_size, "gray") if r["model"] == "refusion" else "black"
-                ax.scatter(r[xk], r[yk], marker=MARKERS.get(s.verify, "s"), s=40,
-                           facecolors="none" if s.num_blocks == 0 else color,
-                           edgecolors=color, label=label if label not in d else None)
+                color = ("black" if r["model"] == "ar_continued"
+                         else COLORS.get(s.slot_size, "gray"))
+                if r["model"] == "refusion_boundary":   # filled, black edge
+                    ax.scatter(r[xk], r[yk], marker=MARKERS.get(s.verify, "s"), s=55,
+                               facecolors=color, edgecolors="black", linewidths=1.5,
+                               label=label if label not in d else None)
+                else:
+                    ax.scatter(r[xk], r[yk], marker=MARKERS.get(s.verify, "s"), s=40,
+                               facecolors="none" if s.num_blocks == 0 else color,
+                               edgecolors=color, label=label if label not in d else None)
                 ax.annotate(f"t{s.token_threshold}", (r[xk], r[yk]), fontsize=6,
                             xytext=(3, 2), textcoords="offset points")
             else:
                 label = f"AR decoding of {r['model']}"
                 ax.scatter(r[xk], r[yk], marker="*", s=180, edgecolors="black",
-                           c={"refusion": "white", "ar_continued": "black"}.get(r["model"],
-                                                                                "red"),
+                           c=AR_FACE.get(r["model"], "gray"),
                            label=label if label not in d else None)
             xs, ys = d.setdefault(label, ([], []))
             xs.append(r[xk])
@@ -163,9 +188,10 @@ def samples_markdown(rows: list[dict], task, examples: list[dict] | None, tok,
         return []
     eos = tok.info.eos_id
     pick = [("AR decoding of ar_continued", "ar_continued", Setting())]
-    pick += [("AR decoding of refusion", "refusion", Setting())]
-    pick += [(f"ReFusion decoding of refusion ({s.label()})", "refusion", s)
-             for s in task.sample_settings]
+    for m in task.refusion_arms:
+        pick += [(f"AR decoding of {m}", m, Setting())]
+        pick += [(f"ReFusion decoding of {m} ({s.label()})", m, s) for s in task.sample_settings
+                 if m == "refusion" or s.verify != "authors"]
     found = []
     for title, model, s in pick:
         r = next((r for r in rows if r["model"] == model and setting_of(r) == s
@@ -208,14 +234,19 @@ def decode_table(rows: list[dict]) -> list[str]:
          "exact match | token accuracy | identical to AR decoding of the same model |",
          "|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
+    models = {"refusion": 0, "refusion_boundary": 1, "ar_continued": 2}
+
     def order(r):
         s = setting_of(r)
-        return (r["mode"] != "ar", r["model"] != "refusion", s.verify, s.slot_size,
+        return (r["mode"] != "ar", models.get(r["model"], 3), s.verify, s.slot_size,
                 s.num_blocks, s.token_threshold)
-    for r in sorted(rows, key=order):
+    for r in sorted((r for r in rows if batch_of(r) == 0), key=order):
         s = setting_of(r)
         if r["mode"] == "ar":
             cells = ["ar", "-", "-", "-", "-", "-"]
+        elif s.verify == "draft_ahead":
+            cells = ["refusion", s.verify, str(s.slot_size), "left to right", "-",
+                     str(s.token_threshold)]
         else:
             cells = ["refusion", s.verify, str(s.slot_size),
                      "1 slot/block" if s.num_blocks == 0 else f"{s.num_blocks} blocks",
@@ -227,11 +258,85 @@ def decode_table(rows: list[dict]) -> list[str]:
     return L
 
 
-def report_markdown(exp, got: dict, runs: dict, tok=None, target_tpf: float = 1.5,
-                    target_ratio: float = 0.9) -> str:
+def _target_lines(main: list[dict], tpf: float, ratio: float, what: str) -> list[str]:
+    tc = target_check(main, tpf, ratio)
+    if tc.get("need") is None:
+        return []
+    L = ["", f"{what}: TPF >= {tpf} with exact match >= {ratio:.0%} of the AR decoding of "
+         f"`ar_continued` (the equal-compute AR model), i.e. >= {tc['need']:.3f}:", ""]
+    for key in sorted(k for k in tc if k not in ("baseline", "need")):
+        model, v = key
+        hit = tc[key]
+        best = max(hit, key=lambda r: r["tpf"]) if hit else None
+        who = "" if model == "refusion" else f"`{model}`, "
+        if hit:
+            L.append(f"- {who}verify {v}: reached by {len(hit)} setting(s); the fastest: "
+                     f"{setting_of(best).label()} (TPF {best['tpf']:.2f}, exact match "
+                     f"{best['exact_match']:.3f}).")
+        else:
+            rows = [r for r in main if r["mode"] == "refusion" and r["model"] == model
+                    and setting_of(r).verify == v and batch_of(r) == 0]
+            ok = [r for r in rows if r["exact_match"] >= tc["need"]]
+            near = max(ok, key=lambda r: r["tpf"]) if ok else max(
+                rows, key=lambda r: r["exact_match"]) if rows else None
+            L.append(f"- {who}verify {v}: not reached." + (
+                f" Closest: {setting_of(near).label()} (TPF {near['tpf']:.2f}, exact match "
+                f"{near['exact_match']:.3f})." if near is not None else ""))
+    if tc["baseline"] == 0:
+        L += ["", "The exact-match side of the target is empty here (the AR baseline's exact "
+              "match is 0, so any setting meets it): compare token accuracy, and see the "
+              "diagnosis below for what limits TPF."]
+    return L
+
+
+def latency_table(rows: list[dict]) -> list[str]:
+    """Tokens/s of the batch-1 decodes beside the same decodes at the task's batch."""
+    one = [r for r in rows if batch_of(r) == 1]
+    if not one:
+        return []
+    L = ["| model | decoding | TPF | tokens/s at batch 1 | x AR of ar_continued at batch 1 | "
+         "tokens/s at the default batch |", "|---|---|---|---|---|---|"]
+    base = next((r for r in one if r["mode"] == "ar" and r["model"] == "ar_continued"), None)
+    for r in one:
+        s = setting_of(r)
+        twin = next((o for o in rows if batch_of(o) == 0 and o["model"] == r["model"]
+                     and o["mode"] == r["mode"] and (o["mode"] == "ar" or setting_of(o) ==
+                                                     Setting(**{**s.to_dict(), "batch_size": 0}))),
+                    None)
+        label = "AR" if r["mode"] == "ar" else Setting(**{**s.to_dict(), "batch_size": 0}).label()
+        L.append(f"| {r['model']} | {label} | {r['tpf']:.2f} | {r['tps']:.0f} | "
+                 + (f"{r['tps'] / base['tps']:.2f}" if base and base["tps"] else "-") + " | "
+                 + (f"{twin['tps']:.0f}" if twin else "-") + " |")
+    return L
+
+
+def sweep_lines(sweep: dict | None) -> list[str]:
+    """The natural-order sweep (`sweep.json`) as a table and its choice."""
+    if not sweep:
+        return []
+    st = Setting.from_dict(sweep["setting"])
+    L = ["## The natural-order sweep (`--sweep`)", "",
+         f"`refusion_boundary` arms at equal compute, one per natural-order share, decoded on "
+         f"`{sweep['set']}` (not the reported set). AR decoding of `ar_continued` there: "
+         f"{sweep['ar_continued_exact_match']:.3f}; the rule: the largest TPF of {st.label()} "
+         f"among the shares whose AR decoding reaches {sweep['ratio']:.0%} of it, else the "
+         "largest exact match.", "",
+         "| natural-order share | AR decoding: exact match / token accuracy | "
+         f"{st.label()}: TPF / exact match | chosen |", "|---|---|---|---|"]
+    for r in sweep["rows"]:
+        L.append(f"| {r['natural_order_fraction']:g} | {r['ar_exact_match']:.3f} / "
+                 f"{r['ar_token_accuracy']:.3f} | {r['tpf']:.2f} / {r['exact_match']:.3f} | "
+                 + ("**yes**" if r["natural_order_fraction"] == sweep["chosen"] else "") + " |")
+    return L + [""]
+
+
+def report_markdown(exp, got: dict, runs: dict, tok=None, target_tpf: float = 2.0,
+                    target_ratio: float = 0.9, goal_tpf: float | None = None,
+                    goal_ratio: float | None = None) -> str:
     """report.md of an `Experiment` (`exp`) from `exp.collect()` (`got`), the training runs'
     metrics (`runs`: {label: read_metrics result}) and the task's tokenizer (for the
-    side-by-side answers; None leaves them out)."""
+    side-by-side answers; None leaves them out); the target (and, when given, the goal)
+    checked on the main set."""
     task = exp.task
     rows = got["rows"]
     main = [r for r in rows if r.get("set") == task.main_set]
@@ -243,8 +348,9 @@ def report_markdown(exp, got: dict, runs: dict, tok=None, target_tpf: float = 1.
           f"thread(s)",
           f"- 1. AR pretraining from scratch: {exp.pretrain_steps} steps of "
           f"{exp.micro_batch_size} packed 256-token rows",
-          f"- 2a. ReFusion fine-tuning and 2b. AR continued training from the export: "
-          f"{exp.finetune_steps} steps each, same batch, data order and lr schedule"]
+          "- stage 2 from the export, " + ", ".join(
+              f"{RUN_TEXT.get(a, a)}" for a in task.arms) + f": {exp.finetune_steps} steps each, "
+          "same batch, data order and lr schedule"]
     L += task.settings_text()
     L += ["- the held-out sets, metric, generation length and grid were fixed before any "
           "decode result was seen (`pipeline/experiment/tasks.py`)", ""]
@@ -273,7 +379,7 @@ def report_markdown(exp, got: dict, runs: dict, tok=None, target_tpf: float = 1.
     L += ["", "(train loss: mean of the last logged steps; each run's validation uses its "
           "own objective; steps of 2a/2b are counted after stage 1 in loss.png)", ""]
     if got["losses"]:
-        L += ["Validation loss of both stage-2 models under the ReFusion objective "
+        L += ["Validation loss of each stage-2 model under the paper's ReFusion objective "
               "(`pipeline.training.validation.validation_loss`, first 160 validation samples):", "",
               "| model | loss | AR term | MDM term |", "|---|---|---|---|"]
         for m, v in got["losses"].items():
@@ -287,29 +393,27 @@ def report_markdown(exp, got: dict, runs: dict, tok=None, target_tpf: float = 1.
           f"/ forwards; tokens/s at batch {task.decode_batch}; the last column: answers whose "
           "ids equal the AR decoding of the same model.", ""]
     L += decode_table(main) + [""]
-    ref = [r for r in main if r["mode"] == "refusion" and r["model"] == "refusion"]
-    if ref:
-        L += ["## Frontier and target", "", "ReFusion decodes of `refusion` not dominated in "
+    lat = latency_table(main)
+    if lat:
+        L += ["Latency: the same decodes one prompt at a time (batch 1), where a forward costs "
+              "about the same whatever it feeds on a GPU; on these CPUs it still grows with "
+              "the tokens fed.", ""] + lat + [""]
+    L += sweep_lines(got.get("sweep"))
+    for model in task.refusion_arms:
+        ref = [r for r in main if r["mode"] == "refusion" and r["model"] == model
+               and batch_of(r) == 0]
+        if not ref:
+            continue
+        L += [f"## Frontier of `{model}`", "", f"ReFusion decodes of `{model}` not dominated in "
               "(TPF, exact match, token accuracy):", ""]
         for r in pareto(ref):
             L.append(f"- {setting_of(r).label()}: TPF {r['tpf']:.2f}, exact match "
                      f"{r['exact_match']:.3f}, token accuracy {_f(r.get('token_accuracy'))}")
-        tc = target_check(main, target_tpf, target_ratio)
-        if tc.get("need") is not None:
-            L += ["", f"Target: TPF >= {target_tpf} with exact match >= {target_ratio:.0%} of "
-                  f"the AR decoding of `ar_continued` (the equal-compute AR model), i.e. >= "
-                  f"{tc['need']:.3f}:", ""]
-            for v in sorted(k for k in tc if k not in ("baseline", "need")):
-                hit = tc[v]
-                best = max(hit, key=lambda r: r["tpf"]) if hit else None
-                L.append(f"- verify {v}: " + (
-                    f"reached by {len(hit)} setting(s); the fastest: {setting_of(best).label()}"
-                    f" (TPF {best['tpf']:.2f}, exact match {best['exact_match']:.3f})."
-                    if hit else "not reached."))
-            if tc["baseline"] == 0:
-                L += ["", "The exact-match side of the target is empty here (the AR "
-                      "baseline's exact match is 0, so any setting meets it): compare token "
-                      "accuracy, and see the diagnosis below for what limits TPF."]
+        L.append("")
+    if any(r["mode"] == "refusion" for r in main):
+        L += ["## Target"] + _target_lines(main, target_tpf, target_ratio, "Target")
+        if goal_tpf is not None:
+            L += _target_lines(main, goal_tpf, goal_ratio, "Goal beyond it")
         L.append("")
     others = [r for r in rows if r.get("set") != task.main_set]
     for set_name in dict.fromkeys(r["set"] for r in others):
@@ -317,10 +421,11 @@ def report_markdown(exp, got: dict, runs: dict, tok=None, target_tpf: float = 1.
         L += [f"## Decoding `{set_name}` ({part[0]['examples']} examples)", ""]
         L += decode_table(part) + [""]
     examples = None
-    try:
-        examples = exp.examples(task.main_set)[:3]
-    except (OSError, ValueError, KeyError):
-        pass
+    if tok is not None:   # the examples need the task's tokenizer too
+        try:
+            examples = exp.examples(task.main_set)[:3]
+        except (OSError, ValueError, KeyError):
+            pass
     L += samples_markdown(main, task, examples, tok)
     diag = got.get("diagnose") or []
     if diag:
