@@ -183,6 +183,17 @@ def test_dp_size_change_and_other_settings_are_refused():
     with pytest.raises(DataError, match="objective"):
         build_loader(url, "train", 2, 48, dp_size=2, num_workers=0,
                      objective_cfg=ObjectiveConfig(eps=0.1)).load_state_dict(state)
+    # a state saved before an objective option existed resumes at the option's default (the
+    # old behaviour), and only there
+    before = dict(state, config=dict(state["config"], objective={
+        k: v for k, v in state["config"]["objective"].items()
+        if k not in ("boundary_labels", "natural_order_fraction")}))
+    resumed = build_loader(url, "train", 2, 48, dp_rank=0, dp_size=2, num_workers=0)
+    resumed.load_state_dict(before)
+    _same(_take(resumed, 3), full[2:])
+    with pytest.raises(DataError, match="objective"):
+        build_loader(url, "train", 2, 48, dp_size=2, num_workers=0, objective_cfg=ObjectiveConfig(
+            boundary_labels=True)).load_state_dict(before)
     # another shard folder: both folders named (the state records where it was read from)
     other = "memory://refuse-other"
     write_shards(other, {"train": random_samples(np.random.default_rng(5), 12)}, samples_per_shard=6)

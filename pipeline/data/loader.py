@@ -673,6 +673,10 @@ class ShardLoader:
                                 f"tokenizer than those the run trained on (tokenizer was "
                                 f"{saved['tokenizer']!r}, is {now['tokenizer']!r}); a new pass "
                                 f"(on_shard_change=new_pass) needs shards of the same tokenizer")
+        if isinstance(saved.get("objective"), dict):
+            # an objective option added after the state was saved is at its default there
+            # (new options default to the behaviour before them)
+            saved = {**saved, "objective": {**vars(ObjectiveConfig()), **saved["objective"]}}
         for k in keys:  # (the tokenizer is part of `data`; compared alone for a new pass only)
             if saved.get(k) != now[k]:
                 where = ""
