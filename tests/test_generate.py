@@ -317,3 +317,19 @@ def test_bf16_on_cpu_decoding_tensors_follow_the_model(tp1, folder, monkeypatch)
                           for c in caches for k in c.keys + c.values)
     assert [len(t) for t in out_r.tokens] == [8, 8] and [len(t) for t in out_a.tokens] == [6, 6]
     assert out_r.seconds > 0 and out_a.seconds > 0
+
+
+def test_verify_draft_ahead_from_the_command_line_equals_ar_mode(tp1, folder, capsys):
+    """`--verify draft_ahead` (greedy, the default token threshold 0.6 >= 0.5) prints the same
+    ids as `--mode ar`, and records its setting."""
+    base = ["--model", str(folder), "--prompt", "a b c", "--prompt", "x", "--gen-length", "12",
+            "--json", "--device", "cpu"]
+    rc, out, err = _run(capsys, base + ["--verify", "draft_ahead"])
+    assert rc == 0, err
+    da = json.loads(out)
+    rc, out, _ = _run(capsys, base + ["--mode", "ar"])
+    assert rc == 0
+    ar = json.loads(out)
+    assert da["settings"]["verify"] == "draft_ahead"
+    assert [r["token_ids"] for r in da["results"]] == [r["token_ids"] for r in ar["results"]]
+    assert all(len(r["token_ids"]) > 0 for r in da["results"])

@@ -135,7 +135,8 @@ def check_decoding_args(args, refusion: bool = True) -> None:
         raise UsageError(f"--slot-threshold {args.slot_threshold} must be >= 0 (values >= 1 "
                          f"select one slot per step)")
     slots = -(-args.gen_length // args.slot_size)
-    if refusion and slots % args.num_blocks:
+    # draft_ahead decodes slots left to right and does not use --num-blocks
+    if refusion and getattr(args, "verify", "authors") != "draft_ahead" and slots % args.num_blocks:
         raise UsageError(f"--num-blocks {args.num_blocks} must divide the {slots} slots "
                          f"(--gen-length rounded up to a multiple of --slot-size)")
 

@@ -818,7 +818,8 @@ def refusion_generate(model, prompt_ids, gen_length: int, slot_size: int, num_bl
     """
     if verify not in VERIFY_MODES:
         raise ValueError(f"verify must be one of {', '.join(VERIFY_MODES)}, got {verify!r}")
-    g = _check(gen_length, slot_size, num_blocks)
+    # draft_ahead goes slot by slot, left to right: num_blocks does not apply
+    g = _check(gen_length, slot_size, 1 if verify == "draft_ahead" else num_blocks)
     prompts = split_prompts(prompt_ids, attention_mask)
     _check_positions(model, prompts, g)
     gen = torch.Generator(device=_model_device(model)).manual_seed(seed)
