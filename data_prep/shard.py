@@ -258,20 +258,61 @@ class Record:
     special_text: bool = False
     tokenize: bool = True
     rid: str = ""   # record id (file#line) for messages
+    digest: bytes = b""  # first 16 bytes of the record digest (the duplicate filter's)
     piece: int = 0
     last: bool = True
     unsafe_cut: bool = False
+
+
+class RecordLog:
+    """What became of each record that passed a unit's duplicate filter, in input order, for
+    the merge's global dedup (data_prep/merge.py).
+
+    Columns of `records.npz`: `digest` uint8[n, 16] (the record digest's first 16 bytes),
+    `outcome` uint16[n] (0 = written, i = the skip reason `outcomes[i]`, e.g. over_length),
+    `dropped` uint32[n] (chat turns dropped as over_length_turns), `special` uint8[n] (1 = held
+    special-token text), `cuts` uint32[n] (unsafe piece cuts). About 30 bytes per record.
+    """
+    NAME = "records.npz"
+
+    def __init__(self):
+        self.outcomes = ["written"]
+        self.rows: list[tuple] = []
+
+    def add(self, digest: bytes, reason: str | None, dropped: int, special: bool,
+            cuts: int) -> None:
+        if reason is not None and reason not in self.outcomes:
+            self.outcomes.append(reason)
+        self.rows.append((digest, 0 if reason is None else self.outcomes.index(reason),
+                          dropped, int(special), cuts))
+
+    def write(self, out: Output) -> dict:
+        """Write `records.npz` to `out`; returns its manifest entry `{"name", "rows",
+        "outcomes", "bytes", "sha256"}`."""
+        import io
+        cols = list(zip(*self.rows)) or [(), (), (), (), ()]
+        buf = io.BytesIO()
+        np.savez(buf, digest=np.frombuffer(b"".join(cols[0]), np.uint8).reshape(-1, 16),
+                 outcome=np.array(cols[1], np.uint16), dropped=np.array(cols[2], np.uint32),
+                 special=np.array(cols[3], np.uint8), cuts=np.array(cols[4], np.uint32))
+        data = buf.getvalue()
+        out.write_bytes(self.NAME, data)
+        return {"name": self.NAME, "rows": len(self.rows), "outcomes": self.outcomes,
+                "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
 
 class InputChanged(UserError):
     """A resumed run found an input whose bytes differ from the interrupted run's."""
 
 
-def _stage_a(sources: list[Source], fmt: str, fields: Fields, val_fraction: float,
+def _stage_a(reads, fmt: str, fields: Fields, val_fraction: float,
              tok: Tokenizer, tail: list, details: dict, digests: dict,
              recorded_sha: dict, whole_texts: bool):
     """Read, normalize, dedup and split records; yields `Record`s in input order, a text as
     its pieces (`pipeline.tokenizer.text_pieces`; one piece when `whole_texts`).
+
+    reads: `(source, iterator of (record id, raw record))` per input, in order (a whole file's
+    `sources.iter_records`, or a work unit's pieces, data_prep/plan.py).
 
     Skip reasons met after the last record are appended to `tail` (in input order) when the
     inputs end; the first record skipped for each reason with a description fills
@@ -298,8 +339,8 @@ def _stage_a(sources: list[Source], fmt: str, fields: Fields, val_fraction: floa
             return [(text, True)]
         return ((text[a:b], safe) for a, b, safe in text_pieces(text))
 
-    for source in sources:
-        for rid, raw in iter_records(source, fmt, fields, digests):
+    for source, records in reads:
+        for rid, raw in records:
             norm = normalize(raw, fmt, fields)
             if norm[0] == "skip":
                 skip(norm[1], norm[2], rid)
@@ -334,7 +375,7 @@ def _stage_a(sources: list[Source], fmt: str, fields: Fields, val_fraction: floa
             key = digest.hex()[:_KEY_HEX]
             if kind != "text":
                 yield Record(split, index, key, kind, payload, tuple(skips),
-                             tok.has_special_text(*payload), rid=rid)
+                             tok.has_special_text(*payload), rid=rid, digest=digest[:16])
                 skips = []
                 continue
             pieces = iter(doc.pieces(cut, limit) if doc is not None else str_pieces(payload[0]))
@@ -346,7 +387,7 @@ def _stage_a(sources: list[Source], fmt: str, fields: Fields, val_fraction: floa
                 cur, j = nxt, j + 1
             special = special or tok.has_special_text(cur[0])
             yield Record(split, index, key, kind, (cur[0],), tuple(skips) if j == 0 else (),
-                         special, rid=rid, piece=j, last=True)
+                         special, rid=rid, piece=j, last=True, digest=digest[:16])
             skips = []
         want, got = recorded_sha.get(source.name), digests.get(source.name)
         if want and got and want != got:
@@ -427,26 +468,39 @@ def summary(where: str, manifest: dict) -> str:
     return f"{where}: {'; '.join(parts)}; skipped: {skipped}{note}"
 
 
-def run(args) -> dict:
+def run(args, unit=None) -> dict:
     """Run the pipeline for parsed `args`; returns the manifest (also written to the output).
+
+    unit: None for the whole corpus (the one-machine command), or one work unit of a plan
+    (`data_prep.plan.UnitJob`: its output folder, sources, record readers, options, tokenizer
+    and the list its per-record log goes to). A unit's run also writes `records.npz` (one row
+    per record that passed the unit's duplicate filter, for the merge's global dedup:
+    data_prep/merge.py), saves no tokenizer, re-tokenizes the records of kept shards on
+    resume (their outcome is logged) and leaves the empty and skip-share checks to the merge.
 
     Raises UserError / InputError / TokenizerError for user errors (one line each), NoSamples
     after writing the manifest when every record was skipped, and TooManySkipped after
     writing it when a skip reason covers more than `args.max_skip_fraction` of the input.
     """
     t0 = time.time()
-    tok = load_tokenizer(args.tokenizer)
-    sources = resolve_inputs(args.input, output=args.output)
     fields = Fields(args.query_field, args.response_field, args.text_field, args.messages_field)
-    opts = _options(args, sources)
+    if unit is None:
+        tok = load_tokenizer(args.tokenizer)
+        sources = resolve_inputs(args.input, output=args.output)
+        opts = _options(args, sources)
+        inputs = [input_identity(s) for s in sources]
+        out = Output(args.output)
+    else:
+        tok, sources, opts, inputs = unit.tok, unit.sources, unit.opts, unit.inputs
+        out = Output(unit.out_url)
     tok_json = tok.info.to_json()
     tok_json["files"] = TOKENIZER_DIR
     fp = fingerprint(opts, tok_json)
-    inputs = [input_identity(s) for s in sources]
-    out = Output(args.output)
     done, kept, recorded_sha = resume_state(out, fp, args.overwrite, opts, tok_json,
                                              inputs, sources)
     if done is not None:
+        if unit is not None:
+            return done
         _check_not_empty(done)
         print(f"shard.py: already complete (same options, inputs unchanged), kept "
               f"{summary(args.output, done)}", file=sys.stderr)
@@ -462,7 +516,8 @@ def run(args) -> dict:
               "at a space, so each text is tokenized whole (memory grows with the longest "
               "document)", file=sys.stderr)
     try:
-        _save_tokenizer(out, tok)
+        if unit is None:
+            _save_tokenizer(out, tok)
     except OSError as e:
         full = full_disk_error(out, e)
         if full is None:
@@ -503,12 +558,17 @@ def run(args) -> dict:
                 print(f"shard.py: warning: skipped ({reason}) {details[reason]}; further "
                       "records skipped for this reason are counted, not shown", file=sys.stderr)
 
-    stream = _stage_a(sources, args.format, fields, args.val_fraction, tok, tail, details,
+    reads = (unit.reads(digests) if unit is not None else
+             [(s, iter_records(s, args.format, fields, digests)) for s in sources])
+    stream = _stage_a(reads, args.format, fields, args.val_fraction, tok, tail, details,
                       digests, recorded_sha, whole_texts)
     # --limit counts accepted records, kept shards' records included: with a limit they are
-    # tokenized again on resume (to know which were over-length); without, they are not.
-    resume_from = None if args.limit is not None else {s: writers[s].start for s in SPLITS}
-    accepted, special, unsafe_cuts = 0, 0, 0
+    # tokenized again on resume (to know which were over-length); without, they are not. A
+    # unit logs every record's outcome, so it tokenizes them again too.
+    resume_from = ({s: writers[s].start for s in SPLITS}
+                   if args.limit is None and unit is None else None)
+    log = RecordLog() if unit is not None else None
+    accepted, special, unsafe_cuts, rec_cuts = 0, 0, 0, 0
     chunks: TextChunks | None = None  # the text being assembled from its pieces
     from tqdm import tqdm
     bar = tqdm(unit="rec", desc="shard", disable=args.no_progress or None, file=sys.stderr)
@@ -518,6 +578,7 @@ def run(args) -> dict:
                 for rec, res in zip(batch, res_list):
                     count_skips(rec.skips_before)
                     unsafe_cuts += rec.unsafe_cut
+                    rec_cuts += rec.unsafe_cut
                     w = writers[rec.split]
                     items, c0 = [], 0  # (ids, prompt_length) of this record or piece; first index
                     if rec.kind == "text":
@@ -532,7 +593,8 @@ def run(args) -> dict:
                                     res = final  # over_length (--long-text skip)
                                 else:
                                     items += [(c, 0) for c in final]
-                    elif isinstance(res, tuple):
+                    dropped = 0
+                    if rec.kind != "text" and isinstance(res, tuple):
                         items, dropped = res
                         if rec.index >= w.start[0]:  # earlier ones are counted by kept shards
                             for _ in range(dropped):
@@ -544,6 +606,10 @@ def run(args) -> dict:
                     if not rec.last:
                         continue
                     special += rec.special_text
+                    if log is not None:
+                        log.add(rec.digest, res if isinstance(res, str) else None, dropped,
+                                rec.special_text, rec_cuts)
+                    rec_cuts = 0
                     if isinstance(res, str):
                         if rec.index >= w.start[0]:  # earlier ones are counted by kept shards
                             w.skip(rec.index, res)
@@ -586,6 +652,9 @@ def run(args) -> dict:
         "fingerprint": fp,
     }
     try:
+        if log is not None:  # before manifest.json, the part's completion mark
+            manifest["records_log"] = log.write(out)
+            manifest.update(unit.extra)
         out.write_json(MANIFEST, manifest)
         out.remove(PARTIAL)
     except OSError as e:
@@ -593,6 +662,10 @@ def run(args) -> dict:
         if full is None:
             raise
         raise full from None
+    if unit is not None:
+        print(f"shard.py: {summary(unit.out_url, manifest)} ({time.time() - t0:.1f} s)",
+              file=sys.stderr)
+        return manifest
     _check_not_empty(manifest)
     print(f"shard.py: wrote {summary(args.output, manifest)} ({time.time() - t0:.1f} s)",
           file=sys.stderr)
@@ -625,10 +698,43 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r}: expected a byte count like 256M")
 
 
-def build_parser() -> argparse.ArgumentParser:
+STAGES = ("plan", "run", "merge")  # the stages of a run on many machines (data_prep/plan.py)
+
+
+def build_stage_parser(stage: str) -> argparse.ArgumentParser:
+    """The parser of `shard.py plan|run|merge` (data_prep/README.md "On a cluster")."""
+    if stage == "plan":
+        p = build_parser(prog="shard.py plan")
+        p.add_argument("--unit-bytes", type=_size, default=_size("64M"),
+                       help="bytes of input per work unit (default 64M): larger JSONL files "
+                            "are cut into newline-aligned ranges, Parquet into row groups")
+        return p
+    p = OneLineParser(prog=f"shard.py {stage}")
+    p.add_argument("--output", required=True, metavar="DIR_OR_URL",
+                   help="the folder `shard.py plan` wrote")
+    if stage == "run":
+        p.add_argument("--task", type=int, default=None,
+                       help="this task's index (default: SLURM_ARRAY_TASK_ID - SLURM_ARRAY_TASK_MIN)")
+        p.add_argument("--num-tasks", type=int, default=None,
+                       help="number of tasks (default: SLURM_ARRAY_TASK_COUNT)")
+        p.add_argument("--workers", type=int, default=1, help="tokenizer processes (1 = in-process)")
+        p.add_argument("--tokenizer", default=None,
+                       help="the plan's tokenizer at another path (default: the plan's path)")
+        p.add_argument("--overwrite", action="store_true",
+                       help="make this task's parts again from scratch")
+        p.add_argument("--no-progress", action="store_true", help=argparse.SUPPRESS)
+        p.add_argument("--stop-after-shards", type=int, default=None, help=argparse.SUPPRESS)
+    else:
+        p.add_argument("--max-skip-fraction", type=float, default=MAX_SKIP_FRACTION,
+                       help="as for the one-machine command")
+    return p
+
+
+def build_parser(prog: str = "shard.py") -> argparse.ArgumentParser:
     p = OneLineParser(
-        prog="shard.py", description="Tokenize inputs into ReFusion webdataset shards "
-        "(format: ARCHITECTURE.md 'Shard format').")
+        prog=prog, description="Tokenize inputs into ReFusion webdataset shards "
+        "(format: ARCHITECTURE.md 'Shard format'). On many machines: `shard.py plan`, "
+        "`shard.py run`, `shard.py merge` (data_prep/README.md).")
     p.add_argument("--input", action="append", required=True, metavar="PATH_GLOB_URL|stdlib",
                    help="input file, folder, glob or fsspec URL (.jsonl/.json/.txt/.parquet); "
                         "'stdlib' = the running interpreter's standard library sources. Repeatable.")
@@ -683,8 +789,14 @@ def main(argv: list[str] | None = None) -> int:
     # from a parent that ignores it): the handling below relies on KeyboardInterrupt.
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    stage = argv[0] if argv and argv[0] in STAGES else None
+    parser = build_stage_parser(stage) if stage else build_parser()
+    args = parser.parse_args(argv[1:] if stage else argv)
+    if stage in ("run", "merge"):
+        if stage == "run" and args.workers < 1:
+            parser.error("--workers must be >= 1")
+        return _guarded(lambda: _stage(stage, args))
     problems = []
     if args.max_length < 2:
         problems.append("--max-length must be >= 2")
@@ -698,10 +810,36 @@ def main(argv: list[str] | None = None) -> int:
         problems.append("--limit must be >= 1")
     if not 0.0 <= args.max_skip_fraction <= 1.0:
         problems.append("--max-skip-fraction must be in [0, 1]")
+    if stage == "plan" and args.unit_bytes < 1:
+        problems.append("--unit-bytes must be >= 1")
     if problems:
         parser.error("; ".join(problems))
+    if stage == "plan":
+        from data_prep.plan import make_plan
+        return _guarded(lambda: make_plan(args))
+    return _guarded(lambda: run(args))
+
+
+def _stage(stage: str, args) -> None:
+    """`shard.py run` / `shard.py merge` (data_prep/plan.py, data_prep/merge.py)."""
+    if stage == "run":
+        from data_prep.plan import run_task
+        run_task(args)
+        return
+    from data_prep.merge import merge
+    t0 = time.time()
+    manifest = merge(args.output)
+    _check_not_empty(manifest)
+    print(f"shard.py: merged {manifest['plan']['units']} part(s) "
+          f"({manifest['plan']['duplicates_across_units']} duplicate(s) across units dropped): "
+          f"{summary(args.output, manifest)} ({time.time() - t0:.1f} s)", file=sys.stderr)
+    _check_skip_share(manifest, args.max_skip_fraction)
+
+
+def _guarded(action) -> int:
+    """Run `action()`; user errors become one line on stderr and the exit code (main)."""
     try:
-        run(args)
+        action()
     except (UserError, InputError, TokenizerError, OutputError) as e:
         print(f"shard.py: error: {e}", file=sys.stderr)
         return EXIT_USAGE

@@ -276,11 +276,16 @@ class SplitWriter:
 
     entries: the split's complete shards so far (`{"name", "samples", "tokens", "bytes",
     "sha256", "next": [record, chunk], "skipped": {reason: n}}`), `next` being the position
-    of the first item not held by this or an earlier shard.
+    of the first item not held by this or an earlier shard. Shards are named
+    `<prefix><split>-NNNNNN.tar`. With `opts["segment_keys"]` (a plan's work units) each
+    segment of a packed sample also carries its item's key (`"key"`), so the merge can take
+    a packed sample apart and pack it again without a duplicate (data_prep/merge.py).
     """
 
-    def __init__(self, split: str, out: Output, opts: dict, entries: list[dict], on_close):
+    def __init__(self, split: str, out: Output, opts: dict, entries: list[dict], on_close,
+                 prefix: str = ""):
         self.split, self.out, self.opts, self.on_close = split, out, opts, on_close
+        self.prefix = prefix
         self.entries = list(entries)
         last = self.entries[-1] if self.entries else {"next": [0, 0], "skipped": {}}
         self.start = tuple(last["next"])
@@ -351,6 +356,9 @@ class SplitWriter:
         tokens = np.concatenate([i.ids for i in items])
         segments = make_segments([(len(i.ids), i.prompt_length) for i in items], key,
                                  self.opts["seed"], tuple(self.opts["slot_sizes"]))
+        if len(items) > 1 and self.opts.get("segment_keys"):
+            for seg, item in zip(segments, items):
+                seg["key"] = item.key
         sample = encode_sample(key, tokens, segments)
         if self.tar is None:
             self._open_shard()
@@ -364,7 +372,7 @@ class SplitWriter:
             self._close_shard()
 
     def _open_shard(self) -> None:
-        self.cur_name = f"{self.split}-{len(self.entries):06d}.tar"
+        self.cur_name = f"{self.prefix}{self.split}-{len(self.entries):06d}.tar"
         self.cur_tmp = self.out.tmp_name(self.cur_name)
         self.out.current = self.cur_name
         self.cur_file = self.out.fs.open(self.out.path(self.cur_tmp), "wb")
