@@ -104,10 +104,8 @@ def _decode(key: str, tokens: bytes, meta: bytes) -> tuple[np.ndarray, list]:
 
 
 def _rerun(output: str, plan: dict, i: int) -> str:
-    """The command that makes unit `i`'s part again (task i of as many tasks as units holds
-    exactly unit i)."""
-    return (f"rerun `shard.py run --output {output} --task {i} --num-tasks {len(plan['units'])}"
-            " --overwrite`")
+    """The command that makes unit `i`'s part again."""
+    return f"rerun `shard.py run --output {output} --unit {i} --overwrite`"
 
 
 def _read_part(out: Output, plan: dict, i: int, tok_json: dict) -> dict:
@@ -170,7 +168,7 @@ def merge(output: str) -> dict:
     seen = DigestSet(width=16, key_bytes=10)
     skipped: collections.Counter = collections.Counter()
     counts: collections.Counter = collections.Counter()
-    part_inputs = 0
+    part_inputs, across = 0, 0
     drops: dict[int, set] = {}
     logs = []
     for i, part in enumerate(parts):
@@ -201,6 +199,7 @@ def merge(output: str) -> dict:
                 continue
             reason = outcomes[int(log["outcome"][r])]
             skipped["duplicate"] += 1
+            across += 1
             if reason == "written":
                 counts["records"] -= 1
                 drops.setdefault(i, set()).add(digest.tobytes().hex()[:20])
@@ -249,7 +248,8 @@ def merge(output: str) -> dict:
                    "records": counts["records"],
                    "unsafe_piece_cuts": counts["unsafe_piece_cuts"]},
         "inputs": plan["inputs"], "fingerprint": plan["fingerprint"],
-        "plan": {"units": n, "duplicates_across_units": sum(len(v) for v in drops.values())},
+        "plan": {"units": n, "duplicates_across_units": across,
+                 "rewritten_units": sorted(drops)},
     }
     if input_records(manifest) != part_inputs:
         raise MergeError(f"{out.path(PLAN)}: merged counts do not add up (input records "

@@ -101,7 +101,7 @@ def _line_cuts(source: Source, size: int, unit_bytes: int) -> list[int]:
     cuts: list[int] = []
     with source.fs.open(source.path, "rb") as f:
         target = unit_bytes
-        while target < size:
+        while target < size - unit_bytes // 4:  # no range of less than a quarter unit at the end
             pos = max(target - 1, cuts[-1] if cuts else 0)
             f.seek(pos)
             while True:
@@ -377,8 +377,9 @@ def task_from_env(task: int | None, num_tasks: int | None) -> tuple[int, int]:
 
 
 def run_task(args) -> list[dict]:
-    """`shard.py run`: run the units dealt to task `args.task` of `args.num_tasks`; returns
-    their part manifests ([] when stopped by --stop-after-shards).
+    """`shard.py run`: run the units dealt to task `args.task` of `args.num_tasks` (or the
+    units `args.unit` names); returns their part manifests ([] when stopped by
+    --stop-after-shards).
 
     Each unit's part is kept when complete, resumed when interrupted, made otherwise
     (`shard.run(args, unit)`). Raises UserError when the plan is missing, an input of these
@@ -386,10 +387,18 @@ def run_task(args) -> list[dict]:
     """
     from data_prep import shard
     from pipeline.tokenizer import load_tokenizer
-    task, num_tasks = task_from_env(args.task, args.num_tasks)
     out = Output(args.output)
     plan = read_plan(out)
-    mine = deal(plan, num_tasks)[task]
+    if args.unit:
+        bad = [u for u in args.unit if not 0 <= u < len(plan["units"])]
+        if bad:
+            raise UserError(f"--unit {bad[0]}: the plan has units 0..{len(plan['units']) - 1}")
+        mine = sorted(set(args.unit))
+        who = f"unit(s) {', '.join(map(str, mine))}"
+    else:
+        task, num_tasks = task_from_env(args.task, args.num_tasks)
+        mine = deal(plan, num_tasks)[task]
+        who = f"task {task} of {num_tasks}"
     sources = plan_sources(plan)
     used = sorted({p["input"] for i in mine for p in plan["units"][i]["pieces"]})
     now = [input_identity(sources[j]) for j in used]
@@ -417,7 +426,7 @@ def run_task(args) -> list[dict]:
         no_progress=True, tokenizer=tok_path, overwrite=args.overwrite,
         stop_after_shards=args.stop_after_shards, max_skip_fraction=1.0)
     t0, parts = time.time(), []
-    print(f"shard.py: task {task} of {num_tasks}: {len(mine)} unit(s) of {len(plan['units'])}",
+    print(f"shard.py: {who}: {len(mine)} unit(s) of {len(plan['units'])}",
           file=sys.stderr)
     for i in mine:
         url = f"{args.output.rstrip('/')}/{unit_dir(i)}"
@@ -433,7 +442,7 @@ def run_task(args) -> list[dict]:
         if not part:  # --stop-after-shards
             return []
         parts.append(part)
-    print(f"shard.py: task {task} of {num_tasks} done: {len(mine)} unit(s) "
+    print(f"shard.py: {who} done: {len(mine)} unit(s) "
           f"({time.time() - t0:.1f} s); when every task is done: `shard.py merge --output "
           f"{args.output}`", file=sys.stderr)
     return parts

@@ -717,6 +717,9 @@ def build_stage_parser(stage: str) -> argparse.ArgumentParser:
                        help="this task's index (default: SLURM_ARRAY_TASK_ID - SLURM_ARRAY_TASK_MIN)")
         p.add_argument("--num-tasks", type=int, default=None,
                        help="number of tasks (default: SLURM_ARRAY_TASK_COUNT)")
+        p.add_argument("--unit", type=int, action="append", default=None,
+                       help="run this unit (repeatable) instead of a task's share, e.g. the "
+                            "one a failed merge names")
         p.add_argument("--workers", type=int, default=1, help="tokenizer processes (1 = in-process)")
         p.add_argument("--tokenizer", default=None,
                        help="the plan's tokenizer at another path (default: the plan's path)")
