@@ -37,8 +37,6 @@ import collections
 import hashlib
 import io
 import json
-import sys
-import tarfile
 
 import numpy as np
 
@@ -51,7 +49,7 @@ from data_prep.writer import Item, Output, SplitWriter
 def input_records(manifest: dict) -> int:
     from data_prep.shard import input_records as count
     return count(manifest)
-from pipeline.data.format import FORMAT_VERSION, MANIFEST, PARTIAL_MANIFEST, SPLITS
+from pipeline.data.format import FORMAT_VERSION, MANIFEST, PARTIAL_MANIFEST, SPLITS, DataError
 
 DEDUP_PREFIX = "dedup-"
 
@@ -60,43 +58,18 @@ class MergeError(UserError):
     """A part is missing, stale, damaged or inconsistent; one line naming it and what to rerun."""
 
 
-class _Hashing(io.RawIOBase):
-    """A raw stream over `f` that counts and hashes (sha256) the bytes read."""
-
-    def __init__(self, f):
-        self.f, self.sha, self.size = f, hashlib.sha256(), 0
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, b) -> int:
-        data = self.f.read(len(b))
-        b[:len(data)] = data
-        self.sha.update(data)
-        self.size += len(data)
-        return len(data)
+def _samples(out: Output, d: str, entry: dict, verify: str = "off"):
+    """`(key, tokens.npy bytes, json bytes)` of the samples of shard `entry` of part folder
+    `d`, in order (`pipeline.data.shard_io.iter_shard_samples`; `verify="error"`: its sha256
+    is checked once read to its end, DataError when it differs)."""
+    from pipeline.data.shard_io import iter_shard_samples
+    for sample in iter_shard_samples(f"{out.url.rstrip('/')}/{d}", [entry], verify):
+        yield sample["__key__"], sample.get("tokens.npy"), sample.get("json")
 
 
-def _samples(fs, path: str, digest: dict | None = None):
-    """Samples `(key, tokens uint32[L], meta dict)` of a shard, in order; when `digest` is
-    given, `digest["sha256"]` / `digest["bytes"]` are set once the file is read to its end."""
-    with fs.open(path, "rb") as raw:
-        h = _Hashing(raw)
-        with tarfile.open(fileobj=io.BufferedReader(h, 1 << 20), mode="r|") as tar:
-            key, parts = None, {}
-            for m in tar:
-                k, ext = m.name.split(".", 1)
-                if key is not None and k != key:
-                    yield key, parts.get("tokens.npy"), parts.get("json")
-                    parts = {}
-                key = k
-                parts[ext] = tar.extractfile(m).read()
-            if key is not None:
-                yield key, parts.get("tokens.npy"), parts.get("json")
-        for _ in iter(lambda: h.read(1 << 20), b""):
-            pass
-        if digest is not None:
-            digest["sha256"], digest["bytes"] = h.sha.hexdigest(), h.size
+def _key_digest(key: str) -> bytes:
+    """16 bytes standing for a sample key in the duplicate-key check."""
+    return hashlib.sha256(key.encode()).digest()[:16]
 
 
 def _decode(key: str, tokens: bytes, meta: bytes) -> tuple[np.ndarray, list]:
@@ -211,20 +184,18 @@ def merge(output: str) -> dict:
         for split in SPLITS:
             for e in part["splits"][split]:
                 path = out.path(f"{d}/{e['name']}")
-                got: dict = {}
+                samples = 0
                 try:
-                    samples = 0
-                    for key, _, _ in _samples(out.fs, path, got):
+                    for key, _, _ in _samples(out, d, e, verify="error"):
                         samples += 1
-                        if i not in drops and keys.add(hashlib.sha256(key.encode()).digest()[:16]) != "new":
+                        if i not in drops and keys.add(_key_digest(key)) != "new":
                             raise MergeError(f"{path}: sample key {key} appears twice in the "
                                              f"dataset; {redo}")
-                except (OSError, tarfile.TarError, ValueError) as ex:
-                    raise MergeError(f"{path}: unreadable shard ({type(ex).__name__}); {redo}") from None
-                if got.get("bytes") != e["bytes"] or got.get("sha256") != e["sha256"] \
-                        or samples != e["samples"]:
-                    raise MergeError(f"{path}: size, sha256 or sample count differs from its "
-                                     f"part manifest (damaged or replaced); {redo}")
+                except DataError as ex:
+                    raise MergeError(f"{ex} (damaged or replaced); {redo}") from None
+                if samples != e["samples"]:
+                    raise MergeError(f"{path}: {samples} samples, its part manifest says "
+                                     f"{e['samples']} (damaged or replaced); {redo}")
     splits = {s: [] for s in SPLITS}
     for i, part in enumerate(parts):
         d = unit_dir(i)
@@ -233,8 +204,8 @@ def merge(output: str) -> dict:
             if i in drops:
                 entries = _rewrite(out, plan, i, split, entries, drops[i])
                 for e in entries:
-                    for key, _, _ in _samples(out.fs, out.path(f"{d}/{e['name']}")):
-                        if keys.add(hashlib.sha256(key.encode()).digest()[:16]) != "new":
+                    for key, _, _ in _samples(out, d, e):
+                        if keys.add(_key_digest(key)) != "new":
                             raise MergeError(f"{out.path(d)}/{e['name']}: sample key {key} "
                                              "appears twice in the dataset; report this")
             splits[split] += [{**{k: e[k] for k in ("name", "samples", "tokens", "bytes", "sha256")},
@@ -258,9 +229,10 @@ def merge(output: str) -> dict:
     return manifest
 
 
-def _items(fs, path: str, key_of_record):
-    """Items of a packed shard: `(key, tokens uint32[n], prompt_length)` per segment."""
-    for key, tokens, meta in _samples(fs, path):
+def _items(out: Output, d: str, entry: dict):
+    """Items of a shard: `(key, tokens uint32[n], prompt_length)` per segment (a packed
+    sample's segments carry their item's key; an unpacked sample is one item)."""
+    for key, tokens, meta in _samples(out, d, entry):
         ids, segments = _decode(key, tokens, meta)
         for seg in segments:
             k = seg.get("key", key)
@@ -282,7 +254,7 @@ def _rewrite(out: Output, plan: dict, i: int, split: str, entries: list[dict],
     try:
         pos = 0
         for e in entries:
-            for key, ids, p in _items(out.fs, out.path(f"{d}/{e['name']}"), None):
+            for key, ids, p in _items(out, d, e):
                 if key.split("-", 1)[0] in drop:
                     continue
                 w.add(Item(split, pos, 0, key, ids, p))
