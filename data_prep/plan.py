@@ -44,8 +44,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from data_prep.resume import TOKENIZER_DIR, UserError, fingerprint
-from data_prep.sources import (BOM, PARQUET_EXTS, STDLIB, Fields, InputError, Source,
+from data_prep.resume import TOKENIZER_DIR, UserError
+from data_prep.sources import (BOM, PARQUET_EXTS, STDLIB, Fields, Source,
                                _jsonl_records, _lines, input_changes, input_identity,
                                iter_records, url_to_fs)
 from data_prep.writer import Output
