@@ -41,7 +41,8 @@ import json
 import numpy as np
 
 from data_prep.dedup import DUPLICATE, KEY_COLLISION, DigestSet
-from data_prep.plan import (PLAN, describe_unit, read_plan, unit_dir, unit_options)
+from data_prep.plan import (PLAN, describe_unit, planned_output, read_plan, unit_dir,
+                            unit_options)
 from data_prep.resume import UserError, fingerprint
 from data_prep.writer import Item, Output, SplitWriter
 
@@ -132,7 +133,7 @@ def merge(output: str) -> dict:
     Raises MergeError (one line naming the unit or shard and what to rerun) for a failed check
     (module docstring), UserError when there is no plan. Shards are read once each (sha256).
     """
-    out = Output(output)
+    out = planned_output(output)
     plan = read_plan(out)
     tok_json = plan["tokenizer"]
     n = len(plan["units"])

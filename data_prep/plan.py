@@ -255,6 +255,16 @@ class UnitJob:
 
 # ----------------------------------------------------------------------------- plan
 
+def planned_output(url: str) -> Output:
+    """The output folder of a plan, for `run` and `merge`. Raises UserError (one line) when
+    it holds no plan.json, without creating the folder; InputError for an unknown protocol."""
+    fs, root = url_to_fs(url, what="output")
+    if not fs.exists(f"{root.rstrip('/')}/{PLAN}"):
+        raise UserError(f"{url.rstrip('/')}/{PLAN}: no plan; run `shard.py plan --output {url} "
+                        "...` first")
+    return Output(url)
+
+
 def read_plan(out: Output) -> dict:
     """The plan of an output folder. Raises UserError when there is none or it is unreadable."""
     if not out.exists(PLAN):
@@ -387,7 +397,7 @@ def run_task(args) -> list[dict]:
     """
     from data_prep import shard
     from pipeline.tokenizer import load_tokenizer
-    out = Output(args.output)
+    out = planned_output(args.output)
     plan = read_plan(out)
     if args.unit:
         bad = [u for u in args.unit if not 0 <= u < len(plan["units"])]

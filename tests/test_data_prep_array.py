@@ -235,6 +235,11 @@ def test_run_stage_task_from_slurm_array_environment(setup, capsys, tmp_path, mo
     """No --task / --num-tasks: SLURM_ARRAY_TASK_ID - SLURM_ARRAY_TASK_MIN and
     SLURM_ARRAY_TASK_COUNT; neither: one line, exit code 2."""
     out = tmp_path / "o"
+    for stage in ("run", "merge"):  # no plan yet: one line, and no folder made
+        code, err = _main(capsys, stage, "--output", out, "--task", 0, "--num-tasks", 1)[:2] \
+            if stage == "run" else _main(capsys, stage, "--output", out)
+        assert code == 2 and f"{out}/plan.json: no plan; run `shard.py plan" in err
+        assert not out.exists()
     assert _plan(capsys, setup, out)[0] == 0
     code, err = _main(capsys, "run", "--output", out)
     assert code == 2 and "needs --task and --num-tasks" in err
