@@ -47,11 +47,7 @@ STAGES = ("plan", "run", "merge")  # the stages of a run on many machines (data_
 def build_stage_parser(stage: str) -> argparse.ArgumentParser:
     """The parser of `shard.py plan|run|merge` (data_prep/README.md "On a cluster")."""
     if stage == "plan":
-        p = build_parser(prog="shard.py plan")
-        p.add_argument("--unit-bytes", type=_size, default=_size("64M"),
-                       help="bytes of input per work unit (default 64M): larger JSONL files "
-                            "are cut into newline-aligned ranges, Parquet into row groups")
-        return p
+        return build_parser(prog="shard.py plan")
     p = OneLineParser(prog=f"shard.py {stage}")
     p.add_argument("--output", required=True, metavar="DIR_OR_URL",
                    help="the folder `shard.py plan` wrote")
@@ -121,6 +117,10 @@ def build_parser(prog: str = "shard.py") -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true",
                    help="when --output holds shards made with other options, delete them and "
                         "start over (same options: kept / resumed as usual)")
+    p.add_argument("--unit-bytes", type=_size, default=_size("64M"),
+                   help="bytes of input per work unit (default 64M): larger JSONL files are cut "
+                        "into newline-aligned ranges, Parquet into row groups (plan); with "
+                        "--pack a packed sample never spans two units (both commands)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--stop-after-shards", type=int, default=None, help=argparse.SUPPRESS)
     return p
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         problems.append("--limit must be >= 1")
     if not 0.0 <= args.max_skip_fraction <= 1.0:
         problems.append("--max-skip-fraction must be in [0, 1]")
-    if stage == "plan" and args.unit_bytes < 1:
+    if args.unit_bytes < 1:
         problems.append("--unit-bytes must be >= 1")
     if problems:
         parser.error("; ".join(problems))

@@ -64,8 +64,8 @@ def unit_dir(index: int) -> str:
 
 def unit_options(plan: dict, index: int) -> dict:
     """The options a unit's part records (its resume fingerprint): the plan's options, the
-    plan's fingerprint and the unit's index, and `segment_keys` (writer.SplitWriter)."""
-    return {**plan["options"], "plan": plan["fingerprint"], "unit": index, "segment_keys": True}
+    plan's fingerprint and the unit's index."""
+    return {**plan["options"], "plan": plan["fingerprint"], "unit": index}
 
 
 def describe_unit(plan: dict, index: int) -> str:
@@ -224,12 +224,12 @@ def _range_records(source: Source, start: int, end: int, digests: dict):
         digests[name] = rng.sha.hexdigest()
 
 
-def _unit_reads(plan: dict, index: int, sources: list[Source], fmt: str, fields: Fields,
-                digests: dict) -> list:
-    """`(source, records)` of each piece of unit `index`, in order (shard._stage_a's reads)."""
+def unit_reads(units: list[dict], index: int, sources: list[Source], fmt: str, fields: Fields,
+               digests: dict) -> list:
+    """`(source, records)` of each piece of `units[index]`, in order (shard._stage_a's reads)."""
     from data_prep.sources import _parquet_records
     reads = []
-    for piece in plan["units"][index]["pieces"]:
+    for piece in units[index]["pieces"]:
         source = sources[piece["input"]]
         if "start" in piece:
             recs = _range_records(source, piece["start"], piece["end"], digests)
@@ -317,7 +317,7 @@ def make_plan(args) -> dict:
                         "command (shard.py without plan/run/merge)")
     tok = load_tokenizer(args.tokenizer)
     sources = shard.resolve_inputs(args.input, output=args.output)
-    opts = {**shard._options(args, sources), "unit_bytes": args.unit_bytes}
+    opts = {**shard._options(args, sources), "unit_bytes": args.unit_bytes}  # (also with --pack)
     tok_json = tok.info.to_json()
     tok_json["files"] = TOKENIZER_DIR
     inputs = [input_identity(s) for s in sources]
@@ -444,7 +444,7 @@ def run_task(args) -> list[dict]:
             out.remove(unit_dir(i))
 
         def reads(digests, i=i):
-            return _unit_reads(plan, i, sources, o["format"], fields, digests)
+            return unit_reads(plan["units"], i, sources, o["format"], fields, digests)
         job = UnitJob(out_url=url, tok=tok, sources=sources, opts=unit_options(plan, i),
                       inputs=plan["inputs"], reads=reads,
                       extra={"plan": plan["fingerprint"], "unit": i})

@@ -17,7 +17,10 @@ Determinism (reruns are byte-identical, whatever `--workers`):
   below `val_fraction * 2**64` (stable across seeds and input order);
 - slot size of segment j of sample `key` = `slot_sizes[u % len(slot_sizes)]`,
   u = first 8 bytes (little endian) of sha256(f"{seed}:{key}:{j}");
-- samples keep input order; tar members have mtime 0, fixed owner and mode (USTAR).
+- samples keep input order; with --pack a sample never spans two work units of
+  `data_prep.plan.cut_units` (--unit-bytes), as in a run on many machines, and a packed
+  sample's segments carry their item keys; tar members have mtime 0, fixed owner and mode
+  (USTAR).
 Resume (data_prep/resume.py decides what a used folder gets): a shard is written to a
 temporary name and renamed when complete, then listed in
 `manifest.partial.json` with the input position that follows it. A rerun with the same
@@ -229,6 +232,8 @@ def _options(args, sources: list[Source]) -> dict:
                    "text": args.text_field, "messages": args.messages_field},
         "chat_turns": args.chat_turns,
     }
+    if args.pack:  # packs end at work-unit boundaries (data_prep/plan.py)
+        opts["unit_bytes"] = args.unit_bytes
     if any(s.is_stdlib for s in sources):
         opts["stdlib_python"] = sys.version.split()[0]
     return opts
@@ -258,6 +263,7 @@ class Record:
     tokenize: bool = True
     rid: str = ""   # record id (file#line) for messages
     digest: bytes = b""  # first 16 bytes of the record digest (the duplicate filter's)
+    read: int = 0        # index of the (source, records) read it came from (`_stage_a`)
     piece: int = 0
     last: bool = True
     unsafe_cut: bool = False
@@ -338,7 +344,7 @@ def _stage_a(reads, fmt: str, fields: Fields, val_fraction: float,
             return [(text, True)]
         return ((text[a:b], safe) for a, b, safe in text_pieces(text))
 
-    for source, records in reads:
+    for read, (source, records) in enumerate(reads):
         for rid, raw in records:
             norm = normalize(raw, fmt, fields)
             if norm[0] == "skip":
@@ -374,7 +380,8 @@ def _stage_a(reads, fmt: str, fields: Fields, val_fraction: float,
             key = digest.hex()[:_KEY_HEX]
             if kind != "text":
                 yield Record(split, index, key, kind, payload, tuple(skips),
-                             tok.has_special_text(*payload), rid=rid, digest=digest[:16])
+                             tok.has_special_text(*payload), rid=rid, digest=digest[:16],
+                             read=read)
                 skips = []
                 continue
             pieces = iter(doc.pieces(cut, limit) if doc is not None else str_pieces(payload[0]))
@@ -382,11 +389,11 @@ def _stage_a(reads, fmt: str, fields: Fields, val_fraction: float,
             for nxt in pieces:
                 special = special or tok.has_special_text(cur[0])
                 yield Record(split, index, key, kind, (cur[0],), tuple(skips) if j == 0 else (),
-                             rid=rid, piece=j, last=False, unsafe_cut=not cur[1])
+                             rid=rid, piece=j, last=False, unsafe_cut=not cur[1], read=read)
                 cur, j = nxt, j + 1
             special = special or tok.has_special_text(cur[0])
             yield Record(split, index, key, kind, (cur[0],), tuple(skips) if j == 0 else (),
-                         special, rid=rid, piece=j, last=True, digest=digest[:16])
+                         special, rid=rid, piece=j, last=True, digest=digest[:16], read=read)
             skips = []
         want, got = recorded_sha.get(source.name), digests.get(source.name)
         if want and got and want != got:
@@ -557,8 +564,19 @@ def run(args, unit=None) -> dict:
                 print(f"shard.py: warning: skipped ({reason}) {details[reason]}; further "
                       "records skipped for this reason are counted, not shown", file=sys.stderr)
 
-    reads = (unit.reads(digests) if unit is not None else
-             [(s, iter_records(s, args.format, fields, digests)) for s in sources])
+    unit_of = None  # with --pack: the work unit of each read; a pack never spans two units
+    if unit is not None:
+        reads = unit.reads(digests)
+    elif args.pack:
+        from data_prep.plan import cut_units, unit_reads
+        units = cut_units(sources, inputs, args.unit_bytes)
+        reads, unit_of = [], []
+        for u in range(len(units)):
+            got = unit_reads(units, u, sources, args.format, fields, digests)
+            reads += got
+            unit_of += [u] * len(got)
+    else:
+        reads = [(s, iter_records(s, args.format, fields, digests)) for s in sources]
     stream = _stage_a(reads, args.format, fields, args.val_fraction, tok, tail, details,
                       digests, recorded_sha, whole_texts)
     # --limit counts accepted records, kept shards' records included: with a limit they are
@@ -568,6 +586,7 @@ def run(args, unit=None) -> dict:
                    if args.limit is None and unit is None else None)
     log = RecordLog() if unit is not None else None
     accepted, special, unsafe_cuts, rec_cuts = 0, 0, 0, 0
+    cur_unit = None
     chunks: TextChunks | None = None  # the text being assembled from its pieces
     from tqdm import tqdm
     bar = tqdm(unit="rec", desc="shard", disable=args.no_progress or None, file=sys.stderr)
@@ -575,6 +594,11 @@ def run(args, unit=None) -> dict:
         with contextlib.closing(_ordered_results(_batches(stream, resume_from), args, tok)) as results:
             for batch, res_list in results:
                 for rec, res in zip(batch, res_list):
+                    if unit_of is not None and unit_of[rec.read] != cur_unit:
+                        if cur_unit is not None:
+                            for wr in writers.values():
+                                wr.flush_pack()
+                        cur_unit = unit_of[rec.read]
                     count_skips(rec.skips_before)
                     unsafe_cuts += rec.unsafe_cut
                     rec_cuts += rec.unsafe_cut

@@ -277,9 +277,10 @@ class SplitWriter:
     entries: the split's complete shards so far (`{"name", "samples", "tokens", "bytes",
     "sha256", "next": [record, chunk], "skipped": {reason: n}}`), `next` being the position
     of the first item not held by this or an earlier shard. Shards are named
-    `<prefix><split>-NNNNNN.tar`. With `opts["segment_keys"]` (a plan's work units) each
-    segment of a packed sample also carries its item's key (`"key"`), so the merge can take
-    a packed sample apart and pack it again without a duplicate (data_prep/merge.py).
+    `<prefix><split>-NNNNNN.tar`. Each segment of a packed sample of two or more items also
+    carries its item's key (`"key"`), so the merge can take a packed sample apart and pack it
+    again without a duplicate (data_prep/merge.py). `flush_pack` ends the sample being packed
+    (at a work unit's end: a pack never spans two units, data_prep/plan.py).
     """
 
     def __init__(self, split: str, out: Output, opts: dict, entries: list[dict], on_close,
@@ -310,6 +311,10 @@ class SplitWriter:
             self._flush_pack()
         self.buf.append(item)
         self.buf_len += len(item.ids)
+
+    def flush_pack(self) -> None:
+        """Write the sample being packed now (the next item starts a new one)."""
+        self._flush_pack()
 
     def finish(self) -> None:
         self._flush_pack()
@@ -356,7 +361,7 @@ class SplitWriter:
         tokens = np.concatenate([i.ids for i in items])
         segments = make_segments([(len(i.ids), i.prompt_length) for i in items], key,
                                  self.opts["seed"], tuple(self.opts["slot_sizes"]))
-        if len(items) > 1 and self.opts.get("segment_keys"):
+        if len(items) > 1:
             for seg, item in zip(segments, items):
                 seg["key"] = item.key
         sample = encode_sample(key, tokens, segments)

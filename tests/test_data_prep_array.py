@@ -145,14 +145,18 @@ def test_merged_equals_one_process_for_any_k_and_order(setup, one_process, capsy
     assert all(e["name"].startswith("parts/u") for e in m["splits"]["train"])
 
 
-def test_packed_merge_is_the_same_for_any_k(setup, one_process, capsys, tmp_path):
-    """--pack: K = 1 and 3 give identical packed samples; their items (segment keys) are,
-    in order, exactly the unpacked one-process run's samples."""
-    a, b = tmp_path / "p1", tmp_path / "p3"
+def test_packed_merge_equals_one_process_for_any_k(setup, one_process, capsys, tmp_path):
+    """--pack: K = 1 and 3 (any order) give the packed samples of the one-process run with the
+    same --unit-bytes (a pack ends at a unit's end); their items (segment keys) are, in order,
+    exactly the unpacked one-process run's samples."""
+    corpus, tok, _ = setup
+    a, b, one = tmp_path / "p1", tmp_path / "p3", tmp_path / "one"
     _array(capsys, setup, a, 1, extra=["--pack"])
     _array(capsys, setup, b, 3, order=[2, 0, 1], extra=["--pack"])
-    (sa, ca), (sb, cb) = _dataset(a), _dataset(b)
-    assert sa == sb and ca == cb == one_process[1]
+    assert _main(capsys, "--input", corpus, "--output", one, "--tokenizer", tok, "--pack",
+                 "--unit-bytes", UNIT, *COMMON, "--no-progress")[0] == 0
+    (sa, ca), (sb, cb), (so, co) = _dataset(a), _dataset(b), _dataset(one)
+    assert sa == sb == so and ca == cb == co == one_process[1]
     for split in ("train", "val"):
         items = [(seg.get("key", key), tokens[seg["start"]:seg["end"]])
                  for key, tokens, segs in sa[split] for seg in segs]
