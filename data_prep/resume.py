@@ -37,7 +37,8 @@ _FLAGS = {"inputs": "--input", "format": "--format", "max_length": "--max-length
           "pack": "--pack", "long_text": "--long-text", "shard_samples": "--shard-samples",
           "shard_bytes": "--shard-bytes", "limit": "--limit",
           "fields": "--query-field/--response-field/--text-field/--messages-field",
-          "chat_turns": "--chat-turns", "stdlib_python": "stdlib Python version"}
+          "chat_turns": "--chat-turns", "stdlib_python": "stdlib Python version",
+          "unit_bytes": "--unit-bytes"}
 
 
 def differences(m: dict, opts: dict, tok_json: dict) -> str:
@@ -47,8 +48,10 @@ def differences(m: dict, opts: dict, tok_json: dict) -> str:
     if not isinstance(old, dict):  # an older partial manifest records only the fingerprint
         return "other options or another tokenizer"
     show = lambda v: json.dumps(v, ensure_ascii=False)
-    diffs = [f"{_FLAGS.get(k, k)} {show(old.get(k))}, now {show(opts.get(k))}"
-             for k in [*opts, *(k for k in old if k not in opts)] if old.get(k) != opts.get(k)]
+    keys = [k for k in [*opts, *(k for k in old if k not in opts)] if old.get(k) != opts.get(k)]
+    if "pack" in keys:  # --unit-bytes is recorded with --pack only: implied by it
+        keys = [k for k in keys if k != "unit_bytes"]
+    diffs = [f"{_FLAGS.get(k, k)} {show(old.get(k))}, now {show(opts.get(k))}" for k in keys]
     parts = [f"other options ({'; '.join(diffs)})"] if diffs else []
     oldtok = m.get("tokenizer")
     if oldtok != tok_json:

@@ -1,7 +1,9 @@
 """`python data_prep/shard.py`: tokenize a corpus into ReFusion webdataset shards.
 
 Owns: the shard-writing pipeline (read -> normalize -> dedup -> split -> tokenize -> chunk or
-pack -> slot boundaries -> tar shards + manifest.json), its CLI, resume and the summary line.
+pack -> slot boundaries -> tar shards + manifest.json), resume and the summary line, for the
+whole corpus (the one-machine command) or one work unit of a plan (data_prep/plan.py). The
+command line is data_prep/cli.py (`main`, `build_parser` are re-exported here).
 Must not touch: the objective (pipeline/objective.py reorganizes slots at training time) or
 the loader (pipeline/data/loader.py reads what this writes). The output format is ARCHITECTURE.md
 "Shard format".
@@ -15,7 +17,10 @@ Determinism (reruns are byte-identical, whatever `--workers`):
   below `val_fraction * 2**64` (stable across seeds and input order);
 - slot size of segment j of sample `key` = `slot_sizes[u % len(slot_sizes)]`,
   u = first 8 bytes (little endian) of sha256(f"{seed}:{key}:{j}");
-- samples keep input order; tar members have mtime 0, fixed owner and mode (USTAR).
+- samples keep input order; with --pack a sample never spans two work units of
+  `data_prep.plan.cut_units` (--unit-bytes), as in a run on many machines, and a packed
+  sample's segments carry their item keys; tar members have mtime 0, fixed owner and mode
+  (USTAR).
 Resume (data_prep/resume.py decides what a used folder gets): a shard is written to a
 temporary name and renamed when complete, then listed in
 `manifest.partial.json` with the input position that follows it. A rerun with the same
@@ -53,7 +58,6 @@ the partial shard removed, complete shards kept for the rerun).
 """
 from __future__ import annotations
 
-import argparse
 import collections
 import contextlib
 import hashlib
@@ -70,15 +74,14 @@ if __package__ in (None, ""):  # run as a script: import the repository's data_p
 
 import numpy as np
 
-from pipeline.common.cli import EXIT_DISK_FULL, EXIT_USAGE
 from pipeline.data.format import FORMAT_VERSION, MANIFEST, SPLITS
 
 from data_prep.dedup import DUPLICATE, KEY_COLLISION, DigestSet
 from pipeline import tokenizer as tokenizers
-from data_prep.sources import (_READ_ERRORS, Fields, InputError, OneLineParser, Source, TextFile,
+from data_prep.sources import (_READ_ERRORS, Fields, Source, TextFile,
                                _unreadable, input_identity, iter_records, normalize,
                                resolve_inputs)
-from pipeline.tokenizer import (Tokenizer, TokenizerError, chat_samples, encode_piece,
+from pipeline.tokenizer import (Tokenizer, chat_samples, encode_piece,
                                 load_tokenizer, piece_end, piecewise_ok, qa_sample_bounded,
                                 text_pieces)
 # what to do with a used output folder (keep, resume, refuse, clear): data_prep/resume.py
@@ -88,7 +91,6 @@ from data_prep.writer import (_KEY_HEX, Item, Output, OutputError, OutputFull, S
                               TextChunks, encode_sample, full_disk_error, make_segments,
                               slot_size, write_sample)
 
-MAX_SKIP_FRACTION = 0.1    # default of --max-skip-fraction
 # reasons the --max-skip-fraction check only notes (one line, exit code unchanged): they are
 # the filters the options ask for (dropping exact repeats, --max-length), not input that was
 # misread; over_length_turns also counts assistant turns, not records
@@ -230,6 +232,8 @@ def _options(args, sources: list[Source]) -> dict:
                    "text": args.text_field, "messages": args.messages_field},
         "chat_turns": args.chat_turns,
     }
+    if args.pack:  # packs end at work-unit boundaries (data_prep/plan.py)
+        opts["unit_bytes"] = args.unit_bytes
     if any(s.is_stdlib for s in sources):
         opts["stdlib_python"] = sys.version.split()[0]
     return opts
@@ -258,20 +262,62 @@ class Record:
     special_text: bool = False
     tokenize: bool = True
     rid: str = ""   # record id (file#line) for messages
+    digest: bytes = b""  # first 16 bytes of the record digest (the duplicate filter's)
+    read: int = 0        # index of the (source, records) read it came from (`_stage_a`)
     piece: int = 0
     last: bool = True
     unsafe_cut: bool = False
+
+
+class RecordLog:
+    """What became of each record that passed a unit's duplicate filter, in input order, for
+    the merge's global dedup (data_prep/merge.py).
+
+    Columns of `records.npz`: `digest` uint8[n, 16] (the record digest's first 16 bytes),
+    `outcome` uint16[n] (0 = written, i = the skip reason `outcomes[i]`, e.g. over_length),
+    `dropped` uint32[n] (chat turns dropped as over_length_turns), `special` uint8[n] (1 = held
+    special-token text), `cuts` uint32[n] (unsafe piece cuts). About 30 bytes per record.
+    """
+    NAME = "records.npz"
+
+    def __init__(self):
+        self.outcomes = ["written"]
+        self.rows: list[tuple] = []
+
+    def add(self, digest: bytes, reason: str | None, dropped: int, special: bool,
+            cuts: int) -> None:
+        if reason is not None and reason not in self.outcomes:
+            self.outcomes.append(reason)
+        self.rows.append((digest, 0 if reason is None else self.outcomes.index(reason),
+                          dropped, int(special), cuts))
+
+    def write(self, out: Output) -> dict:
+        """Write `records.npz` to `out`; returns its manifest entry `{"name", "rows",
+        "outcomes", "bytes", "sha256"}`."""
+        import io
+        cols = list(zip(*self.rows)) or [(), (), (), (), ()]
+        buf = io.BytesIO()
+        np.savez(buf, digest=np.frombuffer(b"".join(cols[0]), np.uint8).reshape(-1, 16),
+                 outcome=np.array(cols[1], np.uint16), dropped=np.array(cols[2], np.uint32),
+                 special=np.array(cols[3], np.uint8), cuts=np.array(cols[4], np.uint32))
+        data = buf.getvalue()
+        out.write_bytes(self.NAME, data)
+        return {"name": self.NAME, "rows": len(self.rows), "outcomes": self.outcomes,
+                "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
 
 class InputChanged(UserError):
     """A resumed run found an input whose bytes differ from the interrupted run's."""
 
 
-def _stage_a(sources: list[Source], fmt: str, fields: Fields, val_fraction: float,
+def _stage_a(reads, fmt: str, fields: Fields, val_fraction: float,
              tok: Tokenizer, tail: list, details: dict, digests: dict,
              recorded_sha: dict, whole_texts: bool):
     """Read, normalize, dedup and split records; yields `Record`s in input order, a text as
     its pieces (`pipeline.tokenizer.text_pieces`; one piece when `whole_texts`).
+
+    reads: `(source, iterator of (record id, raw record))` per input, in order (a whole file's
+    `sources.iter_records`, or a work unit's pieces, data_prep/plan.py).
 
     Skip reasons met after the last record are appended to `tail` (in input order) when the
     inputs end; the first record skipped for each reason with a description fills
@@ -298,8 +344,8 @@ def _stage_a(sources: list[Source], fmt: str, fields: Fields, val_fraction: floa
             return [(text, True)]
         return ((text[a:b], safe) for a, b, safe in text_pieces(text))
 
-    for source in sources:
-        for rid, raw in iter_records(source, fmt, fields, digests):
+    for read, (source, records) in enumerate(reads):
+        for rid, raw in records:
             norm = normalize(raw, fmt, fields)
             if norm[0] == "skip":
                 skip(norm[1], norm[2], rid)
@@ -334,7 +380,8 @@ def _stage_a(sources: list[Source], fmt: str, fields: Fields, val_fraction: floa
             key = digest.hex()[:_KEY_HEX]
             if kind != "text":
                 yield Record(split, index, key, kind, payload, tuple(skips),
-                             tok.has_special_text(*payload), rid=rid)
+                             tok.has_special_text(*payload), rid=rid, digest=digest[:16],
+                             read=read)
                 skips = []
                 continue
             pieces = iter(doc.pieces(cut, limit) if doc is not None else str_pieces(payload[0]))
@@ -342,11 +389,11 @@ def _stage_a(sources: list[Source], fmt: str, fields: Fields, val_fraction: floa
             for nxt in pieces:
                 special = special or tok.has_special_text(cur[0])
                 yield Record(split, index, key, kind, (cur[0],), tuple(skips) if j == 0 else (),
-                             rid=rid, piece=j, last=False, unsafe_cut=not cur[1])
+                             rid=rid, piece=j, last=False, unsafe_cut=not cur[1], read=read)
                 cur, j = nxt, j + 1
             special = special or tok.has_special_text(cur[0])
             yield Record(split, index, key, kind, (cur[0],), tuple(skips) if j == 0 else (),
-                         special, rid=rid, piece=j, last=True)
+                         special, rid=rid, piece=j, last=True, digest=digest[:16], read=read)
             skips = []
         want, got = recorded_sha.get(source.name), digests.get(source.name)
         if want and got and want != got:
@@ -427,26 +474,39 @@ def summary(where: str, manifest: dict) -> str:
     return f"{where}: {'; '.join(parts)}; skipped: {skipped}{note}"
 
 
-def run(args) -> dict:
+def run(args, unit=None) -> dict:
     """Run the pipeline for parsed `args`; returns the manifest (also written to the output).
+
+    unit: None for the whole corpus (the one-machine command), or one work unit of a plan
+    (`data_prep.plan.UnitJob`: its output folder, sources, record readers, options, tokenizer
+    and the list its per-record log goes to). A unit's run also writes `records.npz` (one row
+    per record that passed the unit's duplicate filter, for the merge's global dedup:
+    data_prep/merge.py), saves no tokenizer, re-tokenizes the records of kept shards on
+    resume (their outcome is logged) and leaves the empty and skip-share checks to the merge.
 
     Raises UserError / InputError / TokenizerError for user errors (one line each), NoSamples
     after writing the manifest when every record was skipped, and TooManySkipped after
     writing it when a skip reason covers more than `args.max_skip_fraction` of the input.
     """
     t0 = time.time()
-    tok = load_tokenizer(args.tokenizer)
-    sources = resolve_inputs(args.input, output=args.output)
     fields = Fields(args.query_field, args.response_field, args.text_field, args.messages_field)
-    opts = _options(args, sources)
+    if unit is None:
+        tok = load_tokenizer(args.tokenizer)
+        sources = resolve_inputs(args.input, output=args.output)
+        opts = _options(args, sources)
+        inputs = [input_identity(s) for s in sources]
+        out = Output(args.output)
+    else:
+        tok, sources, opts, inputs = unit.tok, unit.sources, unit.opts, unit.inputs
+        out = Output(unit.out_url)
     tok_json = tok.info.to_json()
     tok_json["files"] = TOKENIZER_DIR
     fp = fingerprint(opts, tok_json)
-    inputs = [input_identity(s) for s in sources]
-    out = Output(args.output)
     done, kept, recorded_sha = resume_state(out, fp, args.overwrite, opts, tok_json,
                                              inputs, sources)
     if done is not None:
+        if unit is not None:
+            return done
         _check_not_empty(done)
         print(f"shard.py: already complete (same options, inputs unchanged), kept "
               f"{summary(args.output, done)}", file=sys.stderr)
@@ -462,7 +522,8 @@ def run(args) -> dict:
               "at a space, so each text is tokenized whole (memory grows with the longest "
               "document)", file=sys.stderr)
     try:
-        _save_tokenizer(out, tok)
+        if unit is None:
+            _save_tokenizer(out, tok)
     except OSError as e:
         full = full_disk_error(out, e)
         if full is None:
@@ -503,12 +564,29 @@ def run(args) -> dict:
                 print(f"shard.py: warning: skipped ({reason}) {details[reason]}; further "
                       "records skipped for this reason are counted, not shown", file=sys.stderr)
 
-    stream = _stage_a(sources, args.format, fields, args.val_fraction, tok, tail, details,
+    unit_of = None  # with --pack: the work unit of each read; a pack never spans two units
+    if unit is not None:
+        reads = unit.reads(digests)
+    elif args.pack:
+        from data_prep.plan import cut_units, unit_reads
+        units = cut_units(sources, inputs, args.unit_bytes)
+        reads, unit_of = [], []
+        for u in range(len(units)):
+            got = unit_reads(units, u, sources, args.format, fields, digests)
+            reads += got
+            unit_of += [u] * len(got)
+    else:
+        reads = [(s, iter_records(s, args.format, fields, digests)) for s in sources]
+    stream = _stage_a(reads, args.format, fields, args.val_fraction, tok, tail, details,
                       digests, recorded_sha, whole_texts)
     # --limit counts accepted records, kept shards' records included: with a limit they are
-    # tokenized again on resume (to know which were over-length); without, they are not.
-    resume_from = None if args.limit is not None else {s: writers[s].start for s in SPLITS}
-    accepted, special, unsafe_cuts = 0, 0, 0
+    # tokenized again on resume (to know which were over-length); without, they are not. A
+    # unit logs every record's outcome, so it tokenizes them again too.
+    resume_from = ({s: writers[s].start for s in SPLITS}
+                   if args.limit is None and unit is None else None)
+    log = RecordLog() if unit is not None else None
+    accepted, special, unsafe_cuts, rec_cuts = 0, 0, 0, 0
+    cur_unit = None
     chunks: TextChunks | None = None  # the text being assembled from its pieces
     from tqdm import tqdm
     bar = tqdm(unit="rec", desc="shard", disable=args.no_progress or None, file=sys.stderr)
@@ -516,8 +594,14 @@ def run(args) -> dict:
         with contextlib.closing(_ordered_results(_batches(stream, resume_from), args, tok)) as results:
             for batch, res_list in results:
                 for rec, res in zip(batch, res_list):
+                    if unit_of is not None and unit_of[rec.read] != cur_unit:
+                        if cur_unit is not None:
+                            for wr in writers.values():
+                                wr.flush_pack()
+                        cur_unit = unit_of[rec.read]
                     count_skips(rec.skips_before)
                     unsafe_cuts += rec.unsafe_cut
+                    rec_cuts += rec.unsafe_cut
                     w = writers[rec.split]
                     items, c0 = [], 0  # (ids, prompt_length) of this record or piece; first index
                     if rec.kind == "text":
@@ -532,7 +616,8 @@ def run(args) -> dict:
                                     res = final  # over_length (--long-text skip)
                                 else:
                                     items += [(c, 0) for c in final]
-                    elif isinstance(res, tuple):
+                    dropped = 0
+                    if rec.kind != "text" and isinstance(res, tuple):
                         items, dropped = res
                         if rec.index >= w.start[0]:  # earlier ones are counted by kept shards
                             for _ in range(dropped):
@@ -544,6 +629,10 @@ def run(args) -> dict:
                     if not rec.last:
                         continue
                     special += rec.special_text
+                    if log is not None:
+                        log.add(rec.digest, res if isinstance(res, str) else None, dropped,
+                                rec.special_text, rec_cuts)
+                    rec_cuts = 0
                     if isinstance(res, str):
                         if rec.index >= w.start[0]:  # earlier ones are counted by kept shards
                             w.skip(rec.index, res)
@@ -586,6 +675,9 @@ def run(args) -> dict:
         "fingerprint": fp,
     }
     try:
+        if log is not None:  # before manifest.json, the part's completion mark
+            manifest["records_log"] = log.write(out)
+            manifest.update(unit.extra)
         out.write_json(MANIFEST, manifest)
         out.remove(PARTIAL)
     except OSError as e:
@@ -593,6 +685,10 @@ def run(args) -> dict:
         if full is None:
             raise
         raise full from None
+    if unit is not None:
+        print(f"shard.py: {summary(unit.out_url, manifest)} ({time.time() - t0:.1f} s)",
+              file=sys.stderr)
+        return manifest
     _check_not_empty(manifest)
     print(f"shard.py: wrote {summary(args.output, manifest)} ({time.time() - t0:.1f} s)",
           file=sys.stderr)
@@ -604,120 +700,8 @@ class _Stop(Exception):
     pass
 
 
-# ----------------------------------------------------------------------------- CLI
-
-def _slot_sizes(text: str) -> tuple[int, ...]:
-    try:
-        sizes = tuple(int(x) for x in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--slot-sizes {text!r}: expected comma-separated integers")
-    if not sizes or any(k < 1 for k in sizes):
-        raise argparse.ArgumentTypeError(f"--slot-sizes {text!r}: sizes must be >= 1")
-    return sizes
-
-
-def _size(text: str) -> int:
-    units = {"k": 10 ** 3, "m": 10 ** 6, "g": 10 ** 9}
-    t = text.strip().lower().rstrip("b")
-    try:
-        return int(float(t[:-1]) * units[t[-1]]) if t and t[-1] in units else int(t)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a byte count like 256M")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = OneLineParser(
-        prog="shard.py", description="Tokenize inputs into ReFusion webdataset shards "
-        "(format: ARCHITECTURE.md 'Shard format').")
-    p.add_argument("--input", action="append", required=True, metavar="PATH_GLOB_URL|stdlib",
-                   help="input file, folder, glob or fsspec URL (.jsonl/.json/.txt/.parquet); "
-                        "'stdlib' = the running interpreter's standard library sources. Repeatable.")
-    p.add_argument("--output", required=True, metavar="DIR_OR_URL")
-    p.add_argument("--tokenizer", required=True, metavar="HF_DIR_OR_SPM_MODEL")
-    p.add_argument("--format", choices=("auto", "qa", "text", "chat"), default="auto",
-                   help="qa = query/response pairs, text = documents, chat = conversations "
-                        "(a messages list), auto = per record: chat when it has the messages "
-                        "field, else qa when it has the query or response field, else text "
-                        "(stdlib: auto gives both the files as text and the functions as qa)")
-    p.add_argument("--max-length", type=int, default=4096, help="tokens per sample (default 4096)")
-    p.add_argument("--slot-sizes", type=_slot_sizes, default=(4, 8, 16, 32))
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--workers", type=int, default=1, help="tokenizer processes (1 = in-process)")
-    p.add_argument("--val-fraction", type=float, default=0.0)
-    p.add_argument("--pack", action="store_true", help="pack several items into one sample")
-    p.add_argument("--long-text", choices=("split", "skip"), default="split",
-                   help="text longer than --max-length: cut into chunks (default) or skip")
-    p.add_argument("--shard-samples", type=int, default=100_000, help="samples per shard (max)")
-    p.add_argument("--shard-bytes", type=_size, default=_size("256M"), help="bytes per shard (max)")
-    p.add_argument("--limit", type=int, default=None,
-                   help="stop after N accepted records: records that become samples, after "
-                        "every filter (duplicates, over-length, ...); a long text cut into "
-                        "chunks counts once, so without --pack N records give >= N samples")
-    p.add_argument("--query-field", default="query")
-    p.add_argument("--response-field", default="response")
-    p.add_argument("--text-field", default="text")
-    p.add_argument("--messages-field", default="messages",
-                   help="field of a chat record: a list of {role, content} messages, roles "
-                        "system / user / assistant (data_prep/README.md 'Chat records')")
-    p.add_argument("--chat-turns", choices=("all", "last"), default="all",
-                   help="which assistant turns of a chat become responses: all (one sample "
-                        "each, the conversation before it as its prompt) or only the last")
-    p.add_argument("--max-skip-fraction", type=float, default=MAX_SKIP_FRACTION,
-                   help="exit with code 2 when a skip reason covers more than this share of "
-                        f"the input records (default {MAX_SKIP_FRACTION}); duplicate and "
-                        "over_length only get a note; the shards are written either way")
-    p.add_argument("--overwrite", action="store_true",
-                   help="when --output holds shards made with other options, delete them and "
-                        "start over (same options: kept / resumed as usual)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--stop-after-shards", type=int, default=None, help=argparse.SUPPRESS)
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    """CLI entry point; returns the exit code (0 ok, 1 no sample written, 2 user error,
-    3 a skip reason covers more than --max-skip-fraction of the input (shards written),
-    4 the output filesystem is full or over quota, 130 interrupted by Ctrl-C; after 4 and 130
-    complete shards are kept and a rerun resumes)."""
-    # Ctrl-C must reach us even when started with SIGINT ignored (an inherited SIG_IGN, e.g.
-    # from a parent that ignores it): the handling below relies on KeyboardInterrupt.
-    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    problems = []
-    if args.max_length < 2:
-        problems.append("--max-length must be >= 2")
-    if not 0.0 <= args.val_fraction < 1.0:
-        problems.append("--val-fraction must be in [0, 1)")
-    if args.workers < 1:
-        problems.append("--workers must be >= 1")
-    if args.shard_samples < 1 or args.shard_bytes < 1:
-        problems.append("--shard-samples and --shard-bytes must be >= 1")
-    if args.limit is not None and args.limit < 1:
-        problems.append("--limit must be >= 1")
-    if not 0.0 <= args.max_skip_fraction <= 1.0:
-        problems.append("--max-skip-fraction must be in [0, 1]")
-    if problems:
-        parser.error("; ".join(problems))
-    try:
-        run(args)
-    except (UserError, InputError, TokenizerError, OutputError) as e:
-        print(f"shard.py: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    except OutputFull as e:
-        print(f"shard.py: error: {e}", file=sys.stderr)
-        return EXIT_DISK_FULL
-    except NoSamples as e:
-        print(f"shard.py: error: {e}", file=sys.stderr)
-        return 1
-    except TooManySkipped as e:
-        print(f"shard.py: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    except KeyboardInterrupt:
-        print("shard.py: interrupted; rerun the same command to resume", file=sys.stderr)
-        return 130
-    return 0
+# The CLI (`shard.py`, `shard.py plan|run|merge`): data_prep/cli.py.
+from data_prep.cli import STAGES, build_parser, build_stage_parser, main  # noqa: E402,F401
 
 
 if __name__ == "__main__":

@@ -400,6 +400,12 @@ def _json_records(f, name: str) -> Iterator[tuple[str, object]]:
     if line.lstrip()[:1] == b"[":  # one JSON list (the reference ReFusion data format)
         yield from _json_list(line + b"".join(f), name)
         return
+    yield from _jsonl_records(line, n, f, name)
+
+
+def _jsonl_records(line: bytes, n: int, f, name: str) -> Iterator[tuple[str, object]]:
+    """JSONL records from the non-blank `line` (line number `n`, from 1) and the lines after
+    it in `f` (blank ones skipped); record ids `name#line`."""
     while True:
         rid = f"{name}#{n}"
         try:
@@ -419,16 +425,20 @@ def _json_records(f, name: str) -> Iterator[tuple[str, object]]:
             return
 
 
-def _parquet_records(source: Source, fields: Fields) -> Iterator[tuple[str, object]]:
+def _parquet_records(source: Source, fields: Fields, row_groups: list[int] | None = None,
+                     first_row: int = 0) -> Iterator[tuple[str, object]]:
+    """Rows of a Parquet file (only `row_groups` when given; `first_row`: the index of their
+    first row in the file, for record ids `name#row`) as dicts without null cells."""
     import pyarrow as pa
     import pyarrow.parquet as pq
-    i = 0
+    i = first_row
     try:
         with source.fs.open(source.path, "rb") as f:
             pf = pq.ParquetFile(f)
             wanted = [c for c in (fields.query, fields.response, fields.text, fields.messages)
                       if c in pf.schema_arrow.names]
-            for batch in pf.iter_batches(columns=wanted or None, batch_size=4096):
+            for batch in pf.iter_batches(columns=wanted or None, batch_size=4096,
+                                         row_groups=row_groups):
                 for row in batch.to_pylist():
                     # a null cell is a missing field
                     yield f"{source.name}#{i}", {k: v for k, v in row.items() if v is not None}

@@ -276,11 +276,17 @@ class SplitWriter:
 
     entries: the split's complete shards so far (`{"name", "samples", "tokens", "bytes",
     "sha256", "next": [record, chunk], "skipped": {reason: n}}`), `next` being the position
-    of the first item not held by this or an earlier shard.
+    of the first item not held by this or an earlier shard. Shards are named
+    `<prefix><split>-NNNNNN.tar`. Each segment of a packed sample of two or more items also
+    carries its item's key (`"key"`), so the merge can take a packed sample apart and pack it
+    again without a duplicate (data_prep/merge.py). `flush_pack` ends the sample being packed
+    (at a work unit's end: a pack never spans two units, data_prep/plan.py).
     """
 
-    def __init__(self, split: str, out: Output, opts: dict, entries: list[dict], on_close):
+    def __init__(self, split: str, out: Output, opts: dict, entries: list[dict], on_close,
+                 prefix: str = ""):
         self.split, self.out, self.opts, self.on_close = split, out, opts, on_close
+        self.prefix = prefix
         self.entries = list(entries)
         last = self.entries[-1] if self.entries else {"next": [0, 0], "skipped": {}}
         self.start = tuple(last["next"])
@@ -305,6 +311,10 @@ class SplitWriter:
             self._flush_pack()
         self.buf.append(item)
         self.buf_len += len(item.ids)
+
+    def flush_pack(self) -> None:
+        """Write the sample being packed now (the next item starts a new one)."""
+        self._flush_pack()
 
     def finish(self) -> None:
         self._flush_pack()
@@ -351,6 +361,9 @@ class SplitWriter:
         tokens = np.concatenate([i.ids for i in items])
         segments = make_segments([(len(i.ids), i.prompt_length) for i in items], key,
                                  self.opts["seed"], tuple(self.opts["slot_sizes"]))
+        if len(items) > 1:
+            for seg, item in zip(segments, items):
+                seg["key"] = item.key
         sample = encode_sample(key, tokens, segments)
         if self.tar is None:
             self._open_shard()
@@ -364,7 +377,7 @@ class SplitWriter:
             self._close_shard()
 
     def _open_shard(self) -> None:
-        self.cur_name = f"{self.split}-{len(self.entries):06d}.tar"
+        self.cur_name = f"{self.prefix}{self.split}-{len(self.entries):06d}.tar"
         self.cur_tmp = self.out.tmp_name(self.cur_name)
         self.out.current = self.cur_name
         self.cur_file = self.out.fs.open(self.out.path(self.cur_tmp), "wb")

@@ -272,6 +272,7 @@ def load_config(path: str, overrides: List[str] | None = None) -> DictConfig:
     schema = OmegaConf.structured(RunConfig)
     try:
         file_cfg = OmegaConf.load(path)
+        _keep_words(file_cfg, path)
     except Exception as e:
         raise ConfigError(f"{path}: cannot parse YAML: {_one_line(e)}") from None
     try:
@@ -281,11 +282,64 @@ def load_config(path: str, overrides: List[str] | None = None) -> DictConfig:
     for item in overrides or []:
         if "=" not in item:
             raise ConfigError(f"override '{item}' is not of the form key=value")
+    overrides = [_quote_word(item) for item in overrides or []]
     try:
-        cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides or [])))
+        cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(overrides))
     except OmegaConfBaseException as e:
         raise ConfigError(f"command-line override: {_describe(e)}") from None
     return cfg
+
+
+# YAML 1.1 reads these words as booleans (`off` -> False); a text setting such as
+# data.verify_shards (error | warn | off) must keep the word as written.
+_YAML_BOOL_WORDS = {"y", "n", "yes", "no", "on", "off", "true", "false"}
+
+
+def _text_keys(cls=None, prefix: str = "") -> set[str]:
+    """Dotted keys of the schema's `str` / `Optional[str]` fields (the text and enum settings)."""
+    import dataclasses
+    import typing
+    cls = cls or RunConfig
+    hints, out = typing.get_type_hints(cls), set()
+    for f in dataclasses.fields(cls):
+        t = hints[f.name]
+        if dataclasses.is_dataclass(t):
+            out |= _text_keys(t, f"{prefix}{f.name}.")
+        elif t in (str, Optional[str]):
+            out.add(prefix + f.name)
+    return out
+
+
+def _quote_word(item: str) -> str:
+    """A `key=value` override of a text setting whose value YAML would read as a boolean, with
+    the value quoted (`data.verify_shards=off` stays "off"); other overrides unchanged."""
+    key, _, value = item.partition("=")
+    if key.strip() in _text_keys() and value.strip().lower() in _YAML_BOOL_WORDS:
+        return f"{key}='{value.strip()}'"
+    return item
+
+
+def _keep_words(file_cfg, path: str) -> None:
+    """Put back the words a YAML file wrote for text settings that YAML read as booleans
+    (`verify_shards: off`), from the file read again without YAML 1.1's boolean words."""
+    keys = [k for k in _text_keys() if isinstance(OmegaConf.select(file_cfg, k), bool)]
+    if not keys:
+        return
+    import yaml
+
+    class _Words(yaml.SafeLoader):
+        pass
+    _Words.yaml_implicit_resolvers = {
+        c: [(tag, rx) for tag, rx in rs if tag != "tag:yaml.org,2002:bool"]
+        for c, rs in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+    with open(path, encoding="utf-8") as f:
+        raw = yaml.load(f, _Words)
+    for k in keys:
+        node = raw
+        for part in k.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, str):
+            OmegaConf.update(file_cfg, k, node)
 
 
 def _describe(e: OmegaConfBaseException) -> str:

@@ -72,6 +72,31 @@ HUMANEVAL_WARNING = ("warning: --task humaneval executes model-written code on t
 # CLI
 
 
+def _shards_tokenizer(data: str, stack: contextlib.ExitStack) -> str | None:
+    """The tokenizer data prep saved with a shard folder (manifest `tokenizer.files`), as a
+    local folder (a remote folder's files are copied into a temporary folder that `stack`
+    removes), or None when the folder has no readable manifest or no such files. The fallback
+    of `--tokenizer` when the model has no tokenizer files (a training checkpoint)."""
+    from pipeline.data import DataError, read_manifest
+    from pipeline.data.shard_io import open_fs
+    try:
+        files = read_manifest(data)["tokenizer"].get("files")
+        fs, root = open_fs(data)
+        if not files or not fs.isdir(f"{root}/{files}"):
+            return None
+        protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+        if protocol in ("file", "local"):
+            return f"{root}/{files}"
+        import tempfile
+        local = stack.enter_context(tempfile.TemporaryDirectory(prefix="refusion-tok-"))
+        for path in fs.find(f"{root}/{files}"):
+            with fs.open(path, "rb") as src, open(Path(local) / path.rsplit("/", 1)[-1], "wb") as dst:
+                dst.write(src.read())
+        return local
+    except (DataError, OSError):
+        return None
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m pipeline.evaluate",
                                 description="Evaluate a ReFusion model.",
@@ -116,7 +141,10 @@ def main(argv=None) -> int:
             print(HUMANEVAL_WARNING, file=sys.stderr)
         if "refusion" in modes:  # same (rounded-up) length for every mode: a fair comparison
             args.gen_length = -(-args.gen_length // args.slot_size) * args.slot_size
-        with contextlib.redirect_stdout(sys.stderr):  # keep library prints off stdout
+        stack = contextlib.ExitStack()
+        if args.tokenizer is None and args.data and (Path(args.data).is_dir() or "://" in args.data):
+            args.data_tokenizer = _shards_tokenizer(args.data, stack)
+        with stack, contextlib.redirect_stdout(sys.stderr):  # keep library prints off stdout
             loaded = load_model_from_args(args, load_for_inference)
         report: dict = {"model": str(args.model),
                         "settings": {**decoding_settings(args, modes), "limit": args.limit,

@@ -224,3 +224,53 @@ def test_shipped_run_configs_validate(tmp_path, data_dir):
                                                           "data.num_workers=1"]), world_size=32)
     assert (plan.tp_size, plan.dp_size, plan.grad_accum_steps) == (2, 16, 4)
     assert plan.model_fields["recompute"] == "full" and plan.row_length == 4096
+
+
+def _enum_spellings() -> set[tuple[str, str]]:
+    """(key, value) of every enum setting's value as the docs write it (`key=value`,
+    `key=a|b`, `key = a | b | c`) and as validate's messages list its choices
+    (`key must be a, b or c`); an enum setting is a text setting listed with alternatives."""
+    import re
+    from pipeline.config import _text_keys
+    root = Path(__file__).resolve().parents[1]
+    texts = [p.read_text() for p in [root / "README.md", root / "ARCHITECTURE.md",
+                                     *root.glob("docs/*.md"), *root.glob("data_prep/*.md"),
+                                     *root.glob("pipeline/**/*.py")]]
+    keys, out, enums = _text_keys(), set(), set()
+    word = r"[A-Za-z0-9_-]+"
+    for text in texts:
+        for m in re.finditer(rf"\b([a-z_]+\.[a-z_]+) ?= ?({word}(?: ?\| ?{word})*)", text):
+            if m.group(1) in keys:
+                out |= {(m.group(1), v.strip()) for v in m.group(2).split("|")}
+                if "|" in m.group(2):
+                    enums.add(m.group(1))
+        for m in re.finditer(rf"([a-z_]+\.[a-z_]+) must be ((?:{word}, )*{word}) or ({word}), got",
+                             text):
+            if m.group(1) in keys:
+                out |= {(m.group(1), v) for v in [*m.group(2).split(", "), m.group(3)]}
+                enums.add(m.group(1))
+    return {(k, v) for k, v in out if k in enums}
+
+
+def test_every_documented_enum_spelling_is_read_as_written(tmp_path, data_dir):
+    """`data.verify_shards=off` (YAML reads `off` as a boolean) and every other documented
+    value of a text setting, on the command line and in the YAML file, reach validate as the
+    word written, and validate does not reject it as a choice."""
+    spellings = _enum_spellings()
+    assert {("data.verify_shards", "off"), ("data.verify_shards", "warn"),
+            ("wandb.mode", "disabled"), ("train.precision", "fp32")} <= spellings
+    assert len({k for k, _ in spellings}) >= 8
+    base = _cfg(tmp_path, data_dir)
+    for key, value in sorted(spellings):
+        section, name = key.split(".")
+        doc = json.loads(base.read_text())
+        doc.setdefault(section, {})[name] = "@VALUE@"
+        yaml_file = tmp_path / f"{section}-{name}-{value}.yaml"  # the word bare, as YAML
+        yaml_file.write_text(json.dumps(doc).replace('"@VALUE@"', value))
+        for cfg in (load_config(str(base), [f"{key}={value}"]), load_config(str(yaml_file))):
+            got = cfg[section][name]
+            assert got == value, (key, value, got)
+            try:
+                validate(cfg, world_size=1)
+            except ConfigError as e:  # another rule may object (e.g. init.source=hf needs a path)
+                assert f"{key} must be" not in str(e), (key, value, str(e))

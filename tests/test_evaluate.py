@@ -268,3 +268,31 @@ def test_run_settings_of_a_training_checkpoint(tmp_path, folder):
     assert run_settings(tmp_path / "ck") == (11, {"mode": "refusion", "eps": 0.01})
     assert run_settings(step) == (11, {"mode": "refusion", "eps": 0.01})
     assert run_settings(folder) == (None, None)
+
+
+def test_model_without_tokenizer_takes_the_shards_tokenizer(loaded, folder, tmp_path, capsys):
+    """A model folder without tokenizer files (as a training checkpoint is) evaluated on shards
+    that carry theirs (manifest `tokenizer.files`): the shards' tokenizer is used; without it,
+    one line asking for --tokenizer."""
+    import shutil
+    from pipeline.evaluate import main
+    model = tmp_path / "model"
+    shutil.copytree(folder, model)
+    (model / "tokenizer.model").unlink()
+    rng = np.random.default_rng(1)
+    samples = random_samples(rng, 6, vocab_size=400, max_length=40, min_length=12,
+                             first_id=7, max_segments=2, max_prompt=6)
+    tok = {"kind": "spm", "name": "fixture", "hash": "fixture-0", "vocab_size": 400,
+           "eos_id": 3, "pad_id": 0, "mask_id": 4, "bos_id": 2}
+    argv = ["--model", str(model), "--data", str(tmp_path / "shards"), "--limit", "2",
+            "--gen-length", "4", "--slot-size", "4", "--num-blocks", "1", "--modes", "ar", "--json"]
+    write_shards(str(tmp_path / "shards"), {"val": samples}, tokenizer=tok)
+    assert main(argv) == 2
+    assert "no tokenizer files (tokenizer.json / tokenizer.model); pass --tokenizer" in \
+        capsys.readouterr().err
+    write_shards(str(tmp_path / "shards"), {"val": samples}, tokenizer={**tok, "files": "tokenizer"})
+    (tmp_path / "shards" / "tokenizer").mkdir()
+    shutil.copy(folder / "tokenizer.model", tmp_path / "shards" / "tokenizer" / "tokenizer.model")
+    assert main(argv) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["loss"]["val_batches"] == 2 and rep["qa"]["ar"]["examples"] == 2

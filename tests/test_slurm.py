@@ -19,6 +19,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -355,3 +356,63 @@ def test_master_addr_is_the_first_nodes_nodeaddr(tmp_path, env, expected, asks_n
     assert f"master {expected}:20007" in r.stdout
     asked = log.read_text().splitlines() if log.exists() else []
     assert ("-o show node gpu-a01" in asked) is asks_node, asked
+
+
+SHARD_SH = ROOT / "slurm" / "shard.sh"
+
+
+def _wait_log(log_glob, tmp_path: Path, pattern: str, timeout_s: float = 180) -> str:
+    """The text of the one log matching `log_glob` once it matches `pattern` (regex)."""
+    t0 = time.time()
+    while time.time() - t0 < timeout_s:
+        logs = sorted(tmp_path.glob(log_glob))
+        text = logs[-1].read_text() if logs else ""
+        if re.search(pattern, text):
+            return text
+        time.sleep(1.0)
+    raise AssertionError(f"timed out waiting for {pattern!r} in {log_glob}: {text[-3000:]}")
+
+
+def test_shard_array_and_merge_on_the_cluster(tmp_path, slurm_cluster):
+    """slurm/shard.sh submit: the plan job, a 3-task array, the merge after it (afterany). With
+    task 1 failing (its interpreter exits 1) the merge still runs, checks the parts itself and
+    fails naming a unit with no part; the array submitted again (complete parts kept) and the
+    merge give the one-process run's dataset."""
+    from data_prep import shard, train_tokenizer
+    from test_data_prep_array import COMMON, UNIT, _corpus, _dataset
+    corpus = _corpus(tmp_path / "in")
+    tok = tmp_path / "spm.model"
+    assert train_tokenizer.main(["--input", str(corpus / "d.txt"), "--input",
+                                 str(corpus / "b_big.jsonl"), "--output", str(tok),
+                                 "--vocab-size", "300"]) == 0
+    one = tmp_path / "one"
+    assert shard.main(["--input", str(corpus), "--output", str(one), "--tokenizer", str(tok),
+                       *COMMON, "--no-progress"]) == 0
+    flaky = tmp_path / "python.sh"  # task 1 of the first array fails before doing anything
+    flaky.write_text(f'#!/bin/sh\n[ "${{SLURM_ARRAY_TASK_ID:-}}" = 1 ] && [ -e {tmp_path}/fail ] '
+                     f'&& exit 1\nexec {sys.executable} "$@"\n')
+    flaky.chmod(0o755)
+    (tmp_path / "fail").write_text("")
+    env = {**os.environ, "PYTHON": str(flaky), "PYTHONPATH": str(ROOT),
+           "REFUSION_ROOT": str(ROOT)}
+    r = subprocess.run(["bash", str(SHARD_SH), "submit", "3", "--", "--input", str(corpus),
+                        "--output", "out", "--tokenizer", str(tok), "--unit-bytes", UNIT, *COMMON],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and re.match(r"plan \d+ array \d+ merge \d+", r.stdout), r.stderr
+    text = _wait_log("logs/refusion-shard-merge-*.out", tmp_path, r"merge exited with status \d+")
+    assert "merge exited with status 2" in text and "has no complete part (not run)" in text
+    assert "--unit " in text and "--overwrite`" in text
+    assert "run exited with status 0" in (tmp_path / "logs").joinpath(
+        sorted(p.name for p in (tmp_path / "logs").glob("refusion-shard-run-*_0.out"))[0]).read_text()
+    (tmp_path / "fail").unlink()
+    array = subprocess.run(["sbatch", "--parsable", "--job-name=again", "--array=0-2",
+                            "--output=logs/again-%A_%a.out", str(SHARD_SH), "run", "out"],
+                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert array.returncode == 0, array.stderr
+    merge = subprocess.run(["sbatch", "--parsable", f"--dependency=afterany:{array.stdout.strip()}",
+                            "--output=logs/again-merge-%j.out", str(SHARD_SH), "merge", "out"],
+                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert merge.returncode == 0, merge.stderr
+    text = _wait_log("logs/again-merge-*.out", tmp_path, r"merge exited with status \d+")
+    assert "merge exited with status 0" in text and "merged 12 part(s)" in text
+    assert _dataset(tmp_path / "out") == _dataset(one)

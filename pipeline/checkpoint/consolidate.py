@@ -369,7 +369,7 @@ def _token_ids_from_run(step_dir: Path) -> dict:
     found through the run config stored in rank 0's client_state (`config.data.dir`); {} when
     it is not recorded or no longer readable (one warning line naming the cause: the export
     then lacks these ids in config.json, and `--tokenizer` supplies them)."""
-    from pipeline.data.format import read_manifest
+    from pipeline.data.shard_io import read_manifest
     try:
         ours = torch.load(step_dir / "refusion_rank_00000.pt", map_location="cpu",
                           weights_only=False)

@@ -1,13 +1,14 @@
 """Reading shards for training and evaluation, as a package.
 
-- `format.py`: the shard folder format (manifest name and version, `read_manifest`,
-  `check_tokenizer`, `DataError`), shared with `data_prep/`;
-- `shard_io.py`: shard folders at fsspec URLs, sha256 checks of shards;
+- `format.py`: the shard folder format (manifest name and version, `check_tokenizer`,
+  `DataError`), shared with `data_prep/`;
+- `shard_io.py`: shard folders at fsspec URLs (`read_manifest`), sha256 checks of shards;
 - `loader.py`: the resumable loader (global order, DP split, packing, ReFusion batches).
 
 The names below are the package's public API; import the rest from its module.
 """
-from pipeline.data.format import FORMAT_VERSION, MANIFEST, DataError, check_tokenizer, read_manifest
+from pipeline.data.format import FORMAT_VERSION, MANIFEST, DataError, check_tokenizer
+from pipeline.data.shard_io import read_manifest
 from pipeline.data.loader import PACKINGS, ShardLoader, best_fit_decreasing, build_loader, next_fit
 
 __all__ = ["FORMAT_VERSION", "MANIFEST", "DataError", "check_tokenizer", "read_manifest",

@@ -1,13 +1,13 @@
 """The shard folder format that `data_prep/shard.py` writes and `pipeline.data` reads.
 
-Owns: the manifest's file name and format version, reading and checking a manifest, the check
-of a shard set against a model's vocabulary, and `DataError` (the one error type of a bad data
-folder). The sample layout (tokens.npy + segments JSON) is documented in ARCHITECTURE.md
-"Shard format". Must not touch: shard order, batches, loader state (`pipeline.data.loader`).
+Owns: the manifest's file name and format version, the check of a shard set against a model's
+vocabulary, and `DataError` (the one error type of a bad data folder). Reading a manifest from
+a folder is I/O: `pipeline.data.shard_io.read_manifest`. This module imports no other module of
+the package (shard_io and loader import it). The sample layout (tokens.npy + segments JSON) is
+documented in ARCHITECTURE.md "Shard format". Must not touch: shard order, batches, loader
+state (`pipeline.data.loader`).
 """
 from __future__ import annotations
-
-import json
 
 # The manifest of a shard folder, and the version of the layout it describes.
 MANIFEST = "manifest.json"
@@ -22,44 +22,6 @@ SPLITS = ("train", "val")
 class DataError(ValueError):
     """A user-facing data problem (bad folder, manifest, shard, state); the message is one line
     naming the file/field. CLIs catch it and exit with code 2."""
-
-
-def read_manifest(data_dir: str) -> dict:
-    """Read and check `<data_dir>/manifest.json`.
-
-    Args:
-        data_dir: local folder or fsspec URL (e.g. `memory://shards`, `s3://bucket/shards`).
-
-    Returns:
-        The manifest dict.
-
-    Raises:
-        DataError: missing/unreadable manifest, unknown format_version, missing fields.
-    """
-    from pipeline.data import shard_io
-    fs, root = shard_io.open_fs(data_dir)  # one-line DataError for a missing fsspec package
-    path = f"{root}/{MANIFEST}"
-    try:
-        with fs.open(path, "rb") as f:
-            manifest = json.loads(f.read().decode("utf-8"))
-    except FileNotFoundError:
-        raise DataError(f"{data_dir}: no {MANIFEST} (not a shard folder written by data_prep/shard.py)") from None
-    except (OSError, ValueError) as e:
-        raise DataError(f"{path}: unreadable manifest ({e})") from None
-    if not isinstance(manifest, dict):
-        raise DataError(f"{path}: expected a JSON object")
-    if manifest.get("format_version") != FORMAT_VERSION:
-        raise DataError(f"{path}: format_version {manifest.get('format_version')!r} is not "
-                        f"supported (expected {FORMAT_VERSION})")
-    for field in ("tokenizer", "max_length", "splits"):
-        if field not in manifest:
-            raise DataError(f"{path}: missing field {field!r}")
-    if not isinstance(manifest["tokenizer"], dict) or not isinstance(manifest["splits"], dict):
-        raise DataError(f"{path}: tokenizer and splits must be JSON objects")
-    for field in ("vocab_size", "pad_id", "mask_id", "eos_id"):
-        if manifest["tokenizer"].get(field) is None:
-            raise DataError(f"{path}: tokenizer.{field} is missing")
-    return manifest
 
 
 def check_tokenizer(manifest: dict, vocab_size: int | None, tokenizer_hash: str | None = None,

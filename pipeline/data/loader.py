@@ -80,7 +80,8 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from pipeline.data import shard_io
-from pipeline.data.format import DataError, check_tokenizer, read_manifest
+from pipeline.data.format import DataError, check_tokenizer
+from pipeline.data.shard_io import read_manifest
 from pipeline.objective import ObjectiveConfig, collate, reorganize_sample
 
 log = logging.getLogger("pipeline.data")

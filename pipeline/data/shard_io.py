@@ -1,6 +1,7 @@
 """Opening shard folders (any fsspec URL) and checking shards against their manifest.
 
-Owns: the fsspec filesystem of a data folder, with one-line errors for an unknown protocol or
+Owns: the fsspec filesystem of a data folder, reading and checking its manifest.json
+(`read_manifest`), with one-line errors for an unknown protocol or
 a missing filesystem package (`s3fs`, `gcsfs`, `aiohttp` for http(s)://) and for an HTTP
 server that does not answer range requests; shard integrity (`verify_shard`: the sha256 of a
 shard against manifest.json, `data.verify_shards = error | warn | off`); the wording of a
@@ -29,10 +30,11 @@ Manifests without a `sha256` entry (older or hand-written ones) are not checked.
 from __future__ import annotations
 
 import hashlib
+import json
 import sys
 
 from pipeline.common.fs import missing_fs_package
-from pipeline.data.format import DataError
+from pipeline.data.format import FORMAT_VERSION, MANIFEST, DataError
 
 VERIFY_MODES = ("error", "warn", "off")
 _BLOCK = 8 << 20
@@ -62,6 +64,43 @@ def open_fs(url: str):
     except (ValueError, ImportError) as e:
         raise _error(f"{url}: {missing_fs_package(url, e)}") from None
     return fs, root.rstrip("/")
+
+
+def read_manifest(data_dir: str) -> dict:
+    """Read and check `<data_dir>/manifest.json`.
+
+    Args:
+        data_dir: local folder or fsspec URL (e.g. `memory://shards`, `s3://bucket/shards`).
+
+    Returns:
+        The manifest dict.
+
+    Raises:
+        DataError: missing/unreadable manifest, unknown format_version, missing fields.
+    """
+    fs, root = open_fs(data_dir)  # one-line DataError for a missing fsspec package
+    path = f"{root}/{MANIFEST}"
+    try:
+        with fs.open(path, "rb") as f:
+            manifest = json.loads(f.read().decode("utf-8"))
+    except FileNotFoundError:
+        raise DataError(f"{data_dir}: no {MANIFEST} (not a shard folder written by data_prep/shard.py)") from None
+    except (OSError, ValueError) as e:
+        raise DataError(f"{path}: unreadable manifest ({e})") from None
+    if not isinstance(manifest, dict):
+        raise DataError(f"{path}: expected a JSON object")
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise DataError(f"{path}: format_version {manifest.get('format_version')!r} is not "
+                        f"supported (expected {FORMAT_VERSION})")
+    for field in ("tokenizer", "max_length", "splits"):
+        if field not in manifest:
+            raise DataError(f"{path}: missing field {field!r}")
+    if not isinstance(manifest["tokenizer"], dict) or not isinstance(manifest["splits"], dict):
+        raise DataError(f"{path}: tokenizer and splits must be JSON objects")
+    for field in ("vocab_size", "pad_id", "mask_id", "eos_id"):
+        if manifest["tokenizer"].get(field) is None:
+            raise DataError(f"{path}: tokenizer.{field} is missing")
+    return manifest
 
 
 def fs_for_this_process(fs):

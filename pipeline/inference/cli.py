@@ -97,11 +97,14 @@ def add_decoding_args(p: argparse.ArgumentParser) -> None:
 
 def load_model_from_args(args, load=None) -> Loaded:
     """`load_for_inference` (or `load`, same signature) with the `--model`, `--tokenizer`,
-    `--device` and `--dtype` of `args`; writes the resolved device and dtype back into `args`
+    `--device` and `--dtype` of `args` (and `args.data_tokenizer`, when set, as the tokenizer
+    to fall back on); writes the resolved device and dtype back into `args`
     (recorded in the JSON settings). Raises UsageError."""
+    extra = ({"fallback_tokenizer": args.data_tokenizer}
+             if getattr(args, "data_tokenizer", None) else {})
     loaded = (load or load_for_inference)(args.model, args.tokenizer,
                                           DTYPES[args.dtype] if args.dtype else None,
-                                          device=args.device)
+                                          device=args.device, **extra)
     p = next(loaded.model.parameters())
     args.device = str(p.device)
     args.dtype = str(p.dtype).replace("torch.", "")

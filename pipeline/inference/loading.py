@@ -204,7 +204,8 @@ def load_model(model_path, dtype: torch.dtype | None = None, *,
 
 
 def load_for_inference(model_path, tokenizer_path=None, dtype: torch.dtype | None = None, *,
-                       device: str | torch.device | None = None) -> Loaded:
+                       device: str | torch.device | None = None,
+                       fallback_tokenizer: str | None = None) -> Loaded:
     """Load a HF folder or a training checkpoint into `pipeline.model.Qwen3` (TP=1), with its
     tokenizer.
 
@@ -220,6 +221,9 @@ def load_for_inference(model_path, tokenizer_path=None, dtype: torch.dtype | Non
         dtype: parameter dtype (None: bf16 on CUDA, fp32 on the CPU; `default_dtype`).
         device: "auto" / None (CUDA when available), "cpu", "cuda", "cuda:N" or a
             `torch.device` (`resolve_device`).
+        fallback_tokenizer: a local tokenizer folder or file to use when neither
+            `tokenizer_path` nor the model gives one (`pipeline.evaluate`: the tokenizer saved
+            with the shards it evaluates on, manifest `tokenizer.files`).
 
     Returns:
         `Loaded` (`folder` is the HF folder, or the checkpoint path for a checkpoint).
@@ -241,6 +245,8 @@ def load_for_inference(model_path, tokenizer_path=None, dtype: torch.dtype | Non
                     break
         elif (path / "config.json").is_file():
             tokenizer_path = _find_tokenizer(path)
+        if tokenizer_path is None:
+            tokenizer_path = fallback_tokenizer
     if tokenizer_path is not None and Path(tokenizer_path).is_dir():
         found = _find_tokenizer(Path(tokenizer_path))
         if found is None:
