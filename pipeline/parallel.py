@@ -164,6 +164,42 @@ def rendezvous_store(rank: int, world_size: int, timeout_s: float,
     return store
 
 
+# NCCL's own watchdog and flight recorder (torch's variables), set on CUDA unless the user set
+# them: `nccl_defaults`.
+NCCL_TRACE_ENTRIES = 2000
+
+
+def nccl_defaults(dump_dir: str, environ=None) -> dict[str, str]:
+    """Switch on NCCL's error handling and flight recorder, writing its dump into `dump_dir`.
+
+    Sets, only where the variable is unset: TORCH_NCCL_ASYNC_ERROR_HANDLING=1 (a collective
+    that times out aborts its communicator and ends the process instead of hanging),
+    TORCH_NCCL_TRACE_BUFFER_SIZE=2000 (the last 2000 collectives of each rank are recorded),
+    TORCH_NCCL_DUMP_ON_TIMEOUT=1 and TORCH_NCCL_DEBUG_INFO_TEMP_FILE=<dump_dir>/nccl_trace_rank_
+    (on a timeout each rank writes `nccl_trace_rank_<rank>`: per collective its sequence
+    number, process group, op, sizes and state: scheduled, started or completed; the rank
+    whose last collective never started is the one the others wait for). Call before the
+    process group exists; only meaningful with NCCL (untested on this project's CPU machines).
+
+    Args:
+        dump_dir: the run folder (created if missing).
+        environ: the environment to update (default `os.environ`).
+
+    Returns:
+        The variables this call set (name -> value).
+    """
+    env = os.environ if environ is None else environ
+    wanted = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+              "TORCH_NCCL_TRACE_BUFFER_SIZE": str(NCCL_TRACE_ENTRIES),
+              "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+              "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": os.path.join(dump_dir, "nccl_trace_rank_")}
+    done = {k: v for k, v in wanted.items() if k not in env}
+    if done:
+        os.makedirs(dump_dir, exist_ok=True)
+        env.update(done)
+    return done
+
+
 def _env_int(*names: str, default: int) -> int:
     for name in names:
         if name in os.environ:
