@@ -132,7 +132,7 @@ class TrainSection:
       one line per live rank naming the stuck rank(s), `<run_dir>/hang.json`). null (default)
       derives it from the step times after warm-up: max(120 s, 10 x median step time);
       0 switches the watchdog off. Checkpoint saves get max(3 x that, 3 x the last save,
-      30 s + checkpoint bytes / 100 MB/s), a validation micro-batch 3 x that.
+      min(30 s, 3 x that) + checkpoint bytes / 100 MB/s), a validation micro-batch 3 x that.
     - `hang_warmup_s`: the allowance of the set-up (engine build, DeepSpeed op builds,
       checkpoint load), the first 3 steps after each start (compilation, first loader fill)
       and the first validation.

@@ -264,6 +264,24 @@ def init_megatron_groups(tensor_parallel_size: int, backend: str, timeout_s: flo
         create_gloo_process_groups="nccl" not in str(backend))
 
 
+def attempt_store(timeout_s: float) -> dist.Store:
+    """A client of torchrun's agent store (MASTER_ADDR:MASTER_PORT) whose keys live under
+    `refusion/attempt_<TORCHELASTIC_RESTART_COUNT>/`.
+
+    torchrun keeps its agent store across `--max-restarts` restarts, and torch's env://
+    rendezvous uses it without a per-attempt prefix: the restarted workers then read the dead
+    workers' addresses (measured with torch 2.13 and gloo: `new_group` fails with "Gloo
+    connectFullMesh failed ... Connection refused"). The prefix gives every attempt its own keys.
+
+    Args:
+        timeout_s: the store's timeout (seconds), the collective timeout.
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or "0"
+    base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                         is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+    return dist.PrefixStore(f"refusion/attempt_{attempt}", base)
+
+
 def init_distributed(tensor_parallel_size: int = 1, backend: str | None = None,
                      timeout_s: float = 1800.0) -> ParallelInfo:
     """Start torch.distributed (if needed) and megatron-core's TP/DP groups.
@@ -280,7 +298,8 @@ def init_distributed(tensor_parallel_size: int = 1, backend: str | None = None,
 
     The device is chosen (and LOCAL_RANK rewritten for DeepSpeed) by `bind_local_device`.
     With more than one process and no torchrun agent store, the ranks meet through
-    `rendezvous_store` (bounded by REFUSION_RENDEZVOUS_TIMEOUT, default 60 s).
+    `rendezvous_store` (bounded by REFUSION_RENDEZVOUS_TIMEOUT, default 60 s); under torchrun
+    through the agent's store with one key prefix per restart (`attempt_store`).
 
     Returns:
         ParallelInfo for this process.
@@ -308,6 +327,8 @@ def init_distributed(tensor_parallel_size: int = 1, backend: str | None = None,
         store = None
         if world_size > 1 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
             store = rendezvous_store(rank, world_size, timeout_s)
+        elif world_size > 1:
+            store = attempt_store(timeout_s)
         dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
     init_megatron_groups(tensor_parallel_size, dist.get_backend(), timeout_s)

@@ -29,6 +29,11 @@ agree through the step's all-reduce, checkpoint and exit 0. A second SIGINT abor
 checkpoint, exit 130, one line). Loader workers ignore these signals (`pipeline.data.loader`), so a
 signal sent to the whole process group (SLURM preemption, scancel, Ctrl-C) reaches the trainer only.
 
+Hangs: every rank publishes its step and phase for the hang watchdog (`pipeline.training.
+watchdog`, started in `setup` after the run lock): data / forward_backward per micro-batch,
+collective, optimizer, validation per micro-batch, checkpoint. The tick calls are the only
+thing the loop does for it.
+
 Start-up write check: before building anything, every rank writes a probe file where it will
 write (rank 0: the run folder and metrics.jsonl; every rank: the checkpoint folder), so a
 read-only filesystem or a folder this user may not write stops the job at once, not at the first
@@ -45,7 +50,11 @@ that failed during the run (read-only, permission, ...): one line naming the fol
 failing rank, the cause (with the free space seen only for a full disk or quota) and what to do;
 the partial checkpoint folder removed, the previous one intact. 5 this rank stopped because
 another rank's process is gone (killed, crashed; one line per surviving rank instead of the
-collective's traceback; the launcher reports the dead rank). 130 a second Ctrl-C. An error raised
+collective's traceback; the launcher reports the dead rank). 6 the hang watchdog found a rank
+that made no progress within its allowance (`pipeline.training.watchdog`: one line per live rank
+naming the stuck rank(s), host, last step and phase and the silence; `<run_dir>/hang.json`; the
+stuck rank's Python stacks in `<run_dir>/stacks_rank_N.txt` when it could still write them).
+130 a second Ctrl-C. An error raised
 on one rank only is printed once by that rank; the other ranks exit with the same code without a
 traceback. Under torchrun the launcher turns these into its own exit 1 and a traceback;
 `python -m pipeline.launch` (same arguments) keeps them. A wandb failure mid-run is one warning
@@ -59,7 +68,9 @@ the checkpoint's `shard_sets` records each set and the step it began at.
 metrics.jsonl (rank 0, appended; a resumed run appends again from its checkpoint step, so a
 reader keeps the last line per (kind, step)): one JSON object per line with `kind` "train"
 (step, loss, ar_loss, mdm_loss, lr, grad_norm, tokens_per_s, tflops_per_device, mfu, hfu,
-peak_memory_bytes, consumed_samples, consumed_tokens, step_time_s, skipped) or "val" (step,
+peak_memory_bytes, consumed_samples, consumed_tokens, step_time_s, skipped; at each log
+interval also straggler_rank, straggler_host, straggler_compute_s, median_compute_s,
+straggler_skew: `Trainer._stragglers`) or "val" (step,
 val_loss, val_ar_loss, val_mdm_loss, val_batches).
 """
 from __future__ import annotations
@@ -723,9 +734,12 @@ def _agent_store():
         return None
     try:
         import datetime
-        from torch.distributed import TCPStore
-        return TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                        is_master=False, timeout=datetime.timedelta(seconds=10))
+        from torch.distributed import PrefixStore, TCPStore
+        store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                         is_master=False, timeout=datetime.timedelta(seconds=10))
+        # one key space per torchrun restart (pipeline.parallel.attempt_store)
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or "0"
+        return PrefixStore(f"refusion/attempt_{attempt}/pre-init", store)
     except Exception:
         return None
 

@@ -57,8 +57,9 @@ DERIVED_FLOOR_S = 120.0
 DERIVED_FACTOR = 10.0
 WARMUP_STEPS = 3            # steps after each (re)start judged by the warm-up allowance
 STEP_WINDOW = 50            # step times the median is taken over
-# Checkpoint save allowance: max(3 x step allowance, 3 x the last save, SAVE_BASE_S + bytes /
-# SAVE_MIN_BYTES_PER_S), bytes = the whole checkpoint (all ranks) as estimated by the trainer.
+# Checkpoint save allowance: max(3 x step allowance, 3 x the last save, min(SAVE_BASE_S, 3 x step
+# allowance) + bytes / SAVE_MIN_BYTES_PER_S), bytes = the whole checkpoint (all ranks) as the
+# trainer estimates it.
 SAVE_BASE_S = 30.0
 SAVE_MIN_BYTES_PER_S = 100e6
 
@@ -116,9 +117,10 @@ class HangPolicy:
 
     def save_allowance(self) -> float:
         """Seconds a checkpoint save may take: max(3 x `step_allowance()`, 3 x the last save,
-        `SAVE_BASE_S` + checkpoint bytes / `SAVE_MIN_BYTES_PER_S`)."""
-        return max(3.0 * self.step_allowance(), 3.0 * self.last_save_s,
-                   SAVE_BASE_S + self.checkpoint_bytes / SAVE_MIN_BYTES_PER_S)
+        min(`SAVE_BASE_S`, 3 x `step_allowance()`) + checkpoint bytes / `SAVE_MIN_BYTES_PER_S`)."""
+        step = self.step_allowance()
+        return max(3.0 * step, 3.0 * self.last_save_s,
+                   min(SAVE_BASE_S, 3.0 * step) + self.checkpoint_bytes / SAVE_MIN_BYTES_PER_S)
 
     def validation_allowance(self) -> float:
         """Seconds one validation micro-batch may take: `warmup_s` in the first validation of
@@ -248,6 +250,7 @@ class Watchdog:
         self.host, self.pid = socket.gethostname(), os.getpid()
         self._state = (0, 0, "setup", time.time())   # (seq, step, phase, progress time)
         self._stop = threading.Event()
+        self._wake = threading.Event()   # entering a save or validation: publish at once
         self._thread: threading.Thread | None = None
         self.enabled = policy.enabled
 
@@ -256,8 +259,10 @@ class Watchdog:
     def progress(self, phase: str, step: int | None = None) -> None:
         """Record progress: this rank entered `phase` (or advanced within it) at step `step`
         (optimizer steps done; default unchanged). Cheap: no I/O."""
-        seq, old_step, _, _ = self._state
+        seq, old_step, old_phase, _ = self._state
         self._state = (seq + 1, old_step if step is None else step, phase, time.time())
+        if phase != old_phase and phase in ("checkpoint", "validation", DONE):
+            self._wake.set()   # their allowance differs: peers should see it within ms
 
     def record_file(self, rank: int) -> Path:
         """Where `rank` publishes its record."""
@@ -295,6 +300,7 @@ class Watchdog:
             return
         self.progress(DONE)
         self._stop.set()
+        self._wake.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=10)
         try:
@@ -331,7 +337,20 @@ class Watchdog:
         return out
 
     def _loop(self) -> None:
-        while not self._stop.wait(self.beat_s):
+        next_check = time.monotonic() + self.beat_s
+        while not self._stop.is_set():
+            self._wake.wait(max(0.0, next_check - time.monotonic()))
+            if self._stop.is_set():
+                return
+            if self._wake.is_set():   # a phase with another allowance began: publish only
+                self._wake.clear()
+                try:
+                    self._beat()
+                except OSError:
+                    pass
+                if time.monotonic() < next_check:
+                    continue
+            next_check = time.monotonic() + self.beat_s
             try:
                 self._beat()
                 report = _read_json(self.run_dir / HANG_FILE)
