@@ -127,8 +127,7 @@ class Trainer:
         self.state = TrainState()
         self._steps_here = 0          # steps run by this process (the first one may be slowed)
         self._compute_s: list[float] = []   # this rank's compute time per step since the last log
-        self._straggler_run: tuple[int, int] = (-1, 0)   # (slowest rank, intervals in a row)
-        self._stragglers_warned: set[int] = set()
+        self.stragglers = None        # pipeline.training.metrics.StragglerTracker, set up in setup()
 
     @property
     def step(self) -> int:
@@ -243,10 +242,13 @@ class Trainer:
         from pipeline.parallel import broadcast_from_rank0
         from pipeline.training.watchdog import HANG_FILE, HangPolicy, Watchdog
         t = self.cfg.train
-        self.hosts = [socket.gethostname()]
+        from pipeline.training.metrics import StragglerTracker
+        hosts = [socket.gethostname()]
         if dist.is_initialized() and dist.get_world_size() > 1:
-            self.hosts = [None] * dist.get_world_size()
-            dist.all_gather_object(self.hosts, socket.gethostname())
+            hosts = [None] * dist.get_world_size()
+            dist.all_gather_object(hosts, socket.gethostname())
+        self.stragglers = StragglerTracker(hosts, float(t.straggler_factor),
+                                           int(t.straggler_intervals))
         restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
         if restart and self.is_rank0:
             cause = ""
@@ -504,12 +506,8 @@ class Trainer:
     def _stragglers(self) -> dict:
         """Straggler figures of the log interval just ended (collective: one all-reduce of
         one float per rank): every rank's mean compute time per step (the step's time minus its
-        wait in the step's all-reduce), the slowest rank, its host, and the skew (slowest /
-        median). A rank slowest with skew > `train.straggler_factor` for
-        `train.straggler_intervals` intervals in a row gets one warning line (once per run).
-        Returns the record's fields `straggler_rank`, `straggler_host`, `straggler_compute_s`,
-        `median_compute_s`, `straggler_skew` (seconds; skew a ratio)."""
-        import statistics
+        wait in the step's all-reduce), judged by `pipeline.training.metrics.StragglerTracker`
+        (its record fields; one warning line for a persistent straggler)."""
         import torch
         import torch.distributed as dist
         mine = sum(self._compute_s) / len(self._compute_s) if self._compute_s else 0.0
@@ -522,25 +520,7 @@ class Trainer:
             v[self.info.rank] = mine
             dist.all_reduce(v)
             per_rank = v.tolist()
-        slowest = max(range(len(per_rank)), key=lambda r: (per_rank[r], -r))
-        median = statistics.median(per_rank)
-        skew = per_rank[slowest] / median if median > 0 else 1.0
-        t = self.cfg.train
-        rank, run = self._straggler_run
-        run = run + 1 if skew > t.straggler_factor and rank == slowest else (
-            1 if skew > t.straggler_factor else 0)
-        self._straggler_run = (slowest, run)
-        host = self.hosts[slowest] if slowest < len(self.hosts) else "?"
-        if (run >= t.straggler_intervals and slowest not in self._stragglers_warned
-                and self.is_rank0):
-            self._stragglers_warned.add(slowest)
-            log.warning("straggler: rank %d (host %s) computed %.3f s per step against the "
-                        "median rank's %.3f s (%.2fx) for %d log intervals in a row (up to step "
-                        "%d; train.straggler_factor=%g)", slowest, host, per_rank[slowest],
-                        median, skew, run, self.step, t.straggler_factor)
-        return {"straggler_rank": slowest, "straggler_host": host,
-                "straggler_compute_s": per_rank[slowest], "median_compute_s": median,
-                "straggler_skew": skew}
+        return self.stragglers.update(per_rank, self.step, warn=self.is_rank0)
 
     def evaluate(self) -> dict:
         """Validation loss over up to `train.eval_batches` micro-batches per DP rank (0 = the
