@@ -70,7 +70,7 @@ reader keeps the last line per (kind, step)): one JSON object per line with `kin
 (step, loss, ar_loss, mdm_loss, lr, grad_norm, tokens_per_s, tflops_per_device, mfu, hfu,
 peak_memory_bytes, consumed_samples, consumed_tokens, step_time_s, skipped; at each log
 interval also straggler_rank, straggler_host, straggler_compute_s, median_compute_s,
-straggler_skew: `Trainer._stragglers`) or "val" (step,
+straggler_skew: `Trainer._stragglers`, `pipeline.training.metrics.StragglerTracker`) or "val" (step,
 val_loss, val_ar_loss, val_mdm_loss, val_batches).
 """
 from __future__ import annotations
@@ -236,13 +236,14 @@ class Trainer:
         rank 0, the policy from `train.hang_timeout_s` / `train.hang_warmup_s`, the run lock
         released before a hang exit. Also gathers every rank's host name (straggler lines) and,
         on a restart by torchrun (`--max-restarts`), logs one line saying so."""
+        import json
         import secrets
         import socket
         import torch.distributed as dist
         from pipeline.parallel import broadcast_from_rank0
+        from pipeline.training.metrics import StragglerTracker
         from pipeline.training.watchdog import HANG_FILE, HangPolicy, Watchdog
         t = self.cfg.train
-        from pipeline.training.metrics import StragglerTracker
         hosts = [socket.gethostname()]
         if dist.is_initialized() and dist.get_world_size() > 1:
             hosts = [None] * dist.get_world_size()
@@ -254,7 +255,6 @@ class Trainer:
             cause = ""
             report = os.path.join(self.cfg.run_dir, HANG_FILE)
             try:
-                import json
                 with open(report) as f:
                     hang = json.load(f)
                 if time.time() - float(hang.get("time_unix_s", 0)) < 3600:
