@@ -240,13 +240,18 @@ class DebugSection:
     start (data phase), `slow_save_s` in each checkpoint save after DeepSpeed's files are
     written (the `.partial` folder exists), `slow_eval_s` in each validation micro-batch;
     `slow_rank` (-1 = none) sleeps `slow_rank_s` in every step before the step's all-reduce (a
-    straggler: named in metrics.jsonl and the straggler warning)."""
+    straggler: named in metrics.jsonl and the straggler warning). `hang_rank` (-1 = none) stops
+    making progress forever at step `hang_at_step` (1-based; its process stays alive and its
+    main thread sleeps, as on a GPU hang): the hang watchdog must name it, and it writes its
+    stacks."""
     nan_at_steps: List[int] = field(default_factory=list)
     slow_first_step_s: float = 0.0
     slow_save_s: float = 0.0
     slow_eval_s: float = 0.0
     slow_rank: int = -1
     slow_rank_s: float = 0.0
+    hang_rank: int = -1
+    hang_at_step: int = 0
 
 
 @dataclass
@@ -489,6 +494,11 @@ def _validate(cfg: DictConfig, world_size: int | None) -> Plan:
     need(ws >= 1, f"world size must be >= 1, got {ws}")
     need(ws % tp == 0, f"train.tensor_parallel_size={tp} does not divide the world size {ws}")
     dp = ws // tp
+    need(-1 <= cfg.debug.hang_rank < ws,
+         f"debug.hang_rank must be -1 (none) or a rank below the world size {ws}, got "
+         f"{cfg.debug.hang_rank}")
+    need(cfg.debug.hang_at_step >= 0,
+         f"debug.hang_at_step must be >= 0, got {cfg.debug.hang_at_step}")
     need(-1 <= cfg.debug.slow_rank < ws,
          f"debug.slow_rank must be -1 (none) or a rank below the world size {ws}, got "
          f"{cfg.debug.slow_rank}")

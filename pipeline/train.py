@@ -409,6 +409,9 @@ class Trainer:
             self._progress("data", self.step)
             if micro == 0 and self._steps_here == 0 and cfg.debug.slow_first_step_s:
                 time.sleep(cfg.debug.slow_first_step_s)   # fault injection (debug section)
+            if cfg.debug.hang_rank == self.info.rank and step_no == cfg.debug.hang_at_step:
+                while True:   # fault injection: alive, stuck for good (debug.hang_rank)
+                    time.sleep(3600)
             batch = self._next_batch()
             keys_of.append(list(batch.get("keys", [])))
             b = self._batch_to_device(batch)

@@ -328,3 +328,36 @@ def test_straggler_tracker_warns_once_after_n_intervals(caplog):
     assert warnings == ["straggler: rank 2 (host c) computed 2.000 s per step against the median "
                         "rank's 1.000 s (2.00x) for 2 log intervals in a row (up to step 4; "
                         "train.straggler_factor=1.5)"]
+
+
+def test_a_live_rank_stuck_in_a_phase_dumps_its_stacks_and_both_exit_6(data):
+    """`debug.hang_rank=1` at step 5: rank 1's process stays alive (its heartbeat goes on) but
+    its main thread never leaves the data phase, as on a GPU hang. Rank 0 (waiting in the next
+    collective, ahead of it) is not named; rank 1 is, writes its Python stacks and exits 6 itself,
+    and so does rank 0: two lines, no traceback."""
+    base, d = data
+    run_dir = base / "live_hang"
+    config = _write_config(base / "live_hang.yaml", d, train=TRAIN,
+                           checkpoint={"interval": 0, "keep": 1},
+                           debug={"hang_rank": 1, "hang_at_step": 5})
+    proc = _start(2, config, run_dir, log_name="log")
+    code = _finish(proc, run_dir, timeout=400)
+    text = (run_dir / "log.txt").read_text()
+    assert code == 6, text[-4000:]
+    report = json.loads((run_dir / "hang.json").read_text())
+    assert report["ranks"] == [1] and report["frozen"] == [], report
+    rec = report["records"]["1"]
+    assert (rec["step"], rec["phase"]) == (4, "data")
+    assert HANG_S <= report["silent_s"] <= HANG_S + 2, report   # one 0.5 s check period late
+    lines = _lines(text)
+    assert len(lines) == 2 and "Traceback" not in text, text[-4000:]
+    assert {ln.split(":")[1].strip() for ln in lines} == {"rank 0", "rank 1"}
+    for ln in lines:
+        assert f": hang: rank 1 (host {rec['host']}, pid {rec['pid']}) after step 4 in phase " \
+               f"data: no progress for " in ln, ln
+    stacks = (run_dir / "stacks_rank_00001.txt").read_text()
+    # every thread's stack (faulthandler): the main thread sits in the step's data phase
+    assert "in train_step" in stacks and stacks.count("hread 0x") >= 2, stacks
+    assert not (run_dir / "stacks_rank_00000.txt").exists()
+    print(f"\nlive rank stuck in a phase: reported after {report['silent_s']} s of silence "
+          f"(allowance {report['allowance_s']} s)")
