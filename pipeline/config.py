@@ -125,6 +125,23 @@ class TrainSection:
     - `loss_chunk_tokens`: rows of logits alive at a time in the output layer (all impls).
     - `compile`: regional `torch.compile` of each decoder block (`Qwen3.compile_layers`; the
       first steps pay the compilation).
+
+    Hangs, stragglers, collectives (`pipeline.training.watchdog`; seconds):
+    - `hang_timeout_s`: how long a phase of a training step (data, forward/backward, the step's
+      all-reduce, optimizer) may go without progress before the job counts as hung (exit 6,
+      one line per live rank naming the stuck rank(s), `<run_dir>/hang.json`). null (default)
+      derives it from the step times after warm-up: max(120 s, 10 x median step time);
+      0 switches the watchdog off. Checkpoint saves get max(3 x that, 3 x the last save,
+      min(30 s, 3 x that) + checkpoint bytes / 100 MB/s), a validation micro-batch 3 x that.
+    - `hang_warmup_s`: the allowance of the set-up (engine build, DeepSpeed op builds,
+      checkpoint load), the first 3 steps after each start (compilation, first loader fill)
+      and the first validation.
+    - `collective_timeout_s`: the process groups' collective timeout (the backstop behind the
+      watchdog; on CUDA also NCCL's watchdog, whose flight-recorder dump goes to the run
+      folder); must exceed `hang_timeout_s` and `hang_warmup_s`.
+    - `straggler_factor`, `straggler_intervals`: a rank whose compute time per step (the step's
+      time minus its wait in the step's all-reduce), averaged over a log interval, exceeds the
+      median rank's by this factor for this many log intervals in a row gets one warning line.
     """
     max_steps: int = MISSING
     micro_batch_size: int = 1
@@ -144,6 +161,11 @@ class TrainSection:
     log_interval: int = 1
     eval_interval: int = 0
     eval_batches: int = 0
+    hang_timeout_s: Optional[float] = None
+    hang_warmup_s: float = 900.0
+    collective_timeout_s: float = 1800.0
+    straggler_factor: float = 1.5
+    straggler_intervals: int = 3
 
 
 @dataclass
@@ -211,8 +233,25 @@ class LogSection:
 
 @dataclass
 class DebugSection:
-    """Fault injection for tests: make the loss NaN on global rank 0 at these steps (1-based)."""
+    """Fault injection, for tests and for trying the robustness features by hand; never set in
+    a real run. `nan_at_steps`: make the loss NaN on global rank 0 at these steps (1-based).
+    Slowness (seconds, on every rank unless said otherwise; the watchdog must not stop a run
+    slowed so, within its allowances): `slow_first_step_s` sleeps in the first step of each
+    start (data phase), `slow_save_s` in each checkpoint save after DeepSpeed's files are
+    written (the `.partial` folder exists), `slow_eval_s` in each validation micro-batch;
+    `slow_rank` (-1 = none) sleeps `slow_rank_s` in every step before the step's all-reduce (a
+    straggler: named in metrics.jsonl and the straggler warning). `hang_rank` (-1 = none) stops
+    making progress forever at step `hang_at_step` (1-based; its process stays alive and its
+    main thread sleeps, as on a GPU hang): the hang watchdog must name it, and it writes its
+    stacks."""
     nan_at_steps: List[int] = field(default_factory=list)
+    slow_first_step_s: float = 0.0
+    slow_save_s: float = 0.0
+    slow_eval_s: float = 0.0
+    slow_rank: int = -1
+    slow_rank_s: float = 0.0
+    hang_rank: int = -1
+    hang_at_step: int = 0
 
 
 @dataclass
@@ -474,6 +513,24 @@ def _validate(cfg: DictConfig, world_size: int | None) -> Plan:
     need(t.log_interval >= 1, f"train.log_interval must be >= 1, got {t.log_interval}")
     need(t.eval_interval >= 0, f"train.eval_interval must be >= 0, got {t.eval_interval}")
     need(t.eval_batches >= 0, f"train.eval_batches must be >= 0, got {t.eval_batches}")
+    import math
+    hang = t.hang_timeout_s
+    need(hang is None or (math.isfinite(hang) and hang >= 0),
+         f"train.hang_timeout_s must be >= 0 seconds (0 = off) or null (derived), got {hang}")
+    need(math.isfinite(t.hang_warmup_s) and t.hang_warmup_s > 0,
+         f"train.hang_warmup_s must be > 0 seconds, got {t.hang_warmup_s}")
+    need(math.isfinite(t.collective_timeout_s) and t.collective_timeout_s > 0,
+         f"train.collective_timeout_s must be > 0 seconds, got {t.collective_timeout_s}")
+    need(t.collective_timeout_s > max(hang or 0.0, t.hang_warmup_s),
+         f"train.collective_timeout_s={t.collective_timeout_s:g} must exceed train.hang_timeout_s "
+         f"and train.hang_warmup_s (={max(hang or 0.0, t.hang_warmup_s):g} s): the collective "
+         f"timeout is the backstop behind the hang watchdog")
+    need(t.straggler_factor > 1, f"train.straggler_factor must be > 1, got {t.straggler_factor}")
+    need(t.straggler_intervals >= 1,
+         f"train.straggler_intervals must be >= 1, got {t.straggler_intervals}")
+    dbg = cfg.debug
+    for k in ("slow_first_step_s", "slow_save_s", "slow_eval_s", "slow_rank_s"):
+        need(dbg[k] >= 0, f"debug.{k} must be >= 0 seconds, got {dbg[k]}")
     need(c.interval >= 0, f"checkpoint.interval must be >= 0, got {c.interval}")
     need(c.keep >= 1, f"checkpoint.keep must be >= 1, got {c.keep}")
     need(not t.offload_params or t.zero_stage == 3, "train.offload_params needs train.zero_stage=3")
@@ -491,6 +548,14 @@ def _validate(cfg: DictConfig, world_size: int | None) -> Plan:
     need(ws >= 1, f"world size must be >= 1, got {ws}")
     need(ws % tp == 0, f"train.tensor_parallel_size={tp} does not divide the world size {ws}")
     dp = ws // tp
+    need(-1 <= cfg.debug.hang_rank < ws,
+         f"debug.hang_rank must be -1 (none) or a rank below the world size {ws}, got "
+         f"{cfg.debug.hang_rank}")
+    need(cfg.debug.hang_at_step >= 0,
+         f"debug.hang_at_step must be >= 0, got {cfg.debug.hang_at_step}")
+    need(-1 <= cfg.debug.slow_rank < ws,
+         f"debug.slow_rank must be -1 (none) or a rank below the world size {ws}, got "
+         f"{cfg.debug.slow_rank}")
     per_step = t.micro_batch_size * dp
     if t.global_batch_size is None:
         ga = t.grad_accum_steps if t.grad_accum_steps is not None else 1

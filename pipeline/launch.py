@@ -19,6 +19,11 @@ What plain torchrun does, and what this changes:
   exit 0, see `pipeline.train`) and then exits 0 like them. Workers run in their own sessions
   (torchrun starts them so), so a Ctrl-C in the terminal reaches them only through this
   forwarding: the first one checkpoints, a second one aborts (the trainer's rule).
+- torchrun's `--max-restarts N` works as there: when a worker fails (a hang, exit 6; a dead
+  peer, exit 5; a crash) all workers of the group are stopped and started again, up to N
+  times, and the new workers resume from the latest complete checkpoint (rank 0 logs one line
+  per restart, with the last hang report's line when there is one). A hang exit is preferred
+  as the cause reported at the end (`root_failure`).
 """
 from __future__ import annotations
 
@@ -27,7 +32,7 @@ import os
 import signal
 import sys
 
-from pipeline.common.cli import EXIT_PEER_LOST, REPORTED
+from pipeline.common.cli import EXIT_HUNG, EXIT_PEER_LOST, REPORTED
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
@@ -58,14 +63,17 @@ def _forward(signum, frame) -> None:
 def root_failure(failures: dict) -> tuple[int, object]:
     """The failed worker whose failure is the job's cause: `(rank, failure)` of the earliest
     failure (by torchrun's timestamp in whole seconds, then rank) that is not a consequence of
-    another: a worker that stopped because a peer was gone (`EXIT_PEER_LOST`), or one killed by
+    another, a hang exit (`EXIT_HUNG`) before any other: a worker that stopped because a peer was gone (`EXIT_PEER_LOST`), or one killed by
     SIGTERM (torchrun's agent stops the remaining workers that way once one has failed; a
     SIGTERM from outside reaches our workers through `_forward` and they exit 0). When only
     such failures exist, the earliest of them. `failures`: torchrun's `{rank: ProcessFailure}`
     (`.exitcode`: negative = killed by that signal, `.timestamp`)."""
     def consequence(f) -> bool:
         return f.exitcode in (EXIT_PEER_LOST, -signal.SIGTERM)
-    return min(failures.items(), key=lambda rf: (consequence(rf[1]), rf[1].timestamp, rf[0]))
+    # a hang exit (EXIT_HUNG) is the job's story first: the stuck rank it names may have been
+    # SIGKILLed by its peers (`pipeline.training.watchdog`) or stopped by the agent afterwards
+    return min(failures.items(), key=lambda rf: (rf[1].exitcode != EXIT_HUNG,
+                                                 consequence(rf[1]), rf[1].timestamp, rf[0]))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -164,6 +164,42 @@ def rendezvous_store(rank: int, world_size: int, timeout_s: float,
     return store
 
 
+# NCCL's own watchdog and flight recorder (torch's variables), set on CUDA unless the user set
+# them: `nccl_defaults`.
+NCCL_TRACE_ENTRIES = 2000
+
+
+def nccl_defaults(dump_dir: str, environ=None) -> dict[str, str]:
+    """Switch on NCCL's error handling and flight recorder, writing its dump into `dump_dir`.
+
+    Sets, only where the variable is unset: TORCH_NCCL_ASYNC_ERROR_HANDLING=1 (a collective
+    that times out aborts its communicator and ends the process instead of hanging),
+    TORCH_NCCL_TRACE_BUFFER_SIZE=2000 (the last 2000 collectives of each rank are recorded),
+    TORCH_NCCL_DUMP_ON_TIMEOUT=1 and TORCH_NCCL_DEBUG_INFO_TEMP_FILE=<dump_dir>/nccl_trace_rank_
+    (on a timeout each rank writes `nccl_trace_rank_<rank>`: per collective its sequence
+    number, process group, op, sizes and state: scheduled, started or completed; the rank
+    whose last collective never started is the one the others wait for). Call before the
+    process group exists; only meaningful with NCCL (untested on this project's CPU machines).
+
+    Args:
+        dump_dir: the run folder (created if missing).
+        environ: the environment to update (default `os.environ`).
+
+    Returns:
+        The variables this call set (name -> value).
+    """
+    env = os.environ if environ is None else environ
+    wanted = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+              "TORCH_NCCL_TRACE_BUFFER_SIZE": str(NCCL_TRACE_ENTRIES),
+              "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+              "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": os.path.join(dump_dir, "nccl_trace_rank_")}
+    done = {k: v for k, v in wanted.items() if k not in env}
+    if done:
+        os.makedirs(dump_dir, exist_ok=True)
+        env.update(done)
+    return done
+
+
 def _env_int(*names: str, default: int) -> int:
     for name in names:
         if name in os.environ:
@@ -228,6 +264,24 @@ def init_megatron_groups(tensor_parallel_size: int, backend: str, timeout_s: flo
         create_gloo_process_groups="nccl" not in str(backend))
 
 
+def attempt_store(timeout_s: float) -> dist.Store:
+    """A client of torchrun's agent store (MASTER_ADDR:MASTER_PORT) whose keys live under
+    `refusion/attempt_<TORCHELASTIC_RESTART_COUNT>/`.
+
+    torchrun keeps its agent store across `--max-restarts` restarts, and torch's env://
+    rendezvous uses it without a per-attempt prefix: the restarted workers then read the dead
+    workers' addresses (measured with torch 2.13 and gloo: `new_group` fails with "Gloo
+    connectFullMesh failed ... Connection refused"). The prefix gives every attempt its own keys.
+
+    Args:
+        timeout_s: the store's timeout (seconds), the collective timeout.
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or "0"
+    base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                         is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+    return dist.PrefixStore(f"refusion/attempt_{attempt}", base)
+
+
 def init_distributed(tensor_parallel_size: int = 1, backend: str | None = None,
                      timeout_s: float = 1800.0) -> ParallelInfo:
     """Start torch.distributed (if needed) and megatron-core's TP/DP groups.
@@ -244,7 +298,8 @@ def init_distributed(tensor_parallel_size: int = 1, backend: str | None = None,
 
     The device is chosen (and LOCAL_RANK rewritten for DeepSpeed) by `bind_local_device`.
     With more than one process and no torchrun agent store, the ranks meet through
-    `rendezvous_store` (bounded by REFUSION_RENDEZVOUS_TIMEOUT, default 60 s).
+    `rendezvous_store` (bounded by REFUSION_RENDEZVOUS_TIMEOUT, default 60 s); under torchrun
+    through the agent's store with one key prefix per restart (`attempt_store`).
 
     Returns:
         ParallelInfo for this process.
@@ -272,6 +327,8 @@ def init_distributed(tensor_parallel_size: int = 1, backend: str | None = None,
         store = None
         if world_size > 1 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
             store = rendezvous_store(rank, world_size, timeout_s)
+        elif world_size > 1:
+            store = attempt_store(timeout_s)
         dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
     init_megatron_groups(tensor_parallel_size, dist.get_backend(), timeout_s)

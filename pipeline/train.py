@@ -29,6 +29,11 @@ agree through the step's all-reduce, checkpoint and exit 0. A second SIGINT abor
 checkpoint, exit 130, one line). Loader workers ignore these signals (`pipeline.data.loader`), so a
 signal sent to the whole process group (SLURM preemption, scancel, Ctrl-C) reaches the trainer only.
 
+Hangs: every rank publishes its step and phase for the hang watchdog (`pipeline.training.
+watchdog`, started in `setup` after the run lock): data / forward_backward per micro-batch,
+collective, optimizer, validation per micro-batch, checkpoint. The tick calls are the only
+thing the loop does for it.
+
 Start-up write check: before building anything, every rank writes a probe file where it will
 write (rank 0: the run folder and metrics.jsonl; every rank: the checkpoint folder), so a
 read-only filesystem or a folder this user may not write stops the job at once, not at the first
@@ -45,7 +50,11 @@ that failed during the run (read-only, permission, ...): one line naming the fol
 failing rank, the cause (with the free space seen only for a full disk or quota) and what to do;
 the partial checkpoint folder removed, the previous one intact. 5 this rank stopped because
 another rank's process is gone (killed, crashed; one line per surviving rank instead of the
-collective's traceback; the launcher reports the dead rank). 130 a second Ctrl-C. An error raised
+collective's traceback; the launcher reports the dead rank). 6 the hang watchdog found a rank
+that made no progress within its allowance (`pipeline.training.watchdog`: one line per live rank
+naming the stuck rank(s), host, last step and phase and the silence; `<run_dir>/hang.json`; the
+stuck rank's Python stacks in `<run_dir>/stacks_rank_N.txt` when it could still write them).
+130 a second Ctrl-C. An error raised
 on one rank only is printed once by that rank; the other ranks exit with the same code without a
 traceback. Under torchrun the launcher turns these into its own exit 1 and a traceback;
 `python -m pipeline.launch` (same arguments) keeps them. A wandb failure mid-run is one warning
@@ -59,7 +68,9 @@ the checkpoint's `shard_sets` records each set and the step it began at.
 metrics.jsonl (rank 0, appended; a resumed run appends again from its checkpoint step, so a
 reader keeps the last line per (kind, step)): one JSON object per line with `kind` "train"
 (step, loss, ar_loss, mdm_loss, lr, grad_norm, tokens_per_s, tflops_per_device, mfu, hfu,
-peak_memory_bytes, consumed_samples, consumed_tokens, step_time_s, skipped) or "val" (step,
+peak_memory_bytes, consumed_samples, consumed_tokens, step_time_s, skipped; at each log
+interval also straggler_rank, straggler_host, straggler_compute_s, median_compute_s,
+straggler_skew: `Trainer._stragglers`, `pipeline.training.metrics.StragglerTracker`) or "val" (step,
 val_loss, val_ar_loss, val_mdm_loss, val_batches).
 """
 from __future__ import annotations
@@ -112,7 +123,11 @@ class Trainer:
         self.signal_received = 0
         self.run_lock = None          # pipeline.runlock.RunLock (rank 0)
         self.monitor = None           # pipeline.monitor.Monitor (metrics.jsonl, wandb), set up in setup()
+        self.watchdog = None          # pipeline.training.watchdog.Watchdog, started in setup()
         self.state = TrainState()
+        self._steps_here = 0          # steps run by this process (the first one may be slowed)
+        self._compute_s: list[float] = []   # this rank's compute time per step since the last log
+        self.stragglers = None        # pipeline.training.metrics.StragglerTracker, set up in setup()
 
     @property
     def step(self) -> int:
@@ -149,7 +164,11 @@ class Trainer:
 
         cfg = self.cfg
         self._install_signals()
-        self.info = info = init_distributed(self.plan.tp_size)
+        if torch.cuda.is_available():  # NCCL's watchdog + flight recorder (parallel.nccl_defaults)
+            from pipeline.parallel import nccl_defaults
+            nccl_defaults(str(cfg.run_dir))
+        self.info = info = init_distributed(self.plan.tp_size,
+                                            timeout_s=float(cfg.train.collective_timeout_s))
         # deepspeed.comm wraps the existing default group (zero.Init reads ranks through it).
         deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo",
                                    auto_mpi_discovery=False)
@@ -163,6 +182,7 @@ class Trainer:
         self.console = ConsoleLog(cfg.train.max_steps, cfg.train.log_interval)
         self._check_write_access()
         self._lock_run_dir()
+        self._start_watchdog()
 
         # Resume decided before building: a resumed run does not need initial weights.
         latest = run_on_rank0(lambda: ckpt.find_latest(self.ckdir) if cfg.checkpoint.resume
@@ -179,6 +199,8 @@ class Trainer:
                 raise
             raise TrainError(f"init.hf_path: {_first_line(e)}") from None
 
+        if self.watchdog is not None:  # the save allowance scales with the checkpoint's size
+            self.watchdog.policy.checkpoint_bytes = _checkpoint_bytes(self.engine, info.tp_size)
         self.train_loader = self._build_loader(cfg.data.train_split, train=True)
         if latest is not None:
             state = ckpt.load_latest(self.engine, self.ckdir, model_config=self.mcfg,
@@ -209,6 +231,56 @@ class Trainer:
         self._init_wandb()
         self.peak_flops = peak_flops_per_device(cfg)
 
+    def _start_watchdog(self) -> None:
+        """The hang watchdog (`pipeline.training.watchdog`; collective): a token agreed through
+        rank 0, the policy from `train.hang_timeout_s` / `train.hang_warmup_s`, the run lock
+        released before a hang exit. Also gathers every rank's host name (straggler lines) and,
+        on a restart by torchrun (`--max-restarts`), logs one line saying so."""
+        import json
+        import secrets
+        import socket
+        import torch.distributed as dist
+        from pipeline.parallel import broadcast_from_rank0
+        from pipeline.training.metrics import StragglerTracker
+        from pipeline.training.watchdog import HANG_FILE, HangPolicy, Watchdog
+        t = self.cfg.train
+        hosts = [socket.gethostname()]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            hosts = [None] * dist.get_world_size()
+            dist.all_gather_object(hosts, socket.gethostname())
+        self.stragglers = StragglerTracker(hosts, float(t.straggler_factor),
+                                           int(t.straggler_intervals))
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        if restart and self.is_rank0:
+            cause = ""
+            report = os.path.join(self.cfg.run_dir, HANG_FILE)
+            try:
+                with open(report) as f:
+                    hang = json.load(f)
+                if time.time() - float(hang.get("time_unix_s", 0)) < 3600:
+                    cause = f"; the last hang report ({report}): {hang.get('line')}"
+            except (OSError, ValueError):
+                pass
+            log.warning("restart %d of at most %s by the launcher (--max-restarts) after the "
+                        "previous workers failed%s", restart,
+                        os.environ.get("TORCHELASTIC_MAX_RESTARTS", "?"), cause)
+        policy = HangPolicy(hang_timeout_s=t.hang_timeout_s, warmup_s=float(t.hang_warmup_s))
+        if not policy.enabled:
+            return
+        token = broadcast_from_rank0(secrets.token_hex(8))
+
+        def release_lock():
+            if self.run_lock is not None:
+                self.run_lock.release()
+        self.watchdog = Watchdog(str(self.cfg.run_dir), self.info.rank, self.info.world_size,
+                                 policy, token, on_exit=release_lock)
+        self.watchdog.start()
+
+    def _progress(self, phase: str, step: int | None = None) -> None:
+        """A progress tick for the hang watchdog (no I/O)."""
+        if self.watchdog is not None:
+            self.watchdog.progress(phase, step)
+
     def _check_write_access(self) -> None:
         """Before anything is built: every rank writes a probe file where it will write
         (`pipeline.common.diskspace.check_writable`): rank 0 in the run folder (run.lock,
@@ -221,7 +293,10 @@ class Trainer:
         import torch.distributed as dist
         from pipeline.common.diskspace import NotWritableError, check_writable
         from pipeline.monitor import METRICS_FILE
-        targets = [("checkpoint.dir", self.ckdir, ())]
+        from pipeline.training.watchdog import PROGRESS_DIR
+        # every rank: the watchdog's progress records (`pipeline.training.watchdog`)
+        targets = [("run_dir", os.path.join(str(self.cfg.run_dir), PROGRESS_DIR), ()),
+                   ("checkpoint.dir", self.ckdir, ())]
         if self.is_rank0:
             targets.insert(0, ("run_dir", self.cfg.run_dir, (METRICS_FILE,)))
         mine = None
@@ -331,6 +406,12 @@ class Trainer:
             loss_kw = {"head_loss": functools.partial(eng.module.head_loss, impl=t.loss_impl,
                                                       chunk_tokens=t.loss_chunk_tokens)}
         for micro in range(plan.grad_accum_steps):
+            self._progress("data", self.step)
+            if micro == 0 and self._steps_here == 0 and cfg.debug.slow_first_step_s:
+                time.sleep(cfg.debug.slow_first_step_s)   # fault injection (debug section)
+            if cfg.debug.hang_rank == self.info.rank and step_no == cfg.debug.hang_at_step:
+                while True:   # fault injection: alive, stuck for good (debug.hang_rank)
+                    time.sleep(3600)
             batch = self._next_batch()
             keys_of.append(list(batch.get("keys", [])))
             b = self._batch_to_device(batch)
@@ -346,6 +427,7 @@ class Trainer:
                 batch["input_ids"].numel() - real, self.mcfg.recompute, t.loss_impl)
             model_flops += mf
             hw_flops += hf
+            self._progress("forward_backward")
             hidden = eng(b["input_ids"], b["position_ids"], segment_ids=b["segment_ids"],
                          return_hidden=True, cu_seqlens=b.get("cu_seqlens"),
                          max_seqlen=b.get("max_seqlen"))
@@ -365,8 +447,14 @@ class Trainer:
                           vals.new_tensor([tokens, rows, float((~finite).sum()),
                                            1.0 if self.signal_received else 0.0,
                                            model_flops, hw_flops])])
+        if cfg.debug.slow_rank == self.info.rank and cfg.debug.slow_rank_s:
+            time.sleep(cfg.debug.slow_rank_s)   # fault injection: a straggler (debug section)
+        self._progress("collective")
+        t_wait = time.perf_counter()
         dist.all_reduce(sums)
         sums = sums.cpu()
+        t_wait = time.perf_counter() - t_wait   # waiting for the slowest rank, mostly
+        self._progress("optimizer")
         bad = [(i, keys_of[i]) for i in range(len(keys_of)) if not bool(finite[i])]
         tp = plan.tp_size
         nonfinite = sums[5].item() > 0
@@ -387,6 +475,10 @@ class Trainer:
             raise RuntimeError(f"step {step_no}: the loss was non-finite but DeepSpeed applied the "
                                f"update; nan_policy=skip is not supported with this ZeRO stage")
         dt = time.perf_counter() - t0
+        self._steps_here += 1
+        self._compute_s.append(dt - t_wait)
+        if self.watchdog is not None:
+            self.watchdog.policy.record_step(dt)
         n_losses = (plan.dp_size * plan.grad_accum_steps) - sums[5].item() / tp
         tokens = int(round(sums[3].item() / tp))  # global: sum over DP ranks (TP ranks repeat)
         rows = int(round(sums[4].item() / tp))
@@ -414,17 +506,45 @@ class Trainer:
         return metrics, nonfinite, sig
 
 
+    def _stragglers(self) -> dict:
+        """Straggler figures of the log interval just ended (collective: one all-reduce of
+        one float per rank): every rank's mean compute time per step (the step's time minus its
+        wait in the step's all-reduce), judged by `pipeline.training.metrics.StragglerTracker`
+        (its record fields; one warning line for a persistent straggler)."""
+        import torch
+        import torch.distributed as dist
+        mine = sum(self._compute_s) / len(self._compute_s) if self._compute_s else 0.0
+        self._compute_s = []
+        world = self.info.world_size
+        per_rank = [mine]
+        if dist.is_initialized() and world > 1:
+            self._progress("collective")
+            v = torch.zeros(world, dtype=torch.float64)
+            v[self.info.rank] = mine
+            dist.all_reduce(v)
+            per_rank = v.tolist()
+        return self.stragglers.update(per_rank, self.step, warn=self.is_rank0)
+
     def evaluate(self) -> dict:
         """Validation loss over up to `train.eval_batches` micro-batches per DP rank (0 = the
         whole split, every sample exactly once whatever the DP size), weighted by tokens and
         segments over all ranks (`pipeline.training.validation.run_validation`), so the figure
         does not depend on the DP size or micro-batch size. Returns the "val" record."""
         from pipeline.training.validation import run_validation
+        slow = float(self.cfg.debug.slow_eval_s)
+
+        def tick():
+            if slow:
+                time.sleep(slow)   # fault injection (debug.slow_eval_s)
+            self._progress("validation")
+        self._progress("validation", self.step)
         figs = run_validation(self.engine, lambda: self._build_loader(self.cfg.data.val_split,
                                                                       train=False),
                               self.plan.micro_batch_size, self.plan.row_length,
                               self.plan.tp_size, self.objective_cfg, self.device,
-                              limit=self.cfg.train.eval_batches)
+                              limit=self.cfg.train.eval_batches, progress=tick)
+        if self.watchdog is not None:
+            self.watchdog.policy.validations_seen += 1
         return {"kind": "val", "step": self.step, "val_loss": figs["val_loss"],
                 "val_ar_loss": figs["val_ar_loss"], "val_mdm_loss": figs["val_mdm_loss"],
                 "val_batches": figs["val_batches"], "val_tokens": figs["val_tokens"]}
@@ -438,8 +558,12 @@ class Trainer:
                                         OmegaConf.to_container(self.cfg, resolve=True),
                                         self.plan.global_batch_size)
         t0 = time.time()
+        self._progress("checkpoint", self.step)
         save_checkpoint(self.engine, self.ckdir, self.step, state,
-                        keep_last=self.cfg.checkpoint.keep, model_config=self.mcfg)
+                        keep_last=self.cfg.checkpoint.keep, model_config=self.mcfg,
+                        pause_after_write_s=float(self.cfg.debug.slow_save_s))
+        if self.watchdog is not None:
+            self.watchdog.policy.last_save_s = time.time() - t0
         self._last_saved = self.step
         if self.is_rank0 and self.cfg.checkpoint.reshard:  # a conversion is stale now
             from pipeline.checkpoint.reshard import remove_conversions
@@ -484,6 +608,8 @@ class Trainer:
                               f"good checkpoint in {self.ckdir})", file=sys.stderr, flush=True)
                     code = EXIT_NONFINITE
                     break
+                if self.step % cfg.train.log_interval == 0:
+                    metrics.update(self._stragglers())
                 self._record(metrics)
                 if should_evaluate(self.step, cfg.train.eval_interval, sig):
                     self._record(self.evaluate())
@@ -516,6 +642,13 @@ class Trainer:
 # --------------------------------------------------------------------------------------------
 # Entry point
 # --------------------------------------------------------------------------------------------
+
+def _checkpoint_bytes(engine, tp_size: int) -> float:
+    """Estimated bytes of one checkpoint of the whole job: 16 bytes per parameter (weights,
+    fp32 master weights, two Adam moments) over all tensor-parallel ranks."""
+    n = sum(int(getattr(p, "ds_numel", p.numel())) for p in engine.module.parameters())
+    return 16.0 * n * tp_size
+
 
 def _seed_everything(seed: int) -> None:
     import random
@@ -584,9 +717,12 @@ def _agent_store():
         return None
     try:
         import datetime
-        from torch.distributed import TCPStore
-        return TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                        is_master=False, timeout=datetime.timedelta(seconds=10))
+        from torch.distributed import PrefixStore, TCPStore
+        store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                         is_master=False, timeout=datetime.timedelta(seconds=10))
+        # one key space per torchrun restart (pipeline.parallel.attempt_store)
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or "0"
+        return PrefixStore(f"refusion/attempt_{attempt}/pre-init", store)
     except Exception:
         return None
 
@@ -690,6 +826,8 @@ def main(argv: list[str] | None = None) -> int:
         # peer"). A peer that reported its error: that rank's one line is the story, exit with
         # its code. A peer that died without a word (killed, crashed): one line here naming
         # this rank, exit 5 (the launcher reports the dead rank). Anything else: the traceback.
+        if trainer.watchdog is not None:  # a hang was declared: its line, not a lost peer's
+            trainer.watchdog.act_on_report()
         peer = _reported_error_code()
         if peer is not None:
             code = peer
@@ -702,6 +840,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"says why", file=sys.stderr, flush=True)
             code = EXIT_PEER_LOST
     finally:
+        if trainer.watchdog is not None:
+            trainer.watchdog.stop()
         if trainer.run_lock is not None:
             trainer.run_lock.release()
         from pipeline.parallel import destroy_distributed

@@ -42,6 +42,13 @@
 #   script runs `scontrol requeue $SLURM_JOB_ID`, and the requeued job resumes from the latest
 #   checkpoint (same command, auto-resume). SIGTERM (scancel, preemption) is forwarded too (the
 #   trainer checkpoints) but does not requeue by itself.
+# - A fault requeues the job too: when the training tasks exit with 6 (the trainer's hang
+#   watchdog found a rank that made no progress; its line names the rank, the report is
+#   <run_dir>/hang.json) or 5 (a rank's process was gone), this script logs one line with the
+#   cause and runs `scontrol requeue`; the requeued job resumes from the latest complete
+#   checkpoint. At most REFUSION_MAX_REQUEUES (default 3) such requeues per job, counted in
+#   $REFUSION_STATE_DIR/requeues-<job id> (time-limit requeues are not counted), so a
+#   persistent fault (a bad node) stops the job with one line instead of looping.
 # - The requeued job appends to the same log (--open-mode=append).
 #
 # Environment knobs (all optional):
@@ -53,6 +60,8 @@
 #   REFUSION_RENDEZVOUS_TIMEOUT  seconds every rank waits to join the rendezvous (default 60)
 #   SRUN_EXTRA_ARGS      extra srun options, e.g. "--cpu-bind=cores" or "--gpu-bind=closest"
 #   REQUEUE_ON_SIGNAL    1 (default) requeue after a SIGUSR1-triggered checkpoint; 0 to not
+#   REFUSION_MAX_REQUEUES requeues after a hang (exit 6) or a lost rank (exit 5); default 3, 0 = none
+#   REFUSION_STATE_DIR   where the fault-requeue count is kept (default: $REFUSION_ROOT/.cache/slurm)
 #   TORCH_EXTENSIONS_DIR DeepSpeed's JIT-op cache (default: $REFUSION_ROOT/.cache/torch_extensions)
 #   WANDB_MODE etc. pass through (sbatch exports the submitting environment).
 #
@@ -146,5 +155,25 @@ log "training tasks exited with status $rc"
 if [ "$SIGNALLED" = USR1 ] && [ "$rc" = 0 ] && [ "${REQUEUE_ON_SIGNAL:-1}" = 1 ]; then
   log "checkpointed on SIGUSR1: requeueing job $SLURM_JOB_ID"
   scontrol requeue "$SLURM_JOB_ID"
+fi
+
+# A hang (6) or a lost rank (5): requeue, at most REFUSION_MAX_REQUEUES times for this job.
+case "$rc" in
+  6) cause="a rank hung (exit 6: the trainer's hang line above names it; report in <run_dir>/hang.json)" ;;
+  5) cause="a rank's process was gone (exit 5: its own output above says why)" ;;
+  *) cause="" ;;
+esac
+if [ -n "$cause" ] && [ -z "$SIGNALLED" ]; then
+  MAX_REQUEUES=${REFUSION_MAX_REQUEUES:-3}
+  STATE_DIR=${REFUSION_STATE_DIR:-$ROOT/.cache/slurm}
+  COUNT_FILE=$STATE_DIR/requeues-$SLURM_JOB_ID
+  done_requeues=$(cat "$COUNT_FILE" 2>/dev/null || echo 0)
+  if [ "$done_requeues" -lt "$MAX_REQUEUES" ] 2>/dev/null; then
+    mkdir -p "$STATE_DIR" && echo $(( done_requeues + 1 )) > "$COUNT_FILE"
+    log "requeue $(( done_requeues + 1 ))/$MAX_REQUEUES of job $SLURM_JOB_ID: $cause; it resumes from the latest checkpoint"
+    scontrol requeue "$SLURM_JOB_ID"
+  else
+    log "not requeueing job $SLURM_JOB_ID: $cause, after $done_requeues fault requeue(s) (REFUSION_MAX_REQUEUES=$MAX_REQUEUES); look at the cause, then resubmit"
+  fi
 fi
 exit "$rc"

@@ -18,6 +18,7 @@ import fcntl
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -416,3 +417,128 @@ def test_shard_array_and_merge_on_the_cluster(tmp_path, slurm_cluster):
     text = _wait_log("logs/again-merge-*.out", tmp_path, r"merge exited with status \d+")
     assert "merge exited with status 0" in text and "merged 12 part(s)" in text
     assert _dataset(tmp_path / "out") == _dataset(one)
+
+def _task_pid(job: str, rank: int, cfg: Path) -> int | None:
+    """The pid of training task `rank` of Slurm job `job` (its environment says so)."""
+    for p in Path("/proc").iterdir():
+        if not p.name.isdigit():
+            continue
+        try:
+            cmd = (p / "cmdline").read_bytes()
+            if b"pipeline.train" not in cmd or str(cfg).encode() not in cmd:
+                continue
+            env = (p / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"SLURM_JOB_ID={job}".encode() in env and f"RANK={rank}".encode() in env:
+            try:   # the trainer, not one of its loader workers (same command line)
+                ppid = int((p / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                if b"pipeline.train" in Path(f"/proc/{ppid}/cmdline").read_bytes():
+                    continue
+            except (OSError, ValueError, IndexError):
+                continue
+            return int(p.name)
+    return None
+
+
+HANG_CONFIG = CONFIG.replace("eval_interval: 1, eval_batches: 1}", "eval_interval: 0,\n"
+                             "        hang_timeout_s: 4, hang_warmup_s: 60}").replace(
+    "checkpoint: {{interval: 0, keep: 2}}", "checkpoint: {{interval: 3, keep: 3}}")
+
+
+def _hang_job(tmp_path: Path, name: str, max_steps: int, max_requeues: int, stops: int):
+    """Submit pretrain.sh with `REFUSION_MAX_REQUEUES=max_requeues`, SIGSTOP rank 1 `stops`
+    times (once per leg, after a checkpoint), wait for the job to leave the queue. Returns
+    (log text, metrics.jsonl path, checkpoint folder)."""
+    rng = np.random.default_rng(2)
+    data, run, logs = tmp_path / "data", tmp_path / "run", tmp_path / "logs"
+    logs.mkdir()
+    write_shards(str(data), {"train": random_samples(rng, 64, vocab_size=64, max_length=32)},
+                 samples_per_shard=16)
+    cfg = tmp_path / "run.yaml"
+    assert "hang_timeout_s: 4" in HANG_CONFIG and "interval: 3" in HANG_CONFIG
+    cfg.write_text(HANG_CONFIG.format(run=run, data=data, max_steps=max_steps))
+    metrics = run / "metrics.jsonl"
+    import sys
+    env = dict(os.environ, REFUSION_MAX_REQUEUES=str(max_requeues),
+               REFUSION_STATE_DIR=str(tmp_path / "state"), PYTHON=sys.executable)
+    r = subprocess.run(["sbatch", "--parsable", "--time=00:15:00", f"--job-name={name}",
+                        f"--output={logs}/%x-%j.out", str(SCRIPT), str(cfg)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 0, r.stderr
+    job = r.stdout.strip().split(";")[0]
+    log = logs / f"{name}-{job}.out"
+    try:
+        for leg in range(stops):
+            # this leg trained past a checkpoint (step 3 + 3 legs' worth)
+            def this_leg() -> str:
+                text = log.read_text() if log.exists() else ""
+                marker = f"(restart {leg})"
+                return text.split(marker, 1)[1] if marker in text else ""
+            _poll(f"leg {leg + 1} past a checkpoint", lambda: "checkpoint step " in this_leg()
+                      and "training tasks exited" not in this_leg(), 300, log)
+            pid = _poll("rank 1's task", lambda: _task_pid(job, 1, cfg), 60, log)
+            os.kill(pid, signal.SIGSTOP)
+            _poll(f"leg {leg + 1} to end", lambda: "training tasks exited with status"
+                      in this_leg(), 180, log)
+        _poll("the job to leave the queue", lambda: _job_state(job) == "" and
+                  log.read_text().count("training tasks exited with status") >= stops, 400, log)
+    finally:
+        subprocess.run(["scancel", job], capture_output=True, timeout=30)
+    return job, log.read_text(), metrics, run / "checkpoints"
+
+
+def _poll(what: str, cond, timeout_s: float, log: Path):
+    """Poll `cond()` each second (a failed leg is expected here, unlike `_wait_for`)."""
+    t0 = time.time()
+    while time.time() - t0 < timeout_s:
+        value = cond()
+        if value:
+            return value
+        time.sleep(1.0)
+    text = log.read_text() if log.exists() else "(no log)"
+    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}; log:\n"
+                         f"{text[-6000:]}")
+
+
+def _hang_lines(text: str) -> list[str]:
+    return [ln for ln in text.splitlines() if ": hang: " in ln]
+
+
+def test_sbatch_hung_rank_requeues_and_finishes_every_step(tmp_path, slurm_cluster):
+    """A stopped rank (SIGSTOP) in the first leg: exit 6, one requeue line with the cause; the
+    requeued job resumes from the latest checkpoint and finishes; the last record of every step
+    is there once, and a step trained in both legs has the same loss in both."""
+    steps = 14
+    job, text, metrics, ckdir = _hang_job(tmp_path, "refusion-hang", steps, 3, stops=1)
+    assert text.count("training tasks exited with status 6") == 1, text[-6000:]
+    assert text.count("training tasks exited with status 0") == 1, text[-6000:]
+    requeues = [ln for ln in text.splitlines() if "requeue 1/3 of job" in ln]
+    assert len(requeues) == 1 and "a rank hung (exit 6" in requeues[0], text[-6000:]
+    hang = _hang_lines(text)
+    assert hang and all(": hang: rank 1 (host " in ln for ln in hang), hang
+    assert re.search(r"resumed from \S+step_(\d{9}) at step \d+", text), text[-3000:]
+    lines = _train_lines(metrics)
+    first = {}
+    for m in lines:                         # steps re-run after the resume: same loss
+        if m["step"] in first:
+            assert m["loss"] == first[m["step"]], m["step"]
+        first.setdefault(m["step"], m["loss"])
+    assert sorted(first) == list(range(1, steps + 1))
+    assert (ckdir / "latest").read_text().strip() == f"step_{steps:09d}"
+    last = {m["step"]: m for m in lines}
+    assert [last[s]["consumed_samples"] for s in range(1, steps + 1)] == [
+        GLOBAL_BATCH * s for s in range(1, steps + 1)]
+
+
+def test_sbatch_stops_after_max_requeues_with_one_line(tmp_path, slurm_cluster):
+    """REFUSION_MAX_REQUEUES=1: the first hang requeues, the second ends the job with one line."""
+    job, text, metrics, ckdir = _hang_job(tmp_path, "refusion-hang-max", 10 ** 5, 1, stops=2)
+    assert text.count("training tasks exited with status 6") == 2, text[-6000:]
+    assert len([ln for ln in text.splitlines() if "requeue 1/1 of job" in ln]) == 1
+    stop = [ln for ln in text.splitlines() if "not requeueing job" in ln]
+    assert len(stop) == 1, text[-6000:]
+    assert stop[0].endswith(f"not requeueing job {job}: a rank hung (exit 6: the trainer's hang "
+                            f"line above names it; report in <run_dir>/hang.json), after 1 fault "
+                            f"requeue(s) (REFUSION_MAX_REQUEUES=1); look at the cause, then "
+                            f"resubmit"), stop

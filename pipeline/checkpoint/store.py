@@ -302,7 +302,8 @@ def _tp_dp(engine) -> tuple[int, int, int, int]:
 # --------------------------------------------------------------------------- save
 
 def save_checkpoint(engine, root_dir: str | os.PathLike, step: int, client_state: dict,
-                    keep_last: int, model_config: Any = None) -> Path:
+                    keep_last: int, model_config: Any = None,
+                    pause_after_write_s: float = 0.0) -> Path:
     """Save a complete, crash-safe checkpoint of a DeepSpeed engine; collective (all ranks).
 
     Writes DeepSpeed's sharded state (module, ZeRO optimizer partitions, lr scheduler) with
@@ -320,6 +321,8 @@ def save_checkpoint(engine, root_dir: str | os.PathLike, step: int, client_state
         keep_last: number of complete checkpoints to keep (>= 1; 0 keeps all).
         model_config: the model config (dataclass, dict or DictConfig) recorded for export;
             default: `engine.module.cfg` or `engine.module.config` when present.
+        pause_after_write_s: fault injection (`debug.slow_save_s`): seconds to sleep after
+            DeepSpeed's files are in the `.partial` folder, before this rank's own file.
 
     Returns:
         The published folder `root_dir/step_<step>`.
@@ -367,6 +370,8 @@ def save_checkpoint(engine, root_dir: str | os.PathLike, step: int, client_state
     if error is None:
         try:
             _crash_point("after_deepspeed_save")
+            if pause_after_write_s > 0:
+                time.sleep(pause_after_write_s)
             partial.mkdir(parents=True, exist_ok=True)  # ranks that wrote no DeepSpeed file
             _atomic_torch_save(partial / f"refusion_rank_{rank:05d}.pt",
                                {"client_state": client_state, "rng": rng_state(), "rank": rank,

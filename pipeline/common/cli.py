@@ -24,11 +24,17 @@ EXIT_DISK_FULL = 4
 # lost) and a collective failed; one line per surviving rank. The cause is the other rank's own
 # output or the launcher's line (`pipeline.launch` reports that rank's code, not this one).
 EXIT_PEER_LOST = 5
+# Training: the hang watchdog found a rank that made no progress for its allowance
+# (`pipeline.training.watchdog`); one line per live rank naming the stuck rank(s), their host,
+# last step and phase and how long they were silent; the report in <run_dir>/hang.json.
+# `slurm/pretrain.sh` requeues the job on it (and on 5), `pipeline.launch --max-restarts N`
+# restarts the workers; both resume from the latest checkpoint.
+EXIT_HUNG = 6
 # A second Ctrl-C: stopped at once, no checkpoint.
 EXIT_INTERRUPTED = 130
 
 # Codes whose cause the process has already printed as one line (launchers add nothing).
-REPORTED = (EXIT_USAGE, EXIT_NONFINITE, EXIT_DISK_FULL, EXIT_PEER_LOST)
+REPORTED = (EXIT_USAGE, EXIT_NONFINITE, EXIT_DISK_FULL, EXIT_PEER_LOST, EXIT_HUNG)
 
 # `--dtype` names of the CLIs (each may offer a subset).
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,

@@ -1,8 +1,9 @@
 """Step metrics of the training job: device peaks for MFU, peak memory, and the console line.
 
-Owns: `peak_flops_per_device` (the MFU and HFU denominator), `peak_memory_bytes`, and `ConsoleLog`
+Owns: `peak_flops_per_device` (the MFU and HFU denominator), `peak_memory_bytes`, `ConsoleLog`
 (the console line of a train or validation record, train losses averaged over the steps since
-the previous line, Megatron-style). What a record holds is the trainer's (`pipeline.train`);
+the previous line, Megatron-style) and `StragglerTracker` (the slowest rank of a log interval,
+its skew, the straggler warning). What a record holds is the trainer's (`pipeline.train`);
 where records go is `pipeline.monitor`'s. Must not touch: metrics.jsonl, wandb.
 """
 from __future__ import annotations
@@ -85,3 +86,53 @@ class ConsoleLog:
                  m["peak_memory_bytes"] / 2 ** 30,
                  m["consumed_samples"], m["consumed_tokens"],
                  " | SKIPPED (non-finite loss)" if m["skipped"] else "")
+
+
+class StragglerTracker:
+    """The straggler report of each log interval (the trainer gathers the figures).
+
+    Args:
+        hosts: host name of each global rank (list of str, indexed by rank).
+        factor: `train.straggler_factor`: skew above which the slowest rank counts as a straggler.
+        intervals: `train.straggler_intervals`: log intervals in a row, with the same slowest
+            rank above `factor`, before its warning line (printed once per rank per run).
+    """
+
+    def __init__(self, hosts: list, factor: float, intervals: int):
+        self.hosts, self.factor, self.intervals = list(hosts), factor, intervals
+        self._run: tuple[int, int] = (-1, 0)   # (slowest rank, intervals in a row above factor)
+        self.warned: set[int] = set()
+
+    def update(self, per_rank: list[float], step: int, warn: bool = True) -> dict:
+        """Judge one log interval.
+
+        Args:
+            per_rank: each rank's mean compute time per step over the interval (seconds,
+                indexed by global rank).
+            step: optimizer steps done (for the warning line).
+            warn: log the warning line from this process (rank 0).
+
+        Returns:
+            {"straggler_rank": int, "straggler_host": str, "straggler_compute_s": float,
+            "median_compute_s": float, "straggler_skew": float (slowest / median; 1.0 when the
+            median is 0)}.
+        """
+        import statistics
+        slowest = max(range(len(per_rank)), key=lambda r: (per_rank[r], -r))
+        median = statistics.median(per_rank)
+        skew = per_rank[slowest] / median if median > 0 else 1.0
+        rank, run = self._run
+        above = skew > self.factor
+        run = (run + 1 if rank == slowest else 1) if above else 0
+        self._run = (slowest, run)
+        host = self.hosts[slowest] if slowest < len(self.hosts) else "?"
+        if run >= self.intervals and slowest not in self.warned:
+            self.warned.add(slowest)
+            if warn:
+                log.warning("straggler: rank %d (host %s) computed %.3f s per step against the "
+                            "median rank's %.3f s (%.2fx) for %d log intervals in a row (up to "
+                            "step %d; train.straggler_factor=%g)", slowest, host,
+                            per_rank[slowest], median, skew, run, step, self.factor)
+        return {"straggler_rank": slowest, "straggler_host": host,
+                "straggler_compute_s": per_rank[slowest], "median_compute_s": median,
+                "straggler_skew": skew}

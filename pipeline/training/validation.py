@@ -103,7 +103,8 @@ def validation_loss(model, data_dir: str, split: str = "val", micro_batch_size: 
 
 @torch.no_grad()
 def run_validation(engine, make_loader: Callable, micro_batch_size: int, row_length: int,
-                   tp_size: int, objective_cfg, device, limit: int = 0) -> dict:
+                   tp_size: int, objective_cfg, device, limit: int = 0,
+                   progress: Callable[[], None] | None = None) -> dict:
     """The trainer's validation pass (collective over the world).
 
     Each data-parallel rank evaluates its share of the split (`make_loader()`: a one-pass
@@ -120,6 +121,7 @@ def run_validation(engine, make_loader: Callable, micro_batch_size: int, row_len
         micro_batch_size, row_length: shape of an all-padding batch (rows x tokens).
         tp_size: tensor-parallel size. objective_cfg: `ObjectiveConfig` of the run.
         device: where batches go. limit: micro-batches per rank at most (0 = all).
+        progress: called before each micro-batch (the hang watchdog's progress tick).
     Returns:
         {"val_loss", "val_ar_loss", "val_mdm_loss", "val_tokens"} (`loss_figures`) and
         "val_batches" (micro-batches this rank evaluated).
@@ -132,6 +134,8 @@ def run_validation(engine, make_loader: Callable, micro_batch_size: int, row_len
     loader = make_loader()
     it = iter(loader)
     while limit == 0 or n < limit:
+        if progress is not None:
+            progress()
         batch = next(it, None)
         have = torch.tensor([0.0 if batch is None else 1.0], device=device)
         dist.all_reduce(have, op=dist.ReduceOp.MAX)

@@ -1,0 +1,363 @@
+"""Hang detection, stragglers and restarts of the training job, with real processes (2 gloo
+ranks through `python -m pipeline.launch`, tiny CPU model, ZeRO-3).
+
+What is compared against what:
+- The reference is one healthy 12-step run slowed on purpose by the `debug.*` switches: a first
+  step slower than the hang timeout (warm-up allowance), checkpoint saves twice as long as the
+  hang timeout (save allowance), a validation micro-batch longer than it (validation
+  allowance) and rank 1 slowed in every step (a straggler). It must finish (exit 0, no hang
+  line), and rank 1 must be named as the straggler in metrics.jsonl and in one warning line.
+- A hung rank is a stopped process (SIGSTOP: alive, silent, holding its peer in the next
+  collective, as a hung GPU process does). Mid-run: the job ends with exit 6 within the hang
+  timeout plus a few seconds (the detection time is measured from the SIGSTOP to the
+  launcher's exit), one line names rank 1, no traceback; the same command then resumes and
+  every step's losses equal the reference's.
+- During a checkpoint save (the `.partial` folder with DeepSpeed's files exists): detected
+  with the save allowance; with `--max-restarts 1` the launcher restarts the workers, which
+  resume from the previous complete checkpoint (the partial one is never loaded) and finish
+  with the reference's losses.
+- The decision itself (`find_stuck`, `HangPolicy`): pure functions over progress records.
+Timeouts in these runs: `train.hang_timeout_s=4`, `train.hang_warmup_s=60`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from shard_fixtures import write_train_val
+from test_run_safety import _start, _trainer_pid
+from test_train import ROOT, _env, _finish, _log, _metrics, _wait_step, _write_config
+
+HANG_S = 4.0
+STEPS = 12
+TRAIN = {"max_steps": STEPS, "eval_interval": 6, "eval_batches": 1, "log_interval": 1,
+         "hang_timeout_s": HANG_S, "hang_warmup_s": 60.0}
+LOSS_FIELDS = ("loss", "ar_loss", "mdm_loss", "val_loss", "grad_norm", "lr", "consumed_samples")
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    base = tmp_path_factory.mktemp("hang")
+    d = base / "data"
+    write_train_val(d, 48, 4, samples_per_shard=12)
+    return base, d
+
+
+@pytest.fixture(scope="module")
+def healthy(data):
+    """The reference: 12 steps, slowed everywhere the watchdog gives an allowance."""
+    base, d = data
+    run_dir = base / "healthy"
+    config = _write_config(base / "healthy.yaml", d, train=dict(TRAIN, straggler_intervals=3,
+                                                                   straggler_factor=1.25),
+                           checkpoint={"interval": 6, "keep": 2},
+                           debug={"slow_first_step_s": 1.5 * HANG_S, "slow_save_s": 2 * HANG_S,
+                                  "slow_eval_s": 1.5 * HANG_S, "slow_rank": 1,
+                                  "slow_rank_s": 1.2})
+    t0 = time.time()
+    proc = _start(2, config, run_dir, log_name="log")
+    code = _finish(proc, run_dir, timeout=600)
+    return run_dir, code, time.time() - t0
+
+
+def _lines(text: str) -> list[str]:
+    return [ln for ln in text.splitlines() if ln.startswith("pipeline.")]
+
+
+def _same_losses(ref: Path, got: Path) -> None:
+    a, b = _metrics(ref), _metrics(got)
+    assert sorted(a) == sorted(b)
+    assert len([k for k in a if k[0] == "train"]) == STEPS
+    for key in a:
+        for f in LOSS_FIELDS:
+            if f in a[key]:
+                assert b[key][f] == a[key][f], (key, f, a[key][f], b[key][f])
+
+
+def test_healthy_slow_run_is_never_stopped(healthy):
+    run_dir, code, took = healthy
+    text = (run_dir / "log.txt").read_text()
+    assert code == 0, _log(run_dir)
+    assert "hang:" not in text and not (run_dir / "hang.json").exists(), text[-3000:]
+    m = _metrics(run_dir)
+    assert max(s for k, s in m if k == "train") == STEPS
+    assert [s for k, s in sorted(m) if k == "val"] == [6, 12]
+    # the slowness really happened: the first step, two 8 s saves, two validations
+    assert m[("train", 1)]["step_time_s"] > 1.5 * HANG_S
+    assert text.count("checkpoint step ") == 2
+    assert took > 1.5 * HANG_S + 2 * 2 * HANG_S + 2 * 1.5 * HANG_S
+
+
+def test_slowed_rank_is_named_in_metrics_and_one_warning(healthy):
+    run_dir, code, _ = healthy
+    assert code == 0, _log(run_dir)
+    m = _metrics(run_dir)
+    host = socket.gethostname()
+    for step in range(2, STEPS + 1):   # step 1: both ranks slept in their first step
+        r = m[("train", step)]
+        assert r["straggler_rank"] == 1 and r["straggler_host"] == host, (step, r)
+        # 2 ranks: the median is their mean, so skew = 2 s / (s + f) < 2; here 1.5-1.7
+        assert r["straggler_skew"] > 1.25, (step, r)
+        assert r["straggler_compute_s"] >= 1.2
+    text = (run_dir / "log.txt").read_text()
+    warn = [ln for ln in text.splitlines() if "straggler: rank" in ln]
+    assert len(warn) == 1, warn
+    assert f"straggler: rank 1 (host {host}) computed " in warn[0]
+    assert "for 3 log intervals in a row (up to step 4; train.straggler_factor=1.25)" in warn[0]
+
+
+def _wait_for(what, cond, timeout_s: float, proc):
+    t0 = time.time()
+    while time.time() - t0 < timeout_s:
+        v = cond()
+        if v:
+            return v
+        if proc.poll() is not None:
+            raise AssertionError(f"run ended (rc {proc.returncode}) while waiting for {what}")
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_sigstop_mid_run_exits_6_naming_the_rank_and_resumes_exactly(data, healthy):
+    base, d = data
+    run_dir = base / "stop_mid"
+    config = _write_config(base / "stop_mid.yaml", d, train=TRAIN,
+                           checkpoint={"interval": 3, "keep": 2})
+    proc = _start(2, config, run_dir, log_name="leg1")
+    victim = _wait_for("rank 1's process", lambda: _try_pid(proc.pid, 1), 300, proc)
+    _wait_step(proc, run_dir, 7)       # past the first validation (its allowance is 60 s)
+    os.kill(victim, signal.SIGSTOP)
+    t_stop = time.time()
+    try:
+        code = proc.wait(timeout=HANG_S + 90)
+    finally:
+        try:
+            os.kill(victim, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    took = time.time() - t_stop
+    text = (run_dir / "leg1.txt").read_text()
+    assert code == 6, text[-4000:]
+    report = json.loads((run_dir / "hang.json").read_text())
+    assert report["ranks"] == [1] and report["frozen"] == [1]
+    rec = report["records"]["1"]
+    assert rec["pid"] == victim and rec["host"] == socket.gethostname()
+    # the allowance of the phase it stopped in: 4 s in a step, 3 x that in a save or validation
+    assert report["allowance_s"] == {"checkpoint": 3 * HANG_S,
+                                     "validation": 3 * HANG_S}.get(rec["phase"], HANG_S), rec
+    # measured: ends within the allowance + the 0.5 s check period + the exit (generous)
+    assert report["allowance_s"] <= took <= report["allowance_s"] + 10, took
+    lines = _lines(text)
+    assert len(lines) == 1, text[-4000:]
+    assert lines[0].startswith(f"pipeline.train: rank 0: hang: rank 1 (host {rec['host']}, pid "
+                               f"{victim}) after step {rec['step']} in phase {rec['phase']}; its "
+                               f"process is not running: no heartbeat for ")
+    assert f"stopping with exit 6 (report: {run_dir / 'hang.json'})" in lines[0]
+    assert "Traceback" not in text, text[-4000:]
+    print(f"\nSIGSTOP mid-run: exit after {took:.1f} s (allowance {report['allowance_s']} s, "
+          f"phase {rec['phase']})")
+    # the same command resumes and finishes with the reference's losses
+    proc = _start(2, config, run_dir, log_name="leg2")
+    assert _finish(proc, run_dir, timeout=600) == 0, _log(run_dir)
+    assert "resumed from" in (run_dir / "leg2.txt").read_text()
+    _same_losses(healthy[0], run_dir)
+
+
+def _try_pid(root: int, rank: int):
+    try:
+        return _trainer_pid(root, rank)
+    except AssertionError:
+        return None
+
+
+def test_sigstop_during_a_save_restarts_from_the_previous_checkpoint(data, healthy):
+    """SIGSTOP of rank 1 while it is inside the save of step 6 (its DeepSpeed files are in
+    step_000000006.partial, `debug.slow_save_s` holds it there): detected with the save
+    allowance; `pipeline.launch --max-restarts 1` starts the workers again, they resume from
+    step 3 (the partial folder is not a checkpoint) and finish equal to the reference."""
+    from pipeline.checkpoint import find_latest
+    base, d = data
+    run_dir = base / "stop_save"
+    config = _write_config(base / "stop_save.yaml", d, train=TRAIN,
+                           checkpoint={"interval": 3, "keep": 5},
+                           debug={"slow_save_s": 2 * HANG_S})
+    run_dir.mkdir(parents=True)
+    cmd = [sys.executable, "-m", "pipeline.launch", "--standalone", "--nproc_per_node=2",
+           "--max-restarts=1", "-m", "pipeline.train", "--config", str(config),
+           f"run_dir={run_dir}"]
+    out = open(run_dir / "log.txt", "ab")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=out, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    partial = run_dir / "checkpoints" / "step_000000006.partial"
+    try:
+        victim = _wait_for("rank 1's process", lambda: _try_pid(proc.pid, 1), 300, proc)
+        _wait_for("the partial save of step 6", lambda: partial.is_dir() and any(
+            "model_states" in p.name for p in partial.iterdir()), 300, proc)
+        os.kill(victim, signal.SIGSTOP)
+        t_stop = time.time()
+        _wait_for("the hang report", lambda: (run_dir / "hang.json").exists(), 60, proc)
+        took = time.time() - t_stop
+        report = json.loads((run_dir / "hang.json").read_text())
+        assert find_latest(run_dir / "checkpoints").name == "step_000000003"
+        code = _finish(proc, run_dir, timeout=600)
+    finally:
+        try:
+            os.kill(victim, signal.SIGKILL)
+        except (ProcessLookupError, UnboundLocalError):
+            pass
+    text = (run_dir / "log.txt").read_text()
+    assert code == 0, text[-6000:]
+    assert report["ranks"] == [1] and report["records"]["1"]["phase"] == "checkpoint"
+    # max(3 x 4 s, 3 x the step-3 save (8 s asleep + the write), min(30, 12) + tiny bytes)
+    assert 3 * 2 * HANG_S <= report["allowance_s"] <= 3 * (2 * HANG_S + 3), report
+    assert took <= report["allowance_s"] + 10, took
+    print(f"\nSIGSTOP in a save: reported after {took:.1f} s (allowance "
+          f"{report['allowance_s']:.1f} s)")
+    assert "restart 1 of at most 1 by the launcher (--max-restarts)" in text, text[-4000:]
+    assert "the last hang report" in text
+    assert f"resumed from {run_dir / 'checkpoints' / 'step_000000003'} at step 3" in text
+    hang_lines = [ln for ln in text.splitlines() if ": hang: " in ln]
+    assert len(hang_lines) == 1 and hang_lines[0].startswith("pipeline.train: rank 0: hang: rank 1")
+    assert "Traceback" not in text, text[-4000:]
+    assert find_latest(run_dir / "checkpoints").name == f"step_{STEPS:09d}"
+    assert not list((run_dir / "checkpoints").glob("*.partial"))
+    _same_losses(healthy[0], run_dir)
+
+
+# ------------------------------------------------------------------ the decision, pure
+
+def _rec(seq, progress, beat=None, phase="forward_backward", allowance=4.0, step=5):
+    return {"seq": seq, "step": step, "phase": phase, "host": "h", "pid": 1,
+            "progress_unix_s": progress, "beat_unix_s": progress if beat is None else beat,
+            "allowance_s": allowance}
+
+
+def test_find_stuck_names_the_laggard_not_the_rank_waiting_for_it():
+    from pipeline.training.watchdog import find_stuck
+    now = 100.0
+    # rank 1 is behind (seq 10) and silent 5 s > 4 s; rank 0 waits ahead (seq 12), heartbeat fresh
+    recs = {0: _rec(12, 99.0, beat=99.9), 1: _rec(10, 95.0, beat=99.9)}
+    found = find_stuck(recs, now, frozen_after_s=2.0)
+    assert found["ranks"] == [1] and found["frozen"] == [] and found["silent_s"] == 5.0
+    # within its allowance: no hang, however long the waiting rank has been silent
+    assert find_stuck({0: _rec(12, 50.0), 1: _rec(10, 97.0, beat=99.9)}, now, 2.0) is None
+    # a long save: the laggard's own allowance counts
+    assert find_stuck({0: _rec(12, 50.0), 1: _rec(10, 60.0, phase="checkpoint",
+                                                  allowance=60.0, beat=99.9)}, now, 2.0) is None
+    # level in the same collective: the one whose heartbeat stopped is named
+    found = find_stuck({0: _rec(10, 90.0, beat=99.9), 1: _rec(10, 90.0, beat=90.0)}, now, 2.0)
+    assert found["ranks"] == [1] and found["frozen"] == [1]
+    # level and both alive (e.g. a GPU hang inside one collective): both named
+    assert find_stuck({0: _rec(10, 90.0, beat=99.9), 1: _rec(10, 90.0, beat=99.9)}, now,
+                      2.0)["ranks"] == [0, 1]
+    # a rank that finished is not waited for
+    assert find_stuck({0: _rec(30, 10.0, phase="done", allowance=1e18), 1: _rec(40, 99.0)},
+                      now, 2.0) is None
+
+
+def test_hang_policy_derives_allowances_from_measured_steps():
+    from pipeline.training import watchdog as w
+    p = w.HangPolicy(hang_timeout_s=None, warmup_s=900.0)
+    assert p.allowance("setup") == 900.0 and p.allowance("data") == 900.0   # warm-up
+    for t in (50.0, 40.0, 30.0):          # warm-up steps (compilation) are not in the median
+        p.record_step(t)
+    assert p.warm
+    for t in (1.0, 2.0, 30.0):
+        p.record_step(t)
+    assert p.step_allowance() == w.DERIVED_FLOOR_S                 # 10 x median 2 s < floor
+    for t in [20.0] * 10:
+        p.record_step(t)
+    assert p.step_allowance() == 200.0                              # 10 x median 20 s
+    p.checkpoint_bytes = 115e9                                      # an 8B ZeRO-3 checkpoint
+    assert p.save_allowance() == pytest.approx(max(600.0, 30.0 + 1150.0))
+    p.last_save_s = 900.0
+    assert p.save_allowance() == 2700.0
+    assert p.validation_allowance() == 900.0 and p.allowance("done") == float("inf")
+    p.validations_seen = 1
+    assert p.validation_allowance() == 600.0
+    fixed = w.HangPolicy(hang_timeout_s=4.0, warmup_s=60.0)
+    assert fixed.step_allowance() == 60.0
+    for _ in range(3):
+        fixed.record_step(0.1)
+    assert fixed.step_allowance() == 4.0 and fixed.save_allowance() == 12.0
+    assert not w.HangPolicy(hang_timeout_s=0.0, warmup_s=60.0).enabled
+
+
+@pytest.mark.parametrize("override,message", [
+    ("train.hang_timeout_s=-1", "train.hang_timeout_s must be >= 0 seconds (0 = off) or null "
+                                "(derived), got -1.0"),
+    ("train.collective_timeout_s=300", "train.collective_timeout_s=300 must exceed "
+                                       "train.hang_timeout_s and train.hang_warmup_s (=900 s): the "
+                                       "collective timeout is the backstop behind the hang "
+                                       "watchdog"),
+    ("train.straggler_factor=1", "train.straggler_factor must be > 1, got 1.0"),
+    ("debug.slow_rank=5", "debug.slow_rank must be -1 (none) or a rank below the world size 1, "
+                          "got 5"),
+])
+def test_bad_watchdog_settings_are_one_line_before_any_process_group(data, override, message):
+    base, d = data
+    config = _write_config(base / "bad.yaml", d)
+    r = subprocess.run([sys.executable, "-m", "pipeline.train", "--config", str(config),
+                        f"run_dir={base / 'bad'}", override], cwd=ROOT, env=_env(),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.stderr.strip().splitlines() == [f"pipeline.train: config error: {message}"], r.stderr
+
+
+def test_straggler_tracker_warns_once_after_n_intervals(caplog):
+    from pipeline.training.metrics import StragglerTracker
+    t = StragglerTracker(["a", "b", "c"], factor=1.5, intervals=2)
+    with caplog.at_level("WARNING", logger="pipeline.train"):
+        f = t.update([1.0, 1.0, 1.4], step=1)        # skew 1.4: not above the factor
+        assert (f["straggler_rank"], f["straggler_skew"]) == (2, 1.4)
+        t.update([1.0, 2.0, 1.0], step=2)            # rank 1 above (2.0): first interval
+        t.update([1.0, 1.0, 2.0], step=3)            # another rank: the count starts again
+        f = t.update([1.0, 1.0, 2.0], step=4)        # rank 2 twice in a row: warned
+        t.update([1.0, 1.0, 3.0], step=5)            # ... once
+    assert f == {"straggler_rank": 2, "straggler_host": "c", "straggler_compute_s": 2.0,
+                 "median_compute_s": 1.0, "straggler_skew": 2.0}
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warnings == ["straggler: rank 2 (host c) computed 2.000 s per step against the median "
+                        "rank's 1.000 s (2.00x) for 2 log intervals in a row (up to step 4; "
+                        "train.straggler_factor=1.5)"]
+
+
+def test_a_live_rank_stuck_in_a_phase_dumps_its_stacks_and_both_exit_6(data):
+    """`debug.hang_rank=1` at step 5: rank 1's process stays alive (its heartbeat goes on) but
+    its main thread never leaves the data phase, as on a GPU hang. Rank 0 (waiting in the next
+    collective, ahead of it) is not named; rank 1 is, writes its Python stacks and exits 6 itself,
+    and so does rank 0: two lines, no traceback."""
+    base, d = data
+    run_dir = base / "live_hang"
+    config = _write_config(base / "live_hang.yaml", d, train=TRAIN,
+                           checkpoint={"interval": 0, "keep": 1},
+                           debug={"hang_rank": 1, "hang_at_step": 5})
+    proc = _start(2, config, run_dir, log_name="log")
+    code = _finish(proc, run_dir, timeout=400)
+    text = (run_dir / "log.txt").read_text()
+    assert code == 6, text[-4000:]
+    report = json.loads((run_dir / "hang.json").read_text())
+    assert report["ranks"] == [1] and report["frozen"] == [], report
+    rec = report["records"]["1"]
+    assert (rec["step"], rec["phase"]) == (4, "data")
+    assert HANG_S <= report["silent_s"] <= HANG_S + 2, report   # one 0.5 s check period late
+    lines = _lines(text)
+    assert len(lines) == 2 and "Traceback" not in text, text[-4000:]
+    assert {ln.split(":")[1].strip() for ln in lines} == {"rank 0", "rank 1"}
+    for ln in lines:
+        assert f": hang: rank 1 (host {rec['host']}, pid {rec['pid']}) after step 4 in phase " \
+               f"data: no progress for " in ln, ln
+    stacks = (run_dir / "stacks_rank_00001.txt").read_text()
+    # every thread's stack (faulthandler): the main thread sits in the step's data phase
+    assert "in train_step" in stacks and stacks.count("hread 0x") >= 2, stacks
+    assert not (run_dir / "stacks_rank_00000.txt").exists()
+    print(f"\nlive rank stuck in a phase: reported after {report['silent_s']} s of silence "
+          f"(allowance {report['allowance_s']} s)")
