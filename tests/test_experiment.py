@@ -201,7 +201,7 @@ def test_the_boundary_arm_its_runs_and_the_sweep_rule(tmp_path):
         mine = {s for mm, st, s in jobs if mm == m and st == "test"}
         assert set(t.grid) | set(t.arm_grid) | {Setting()} <= mine
     assert {s.verify for s in t.arm_grid} == {"draft_ahead"}
-    assert ("ar_continued", "test", Setting(batch_size=1)) in jobs
+    assert ("refusion_boundary", "test", Setting(batch_size=1)) in jobs
     assert Setting(batch_size=1).name() == "ar_bs1"
     e = Experiment("math", str(tmp_path), natural_order_fraction=0.25)
     assert e.run_dir("refusion_boundary") == tmp_path / "runs" / "refusion_boundary_f0.25"
@@ -212,7 +212,7 @@ def test_the_boundary_arm_its_runs_and_the_sweep_rule(tmp_path):
     assert not any(o.startswith("objective.boundary") for o in e.finetune_overrides("refusion"))
     sw = Experiment("math", str(tmp_path / "s"), sweep=True)
     runs = sw.stage2_runs()
-    assert runs[:2] == ["refusion", "ar_continued"] and len(runs) == len(set(runs)) == 5
+    assert runs[:2] == ["refusion", "ar_continued"] and len(runs) == len(set(runs)) == 6
     assert set(runs[2:]) == {boundary_run(f) for f in t.sweep_fractions}
     em = {0.0: 0.5, 0.25: 0.8, 0.5: 0.85, 0.75: 0.7}
     tpf = {0.0: 2.4, 0.25: 2.2, 0.5: 2.0, 0.75: 1.9}

@@ -232,8 +232,10 @@ class MathTask(Task):
              ("refusion_boundary", "unseen", AR),
              ("refusion_boundary", "unseen", Setting("refusion", 8, 0, 0.9, 0.9, "draft_ahead")),
              ("ar_continued", "test", Setting(batch_size=1)),
-             ("refusion_boundary", "test", Setting("refusion", 8, 0, 0.9, 0.9, "draft_ahead",
-                                                   batch_size=1)))
+             ("refusion_boundary", "test", Setting(batch_size=1)))
+    extra += tuple(("refusion_boundary", "test", Setting("refusion", k, 0, 0.9, 0.9,
+                                                         "draft_ahead", batch_size=1))
+                   for k in (4, 8, 16))
     # Issue 26: the third arm, its decodes (drafting inside the verify forward, lossless at
     # greedy / token threshold 0.9), tokens/s at batch 1, and the natural-order sweep; fixed
     # before any result of the arm. The sweep's rule (`recipe.choose_fraction`): on `dev`, the
@@ -242,8 +244,7 @@ class MathTask(Task):
     arms = ("refusion", "ar_continued", "refusion_boundary")
     arm_grid = tuple(Setting("refusion", k, 0, 0.9, 0.9, "draft_ahead") for k in (4, 8, 16))
     natural_order_fraction = 0.5
-    # (0.25 was in the planned sweep; cut for the CPU time of one more stage-2 run)
-    sweep_fractions = (0.0, 0.5, 0.75)
+    sweep_fractions = (0.0, 0.25, 0.5, 0.75)
     sweep_set = "dev"
     sweep_setting = Setting("refusion", 8, 0, 0.9, 0.9, "draft_ahead")
     diagnose_slot_sizes = (4, 8)
@@ -303,8 +304,8 @@ class MathTask(Task):
                 f"slot size {{4, 8}} x order {{4 blocks, one slot per block}}, slot threshold "
                 f"0.9; verify authors at token threshold {{0.4, 0.9}}, verify correct at 0.9; "
                 f"verify draft_ahead at k {{4, 8, 16}}, token threshold 0.9 (both ReFusion "
-                f"arms); tokens/s at batch {self.decode_batch}, and at batch 1 for AR decoding of "
-                f"`ar_continued` and draft_ahead k=8 of `refusion_boundary`",
+                f"arms); tokens/s at batch {self.decode_batch}, and at batch 1 for the AR "
+                f"decodes and draft_ahead of `refusion_boundary`",
                 f"- `refusion_boundary`: `objective.boundary_labels=true`, "
                 f"`objective.natural_order_fraction={self.natural_order_fraction:g}` (chosen "
                 f"on `{self.sweep_set}` from {{"
