@@ -354,7 +354,9 @@ class Experiment:
         by_model: dict[str, list] = {}
         for model, set_name, s in self.task.jobs():
             by_model.setdefault(model, []).append((set_name, s))
-        for model, jobs in by_model.items():
+        # the newest arm first: its decodes are the ones the task adds
+        for model in sorted(by_model, key=lambda m: m != "refusion_boundary"):
+            jobs = by_model[model]
             loss_path = self.out / "eval" / f"{model}__val_loss.json"
             todo = [(n, s) for n, s in jobs if self._cached(self.eval_path(model, n, s), model)
                     is None]

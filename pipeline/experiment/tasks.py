@@ -118,7 +118,7 @@ class Task(abc.ABC):
         the grid and `arm_grid` for every ReFusion arm, then `extra`."""
         out = [(m, self.main_set, AR) for m in self.arms]
         out += [(m, self.main_set, s) for m in self.refusion_arms
-                for s in self.grid + self.arm_grid]
+                for s in self.arm_grid + self.grid]
         return out + [j for j in self.extra if j not in out]
 
     def sets(self) -> list[str]:
