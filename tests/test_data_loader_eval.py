@@ -48,9 +48,11 @@ def _trainer(info, data_dir, micro_batch_size, pack):
     t.engine, t.mcfg, t.info, t.state = _Engine(model), mcfg, info, TrainState(step=4)
     t.device = torch.device("cpu")
     t.objective_cfg = ObjectiveConfig()
+    t.watchdog = None          # no hang watchdog around this bare trainer
     t.plan = SimpleNamespace(micro_batch_size=micro_batch_size, row_length=24, tp_size=1)
     t.cfg = SimpleNamespace(
         train=SimpleNamespace(eval_batches=0, seed=7),
+        debug=SimpleNamespace(slow_eval_s=0.0),
         data=SimpleNamespace(dir=data_dir, val_split="val", num_workers=0, pack=pack,
                              packing="best_fit", shuffle_buffer=4, verify_shards="error"))
     return t
