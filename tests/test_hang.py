@@ -150,9 +150,13 @@ def test_sigstop_mid_run_exits_6_naming_the_rank_and_resumes_exactly(data, healt
     assert report["ranks"] == [1] and report["frozen"] == [1]
     rec = report["records"]["1"]
     assert rec["pid"] == victim and rec["host"] == socket.gethostname()
-    # the allowance of the phase it stopped in: 4 s in a step, 3 x that in a save or validation
-    assert report["allowance_s"] == {"checkpoint": 3 * HANG_S,
-                                     "validation": 3 * HANG_S}.get(rec["phase"], HANG_S), rec
+    # the allowance of the phase it stopped in: 4 s in a step, 3 x that in validation; a save's
+    # adds the checkpoint's bytes at 100 MB/s and is at least 3 x the last save (both checked
+    # exactly in test_hang_policy_derives_allowances_from_measured_steps): here a floor and a bound
+    if rec["phase"] == "checkpoint":
+        assert 3 * HANG_S <= report["allowance_s"] <= 3 * HANG_S + 30, rec
+    else:
+        assert report["allowance_s"] == {"validation": 3 * HANG_S}.get(rec["phase"], HANG_S), rec
     # measured: ends within the allowance + the 0.5 s check period + the exit (generous)
     assert report["allowance_s"] <= took <= report["allowance_s"] + 10, took
     lines = _lines(text)
