@@ -451,6 +451,19 @@ def _refusion_program(row: _Row, *, gen_length: int, slot_size: int, num_blocks:
             break
 
 
+def _judge(v: torch.Tensor, d: int, token_threshold: float, temperature: float,
+           generator) -> int | None:
+    """The AR head's verdict on the drafted token `d` from its prediction `v: FloatTensor[V]`
+    (logits of the offset): None when `d` is accepted (it is the AR head's choice, the argmax or
+    its sample at temperature > 0, or its probability exceeds `token_threshold`), else the AR
+    head's choice, committed in its place (the correction). Draws one sample at temperature > 0
+    whatever the verdict, so the generator's stream does not depend on it."""
+    a = int(_sample(v, temperature, generator))
+    if d == a or float(_token_probs(v, torch.tensor(d))) > token_threshold:
+        return None
+    return a
+
+
 def _correct(row: _Row, d_off: list[int], d_tok: list[int], logits: torch.Tensor,
              pred: dict, is_open, commit_tokens, *, p0: int, gen_length: int,
              token_threshold: float, temperature: float, eos_id: int | None,
@@ -476,8 +489,8 @@ def _correct(row: _Row, d_off: list[int], d_tok: list[int], logits: torch.Tensor
         else:
             v = pred.get(o)
         if v is not None:
-            a = int(_sample(v, temperature, generator))
-            if d != a and not float(_token_probs(v, torch.tensor(d))) > token_threshold:
+            a = _judge(v, d, token_threshold, temperature, generator)
+            if a is not None:
                 extra = (a, o)
                 break
         m = i + 1
@@ -524,9 +537,8 @@ def _draft_ahead_program(row: _Row, *, gen_length: int, slot_size: int,
         # walk the drafts with the AR head; the first failure gets the AR head's choice
         m, extra, v = 0, None, row.carry_logits
         for i, d in enumerate(d_tok):
-            a = int(_sample(v, temperature, generator))
-            if d != a and not float(_token_probs(v, torch.tensor(d))) > token_threshold:
-                extra = a
+            extra = _judge(v, d, token_threshold, temperature, generator)
+            if extra is not None:
                 break
             m = i + 1
             if eos_id is not None and d == eos_id:
