@@ -298,12 +298,11 @@ def latency_table(rows: list[dict]) -> list[str]:
          "tokens/s at the default batch |", "|---|---|---|---|---|---|"]
     base = next((r for r in one if r["mode"] == "ar" and r["model"] == "ar_continued"), None)
     for r in one:
-        s = setting_of(r)
+        plain = Setting(**{**setting_of(r).to_dict(), "batch_size": 0})   # at the default batch
         twin = next((o for o in rows if batch_of(o) == 0 and o["model"] == r["model"]
-                     and o["mode"] == r["mode"] and (o["mode"] == "ar" or setting_of(o) ==
-                                                     Setting(**{**s.to_dict(), "batch_size": 0}))),
+                     and o["mode"] == r["mode"] and (o["mode"] == "ar" or setting_of(o) == plain)),
                     None)
-        label = "AR" if r["mode"] == "ar" else Setting(**{**s.to_dict(), "batch_size": 0}).label()
+        label = "AR" if r["mode"] == "ar" else plain.label()
         L.append(f"| {r['model']} | {label} | {r['tpf']:.2f} | {r['tps']:.0f} | "
                  + (f"{r['tps'] / base['tps']:.2f}" if base and base["tps"] else "-") + " | "
                  + (f"{twin['tps']:.0f}" if twin else "-") + " |")

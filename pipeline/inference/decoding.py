@@ -531,7 +531,6 @@ def _draft_ahead_program(row: _Row, *, gen_length: int, slot_size: int,
         positions = [p0 + cur + i for i in range(len(d_tok) + n_mask)]
         logits = yield _Request("verify" if d_tok else "plan", d_tok + [mask_id] * n_mask,
                                 positions)
-        row.commit = []
         if row.carry_logits is None or row.carry_last != p0 + cur - 1:
             raise AssertionError("draft_ahead: no AR prediction for the first open offset")
         # walk the drafts with the AR head; the first failure gets the AR head's choice
