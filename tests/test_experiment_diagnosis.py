@@ -129,3 +129,30 @@ def test_first_token_effect_against_plain_ar_decoding(tp1):
     own = [cut([c[0]] + ar_generate(m, [p + [c[0]]], G - 1, 0.0, EOS).tokens[0])
            if c[0] != EOS else [] for p, c in zip(prompts, changed)]
     assert r["exact_match"]["reference"] == sum(o == cut(c) for o, c in zip(own, changed)) / 6
+
+
+def test_slot_acceptance_does_not_depend_on_how_sequences_are_batched(tp1):
+    """`slot_acceptance` batches its sequences by length: on a tiny random Qwen3 with prompts
+    and answers of many lengths, every figure is the same at batch size 1 (no padding), 3 and
+    64."""
+    import types
+
+    from pipeline.experiment.diagnosis import slot_acceptance
+    from pipeline.model import ModelConfig, Qwen3
+    from pipeline.model.init import random_tp_shards
+    from pipeline.model.weights import copy_into_model
+    V, MASK = 64, 63
+    cfg = ModelConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                      attention="sdpa", init_std=0.5)
+    m = Qwen3(cfg, init_weights=False)
+    copy_into_model(m, random_tp_shards(cfg, 7, 0, 1), source="test")
+    m.eval()
+    g = torch.Generator().manual_seed(1)
+    examples = [{"prompt_ids": torch.randint(0, 60, (p,), generator=g).tolist(),
+                 "reference_ids": torch.randint(0, 60, (n,), generator=g).tolist()}
+                for p, n in ((3, 13), (7, 4), (2, 9), (5, 16), (4, 1), (6, 7))]
+    loaded = types.SimpleNamespace(model=m, mask_id=MASK)
+    runs = [slot_acceptance(loaded, examples, 4, 8, (0.1, 0.5), batch_size=b) for b in (1, 3, 64)]
+    assert runs[0]["slots"] == 4 + 1 + 3 + 4 + 1 + 2
+    assert runs[0] == runs[1] == runs[2]

@@ -59,14 +59,17 @@ def slot_acceptance(loaded, examples: list[dict], slot_size: int, block_size: in
     device = next(model.parameters()).device
 
     def logits_of(seqs: list[list[int]]) -> list[torch.Tensor]:
-        out = []
-        for i in range(0, len(seqs), batch_size):
-            chunk = seqs[i:i + batch_size]
-            t = max(map(len, chunk))
-            ids = torch.tensor([c + [0] * (t - len(c)) for c in chunk], device=device)
-            pos = torch.arange(t, device=device).expand(len(chunk), t)
+        # batched by length (longest first), so a batch pads little; returned in input order
+        order = sorted(range(len(seqs)), key=lambda i: -len(seqs[i]))
+        out: list = [None] * len(seqs)
+        for i in range(0, len(order), batch_size):
+            idx = order[i:i + batch_size]
+            t = len(seqs[idx[0]])
+            ids = torch.tensor([seqs[j] + [0] * (t - len(seqs[j])) for j in idx], device=device)
+            pos = torch.arange(t, device=device).expand(len(idx), t)
             lg = gather_logits(model(ids, pos)).float().cpu()   # plain causal; right padding inert
-            out += [lg[j, :len(c)] for j, c in enumerate(chunk)]
+            for row, j in enumerate(idx):
+                out[j] = lg[row, :len(seqs[j])]
         return out
 
     jobs = []   # (prompt, reference, s, slot length)
