@@ -258,3 +258,76 @@ def test_math_report_has_the_sweep_latency_and_both_arms_targets(tmp_path):
     assert "i.e. >= 0.760:" in md and "Goal beyond it" in md    # 95% of 0.80, TPF 2.5
     # batch-1 rows stay out of the main table
     assert md.count("| refusion_boundary | refusion | draft_ahead | 8 |") == 1
+
+
+def test_eval_workers_take_unclaimed_items_and_leave_batch_1_to_the_parent(tmp_path, monkeypatch):
+    """`--parallel` evaluation: a worker computes exactly the items no other worker has
+    claimed (validation losses, decodes, diagnosis profiles), claiming each before it starts,
+    never a batch-1 decode; the parent then computes only the batch-1 decodes, alone; the
+    number of workers is `--parallel` bounded by cores / `--threads`."""
+    import os
+    import types
+    from pipeline.common.atomic_io import write_json
+    import pipeline.experiment.diagnosis as diag
+    import pipeline.inference.loading as loading
+    import pipeline.training.validation as validation
+    t = TASKS["math"]
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    assert Experiment(t, str(tmp_path), parallel=1).eval_workers() == 1
+    assert Experiment(t, str(tmp_path), parallel=0, threads=1).eval_workers() == 2
+    assert Experiment(t, str(tmp_path), parallel=3, threads=2).eval_workers() == 1
+    assert Experiment(t, str(tmp_path), parallel=1).stage_eval_workers() is False
+    done = []
+    monkeypatch.setattr(loading, "load_for_inference",
+                        lambda path: types.SimpleNamespace(model=path))
+    monkeypatch.setattr(validation, "validation_loss", lambda *a: (
+        done.append(("loss", a[0])) or {"val_loss": 1.0, "val_ar_loss": 1.0,
+                                         "val_mdm_loss": 0.0}))
+    monkeypatch.setattr(diag, "slot_acceptance", lambda loaded, ex, k, *a: (
+        done.append(("slots", loaded, k)) or {"first_token_accuracy": 0.5,
+                                              "draft_accuracy_by_offset": [0.5],
+                                              "accepted": {}, "ar_next_token_accuracy": 0.5}))
+    monkeypatch.setattr(diag, "first_token_effect", lambda loaded, *a: (
+        done.append(("first", loaded)) or {"first_token_accuracy": {}, "exact_match": {}}))
+
+    def experiment(worker):
+        e = Experiment(t, str(tmp_path), parallel=2, threads=1, worker=worker)
+        e.examples = lambda set_name: []
+
+        def decode(loaded, model, set_name, s):
+            assert loaded.model == str(e.hf_dir(model))
+            done.append(("decode", model, set_name, s))
+            write_json(e.eval_path(model, set_name, s), {"model": model})
+        e.decode = decode
+        return e
+
+    w = experiment(True)
+    for m in t.arms:
+        w.hf_dir(m).mkdir(parents=True)
+        (w.hf_dir(m) / "config.json").write_text("{}")
+    items = ([w.out / "eval" / f"{m}__val_loss.json" for m in t.arms]
+             + [w.eval_path(m, n, s) for m, n, s in t.jobs()]
+             + [w.out / "diagnose" / f"{m}__slot_acceptance_k{k}.json"
+                for m in t.arms for k in t.diagnose_slot_sizes]
+             + [w.out / "diagnose" / f"{m}__first_token.json" for m in t.arms])
+    other = set(items[::2])                      # claimed by "another worker"
+    for p in other:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        open(f"{p}.claim", "w").close()
+    w.stage_eval()
+    w.stage_diagnose()
+    batch1 = {w.eval_path(m, n, s) for m, n, s in t.jobs() if s.batch_size == 1}
+    assert batch1 and len(done) == len(set(items) - other - batch1)
+    mine = {p for p in items if p.is_file()}
+    assert mine == set(items) - other - batch1
+    assert all(os.path.exists(f"{p}.claim") for p in mine)
+    for p in other - batch1:                     # the other worker finishes its items
+        write_json(p, {"model": "x"})
+    done.clear()
+    parent = experiment(False)
+    parent.stage_eval()
+    parent.stage_diagnose()
+    assert {parent.eval_path(m, n, s) for _, m, n, s in done} == batch1
+    assert all(d[0] == "decode" and d[3].batch_size == 1 for d in done)
+    parent._clear_claims()
+    assert not list(tmp_path.rglob("*.claim"))

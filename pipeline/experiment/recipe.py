@@ -30,6 +30,11 @@ command; the trainer itself resumes from its latest checkpoint):
    JSON under `<out>/eval/<set>/<model>__<setting>.json` with every decoded answer.
 3b. diagnosis: `slot_acceptance` (teacher-forced plan + verify profile) of every arm on the
    main held-out set, per slot size; cached under `<out>/diagnose/`.
+   With `--parallel` other than 1, stages 3 and 3b first run in `eval_workers()` processes of
+   `--threads` threads each (`stage_eval_workers`), which take their items (a validation loss,
+   a decode, a profile) one at a time through claim files, so the work balances itself; the
+   decodes at batch 1 (a latency figure) are left to this process, which runs them alone
+   after the workers.
 4. `report.md`, `frontier.png`, `loss.png`.
 Exit codes: 0 done; 1 a stage failed (its command and exit code on stderr); 2 bad options.
 """
@@ -137,13 +142,15 @@ class Experiment:
         natural_order_fraction: the `refusion_boundary` arm's share (default: the one a
             `--sweep` of this folder chose (`sweep.json`), else the task's; `--sweep` replaces
             it by the one it chooses).
+        worker: True in an evaluation worker process (`stage_eval_workers`): it takes only
+            unclaimed items and leaves the batch-1 decodes to the parent.
     """
 
     def __init__(self, task: Task | str, out: str | None = None,
                  pretrain_steps: int | None = None, finetune_steps: int | None = None,
                  threads: int = 2, nproc: int = 1, micro_batch_size: int | None = None,
                  parallel: int | bool = 1, config: str | None = None, sweep: bool = False,
-                 natural_order_fraction: float | None = None):
+                 natural_order_fraction: float | None = None, worker: bool = False):
         self.task = TASKS[task] if isinstance(task, str) else task
         t = self.task
         self.out = Path(out or f"outputs/experiment/{t.name}")
@@ -153,6 +160,7 @@ class Experiment:
         self.threads, self.nproc = threads, nproc
         self.parallel = 0 if parallel is True else 1 if parallel is False else int(parallel)
         self.sweep = sweep
+        self.worker = worker
         # the share a `--sweep` of this folder chose, else the task's default
         chosen = self.out / "sweep.json"
         default = (json.loads(chosen.read_text())["chosen"] if chosen.is_file()
@@ -285,16 +293,19 @@ class Experiment:
 
     def decode(self, loaded, model: str, set_name: str, s: Setting) -> dict:
         """Decode `set_name` with one setting, write the result (every answer kept) to
-        `eval_path` and return it."""
+        `eval_path` and return it; `threads` and `processes` record what its tokens/s were
+        measured with (torch threads; evaluation processes running at once)."""
         from pipeline.inference.cli import check_decoding_args
         from pipeline.inference.evaluation import exact_match_eval
         args = self.decode_args(s)
         check_decoding_args(args, refusion=s.mode == "refusion")
         r = exact_match_eval(loaded, self.examples(set_name), args, [s.mode], self.task.metric,
                              keep_outputs=True)
+        import torch
         doc = {"model": model, "set": set_name, "mode": s.mode, "setting": s.to_dict(),
                "gen_length": args.gen_length, "num_blocks": args.num_blocks,
-               "hf_dir": str(self.hf_dir(model)), **r[s.mode]}
+               "hf_dir": str(self.hf_dir(model)), "threads": torch.get_num_threads(),
+               "processes": self.eval_workers() if self.worker else 1, **r[s.mode]}
         write_json(self.eval_path(model, set_name, s), doc, indent=None)
         _log(f"{model} {set_name} {s.name()}: exact match {doc['exact_match']:.3f} "
              f"token accuracy {doc['token_accuracy']:.3f} TPF {doc['tpf']:.2f} "
@@ -345,6 +356,54 @@ class Experiment:
             + f" (ar_continued {base:.3f}); chosen natural_order_fraction={self.fraction:g}")
         return None if ran else False
 
+    # ------------------------------------------------ 3./3b. evaluation workers
+    def eval_workers(self) -> int:
+        """Evaluation processes `stage_eval_workers` starts: `--parallel` (0: one per arm),
+        at most one per `--threads` threads of this machine's cores; 1 means none."""
+        if self.parallel == 1:
+            return 1
+        n = self.parallel or len(self.task.arms)
+        return max(1, min(n, (os.cpu_count() or 1) // self.threads))
+
+    def _claim(self, path: Path) -> bool:
+        """True when this process is to compute `path`: always outside a worker; in a worker,
+        when it created `<path>.claim` first (O_EXCL, so two workers never take one item)."""
+        if not self.worker:
+            return True
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.close(os.open(f"{path}.claim", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return False
+        return True
+
+    def _clear_claims(self) -> None:
+        for d in ("eval", "diagnose"):
+            for p in (self.out / d).rglob("*.claim"):
+                p.unlink()
+
+    def stage_eval_workers(self):
+        """Stages 3 and 3b in `eval_workers()` processes at once (`python -m
+        pipeline.experiment --eval-worker`, `--threads` each); the batch-1 decodes stay for
+        `stage_eval`. Returns False (nothing run) with one worker.
+
+        Raises:
+            StageError: a worker failed (after all have ended).
+        """
+        n = self.eval_workers()
+        if n == 1:
+            return False
+        self._clear_claims()       # a claim left by an interrupted run is stale
+        cmd = [sys.executable, "-m", "pipeline.experiment", "--task", self.task.name,
+               "--output", str(self.out), "--threads", str(self.threads),
+               "--natural-order-fraction", f"{self.fraction:g}", "--parallel", str(n),
+               "--eval-worker"]
+        _log(f"evaluation in {n} worker processes of {self.threads} thread(s) each")
+        try:
+            _run_many([cmd] * n, self.threads)
+        finally:
+            self._clear_claims()
+
     def stage_eval(self):
         import torch
         from pipeline.training.validation import validation_loss
@@ -358,12 +417,14 @@ class Experiment:
         for model in sorted(by_model, key=lambda m: m != "refusion_boundary"):
             jobs = by_model[model]
             loss_path = self.out / "eval" / f"{model}__val_loss.json"
+            # a worker leaves the batch-1 decodes (latency) to the parent, which runs them alone
             todo = [(n, s) for n, s in jobs if self._cached(self.eval_path(model, n, s), model)
-                    is None]
+                    is None and not (self.worker and s.batch_size == 1)]
             if self._cached(loss_path, model) is not None and not todo:
                 continue
-            loaded = load_for_inference(str(self.hf_dir(model)))
-            if self._cached(loss_path, model) is None:
+            loaded = None
+            if self._cached(loss_path, model) is None and self._claim(loss_path):
+                loaded = load_for_inference(str(self.hf_dir(model)))
                 ran = True
                 t0 = time.time()
                 loss = validation_loss(loaded.model, str(self.shards), "val", 4,
@@ -374,7 +435,10 @@ class Experiment:
                 _log(f"{model}: validation loss {loss['val_loss']:.4f} (AR "
                      f"{loss['val_ar_loss']:.4f}, MDM {loss['val_mdm_loss']:.4f})")
             for set_name, s in todo:
+                if not self._claim(self.eval_path(model, set_name, s)):
+                    continue
                 ran = True
+                loaded = loaded or load_for_inference(str(self.hf_dir(model)))
                 self.decode(loaded, model, set_name, s)
             del loaded
         return None if ran else False
@@ -395,7 +459,7 @@ class Experiment:
             loaded = None
             for k in t.diagnose_slot_sizes:
                 path = self.out / "diagnose" / f"{model}__slot_acceptance_k{k}.json"
-                if self._cached(path, model) is not None:
+                if self._cached(path, model) is not None or not self._claim(path):
                     continue
                 loaded = loaded or load_for_inference(str(self.hf_dir(model)))
                 r = slot_acceptance(loaded, self.examples(t.main_set), k,
@@ -406,7 +470,7 @@ class Experiment:
                      f"offset {[round(x, 3) for x in r['draft_accuracy_by_offset']]}, accepted "
                      f"per slot {r['accepted']}, AR next token {r['ar_next_token_accuracy']:.3f}")
             path = self.out / "diagnose" / f"{model}__first_token.json"
-            if self._cached(path, model) is None:
+            if self._cached(path, model) is None and self._claim(path):
                 loaded = loaded or load_for_inference(str(self.hf_dir(model)))
                 r = first_token_effect(loaded, self.examples(t.main_set), t.gen_length,
                                        t.diagnose_slot_sizes[0], t.metric)
@@ -496,6 +560,7 @@ class Experiment:
         for name in runs:
             self._timed(f"export {name}", lambda: self.stage_export(name))
         self._timed("sweep", self.stage_sweep)
+        self._timed("evaluate and diagnose (workers)", self.stage_eval_workers)
         self._timed("evaluate", self.stage_eval)
         self._timed("diagnose", self.stage_diagnose)
         return self.stage_report()
@@ -517,7 +582,9 @@ def main(argv=None) -> int:
     p.add_argument("--micro-batch-size", type=int, default=None,
                    help="rows of 256 tokens per optimizer step, all three runs (default 8)")
     p.add_argument("--parallel", nargs="?", type=int, const=0, default=1, metavar="N",
-                   help="train N stage-2 runs at a time, each with --threads (no N: all)")
+                   help="train N stage-2 runs at a time, each with --threads (no N: all), "
+                        "then evaluate in N processes (at most cores / --threads)")
+    p.add_argument("--eval-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--sweep", action="store_true",
                    help="also train every natural-order share of the task's sweep and choose "
                         "refusion_boundary's by the task's rule (writes sweep.json)")
@@ -541,12 +608,17 @@ def main(argv=None) -> int:
         return 2
     exp = Experiment(args.task, args.out, args.pretrain_steps, args.finetune_steps,
                      args.threads, args.nproc, args.micro_batch_size, args.parallel,
-                     args.config, args.sweep, args.natural_order_fraction)
+                     args.config, args.sweep, args.natural_order_fraction,
+                     worker=args.eval_worker)
     if args.only_report and not any((exp.out / "eval").glob("*/*.json")):
         print(f"error: --only-report: {exp.out} holds no decode results of task {args.task} "
               f"(run without --only-report first)", file=sys.stderr)
         return 2
     t0 = time.time()
+    if args.eval_worker:       # one of stage_eval_workers' processes
+        exp.stage_eval()
+        exp.stage_diagnose()
+        return 0
     try:
         path = exp.stage_report() if args.only_report else exp.run()
     except StageError as e:
