@@ -78,6 +78,11 @@ def test_marked_text_groups_tokens_by_the_forward_that_committed_them(tmp_path):
     text = wu.marked_text(tok, ids + [tok.info.eos_id, 9], fw + [6, 6], tok.info.eos_id)
     assert text == "{2:Mia}{4: has 4 pens}"          # the space stays with its token ("▁h")
     assert wu.plain_text(tok, ids + [tok.info.eos_id], tok.info.eos_id) == "Mia has 4 pens"
+    # an id past the tokenizer (an embedding row no piece uses) is dropped, not an error
+    past = tok.info.vocab_size + 5
+    assert wu.plain_text(tok, ids[:3] + [past] + ids[3:], tok.info.eos_id) == "Mia has 4 pens"
+    assert wu.marked_text(tok, ids[:4] + [past] + ids[4:], fw[:4] + [3] + fw[4:],
+                          tok.info.eos_id) == "{2:Mia}{4: has 4 pens}"
 
 
 def _write(path, doc):

@@ -157,9 +157,12 @@ def plot_frontier(rows: list[dict], path: Path, task, target_tpf: float = 1.5,
 def marked_text(tok, ids: list[int], commit_forward: list[int], eos_id: int) -> str:
     """The decoded answer with each run of consecutive tokens committed by the same forward
     written `{f:text}` (f = the row's forward after which they were committed). Text pieces
-    are cut from the decode of growing prefixes, so spaces survive."""
+    are cut from the decode of growing prefixes, so spaces survive. Ids past the tokenizer
+    (embedding rows no piece uses) are dropped, as `Loaded.decode` drops them."""
     n = ids.index(eos_id) if eos_id in ids else len(ids)
-    ids, fw = ids[:n], commit_forward[:n]
+    keep = [j for j in range(n) if 0 <= ids[j] < tok.info.vocab_size]
+    ids, fw = [ids[j] for j in keep], [commit_forward[j] for j in keep]
+    n = len(ids)
     if not ids:
         return ""
 
@@ -176,8 +179,10 @@ def marked_text(tok, ids: list[int], commit_forward: list[int], eos_id: int) -> 
 
 
 def plain_text(tok, ids: list[int], eos_id: int) -> str:
+    """The text of `ids` up to the first `eos_id`, ids past the tokenizer dropped."""
     n = ids.index(eos_id) if eos_id in ids else len(ids)
-    return tok.sp.DecodeIds(ids[:n]) if hasattr(tok, "sp") else tok.tok.decode(ids[:n])
+    ids = [i for i in ids[:n] if 0 <= i < tok.info.vocab_size]
+    return tok.sp.DecodeIds(ids) if hasattr(tok, "sp") else tok.tok.decode(ids)
 
 
 def samples_markdown(rows: list[dict], task, examples: list[dict] | None, tok,
