@@ -349,7 +349,10 @@ def report_markdown(exp, got: dict, runs: dict, tok=None, target_tpf: float = 2.
     L += ["## Settings", "",
           f"- data: {task.data_description} (`{exp.shards}`)",
           f"- model: run config `{exp.config}`; {exp.nproc} process(es) x {exp.threads} "
-          f"thread(s)",
+          f"thread(s)" + (f"; {exp.parallel or len(task.arms)} stage-2 runs at a time"
+                          if exp.parallel != 1 else "")
+          + (f"; evaluation in {exp.eval_workers()} processes at a time, the batch-1 decodes "
+             f"alone afterwards" if exp.eval_workers() > 1 else ""),
           f"- 1. AR pretraining from scratch: {exp.pretrain_steps} steps of "
           f"{exp.micro_batch_size} packed 256-token rows",
           "- stage 2 from the export, " + ", ".join(
