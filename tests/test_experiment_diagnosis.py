@@ -36,6 +36,19 @@ class _Rule(torch.nn.Module):
         return out
 
 
+def _tiny_qwen3(vocab: int, seed: int):
+    """A tiny random Qwen3 (2 layers, hidden 32) in eval mode, weights from `seed`."""
+    from pipeline.model import ModelConfig, Qwen3
+    from pipeline.model.init import random_tp_shards
+    from pipeline.model.weights import copy_into_model
+    cfg = ModelConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                      attention="sdpa", init_std=0.5)
+    m = Qwen3(cfg, init_weights=False)
+    copy_into_model(m, random_tp_shards(cfg, seed, 0, 1), source="test")
+    return m.eval()
+
+
 def test_slot_acceptance_on_models_with_known_answers(tp1):
     """The teacher-forced plan + verify profile, checked where the answer is known: an oracle
     drafts and accepts every token (reading masks as 'this position' and tokens as 'the next
@@ -90,17 +103,9 @@ def test_first_token_effect_against_plain_ar_decoding(tp1):
     import types
 
     from pipeline.inference.decoding import ar_generate
-    from pipeline.model import ModelConfig, Qwen3
-    from pipeline.model.init import random_tp_shards
-    from pipeline.model.weights import copy_into_model
     from pipeline.experiment.diagnosis import first_token_effect
     V, MASK, EOS, G = 64, 63, 62, 6
-    cfg = ModelConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                      attention="sdpa", init_std=0.5)
-    m = Qwen3(cfg, init_weights=False)
-    copy_into_model(m, random_tp_shards(cfg, 5, 0, 1), source="test")
-    m.eval()
+    m = _tiny_qwen3(V, seed=5)
     text = lambda ids: " ".join(map(str, ids))  # noqa: E731
     loaded = types.SimpleNamespace(model=m, mask_id=MASK, eos_id=EOS, decode=text)
     g = torch.Generator().manual_seed(0)
@@ -138,16 +143,8 @@ def test_slot_acceptance_does_not_depend_on_how_sequences_are_batched(tp1):
     import types
 
     from pipeline.experiment.diagnosis import slot_acceptance
-    from pipeline.model import ModelConfig, Qwen3
-    from pipeline.model.init import random_tp_shards
-    from pipeline.model.weights import copy_into_model
     V, MASK = 64, 63
-    cfg = ModelConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                      attention="sdpa", init_std=0.5)
-    m = Qwen3(cfg, init_weights=False)
-    copy_into_model(m, random_tp_shards(cfg, 7, 0, 1), source="test")
-    m.eval()
+    m = _tiny_qwen3(V, seed=7)
     g = torch.Generator().manual_seed(1)
     examples = [{"prompt_ids": torch.randint(0, 60, (p,), generator=g).tolist(),
                  "reference_ids": torch.randint(0, 60, (n,), generator=g).tolist()}
