@@ -167,7 +167,7 @@ def marked_text(tok, ids: list[int], commit_forward: list[int], eos_id: int) -> 
         return ""
 
     def text(j):
-        return tok.sp.DecodeIds(ids[:j]) if hasattr(tok, "sp") else tok.tok.decode(ids[:j])
+        return _text(tok, ids[:j])
     out, start = [], 0
     for j in range(1, n + 1):
         if j == n or fw[j] != fw[start]:
@@ -178,11 +178,16 @@ def marked_text(tok, ids: list[int], commit_forward: list[int], eos_id: int) -> 
     return "".join(out)
 
 
+def _text(tok, ids: list[int]) -> str:
+    """The text of `ids`, ids past the tokenizer (embedding rows no piece uses) dropped."""
+    ids = [i for i in ids if 0 <= i < tok.info.vocab_size]
+    return tok.sp.DecodeIds(ids) if hasattr(tok, "sp") else tok.tok.decode(ids)
+
+
 def plain_text(tok, ids: list[int], eos_id: int) -> str:
     """The text of `ids` up to the first `eos_id`, ids past the tokenizer dropped."""
     n = ids.index(eos_id) if eos_id in ids else len(ids)
-    ids = [i for i in ids[:n] if 0 <= i < tok.info.vocab_size]
-    return tok.sp.DecodeIds(ids) if hasattr(tok, "sp") else tok.tok.decode(ids)
+    return _text(tok, ids[:n])
 
 
 def samples_markdown(rows: list[dict], task, examples: list[dict] | None, tok,
