@@ -208,8 +208,32 @@ def _env_int(*names: str, default: int) -> int:
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (for a rendezvous on this host)."""
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a rendezvous on this host).
+
+    The port lies below the kernel's ephemeral range (`/proc/sys/net/ipv4/ip_local_port_range`,
+    32768-60999 by default), so no outgoing connection (a gloo mesh, another job's store
+    client) can be handed it between this call and the caller's bind; only another explicit
+    bind can race for it. Candidates are drawn at random from [10000, range start) and each is
+    checked by binding it; where the range cannot be read or leaves no room, the kernel picks
+    (port 0), as before.
+    """
+    import random
     import socket
+    low = 10000
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral_start = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_start = low
+    rng = random.SystemRandom()
+    for _ in range(64 if ephemeral_start - low >= 1024 else 0):
+        port = rng.randrange(low, ephemeral_start)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

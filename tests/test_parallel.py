@@ -108,3 +108,21 @@ def test_single_process_without_master_port_takes_a_free_port():
     assert r.returncode == 0, r.stderr[-2000:]
     world, port = r.stdout.split()[-2:]
     assert world == "1" and port != "29500"
+
+
+def test_free_port_lies_below_the_ephemeral_range_and_is_bindable():
+    """No outgoing connection can be handed a free_port() port: it is below the kernel's
+    ephemeral range, and it can be bound (listened on) right away."""
+    import socket
+    from pathlib import Path
+    from pipeline.parallel import free_port
+    start = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    if start - 10000 < 1024:
+        pytest.skip(f"ephemeral range starts at {start}: free_port falls back to port 0")
+    ports = {free_port() for _ in range(20)}
+    assert all(10000 <= p < start for p in ports), ports
+    assert len(ports) > 1   # drawn at random, not one fixed port
+    for p in ports:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", p))
+            s.listen()

@@ -110,14 +110,12 @@ def _env(threads: int) -> dict:
 def _run_many(cmds: list[list[str]], threads: int) -> None:
     """Run commands concurrently from the repository root; raise StageError for the first
     that failed (after all have ended)."""
-    import socket
+    from pipeline.parallel import free_port
     procs = []
     for cmd in cmds:
         _log("$ " + " ".join(cmd))
         env = _env(threads)
-        with socket.socket() as sock:   # a bare trainer's gloo rendezvous: one free port each
-            sock.bind(("127.0.0.1", 0))
-            env["MASTER_PORT"] = str(sock.getsockname()[1])
+        env["MASTER_PORT"] = str(free_port())   # a bare trainer's gloo rendezvous: one each
         procs.append((cmd, subprocess.Popen(cmd, cwd=ROOT, env=env)))
     failed = [(cmd, p.wait()) for cmd, p in procs]
     for cmd, rc in failed:
