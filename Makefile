@@ -31,8 +31,12 @@ demo: venv
 experiment: venv
 	$(PY) -m pipeline.experiment --task $(TASK) $(EXPERIMENT_ARGS)
 
+# pytest-xdist: 3 workers on 2 cores, one test module per worker at a time, longest modules
+# first (tests/conftest.py). Much of the suite waits (SLURM requeues, hang allowances, process
+# start-up), so three workers overlap that waiting with another module's work.
+TEST_WORKERS ?= 3
 test: venv
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
 
 clean:
 	rm -rf $(VENV) .cache
