@@ -52,7 +52,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from data_prep import shard, stdlib_corpus, train_tokenizer  # noqa: E402
+from data_prep import cli, prepare, stdlib_corpus, train_tokenizer  # noqa: E402
 from pipeline.tokenizer import qwen3_tokenizer_dir  # noqa: E402
 
 
@@ -67,8 +67,8 @@ def _digest(folder: Path) -> str:
 _CHILD = """
 import sys
 sys.path.insert(0, {root!r})
-from data_prep import shard
-code = shard.main(["--input", {src!r}, "--output", {out!r}, "--tokenizer", {tok!r}, *{pack!r},
+from data_prep import cli
+code = cli.main(["--input", {src!r}, "--output", {out!r}, "--tokenizer", {tok!r}, *{pack!r},
                    "--max-length", "4096", "--shard-samples", "1000000", "--no-progress"])
 # VmHWM: this process image's peak RSS (ru_maxrss would include the parent's at the fork)
 status = dict(l.split(":", 1) for l in open("/proc/self/status") if l.startswith("Vm"))
@@ -232,7 +232,7 @@ def throughput(tmp: Path, tok: str, megabytes: float, workers: list[int], repeat
           "tokens/s per core")
     t0 = time.perf_counter()
     tk = load_tokenizer(tok)
-    shard.piecewise_ok(tk)
+    prepare.piecewise_ok(tk)
     load_s = time.perf_counter() - t0
     print(f"tokenizer load + piece probe: {load_s:.1f} s (once per process; the runs below "
           "reuse the loaded tokenizer, as a long run amortizes it)")
@@ -241,11 +241,11 @@ def throughput(tmp: Path, tok: str, megabytes: float, workers: list[int], repeat
         best = None
         for rep in range(repeat):
             out = tmp / f"w{w}-{rep}"
-            ns = shard.build_parser().parse_args([
+            ns = cli.build_parser().parse_args([
                 "--input", str(src), "--output", str(out), "--tokenizer", tok, "--max-length",
                 "4096", "--workers", str(w), "--no-progress", "--shard-samples", "1000000"])
             t0, c0 = time.perf_counter(), _cpu_seconds()
-            manifest = shard.run(ns)
+            manifest = prepare.run(ns)
             dt, cpu = time.perf_counter() - t0, _cpu_seconds() - c0
             best = (dt, cpu) if best is None else min(best, (dt, cpu), key=lambda x: x[1])
             digests[(w, rep)] = _digest(out)
@@ -268,7 +268,7 @@ def throughput(tmp: Path, tok: str, megabytes: float, workers: list[int], repeat
     t0 = time.perf_counter()
     norm = [sources.normalize(x, "auto") for x in recs]
     for n_ in norm:
-        shard.record_digest(n_[0], n_[1:])
+        prepare.record_digest(n_[0], n_[1:])
     t["normalize + record digest (sha256)"] = time.perf_counter() - t0
     try:  # whole documents here (shard.py cuts them in pieces): no "longer than" warning
         import transformers
@@ -276,7 +276,7 @@ def throughput(tmp: Path, tok: str, megabytes: float, workers: list[int], repeat
     except ImportError:
         pass
     t0 = time.perf_counter()
-    ids = [np.asarray(shard.encode_piece(tk, n_[1]), dtype=np.uint32) for n_ in norm]
+    ids = [np.asarray(prepare.encode_piece(tk, n_[1]), dtype=np.uint32) for n_ in norm]
     t["tokenize (one process)"] = time.perf_counter() - t0
     chunks = []
     for a in ids:
@@ -369,11 +369,11 @@ def main() -> int:
         for w in (int(x) for x in args.workers.split(",")):
             out = tmp / f"w{w}"
             t0 = time.perf_counter()
-            ns = shard.build_parser().parse_args([
+            ns = cli.build_parser().parse_args([
                 "--input", "stdlib", "--output", str(out), "--tokenizer", tok,
                 "--max-length", str(args.max_length), "--limit", str(args.limit),
                 "--workers", str(w), "--no-progress"])
-            manifest = shard.run(ns)
+            manifest = prepare.run(ns)
             dt = time.perf_counter() - t0
             tokens = sum(e["tokens"] for s in manifest["splits"].values() for e in s)
             samples = sum(e["samples"] for s in manifest["splits"].values() for e in s)

@@ -32,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from data_prep import shard  # noqa: E402
+from data_prep import cli  # noqa: E402
 from pipeline.tokenizer import qwen3_tokenizer_dir  # noqa: E402
 from pipeline.data import build_loader  # noqa: E402
 
@@ -118,7 +118,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "shards")
         t0 = time.perf_counter()
-        code = shard.main(["--input", "stdlib", "--format", "qa", "--output", out,
+        code = cli.main(["--input", "stdlib", "--format", "qa", "--output", out,
                            "--tokenizer", qwen3_tokenizer_dir(), "--max-length", str(T),
                            "--limit", str(args.limit), "--shard-samples", "500", "--no-progress"])
         if code != 0:

@@ -2,9 +2,9 @@
 
 Owns: the options of the one-machine command and of the three stages of a run on many
 machines, their checks (one line, exit code 2), and the mapping of errors to exit codes.
-Must not touch: the pipeline (data_prep/shard.py `run`), the plan and the tasks
-(data_prep/plan.py), the merge (data_prep/merge.py); they are imported when a command runs,
-so `shard.py` can import this module at its end.
+Must not touch: the pipeline (data_prep/prepare.py `run`), the plan and the tasks
+(data_prep/plan.py), the merge (data_prep/merge.py). data_prep/shard.py, the entry point,
+only calls `main`.
 """
 from __future__ import annotations
 
@@ -14,10 +14,16 @@ import sys
 import time
 
 from pipeline.common.cli import EXIT_DISK_FULL, EXIT_USAGE
-from data_prep.sources import InputError, OneLineParser
-from data_prep.resume import UserError
-from data_prep.writer import OutputError, OutputFull
 from pipeline.tokenizer import TokenizerError
+
+from data_prep import prepare
+from data_prep.merge import merge
+from data_prep.plan import make_plan, run_task
+from data_prep.prepare import (NoSamples, TooManySkipped, check_not_empty, check_skip_share,
+                               summary)
+from data_prep.resume import UserError
+from data_prep.sources import InputError, OneLineParser
+from data_prep.writer import OutputError, OutputFull
 
 MAX_SKIP_FRACTION = 0.1    # default of --max-skip-fraction
 
@@ -161,32 +167,26 @@ def main(argv: list[str] | None = None) -> int:
     if problems:
         parser.error("; ".join(problems))
     if stage == "plan":
-        from data_prep.plan import make_plan
         return _guarded(lambda: make_plan(args))
-    from data_prep import shard
-    return _guarded(lambda: shard.run(args))
+    return _guarded(lambda: prepare.run(args))
 
 
 def _stage(stage: str, args) -> None:
     """`shard.py run` / `shard.py merge` (data_prep/plan.py, data_prep/merge.py)."""
     if stage == "run":
-        from data_prep.plan import run_task
         run_task(args)
         return
-    from data_prep.merge import merge
-    from data_prep.shard import _check_not_empty, _check_skip_share, summary
     t0 = time.time()
     manifest = merge(args.output)
-    _check_not_empty(manifest)
+    check_not_empty(manifest)
     print(f"shard.py: merged {manifest['plan']['units']} part(s) "
           f"({manifest['plan']['duplicates_across_units']} duplicate(s) across units dropped): "
           f"{summary(args.output, manifest)} ({time.time() - t0:.1f} s)", file=sys.stderr)
-    _check_skip_share(manifest, args.max_skip_fraction)
+    check_skip_share(manifest, args.max_skip_fraction)
 
 
 def _guarded(action) -> int:
     """Run `action()`; user errors become one line on stderr and the exit code (main)."""
-    from data_prep.shard import NoSamples, TooManySkipped
     try:
         action()
     except (UserError, InputError, TokenizerError, OutputError) as e:

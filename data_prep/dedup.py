@@ -3,7 +3,7 @@
 Owns: `DigestSet`, which remembers 16-byte record digests in about 16 bytes each and tells a
 new digest from a repeat and from a *key collision* (a different digest whose first
 `key_bytes` bytes, the sample key, are already taken).
-Must not touch: hashing or normalizing records (data_prep/shard.py).
+Must not touch: hashing or normalizing records (data_prep/prepare.py).
 
 Layout: a sorted numpy array of `S16` values (16 bytes per digest) plus a small dict buffer
 of recent digests (key prefix -> digest). When the buffer holds max(min_buffer, len(array) / 8)

@@ -3,7 +3,7 @@ the one `manifest.json` the trainer reads (format: ARCHITECTURE.md "Shard format
 
 Owns: the checks of the parts against the plan, the global exact-duplicate filter, the
 rewrite of a part that held a duplicate of an earlier unit's record, and the merged manifest.
-Must not touch: the plan, reading inputs, tokenizing (data_prep/plan.py, shard.py).
+Must not touch: the plan, reading inputs, tokenizing (data_prep/plan.py, prepare.py).
 
 Checks, before anything is written (a failure is one line naming the unit or shard and the
 command that mends it; exit code 2):
@@ -18,7 +18,7 @@ command that mends it; exit code 2):
   sum of the parts'. Counts are Python ints (no 32-bit overflow).
 
 Global dedup, the same records as a one-process run: a unit's run drops repeats within the
-unit and logs, per remaining record, its digest and what became of it (`shard.RecordLog`).
+unit and logs, per remaining record, its digest and what became of it (`prepare.RecordLog`).
 The merge walks the logs in plan order (input order) with one `DigestSet`; a record whose
 digest an earlier unit already holds is a duplicate, as the one-process run would have found
 it before tokenizing it: it moves from its outcome (written, or a skip such as over_length)
@@ -43,13 +43,9 @@ import numpy as np
 from data_prep.dedup import DUPLICATE, KEY_COLLISION, DigestSet
 from data_prep.plan import (PLAN, describe_unit, planned_output, read_plan, unit_dir,
                             unit_options)
+from data_prep.prepare import input_records
 from data_prep.resume import UserError, fingerprint
 from data_prep.writer import Item, Output, SplitWriter
-
-
-def input_records(manifest: dict) -> int:
-    from data_prep.shard import input_records as count
-    return count(manifest)
 from pipeline.data.format import FORMAT_VERSION, MANIFEST, PARTIAL_MANIFEST, SPLITS, DataError
 
 DEDUP_PREFIX = "dedup-"

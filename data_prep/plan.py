@@ -2,11 +2,12 @@
 array task (`shard.py run`). Stage 3, the merge, is data_prep/merge.py.
 
 Owns: `plan.json` (the frozen input list with each input's identity, the options, the
-tokenizer's description and path, and the work units), cutting inputs into units, dealing
-units to tasks, reading one unit's records, and running a task's units through the shard
-pipeline (data_prep/shard.py `run(args, unit)`) into one part folder per unit.
-Must not touch: tokenization and shard writing (data_prep/shard.py, writer.py), the global
-duplicate filter and the final manifest (data_prep/merge.py).
+tokenizer's description and path, and the work units), dealing units to tasks, and running
+a task's units through the shard pipeline (data_prep/prepare.py `run(args, unit)`) into one
+part folder per unit.
+Must not touch: cutting inputs into units and reading a unit's records (data_prep/units.py),
+tokenization and shard writing (data_prep/prepare.py, writer.py), the global duplicate filter
+and the final manifest (data_prep/merge.py).
 
 Layout of the output folder:
 - `plan.json`: written once, atomically (temp name + rename); a different plan over it is
@@ -18,15 +19,7 @@ Layout of the output folder:
   its `manifest.partial.json` like the one-machine command.
 - `manifest.json`: written by the merge only, after its checks.
 
-Work units (sizes in bytes of the stored file): an uncompressed JSONL file (`.jsonl`, or a
-`.json` whose first non-blank byte is not `[`) larger than `--unit-bytes` is cut into byte
-ranges that start right after a `\\n` (so each range holds whole lines: lines end with `\\n`,
-`\\r\\n` or `\\r`, and a range never starts inside a `\\r\\n`); a Parquet file is cut into runs
-of consecutive row groups of about `--unit-bytes` (uncompressed size from its metadata); a
-JSON list, a compressed file, a text file (one document) and the stdlib corpus are read whole.
-Consecutive small files share a unit until it holds `--unit-bytes`. A unit's records come in
-the order a one-process run reads them, and units follow input order, so "plan order" is
-input order.
+Work units (how inputs are cut, the order of their records): data_prep/units.py.
 
 Dealing: units are dealt to K tasks by longest-first (each unit to the task with the least
 bytes so far, ties to the lower task), a function of the plan and K only; the output of a
@@ -37,24 +30,25 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import io
 import json
 import os
 import sys
 import time
 from dataclasses import dataclass, field
 
-from data_prep.resume import TOKENIZER_DIR, UserError
-from data_prep.sources import (BOM, PARQUET_EXTS, STDLIB, Fields, Source,
-                               _jsonl_records, _lines, input_changes, input_identity,
-                               iter_records, url_to_fs)
+from pipeline.data.format import MANIFEST
+from pipeline.tokenizer import load_tokenizer
+
+from data_prep import prepare
+from data_prep.resume import TOKENIZER_DIR, UserError, clear, differences
+from data_prep.sources import (STDLIB, Fields, Source, input_changes, input_identity,
+                               resolve_inputs, url_to_fs)
+from data_prep.units import cut_units, unit_reads
 from data_prep.writer import Output
 
 PLAN = "plan.json"
 PLAN_VERSION = 1
 PARTS = "parts"
-UNIT_BYTES = 64 << 20  # default --unit-bytes
-_SCAN = 1 << 20        # bytes read at a time when looking for a line end
 
 
 def unit_dir(index: int) -> str:
@@ -83,95 +77,6 @@ def describe_unit(plan: dict, index: int) -> str:
     return f"unit {index} ({', '.join(names)}{f' and {more} more' if more > 0 else ''})"
 
 
-# ----------------------------------------------------------------------------- cutting
-
-def _first_byte(source: Source) -> bytes:
-    """The first non-blank byte of a file (after a byte order mark), b"" when there is none
-    in its first MiB."""
-    with source.fs.open(source.path, "rb") as f:
-        head = f.read(_SCAN)
-    if head.startswith(BOM):
-        head = head[len(BOM):]
-    return head.lstrip()[:1]
-
-
-def _line_cuts(source: Source, size: int, unit_bytes: int) -> list[int]:
-    """Offsets (bytes) just after a `\\n`, one at or after each multiple of `unit_bytes`,
-    strictly inside the file; reads only around each target."""
-    cuts: list[int] = []
-    with source.fs.open(source.path, "rb") as f:
-        target = unit_bytes
-        while target < size - unit_bytes // 4:  # no range of less than a quarter unit at the end
-            pos = max(target - 1, cuts[-1] if cuts else 0)
-            f.seek(pos)
-            while True:
-                block = f.read(_SCAN)
-                if not block:
-                    return cuts
-                i = block.find(b"\n")
-                if i >= 0:
-                    cut = pos + i + 1
-                    break
-                pos += len(block)
-            if cut >= size:
-                return cuts
-            cuts.append(cut)
-            target = max(target + unit_bytes, cut + 1)
-    return cuts
-
-
-def _pieces(j: int, source: Source, ident: dict, unit_bytes: int) -> list[tuple[dict, int]]:
-    """`(piece, bytes)` of input `j` in order: byte ranges, row-group runs, or the whole file."""
-    size = int(ident.get("size") or 0)
-    if source.is_stdlib:
-        return [({"input": j}, 0)]
-    lower = source.path.lower()
-    if lower.endswith(PARQUET_EXTS):
-        try:
-            import pyarrow.parquet as pq
-            with source.fs.open(source.path, "rb") as f:
-                meta = pq.ParquetFile(f).metadata
-                groups = [(meta.row_group(i).num_rows, meta.row_group(i).total_byte_size)
-                          for i in range(meta.num_row_groups)]
-        except Exception:  # not Parquet: the run counts it as unreadable_file, once
-            return [({"input": j}, size)]
-        out, run, nbytes, row = [], [], 0, 0
-        first = 0
-        for i, (rows, b) in enumerate(groups):
-            if run and nbytes + b > unit_bytes:
-                out.append(({"input": j, "row_groups": run, "first_row": first}, nbytes))
-                run, nbytes, first = [], 0, row
-            run.append(i)
-            nbytes += b
-            row += rows
-        if run:
-            out.append(({"input": j, "row_groups": run, "first_row": first}, nbytes))
-        return out or [({"input": j}, size)]
-    jsonl = lower.endswith(".jsonl") or lower.endswith(".json")
-    if not jsonl or size <= unit_bytes or _first_byte(source) in (b"[", b""):
-        return [({"input": j}, size)]
-    bounds = [0, *_line_cuts(source, size, unit_bytes), size]
-    return [({"input": j, "start": a, "end": b}, b - a) for a, b in zip(bounds, bounds[1:])]
-
-
-def cut_units(sources: list[Source], inputs: list[dict], unit_bytes: int) -> list[dict]:
-    """Work units `[{"pieces": [...], "bytes": n}]` in input order (module docstring)."""
-    units, cur, nbytes = [], [], 0
-    for j, (source, ident) in enumerate(zip(sources, inputs)):
-        for piece, b in _pieces(j, source, ident, unit_bytes):
-            if cur and (nbytes + b > unit_bytes or len(piece) > 1):
-                units.append({"pieces": cur, "bytes": nbytes})
-                cur, nbytes = [], 0
-            cur.append(piece)
-            nbytes += b
-            if len(piece) > 1:  # a range or row-group run is a unit of its own
-                units.append({"pieces": cur, "bytes": nbytes})
-                cur, nbytes = [], 0
-    if cur:
-        units.append({"pieces": cur, "bytes": nbytes})
-    return units
-
-
 def deal(plan: dict, num_tasks: int) -> list[list[int]]:
     """Unit indices of each of `num_tasks` tasks (longest first to the least loaded task),
     each list in plan order."""
@@ -185,65 +90,9 @@ def deal(plan: dict, num_tasks: int) -> list[list[int]]:
     return [sorted(t) for t in tasks]
 
 
-# ----------------------------------------------------------------------------- reading a unit
-
-class _Range(io.RawIOBase):
-    """The bytes [start, end) of an open binary file, hashed (sha256) as they are read."""
-
-    def __init__(self, f, start: int, end: int):
-        f.seek(start)
-        self.f, self.left, self.sha = f, end - start, hashlib.sha256()
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, b) -> int:
-        data = self.f.read(min(len(b), self.left)) if self.left > 0 else b""
-        b[:len(data)] = data
-        self.left -= len(data)
-        self.sha.update(data)
-        return len(data)
-
-
-def _range_records(source: Source, start: int, end: int, digests: dict):
-    """JSONL records of the byte range [start, end) of `source` (record ids
-    `name@start#line`, lines counted from the range's start); `digests["name@start"]` is set
-    to the sha256 of the range's bytes once read."""
-    name = f"{source.name}@{start}"
-    with source.fs.open(source.path, "rb") as f:
-        rng = _Range(f, start, end)
-        lines = _lines(io.BufferedReader(rng, 1 << 20))
-        n = 0
-        for line in lines:
-            if n == 0 and start == 0 and line.startswith(BOM):
-                line = line[len(BOM):]
-            n += 1
-            if line.strip():
-                yield from _jsonl_records(line, n, lines, name)
-                break
-        digests[name] = rng.sha.hexdigest()
-
-
-def unit_reads(units: list[dict], index: int, sources: list[Source], fmt: str, fields: Fields,
-               digests: dict) -> list:
-    """`(source, records)` of each piece of `units[index]`, in order (shard._stage_a's reads)."""
-    from data_prep.sources import _parquet_records
-    reads = []
-    for piece in units[index]["pieces"]:
-        source = sources[piece["input"]]
-        if "start" in piece:
-            recs = _range_records(source, piece["start"], piece["end"], digests)
-        elif "row_groups" in piece:
-            recs = _parquet_records(source, fields, piece["row_groups"], piece["first_row"])
-        else:
-            recs = iter_records(source, fmt, fields, digests)
-        reads.append((source, recs))
-    return reads
-
-
 @dataclass
 class UnitJob:
-    """One unit's run, as `shard.run(args, unit)` takes it (see there)."""
+    """One unit's run, as `prepare.run(args, unit)` takes it (see there)."""
     out_url: str
     tok: object
     sources: list
@@ -296,7 +145,6 @@ def plan_sources(plan: dict) -> list[Source]:
 
 def _clear(out: Output) -> None:
     """Remove a distributed run's files: plan, parts, manifests, tokenizer/."""
-    from data_prep.resume import clear
     clear(out)
     for name in (PLAN, PARTS):
         out.remove(name)
@@ -309,15 +157,12 @@ def make_plan(args) -> dict:
     `args.overwrite`), InputError / TokenizerError for inputs and tokenizer as the
     one-machine command does.
     """
-    from data_prep import shard
-    from pipeline.data.format import MANIFEST
-    from pipeline.tokenizer import load_tokenizer
     if args.limit is not None:
         raise UserError("--limit needs one process reading in order; use the one-machine "
                         "command (shard.py without plan/run/merge)")
     tok = load_tokenizer(args.tokenizer)
-    sources = shard.resolve_inputs(args.input, output=args.output)
-    opts = {**shard._options(args, sources), "unit_bytes": args.unit_bytes}  # (also with --pack)
+    sources = resolve_inputs(args.input, output=args.output)
+    opts = {**prepare.options(args, sources), "unit_bytes": args.unit_bytes}  # (also with --pack)
     tok_json = tok.info.to_json()
     tok_json["files"] = TOKENIZER_DIR
     inputs = [input_identity(s) for s in sources]
@@ -344,7 +189,7 @@ def make_plan(args) -> dict:
             raise UserError(f"{out.path(PLAN if old is not None else MANIFEST)}: this folder "
                             f"holds {what}; use another --output or pass --overwrite")
         _clear(out)
-    shard._save_tokenizer(out, tok)
+    prepare.save_tokenizer(out, tok)
     out.write_json(PLAN, plan)
     total = sum(u["bytes"] for u in units)
     print(f"shard.py: planned {len(units)} unit(s) over {len(inputs)} input(s), {total} bytes "
@@ -356,7 +201,6 @@ def make_plan(args) -> dict:
 
 def _plan_difference(old: dict, new: dict) -> str:
     """What differs between two plans, in words (for the refusal)."""
-    from data_prep.resume import differences
     if not isinstance(old, dict):
         return "unreadable"
     if old.get("options") != new["options"] or old.get("tokenizer") != new["tokenizer"]:
@@ -392,11 +236,9 @@ def run_task(args) -> list[dict]:
     --stop-after-shards).
 
     Each unit's part is kept when complete, resumed when interrupted, made otherwise
-    (`shard.run(args, unit)`). Raises UserError when the plan is missing, an input of these
+    (`prepare.run(args, unit)`). Raises UserError when the plan is missing, an input of these
     units changed since the plan (one line naming it), or the tokenizer is not the plan's.
     """
-    from data_prep import shard
-    from pipeline.tokenizer import load_tokenizer
     out = planned_output(args.output)
     plan = read_plan(out)
     if args.unit:
@@ -448,7 +290,7 @@ def run_task(args) -> list[dict]:
         job = UnitJob(out_url=url, tok=tok, sources=sources, opts=unit_options(plan, i),
                       inputs=plan["inputs"], reads=reads,
                       extra={"plan": plan["fingerprint"], "unit": i})
-        part = shard.run(run_args, job)
+        part = prepare.run(run_args, job)
         if not part:  # --stop-after-shards
             return []
         parts.append(part)

@@ -5,7 +5,7 @@ differ from a folder's recorded ones, checking the folder's recorded inputs agai
 as they are now (`data_prep.sources.input_changes`), and the decision: keep a finished folder,
 resume an interrupted one (its complete shards), refuse (`UserError`, one line, exit code 2),
 or clear it first (`--overwrite`).
-Must not touch: reading inputs, tokenization, writing shards (data_prep/shard.py, writer.py).
+Must not touch: reading inputs, tokenization, writing shards (data_prep/prepare.py, writer.py).
 """
 from __future__ import annotations
 

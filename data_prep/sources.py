@@ -9,7 +9,7 @@ the filesystem reports one, and the sha256 of the bytes when the file was read t
 Memory: JSONL is streamed line by line; a JSON list is read whole; a text file up to
 `STREAM_TEXT_BYTES` is read whole, a larger one is streamed (`TextFile`: read twice in
 blocks, never held whole).
-Must not touch: tokenization, slots, shards (data_prep/shard.py).
+Must not touch: tokenization, slots, shards (data_prep/prepare.py).
 
 Skip reasons produced here (counted, never fatal):
 `malformed_json` (a JSONL line, or a whole JSON-list file, that does not parse),
@@ -490,7 +490,7 @@ class TextFile:
     """A text file (.txt/.md/.rst) read in blocks, never held whole (see `normalize`).
 
     `scan(prefix)` reads it once: sha256 of `prefix + b"\\0" + content` (the record digest of
-    data_prep/shard.py), whether any character is not whitespace, and the sha256 of the
+    data_prep/prepare.py), whether any character is not whitespace, and the sha256 of the
     stored bytes (`file_sha256`). `pieces(piece_end, limit)` reads it again and yields the
     text in the pieces that would be cut from the whole text; it raises InputError when the
     bytes differ from the first read. Content: UTF-8 without a leading byte order mark; a read

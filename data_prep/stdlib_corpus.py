@@ -3,7 +3,7 @@
 Owns: listing the stdlib `.py` files and turning them into records, either whole files as
 text documents (`{"text": source}`) or query/response pairs extracted with `ast`
 (`{"query": decorators + signature + docstring, "response": the rest of the body}`).
-Must not touch: tokenization, shards (see data_prep/shard.py).
+Must not touch: tokenization, shards (see data_prep/prepare.py).
 
 The corpus is real code on every machine; it depends on the interpreter version, so the
 manifest records `sys.version` next to it (see shard.py options).

@@ -4,7 +4,7 @@ Owns: the output folder (local path or fsspec URL; every write is temp name + re
 failed write removes its temporary file, a full disk or quota becomes `OutputFull`), slot
 sizes and segments of a sample, the tar layout of a sample, and `SplitWriter`, which packs
 items into samples and samples into `<split>-NNNNNN.tar` shards with their manifest entries.
-Must not touch: reading, dedup, tokenization, the CLI (data_prep/shard.py).
+Must not touch: reading, dedup, tokenization, the CLI (data_prep/prepare.py, cli.py).
 """
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from data_prep import shard
+from data_prep import cli
 from pipeline.tokenizer import qwen3_tokenizer_dir
 from pipeline.data import DataError, build_loader
 
@@ -40,7 +40,7 @@ def test_loader_reads_data_prep_qwen3_shards(tmp_path, pack):
     src = tmp_path / "qa.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
     out = tmp_path / "shards"
-    code = shard.main(["--input", str(src), "--output", str(out), "--tokenizer", qwen3_tokenizer_dir(),
+    code = cli.main(["--input", str(src), "--output", str(out), "--tokenizer", qwen3_tokenizer_dir(),
                        "--max-length", "128", "--slot-sizes", "4,8", "--shard-samples", "4",
                        "--no-progress"])
     assert code == 0

@@ -20,7 +20,7 @@ import fsspec
 import numpy as np
 import pytest
 
-from data_prep import shard, stdlib_corpus, train_tokenizer
+from data_prep import cli, prepare, stdlib_corpus, train_tokenizer
 from pipeline.common.cli import EXIT_USAGE
 from pipeline.tokenizer import load_tokenizer, qwen3_tokenizer_dir
 
@@ -54,7 +54,7 @@ def read_samples(out: str) -> dict[str, list[tuple[str, np.ndarray, dict]]]:
 
 
 def run_shard(capsys, *args) -> tuple[int, str]:
-    code = shard.main([*map(str, args), "--no-progress"])
+    code = cli.main([*map(str, args), "--no-progress"])
     return code, capsys.readouterr().err
 
 
@@ -289,7 +289,7 @@ def test_every_skip_reason_is_counted(tmp_path, spm_model, capsys):
     assert manifest["skipped"] == {"duplicate": 1, "empty_response": 1, "empty_text": 1,
                                    "invalid_utf8": 2, "malformed_json": 2, "missing_field": 1,
                                    "over_length": 1, "wrong_type": 2}
-    assert manifest["counts"]["records"] == 2 and shard.input_records(manifest) == 13
+    assert manifest["counts"]["records"] == 2 and prepare.input_records(manifest) == 13
     assert sum(e["samples"] for e in manifest["splits"]["train"]) == 2
     assert "skipped: duplicate 1, empty_response 1, empty_text 1, invalid_utf8 2" in err
     # the shape skips are described once each: the first such record, its fields, the expected
@@ -356,13 +356,13 @@ def test_resume_keeps_complete_shards_and_equals_uninterrupted(tmp_path, spm_mod
             "--tokenizer", spm_model, "--max-length", 64, "--pack", "--val-fraction", "0.25",
             "--shard-samples", 5]
     calls = {"n": 0}
-    real = shard.tokenize_record
+    real = prepare.tokenize_record
 
     def counting(*a, **k):
         calls["n"] += 1
         return real(*a, **k)
 
-    monkeypatch.setattr(shard, "tokenize_record", counting)
+    monkeypatch.setattr(prepare, "tokenize_record", counting)
     full = tmp_path / "full"
     assert run_shard(capsys, *args, "--output", full)[0] == 0
     n_full = calls["n"]
@@ -446,7 +446,7 @@ def test_user_errors_exit_2_with_one_line(tmp_path, spm_model, capsys):
         lines = err.strip().splitlines()
         assert code == 2 and len(lines) == 1 and needle in lines[0], (extra, err)
     with pytest.raises(SystemExit) as e:  # unknown --format: argparse usage error
-        shard.main(["--input", str(src), "--output", str(tmp_path / "o"), "--tokenizer",
+        cli.main(["--input", str(src), "--output", str(tmp_path / "o"), "--tokenizer",
                     spm_model, "--format", "xml"])
     err = capsys.readouterr().err
     assert e.value.code == 2 and len(err.strip().splitlines()) == 1 and "--format" in err

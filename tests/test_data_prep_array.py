@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from data_prep import shard, train_tokenizer
+from data_prep import cli, train_tokenizer
 from test_data_prep import read_samples
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -80,7 +80,7 @@ def setup(tmp_path_factory):
 
 
 def _main(capsys, *args) -> tuple[int, str]:
-    code = shard.main([*map(str, args)])
+    code = cli.main([*map(str, args)])
     return code, capsys.readouterr().err
 
 
@@ -114,7 +114,7 @@ def one_process(setup):
     """The one-machine command's dataset (unpacked)."""
     corpus, tok, base = setup
     out = base / "one"
-    assert shard.main(["--input", str(corpus), "--output", str(out), "--tokenizer", tok,
+    assert cli.main(["--input", str(corpus), "--output", str(out), "--tokenizer", tok,
                        *COMMON, "--no-progress"]) == 0
     return _dataset(out)
 

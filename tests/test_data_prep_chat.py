@@ -12,7 +12,7 @@ import json
 import numpy as np
 import pytest
 
-from data_prep import shard, train_tokenizer
+from data_prep import prepare, train_tokenizer
 from pipeline.tokenizer import load_tokenizer, qwen3_tokenizer_dir
 from tests.test_data_prep import check_sample, folder_bytes, read_samples, run_shard, write_jsonl
 
@@ -40,7 +40,7 @@ def spm_model(tmp_path_factory) -> str:
     out = tmp_path_factory.mktemp("spm_chat") / "spm.model"
     d = tmp_path_factory.mktemp("spm_text")
     (d / "a.txt").write_text(" ".join(m["content"] for c in CHATS for m in c) * 20
-                             + open(shard.__file__).read())
+                             + open(prepare.__file__).read())
     assert train_tokenizer.main(["--input", str(d), "--output", str(out), "--vocab-size", "400"]) == 0
     return str(out)
 
@@ -186,7 +186,7 @@ def test_skips_roles_tool_calls_and_over_length_turns(tmp_path, spm_model, capsy
                             "over_length": 1, "over_length_turns": 1, "system_not_first": 1,
                             "tool_calls": 1, "unsupported_role:function": 1,
                             "unsupported_role:tool": 2, "wrong_type": 2}
-    assert m["counts"]["records"] == 2 and shard.input_records(m) == len(rows)
+    assert m["counts"]["records"] == 2 and prepare.input_records(m) == len(rows)
     assert len(read_samples(str(out))["train"]) == 2 + 1  # CHATS[1]'s two turns + "fine"
     warnings = [ln.split("warning: ", 1)[1] for ln in err.splitlines() if "warning:" in ln]
     tail = "; further records skipped for this reason are counted, not shown"

@@ -15,7 +15,7 @@ import fsspec
 import numpy as np
 import pytest
 
-from data_prep import shard, sources, stdlib_corpus
+from data_prep import cli, prepare, sources, stdlib_corpus
 from pipeline import tokenizer as tokenizer_io
 from pipeline.tokenizer import (encode_piece, load_tokenizer, piecewise_ok, qwen3_tokenizer_dir,
                                     text_pieces)
@@ -238,8 +238,8 @@ def test_long_text_file_is_streamed_in_pieces(tmp_path, spm_model, capsys, monke
     whole = tmp_path / "whole"
     assert run_shard(capsys, *args, "--output", whole)[0] == 0
     seen, scans = [], []
-    real_encode, real_scan = shard.encode_piece, sources.TextFile.scan
-    monkeypatch.setattr(shard, "encode_piece", lambda tok, t, first=True: (
+    real_encode, real_scan = prepare.encode_piece, sources.TextFile.scan
+    monkeypatch.setattr(prepare, "encode_piece", lambda tok, t, first=True: (
         seen.append(len(t)), real_encode(tok, t, first))[1])
     monkeypatch.setattr(sources.TextFile, "scan", lambda self, prefix: (
         scans.append(self.source.name), real_scan(self, prefix))[1])
@@ -308,12 +308,12 @@ def test_unsafe_cuts_long_text_skip_and_huge_pairs(tmp_path, spm_model, capsys, 
             {"query": "fits", "response": "yes"}]
     src = write_jsonl(tmp_path / "r.jsonl", rows)
     seen = []
-    real_encode = shard.tokenizers.encode_piece
+    real_encode = prepare.tokenizers.encode_piece
 
     def spy(tok, t, first=True):
         seen.append(len(t))
         return real_encode(tok, t, first)
-    monkeypatch.setattr(shard.tokenizers, "encode_piece", spy)
+    monkeypatch.setattr(prepare.tokenizers, "encode_piece", spy)
     code, err = run_shard(capsys, "--input", src, "--output", tmp_path / "a", "--tokenizer",
                           spm_model, "--max-length", 64, "--max-skip-fraction", 1)
     assert code == 0, err
@@ -321,7 +321,7 @@ def test_unsafe_cuts_long_text_skip_and_huge_pairs(tmp_path, spm_model, capsys, 
     m = json.loads((tmp_path / "a" / "manifest.json").read_text())
     assert m["counts"]["unsafe_piece_cuts"] == 2 and m["skipped"] == {"over_length": 1}
     assert "2 long-text cut(s) without a space near them" in err
-    key = shard.record_digest("text", (rows[0]["text"],)).hex()[:20]
+    key = prepare.record_digest("text", (rows[0]["text"],)).hex()[:20]
     chunks = [t for k, t, _ in read_samples(str(tmp_path / "a"))["train"] if k.startswith(key)]
     ids = np.concatenate(chunks).tolist()  # the long text, chunked; its pieces decode back to it
     assert len(chunks) > 2 and ids[-1] == sp.info.eos_id and sp.sp.decode(ids[:-1]) == rows[0]["text"]
@@ -389,6 +389,6 @@ def test_skip_share_threshold(tmp_path, spm_model, capsys):
         notes = [ln for ln in err.splitlines() if "note:" in ln]
         assert notes == ([f"shard.py: note: skipped {note}"] if note else []), (i, err)
     with pytest.raises(SystemExit) as e:
-        shard.main(["--input", str(src), "--output", str(tmp_path / "o9"), "--tokenizer",
+        cli.main(["--input", str(src), "--output", str(tmp_path / "o9"), "--tokenizer",
                     spm_model, "--max-skip-fraction", "2"])
     assert e.value.code == 2 and "--max-skip-fraction must be in [0, 1]" in capsys.readouterr().err

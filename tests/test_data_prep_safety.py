@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from data_prep import dedup, shard, writer
+from data_prep import cli, dedup, prepare, writer
 from pipeline.common.cli import EXIT_DISK_FULL
 from pipeline.tokenizer import load_tokenizer, qwen3_tokenizer_dir
 from test_data_prep import folder_bytes, read_samples, run_shard, write_jsonl
@@ -184,7 +184,7 @@ def test_limit_counts_written_records_and_resumes(tmp_path, spm_model, capsys, m
     # exactly the records before the stopping point are counted
     assert m["skipped"] == {"duplicate": 2, "malformed_json": 1, "over_length": 20}
     assert [k for k, _, _ in read_samples(str(a))["train"]] == [
-        shard.record_digest("qa", p).hex()[:20] for p in (("dup", "d"), ("q0", "r0"), ("q1", "r1"), ("q2", "r2"))]
+        prepare.record_digest("qa", p).hex()[:20] for p in (("dup", "d"), ("q0", "r0"), ("q1", "r1"), ("q2", "r2"))]
     assert run_shard(capsys, *args, "--output", b, "--workers", 2)[0] == 0
     assert folder_bytes(a) == folder_bytes(b)
     # interrupted after 2 shards, then resumed: the same folder as the uninterrupted run
@@ -192,7 +192,7 @@ def test_limit_counts_written_records_and_resumes(tmp_path, spm_model, capsys, m
     code, err = run_shard(capsys, *args, "--output", c)
     assert code == 0 and "keeping 2 complete shard(s)" in err, err
     assert folder_bytes(a) == folder_bytes(c)
-    assert "records that become samples" in " ".join(shard.build_parser().format_help().split())
+    assert "records that become samples" in " ".join(cli.build_parser().format_help().split())
 
 
 @pytest.mark.parametrize("eol", [b"\n", b"\r\n", b"\r"])

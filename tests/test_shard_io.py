@@ -143,7 +143,7 @@ def test_http_server_without_ranges_is_one_line(tmp_path, http_server):
 
 
 def test_data_prep_reads_http_and_memory_inputs(tmp_path, http_server, capsys, spm_model):
-    from data_prep import shard
+    from data_prep import cli
     from test_data_prep import folder_bytes
     spm = spm_model
     rows = [{"query": f"q{i}", "response": f"r{i} " * (i % 7 + 1)} for i in range(40)]
@@ -155,13 +155,13 @@ def test_data_prep_reads_http_and_memory_inputs(tmp_path, http_server, capsys, s
     outs = {}
     for name, url in (("local", str(src)), ("http", f"{base}/qa.jsonl"), ("mem", "memory://sio_in/qa.jsonl")):
         out = tmp_path / f"out_{name}"
-        code = shard.main(["--input", url, "--output", str(out), "--tokenizer", str(spm),
+        code = cli.main(["--input", url, "--output", str(out), "--tokenizer", str(spm),
                            "--max-length", "64", "--no-progress"])
         assert code == 0, capsys.readouterr().err
         outs[name] = {k: v for k, v in folder_bytes(out).items() if k.endswith(".tar")}
     assert outs["local"] and outs["http"] == outs["local"] == outs["mem"]
     capsys.readouterr()
-    code = shard.main(["--input", str(src), "--output", f"{base}/out", "--tokenizer", str(spm),
+    code = cli.main(["--input", str(src), "--output", f"{base}/out", "--tokenizer", str(spm),
                        "--no-progress"])
     err = capsys.readouterr().err
     assert code == 2 and len(err.strip().splitlines()) == 1 and "read-only" in err, err
@@ -182,12 +182,12 @@ def test_missing_filesystem_package_is_one_line_everywhere(tmp_path, capsys, spm
         build_loader(url, "train", 1, 8)
     assert str(e.value) == (f"{url}: the s3:// filesystem needs a package that is not installed "
                             "(Install s3fs to access S3); pip install s3fs")
-    from data_prep import shard
+    from data_prep import cli
     for flag in ("--input", "--output"):
         args = {"--input": str(tmp_path / "x.jsonl"), "--output": str(tmp_path / "o")}
         (tmp_path / "x.jsonl").write_text('{"text": "t"}\n')
         args[flag] = url
-        code = shard.main(["--input", args["--input"], "--output", args["--output"],
+        code = cli.main(["--input", args["--input"], "--output", args["--output"],
                            "--tokenizer", spm_model, "--no-progress"])
         err = capsys.readouterr().err
         assert code == 2 and len(err.strip().splitlines()) == 1 and "pip install s3fs" in err, err

@@ -379,7 +379,7 @@ def test_shard_array_and_merge_on_the_cluster(tmp_path, slurm_cluster):
     task 1 failing (its interpreter exits 1) the merge still runs, checks the parts itself and
     fails naming a unit with no part; the array submitted again (complete parts kept) and the
     merge give the one-process run's dataset."""
-    from data_prep import shard, train_tokenizer
+    from data_prep import cli, train_tokenizer
     from test_data_prep_array import COMMON, UNIT, _corpus, _dataset
     corpus = _corpus(tmp_path / "in")
     tok = tmp_path / "spm.model"
@@ -387,7 +387,7 @@ def test_shard_array_and_merge_on_the_cluster(tmp_path, slurm_cluster):
                                  str(corpus / "b_big.jsonl"), "--output", str(tok),
                                  "--vocab-size", "300"]) == 0
     one = tmp_path / "one"
-    assert shard.main(["--input", str(corpus), "--output", str(one), "--tokenizer", str(tok),
+    assert cli.main(["--input", str(corpus), "--output", str(one), "--tokenizer", str(tok),
                        *COMMON, "--no-progress"]) == 0
     flaky = tmp_path / "python.sh"  # task 1 of the first array fails before doing anything
     flaky.write_text(f'#!/bin/sh\n[ "${{SLURM_ARRAY_TASK_ID:-}}" = 1 ] && [ -e {tmp_path}/fail ] '
