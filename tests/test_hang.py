@@ -151,8 +151,8 @@ def test_sigstop_mid_run_exits_6_naming_the_rank_and_resumes_exactly(data, healt
     rec = report["records"]["1"]
     assert rec["pid"] == victim and rec["host"] == socket.gethostname()
     # the allowance of the phase it stopped in: 4 s in a step, 3 x that in validation; a save's
-    # adds the checkpoint's bytes at 100 MB/s and is at least 3 x the last save (both checked
-    # exactly in test_hang_policy_derives_allowances_from_measured_steps): here a floor and a bound
+    # is min(60 s, 3 x 4 s) + this rank's bytes at 10 MB/s, at least 3 x the last save (both
+    # checked exactly in test_hang_policy_derives_allowances_from_measured_steps): a floor, a bound
     if rec["phase"] == "checkpoint":
         assert 3 * HANG_S <= report["allowance_s"] <= 3 * HANG_S + 30, rec
     else:
@@ -220,7 +220,7 @@ def test_sigstop_during_a_save_restarts_from_the_previous_checkpoint(data, healt
     text = (run_dir / "log.txt").read_text()
     assert code == 0, text[-6000:]
     assert report["ranks"] == [1] and report["records"]["1"]["phase"] == "checkpoint"
-    # max(3 x 4 s, 3 x the step-3 save (8 s asleep + the write), min(30, 12) + tiny bytes)
+    # max(3 x the step-3 save (8 s asleep + the write), min(60, 3 x 4 s) + tiny bytes)
     assert 3 * 2 * HANG_S <= report["allowance_s"] <= 3 * (2 * HANG_S + 3), report
     assert took <= report["allowance_s"] + 10, took
     print(f"\nSIGSTOP in a save: reported after {took:.1f} s (allowance "
@@ -274,24 +274,41 @@ def test_hang_policy_derives_allowances_from_measured_steps():
     for t in (50.0, 40.0, 30.0):          # warm-up steps (compilation) are not in the median
         p.record_step(t)
     assert p.warm
+    assert p.step_allowance() == 400.0    # no later step timed yet: 10 x median of warm-up
     for t in (1.0, 2.0, 30.0):
         p.record_step(t)
-    assert p.step_allowance() == w.DERIVED_FLOOR_S                 # 10 x median 2 s < floor
+    assert p.step_allowance() == w.DERIVED_FLOOR_S == 120.0        # 10 x median 2 s < floor
     for t in [20.0] * 10:
         p.record_step(t)
     assert p.step_allowance() == 200.0                              # 10 x median 20 s
-    p.checkpoint_bytes = 115e9                                      # an 8B ZeRO-3 checkpoint
-    assert p.save_allowance() == pytest.approx(max(600.0, 30.0 + 1150.0))
+    # Qwen3-8B (8,190,735,360 parameters) x 16 bytes over 32 ranks: 4.1 GB per rank at 10 MB/s
+    p.rank_checkpoint_bytes = 16 * 8_190_735_360 / 32
+    assert p.save_allowance() == pytest.approx(60.0 + 409.536768)
     p.last_save_s = 900.0
-    assert p.save_allowance() == 2700.0
+    assert p.save_allowance() == 2700.0                             # 3 x the last save
     assert p.validation_allowance() == 900.0 and p.allowance("done") == float("inf")
     p.validations_seen = 1
-    assert p.validation_allowance() == 600.0
+    assert p.validation_allowance() == 600.0                        # 3 x 10 x median 20 s
+    # the tiny CPU run's defaults: sub-second steps, a 2.2 MB checkpoint over 2 ranks
+    tiny = w.HangPolicy(hang_timeout_s=None, warmup_s=900.0, rank_checkpoint_bytes=1_117_184)
+    for t in [0.5] * 6:
+        tiny.record_step(t)
+    assert tiny.step_allowance() == 120.0
+    assert tiny.save_allowance() == pytest.approx(60.0 + 0.1117184)   # not 3 x 120 s
+    tiny.last_save_s = 2.0
+    assert tiny.save_allowance() == pytest.approx(60.1117184)
+    tiny.last_save_s = 30.0
+    assert tiny.save_allowance() == 90.0
+    assert tiny.validation_allowance() == 900.0                     # the first validation
+    tiny.validations_seen = 1
+    assert tiny.validation_allowance() == 120.0                     # floor, not 3 x 120 s
     fixed = w.HangPolicy(hang_timeout_s=4.0, warmup_s=60.0)
     assert fixed.step_allowance() == 60.0
     for _ in range(3):
         fixed.record_step(0.1)
     assert fixed.step_allowance() == 4.0 and fixed.save_allowance() == 12.0
+    fixed.validations_seen = 1
+    assert fixed.validation_allowance() == 12.0
     assert not w.HangPolicy(hang_timeout_s=0.0, warmup_s=60.0).enabled
 
 
