@@ -382,3 +382,48 @@ def test_a_live_rank_stuck_in_a_phase_dumps_its_stacks_and_both_exit_6(data):
     assert not (run_dir / "stacks_rank_00000.txt").exists()
     print(f"\nlive rank stuck in a phase: reported after {report['silent_s']} s of silence "
           f"(allowance {report['allowance_s']} s)")
+
+
+def test_sigstop_in_a_save_of_the_tiny_run_with_default_allowances(data):
+    """configs/tiny_cpu.yaml as shipped (2 ranks, no `train.hang_timeout_s`: derived allowances)
+    with rank 1 stopped inside the save of step 5 (its first; `debug.slow_save_s` holds it in
+    the `.partial` folder): exit 6 with the one line naming rank 1, within the save allowance the
+    policy reports (60 s + a 1.1 MB share at 10 MB/s, not 3 x the 120 s step floor) plus one 5 s
+    check period and the exit."""
+    base, d = data
+    run_dir = base / "tiny_default"
+    proc = _start(2, ROOT / "configs" / "tiny_cpu.yaml", run_dir, f"data.dir={d}",
+                  "debug.slow_save_s=5", log_name="log")
+    partial = run_dir / "checkpoints" / "step_000000005.partial"
+    victim = None
+    try:
+        victim = _wait_for("rank 1's process", lambda: _try_pid(proc.pid, 1), 300, proc)
+        _wait_for("the partial save of step 5", lambda: partial.is_dir() and any(
+            "model_states" in p.name for p in partial.iterdir()), 300, proc)
+        os.kill(victim, signal.SIGSTOP)
+        t_stop = time.time()
+        code = _finish(proc, run_dir, timeout=300)
+        took = time.time() - t_stop
+    finally:
+        if victim is not None:
+            try:
+                os.kill(victim, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    text = (run_dir / "log.txt").read_text()
+    assert code == 6, text[-4000:]
+    report = json.loads((run_dir / "hang.json").read_text())
+    rec = report["records"]["1"]
+    assert report["ranks"] == [1] and (rec["phase"], rec["step"]) == ("checkpoint", 5), report
+    # the policy's save allowance: min(60 s, 3 x 120 s) + rank 1's bytes (16 per parameter of the
+    # tiny model over 2 ranks, about 1.1 MB) / 10 MB/s; nothing measured yet (the first save)
+    assert 60.0 < report["allowance_s"] < 61.0, report
+    assert report["allowance_s"] <= report["silent_s"], report
+    assert took <= report["allowance_s"] + 15, took   # + one 5 s check period, the exit
+    lines = _lines(text)
+    assert len(lines) == 1 and lines[0].startswith(
+        f"pipeline.train: rank 0: hang: rank 1 (host {rec['host']}, pid {victim}) after step 5 "
+        f"in phase checkpoint; its process is not running"), text[-4000:]
+    assert "Traceback" not in text, text[-4000:]
+    print(f"\ntiny run, default allowances, SIGSTOP in a save: exit 6 after {took:.1f} s "
+          f"(allowance {report['allowance_s']:.2f} s)")
