@@ -21,6 +21,7 @@ Timeouts in these runs: `train.hang_timeout_s=4`, `train.hang_warmup_s=60`.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -182,6 +183,24 @@ def _try_pid(root: int, rank: int):
         return None
 
 
+@contextlib.contextmanager
+def _rank_1_stopped_in_save(proc, run_dir: Path, step: int):
+    """SIGSTOP rank 1 once its DeepSpeed files of the save of `step` are in the `.partial`
+    folder; yields (its pid, the time of the SIGSTOP) and SIGKILLs it on leaving."""
+    partial = run_dir / "checkpoints" / f"step_{step:09d}.partial"
+    victim = _wait_for("rank 1's process", lambda: _try_pid(proc.pid, 1), 300, proc)
+    _wait_for(f"the partial save of step {step}", lambda: partial.is_dir() and any(
+        "model_states" in p.name for p in partial.iterdir()), 300, proc)
+    os.kill(victim, signal.SIGSTOP)
+    try:
+        yield victim, time.time()
+    finally:
+        try:
+            os.kill(victim, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def test_sigstop_during_a_save_restarts_from_the_previous_checkpoint(data, healthy):
     """SIGSTOP of rank 1 while it is inside the save of step 6 (its DeepSpeed files are in
     step_000000006.partial, `debug.slow_save_s` holds it there): detected with the save
@@ -200,23 +219,12 @@ def test_sigstop_during_a_save_restarts_from_the_previous_checkpoint(data, healt
     out = open(run_dir / "log.txt", "ab")
     proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=out, stderr=subprocess.STDOUT,
                             start_new_session=True)
-    partial = run_dir / "checkpoints" / "step_000000006.partial"
-    try:
-        victim = _wait_for("rank 1's process", lambda: _try_pid(proc.pid, 1), 300, proc)
-        _wait_for("the partial save of step 6", lambda: partial.is_dir() and any(
-            "model_states" in p.name for p in partial.iterdir()), 300, proc)
-        os.kill(victim, signal.SIGSTOP)
-        t_stop = time.time()
+    with _rank_1_stopped_in_save(proc, run_dir, 6) as (victim, t_stop):
         _wait_for("the hang report", lambda: (run_dir / "hang.json").exists(), 60, proc)
         took = time.time() - t_stop
         report = json.loads((run_dir / "hang.json").read_text())
         assert find_latest(run_dir / "checkpoints").name == "step_000000003"
         code = _finish(proc, run_dir, timeout=600)
-    finally:
-        try:
-            os.kill(victim, signal.SIGKILL)
-        except (ProcessLookupError, UnboundLocalError):
-            pass
     text = (run_dir / "log.txt").read_text()
     assert code == 0, text[-6000:]
     assert report["ranks"] == [1] and report["records"]["1"]["phase"] == "checkpoint"
@@ -394,22 +402,9 @@ def test_sigstop_in_a_save_of_the_tiny_run_with_default_allowances(data):
     run_dir = base / "tiny_default"
     proc = _start(2, ROOT / "configs" / "tiny_cpu.yaml", run_dir, f"data.dir={d}",
                   "debug.slow_save_s=5", log_name="log")
-    partial = run_dir / "checkpoints" / "step_000000005.partial"
-    victim = None
-    try:
-        victim = _wait_for("rank 1's process", lambda: _try_pid(proc.pid, 1), 300, proc)
-        _wait_for("the partial save of step 5", lambda: partial.is_dir() and any(
-            "model_states" in p.name for p in partial.iterdir()), 300, proc)
-        os.kill(victim, signal.SIGSTOP)
-        t_stop = time.time()
+    with _rank_1_stopped_in_save(proc, run_dir, 5) as (victim, t_stop):
         code = _finish(proc, run_dir, timeout=300)
         took = time.time() - t_stop
-    finally:
-        if victim is not None:
-            try:
-                os.kill(victim, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
     text = (run_dir / "log.txt").read_text()
     assert code == 6, text[-4000:]
     report = json.loads((run_dir / "hang.json").read_text())
