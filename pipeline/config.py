@@ -131,11 +131,17 @@ class TrainSection:
       all-reduce, optimizer) may go without progress before the job counts as hung (exit 6,
       one line per live rank naming the stuck rank(s), `<run_dir>/hang.json`). null (default)
       derives it from the step times after warm-up: max(120 s, 10 x median step time);
-      0 switches the watchdog off. Checkpoint saves get max(3 x that, 3 x the last save,
-      min(30 s, 3 x that) + checkpoint bytes / 100 MB/s), a validation micro-batch 3 x that.
+      0 switches the watchdog off. A checkpoint save gets max(3 x the last save, min(60 s,
+      3 x the step allowance) + this rank's checkpoint bytes / 10 MB/s), the bytes being 16
+      per parameter over all ranks; a validation micro-batch 3 x `hang_timeout_s`, or
+      max(120 s, 30 x median step time) when derived. The tiny CPU run (a 2.2 MB checkpoint)
+      gets 120 s per step phase and validation micro-batch and 60.1 s per save, so a hang
+      after warm-up ends it within about 125 s. configs/qwen3_8b.yaml (8.19e9 parameters,
+      32 ranks: 4.1 GB per rank) gets 60 + 410 = 470 s per save until 3 x a measured save is
+      more; with e.g. a 6 s median step 120 s per step phase, 180 s per validation micro-batch.
     - `hang_warmup_s`: the allowance of the set-up (engine build, DeepSpeed op builds,
       checkpoint load), the first 3 steps after each start (compilation, first loader fill)
-      and the first validation.
+      and the first validation of each start.
     - `collective_timeout_s`: the process groups' collective timeout (the backstop behind the
       watchdog; on CUDA also NCCL's watchdog, whose flight-recorder dump goes to the run
       folder); must exceed `hang_timeout_s` and `hang_warmup_s`.

@@ -199,8 +199,9 @@ class Trainer:
                 raise
             raise TrainError(f"init.hf_path: {_first_line(e)}") from None
 
-        if self.watchdog is not None:  # the save allowance scales with the checkpoint's size
-            self.watchdog.policy.checkpoint_bytes = _checkpoint_bytes(self.engine, info.tp_size)
+        if self.watchdog is not None:  # the save allowance scales with this rank's share
+            self.watchdog.policy.rank_checkpoint_bytes = _rank_checkpoint_bytes(
+                self.engine, info.tp_size, info.world_size)
         self.train_loader = self._build_loader(cfg.data.train_split, train=True)
         if latest is not None:
             state = ckpt.load_latest(self.engine, self.ckdir, model_config=self.mcfg,
@@ -643,11 +644,12 @@ class Trainer:
 # Entry point
 # --------------------------------------------------------------------------------------------
 
-def _checkpoint_bytes(engine, tp_size: int) -> float:
-    """Estimated bytes of one checkpoint of the whole job: 16 bytes per parameter (weights,
-    fp32 master weights, two Adam moments) over all tensor-parallel ranks."""
+def _rank_checkpoint_bytes(engine, tp_size: int, world_size: int) -> float:
+    """Estimated bytes one rank writes in a checkpoint save: 16 bytes per parameter (16-bit
+    weights, fp32 master weights, two fp32 Adam moments) of the whole model (this rank's
+    tensor-parallel shard x `tp_size`), spread by ZeRO-3 over all `world_size` ranks."""
     n = sum(int(getattr(p, "ds_numel", p.numel())) for p in engine.module.parameters())
-    return 16.0 * n * tp_size
+    return 16.0 * n * tp_size / max(1, world_size)
 
 
 def _seed_everything(seed: int) -> None:

@@ -44,7 +44,9 @@
 #   trainer checkpoints) but does not requeue by itself.
 # - A fault requeues the job too: when the training tasks exit with 6 (the trainer's hang
 #   watchdog found a rank that made no progress; its line names the rank, the report is
-#   <run_dir>/hang.json) or 5 (a rank's process was gone), this script logs one line with the
+#   <run_dir>/hang.json) or 5 (a rank's process was gone), or srun reports a task killed by a
+#   signal (status 128+N: a rank SIGKILLed, e.g. by the OOM killer; the survivors exit 5 but
+#   srun reports the killed task's status), this script logs one line with the
 #   cause and runs `scontrol requeue`; the requeued job resumes from the latest complete
 #   checkpoint. At most REFUSION_MAX_REQUEUES (default 3) such requeues per job, counted in
 #   $REFUSION_STATE_DIR/requeues-<job id> (time-limit requeues are not counted), so a
@@ -60,7 +62,7 @@
 #   REFUSION_RENDEZVOUS_TIMEOUT  seconds every rank waits to join the rendezvous (default 60)
 #   SRUN_EXTRA_ARGS      extra srun options, e.g. "--cpu-bind=cores" or "--gpu-bind=closest"
 #   REQUEUE_ON_SIGNAL    1 (default) requeue after a SIGUSR1-triggered checkpoint; 0 to not
-#   REFUSION_MAX_REQUEUES requeues after a hang (exit 6) or a lost rank (exit 5); default 3, 0 = none
+#   REFUSION_MAX_REQUEUES requeues after a hang (exit 6) or a lost rank (exit 5 or 128+signal); default 3, 0 = none
 #   REFUSION_STATE_DIR   where the fault-requeue count is kept (default: $REFUSION_ROOT/.cache/slurm)
 #   TORCH_EXTENSIONS_DIR DeepSpeed's JIT-op cache (default: $REFUSION_ROOT/.cache/torch_extensions)
 #   WANDB_MODE etc. pass through (sbatch exports the submitting environment).
@@ -157,10 +159,13 @@ if [ "$SIGNALLED" = USR1 ] && [ "$rc" = 0 ] && [ "${REQUEUE_ON_SIGNAL:-1}" = 1 ]
   scontrol requeue "$SLURM_JOB_ID"
 fi
 
-# A hang (6) or a lost rank (5): requeue, at most REFUSION_MAX_REQUEUES times for this job.
+# A hang (6) or a lost rank (5, or a task killed by signal N: srun's status is then 128+N, not
+# the survivors' 5): requeue, at most REFUSION_MAX_REQUEUES times for this job.
 case "$rc" in
   6) cause="a rank hung (exit 6: the trainer's hang line above names it; report in <run_dir>/hang.json)" ;;
   5) cause="a rank's process was gone (exit 5: its own output above says why)" ;;
+  129|13[0-9]|1[4-9][0-9]|2[0-5][0-9])
+     cause="a rank's process was killed by signal $(( rc - 128 )) (status $rc: srun's lines above name the task)" ;;
   *) cause="" ;;
 esac
 if [ -n "$cause" ] && [ -z "$SIGNALLED" ]; then

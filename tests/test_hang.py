@@ -21,6 +21,7 @@ Timeouts in these runs: `train.hang_timeout_s=4`, `train.hang_warmup_s=60`.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -151,8 +152,8 @@ def test_sigstop_mid_run_exits_6_naming_the_rank_and_resumes_exactly(data, healt
     rec = report["records"]["1"]
     assert rec["pid"] == victim and rec["host"] == socket.gethostname()
     # the allowance of the phase it stopped in: 4 s in a step, 3 x that in validation; a save's
-    # adds the checkpoint's bytes at 100 MB/s and is at least 3 x the last save (both checked
-    # exactly in test_hang_policy_derives_allowances_from_measured_steps): here a floor and a bound
+    # is min(60 s, 3 x 4 s) + this rank's bytes at 10 MB/s, at least 3 x the last save (both
+    # checked exactly in test_hang_policy_derives_allowances_from_measured_steps): a floor, a bound
     if rec["phase"] == "checkpoint":
         assert 3 * HANG_S <= report["allowance_s"] <= 3 * HANG_S + 30, rec
     else:
@@ -182,6 +183,24 @@ def _try_pid(root: int, rank: int):
         return None
 
 
+@contextlib.contextmanager
+def _rank_1_stopped_in_save(proc, run_dir: Path, step: int):
+    """SIGSTOP rank 1 once its DeepSpeed files of the save of `step` are in the `.partial`
+    folder; yields (its pid, the time of the SIGSTOP) and SIGKILLs it on leaving."""
+    partial = run_dir / "checkpoints" / f"step_{step:09d}.partial"
+    victim = _wait_for("rank 1's process", lambda: _try_pid(proc.pid, 1), 300, proc)
+    _wait_for(f"the partial save of step {step}", lambda: partial.is_dir() and any(
+        "model_states" in p.name for p in partial.iterdir()), 300, proc)
+    os.kill(victim, signal.SIGSTOP)
+    try:
+        yield victim, time.time()
+    finally:
+        try:
+            os.kill(victim, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def test_sigstop_during_a_save_restarts_from_the_previous_checkpoint(data, healthy):
     """SIGSTOP of rank 1 while it is inside the save of step 6 (its DeepSpeed files are in
     step_000000006.partial, `debug.slow_save_s` holds it there): detected with the save
@@ -200,27 +219,16 @@ def test_sigstop_during_a_save_restarts_from_the_previous_checkpoint(data, healt
     out = open(run_dir / "log.txt", "ab")
     proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=out, stderr=subprocess.STDOUT,
                             start_new_session=True)
-    partial = run_dir / "checkpoints" / "step_000000006.partial"
-    try:
-        victim = _wait_for("rank 1's process", lambda: _try_pid(proc.pid, 1), 300, proc)
-        _wait_for("the partial save of step 6", lambda: partial.is_dir() and any(
-            "model_states" in p.name for p in partial.iterdir()), 300, proc)
-        os.kill(victim, signal.SIGSTOP)
-        t_stop = time.time()
+    with _rank_1_stopped_in_save(proc, run_dir, 6) as (victim, t_stop):
         _wait_for("the hang report", lambda: (run_dir / "hang.json").exists(), 60, proc)
         took = time.time() - t_stop
         report = json.loads((run_dir / "hang.json").read_text())
         assert find_latest(run_dir / "checkpoints").name == "step_000000003"
         code = _finish(proc, run_dir, timeout=600)
-    finally:
-        try:
-            os.kill(victim, signal.SIGKILL)
-        except (ProcessLookupError, UnboundLocalError):
-            pass
     text = (run_dir / "log.txt").read_text()
     assert code == 0, text[-6000:]
     assert report["ranks"] == [1] and report["records"]["1"]["phase"] == "checkpoint"
-    # max(3 x 4 s, 3 x the step-3 save (8 s asleep + the write), min(30, 12) + tiny bytes)
+    # max(3 x the step-3 save (8 s asleep + the write), min(60, 3 x 4 s) + tiny bytes)
     assert 3 * 2 * HANG_S <= report["allowance_s"] <= 3 * (2 * HANG_S + 3), report
     assert took <= report["allowance_s"] + 10, took
     print(f"\nSIGSTOP in a save: reported after {took:.1f} s (allowance "
@@ -274,24 +282,41 @@ def test_hang_policy_derives_allowances_from_measured_steps():
     for t in (50.0, 40.0, 30.0):          # warm-up steps (compilation) are not in the median
         p.record_step(t)
     assert p.warm
+    assert p.step_allowance() == 400.0    # no later step timed yet: 10 x median of warm-up
     for t in (1.0, 2.0, 30.0):
         p.record_step(t)
-    assert p.step_allowance() == w.DERIVED_FLOOR_S                 # 10 x median 2 s < floor
+    assert p.step_allowance() == w.DERIVED_FLOOR_S == 120.0        # 10 x median 2 s < floor
     for t in [20.0] * 10:
         p.record_step(t)
     assert p.step_allowance() == 200.0                              # 10 x median 20 s
-    p.checkpoint_bytes = 115e9                                      # an 8B ZeRO-3 checkpoint
-    assert p.save_allowance() == pytest.approx(max(600.0, 30.0 + 1150.0))
+    # Qwen3-8B (8,190,735,360 parameters) x 16 bytes over 32 ranks: 4.1 GB per rank at 10 MB/s
+    p.rank_checkpoint_bytes = 16 * 8_190_735_360 / 32
+    assert p.save_allowance() == pytest.approx(60.0 + 409.536768)
     p.last_save_s = 900.0
-    assert p.save_allowance() == 2700.0
+    assert p.save_allowance() == 2700.0                             # 3 x the last save
     assert p.validation_allowance() == 900.0 and p.allowance("done") == float("inf")
     p.validations_seen = 1
-    assert p.validation_allowance() == 600.0
+    assert p.validation_allowance() == 600.0                        # 3 x 10 x median 20 s
+    # the tiny CPU run's defaults: sub-second steps, a 2.2 MB checkpoint over 2 ranks
+    tiny = w.HangPolicy(hang_timeout_s=None, warmup_s=900.0, rank_checkpoint_bytes=1_117_184)
+    for t in [0.5] * 6:
+        tiny.record_step(t)
+    assert tiny.step_allowance() == 120.0
+    assert tiny.save_allowance() == pytest.approx(60.0 + 0.1117184)   # not 3 x 120 s
+    tiny.last_save_s = 2.0
+    assert tiny.save_allowance() == pytest.approx(60.1117184)
+    tiny.last_save_s = 30.0
+    assert tiny.save_allowance() == 90.0
+    assert tiny.validation_allowance() == 900.0                     # the first validation
+    tiny.validations_seen = 1
+    assert tiny.validation_allowance() == 120.0                     # floor, not 3 x 120 s
     fixed = w.HangPolicy(hang_timeout_s=4.0, warmup_s=60.0)
     assert fixed.step_allowance() == 60.0
     for _ in range(3):
         fixed.record_step(0.1)
     assert fixed.step_allowance() == 4.0 and fixed.save_allowance() == 12.0
+    fixed.validations_seen = 1
+    assert fixed.validation_allowance() == 12.0
     assert not w.HangPolicy(hang_timeout_s=0.0, warmup_s=60.0).enabled
 
 
@@ -365,3 +390,35 @@ def test_a_live_rank_stuck_in_a_phase_dumps_its_stacks_and_both_exit_6(data):
     assert not (run_dir / "stacks_rank_00000.txt").exists()
     print(f"\nlive rank stuck in a phase: reported after {report['silent_s']} s of silence "
           f"(allowance {report['allowance_s']} s)")
+
+
+def test_sigstop_in_a_save_of_the_tiny_run_with_default_allowances(data):
+    """configs/tiny_cpu.yaml as shipped (2 ranks, no `train.hang_timeout_s`: derived allowances)
+    with rank 1 stopped inside the save of step 5 (its first; `debug.slow_save_s` holds it in
+    the `.partial` folder): exit 6 with the one line naming rank 1, within the save allowance the
+    policy reports (60 s + a 1.1 MB share at 10 MB/s, not 3 x the 120 s step floor) plus one 5 s
+    check period and the exit."""
+    base, d = data
+    run_dir = base / "tiny_default"
+    proc = _start(2, ROOT / "configs" / "tiny_cpu.yaml", run_dir, f"data.dir={d}",
+                  "debug.slow_save_s=5", log_name="log")
+    with _rank_1_stopped_in_save(proc, run_dir, 5) as (victim, t_stop):
+        code = _finish(proc, run_dir, timeout=300)
+        took = time.time() - t_stop
+    text = (run_dir / "log.txt").read_text()
+    assert code == 6, text[-4000:]
+    report = json.loads((run_dir / "hang.json").read_text())
+    rec = report["records"]["1"]
+    assert report["ranks"] == [1] and (rec["phase"], rec["step"]) == ("checkpoint", 5), report
+    # the policy's save allowance: min(60 s, 3 x 120 s) + rank 1's bytes (16 per parameter of the
+    # tiny model over 2 ranks, about 1.1 MB) / 10 MB/s; nothing measured yet (the first save)
+    assert 60.0 < report["allowance_s"] < 61.0, report
+    assert report["allowance_s"] <= report["silent_s"], report
+    assert took <= report["allowance_s"] + 15, took   # + one 5 s check period, the exit
+    lines = _lines(text)
+    assert len(lines) == 1 and lines[0].startswith(
+        f"pipeline.train: rank 0: hang: rank 1 (host {rec['host']}, pid {victim}) after step 5 "
+        f"in phase checkpoint; its process is not running"), text[-4000:]
+    assert "Traceback" not in text, text[-4000:]
+    print(f"\ntiny run, default allowances, SIGSTOP in a save: exit 6 after {took:.1f} s "
+          f"(allowance {report['allowance_s']:.2f} s)")

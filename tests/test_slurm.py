@@ -446,10 +446,12 @@ HANG_CONFIG = CONFIG.replace("eval_interval: 1, eval_batches: 1}", "eval_interva
     "checkpoint: {{interval: 0, keep: 2}}", "checkpoint: {{interval: 3, keep: 3}}")
 
 
-def _hang_job(tmp_path: Path, name: str, max_steps: int, max_requeues: int, stops: int):
-    """Submit pretrain.sh with `REFUSION_MAX_REQUEUES=max_requeues`, SIGSTOP rank 1 `stops`
-    times (once per leg, after a checkpoint), wait for the job to leave the queue. Returns
-    (log text, metrics.jsonl path, checkpoint folder)."""
+def _hang_job(tmp_path: Path, name: str, max_steps: int, max_requeues: int, stops: int,
+              sig: int = signal.SIGSTOP):
+    """Submit pretrain.sh with `REFUSION_MAX_REQUEUES=max_requeues`, send rank 1 `sig` (SIGSTOP:
+    a hung rank; SIGKILL: a dead one) `stops` times (once per leg, after a checkpoint), wait for
+    the job to leave the queue. Returns (job id, log text, metrics.jsonl path, checkpoint
+    folder)."""
     rng = np.random.default_rng(2)
     data, run, logs = tmp_path / "data", tmp_path / "run", tmp_path / "logs"
     logs.mkdir()
@@ -478,7 +480,7 @@ def _hang_job(tmp_path: Path, name: str, max_steps: int, max_requeues: int, stop
             _poll(f"leg {leg + 1} past a checkpoint", lambda: "checkpoint step " in this_leg()
                       and "training tasks exited" not in this_leg(), 300, log)
             pid = _poll("rank 1's task", lambda: _task_pid(job, 1, cfg), 60, log)
-            os.kill(pid, signal.SIGSTOP)
+            os.kill(pid, sig)
             _poll(f"leg {leg + 1} to end", lambda: "training tasks exited with status"
                       in this_leg(), 180, log)
         _poll("the job to leave the queue", lambda: _job_state(job) == "" and
@@ -505,18 +507,16 @@ def _hang_lines(text: str) -> list[str]:
     return [ln for ln in text.splitlines() if ": hang: " in ln]
 
 
-def test_sbatch_hung_rank_requeues_and_finishes_every_step(tmp_path, slurm_cluster):
-    """A stopped rank (SIGSTOP) in the first leg: exit 6, one requeue line with the cause; the
-    requeued job resumes from the latest checkpoint and finishes; the last record of every step
-    is there once, and a step trained in both legs has the same loss in both."""
-    steps = 14
-    job, text, metrics, ckdir = _hang_job(tmp_path, "refusion-hang", steps, 3, stops=1)
-    assert text.count("training tasks exited with status 6") == 1, text[-6000:]
+def _assert_requeued_once_and_finished(job_text: str, fault_rc: int, cause: str, metrics: Path,
+                                       ckdir: Path, steps: int) -> None:
+    """One leg ended with `fault_rc`, one requeue line naming `cause`, the requeued job resumed
+    from a checkpoint and ended with 0; the last record of every step is there once, and a step
+    trained in both legs has the same loss in both."""
+    text = job_text
+    assert text.count(f"training tasks exited with status {fault_rc}") == 1, text[-6000:]
     assert text.count("training tasks exited with status 0") == 1, text[-6000:]
     requeues = [ln for ln in text.splitlines() if "requeue 1/3 of job" in ln]
-    assert len(requeues) == 1 and "a rank hung (exit 6" in requeues[0], text[-6000:]
-    hang = _hang_lines(text)
-    assert hang and all(": hang: rank 1 (host " in ln for ln in hang), hang
+    assert len(requeues) == 1 and cause in requeues[0], text[-6000:]
     assert re.search(r"resumed from \S+step_(\d{9}) at step \d+", text), text[-3000:]
     lines = _train_lines(metrics)
     first = {}
@@ -529,6 +529,35 @@ def test_sbatch_hung_rank_requeues_and_finishes_every_step(tmp_path, slurm_clust
     last = {m["step"]: m for m in lines}
     assert [last[s]["consumed_samples"] for s in range(1, steps + 1)] == [
         GLOBAL_BATCH * s for s in range(1, steps + 1)]
+
+
+def test_sbatch_hung_rank_requeues_and_finishes_every_step(tmp_path, slurm_cluster):
+    """A stopped rank (SIGSTOP) in the first leg: exit 6, one requeue line with the cause; the
+    requeued job resumes from the latest checkpoint and finishes every step exactly once."""
+    steps = 14
+    job, text, metrics, ckdir = _hang_job(tmp_path, "refusion-hang", steps, 3, stops=1)
+    _assert_requeued_once_and_finished(text, 6, "a rank hung (exit 6", metrics, ckdir, steps)
+    hang = _hang_lines(text)
+    assert hang and all(": hang: rank 1 (host " in ln for ln in hang), hang
+
+
+def test_sbatch_killed_rank_requeues_and_finishes_every_step(tmp_path, slurm_cluster):
+    """A dead rank (SIGKILL of rank 1) in the first leg: srun reports the killed task's status
+    137 (not the survivor's code), pretrain.sh requeues once with that cause, the requeued job
+    resumes and finishes every step exactly once. The survivor, rank 0, says at most one line:
+    it exits 5 when gloo reports the lost peer first, 6 when its watchdog finds rank 1's
+    heartbeat gone first (srun's teardown may also kill it before either)."""
+    steps = 14
+    job, text, metrics, ckdir = _hang_job(tmp_path, "refusion-kill", steps, 3, stops=1,
+                                          sig=signal.SIGKILL)
+    _assert_requeued_once_and_finished(text, 137, "a rank's process was killed by signal 9 "
+                                       "(status 137", metrics, ckdir, steps)
+    assert "task 1: Killed" in text, text[-6000:]
+    said = [ln for ln in text.splitlines() if ln.startswith("pipeline.train: rank 0: ")]
+    assert len(said) <= 1 and all(
+        "stopped because another process of this job is gone" in ln
+        or ": hang: rank 1 (host " in ln for ln in said), said
+    assert "Traceback" not in text, text[-6000:]
 
 
 def test_sbatch_stops_after_max_requeues_with_one_line(tmp_path, slurm_cluster):

@@ -52,16 +52,23 @@ PROGRESS_DIR = "progress"
 HANG_FILE = "hang.json"
 DONE = "done"
 
-# Derived step allowance: max(FLOOR_S, FACTOR x median step time) once warm-up is over.
+# Derived step allowance: max(FLOOR_S, FACTOR x median step time) once warm-up is over (the
+# first step after warm-up: the median of the warm-up steps). The floor plus one check period
+# (`beat_s`, 5 s) must stay well under 150 s: a hang of a seconds-per-step run ends then.
 DERIVED_FLOOR_S = 120.0
 DERIVED_FACTOR = 10.0
 WARMUP_STEPS = 3            # steps after each (re)start judged by the warm-up allowance
 STEP_WINDOW = 50            # step times the median is taken over
-# Checkpoint save allowance: max(3 x step allowance, 3 x the last save, min(SAVE_BASE_S, 3 x step
-# allowance) + bytes / SAVE_MIN_BYTES_PER_S), bytes = the whole checkpoint (all ranks) as the
-# trainer estimates it.
-SAVE_BASE_S = 30.0
-SAVE_MIN_BYTES_PER_S = 100e6
+# Checkpoint save allowance: max(SAVE_FACTOR x the last save, min(SAVE_FLOOR_S, SAVE_FACTOR x
+# step allowance) + this rank's checkpoint bytes / SAVE_MIN_BYTES_PER_S). The ranks write their
+# own files at the same time, so the bytes are one rank's share (16 bytes per parameter over
+# all ranks); 10 MB/s per rank is pessimistic for a shared filesystem (320 MB/s for 32 ranks).
+SAVE_FACTOR = 3.0
+SAVE_FLOOR_S = 60.0
+SAVE_MIN_BYTES_PER_S = 10e6
+# A validation micro-batch (forward only): VALIDATION_FACTOR x the step allowance before its
+# floor, at least DERIVED_FLOOR_S when derived.
+VALIDATION_FACTOR = 3.0
 
 
 @dataclass
@@ -75,13 +82,14 @@ class HangPolicy:
         warmup_s: `train.hang_warmup_s`: allowance of the set-up (engine build, DeepSpeed op
             builds, checkpoint load), of the first `WARMUP_STEPS` steps after each start
             (compilation, first loader fill) and of the first validation.
-        checkpoint_bytes: estimated size of one checkpoint of the whole job in bytes (for the
+        rank_checkpoint_bytes: estimated bytes this rank writes in one checkpoint save (for the
             save allowance); 0 when unknown.
     """
     hang_timeout_s: float | None
     warmup_s: float
-    checkpoint_bytes: float = 0.0
+    rank_checkpoint_bytes: float = 0.0
     step_times: list = field(default_factory=list)
+    warmup_times: list = field(default_factory=list)
     steps_seen: int = 0
     last_save_s: float = 0.0
     validations_seen: int = 0
@@ -102,32 +110,51 @@ class HangPolicy:
         if self.steps_seen > WARMUP_STEPS:   # warm-up steps would inflate the median
             self.step_times.append(float(seconds))
             del self.step_times[:-STEP_WINDOW]
+        else:
+            self.warmup_times.append(float(seconds))
+
+    def _measured(self) -> float | None:
+        """The step allowance before its floor (seconds): the fixed `hang_timeout_s`, or
+        `DERIVED_FACTOR` x the median step time after warm-up (of the warm-up steps while no
+        later step is timed: a median of 3 ignores one compiling step); None during warm-up."""
+        if not self.warm:
+            return None
+        if self.hang_timeout_s is not None:
+            return float(self.hang_timeout_s)
+        times = self.step_times or self.warmup_times
+        return DERIVED_FACTOR * statistics.median(times) if times else 0.0
 
     def step_allowance(self) -> float:
         """Seconds a phase of a training step may take: `warmup_s` during warm-up; then the
         fixed `hang_timeout_s`, or max(`DERIVED_FLOOR_S`, `DERIVED_FACTOR` x median step
         time)."""
-        if not self.warm:
+        measured = self._measured()
+        if measured is None:
             return self.warmup_s
         if self.hang_timeout_s is not None:
-            return float(self.hang_timeout_s)
-        if not self.step_times:
-            return max(DERIVED_FLOOR_S, self.warmup_s)
-        return max(DERIVED_FLOOR_S, DERIVED_FACTOR * statistics.median(self.step_times))
+            return measured
+        return max(DERIVED_FLOOR_S, measured)
 
     def save_allowance(self) -> float:
-        """Seconds a checkpoint save may take: max(3 x `step_allowance()`, 3 x the last save,
-        min(`SAVE_BASE_S`, 3 x `step_allowance()`) + checkpoint bytes / `SAVE_MIN_BYTES_PER_S`)."""
-        step = self.step_allowance()
-        return max(3.0 * step, 3.0 * self.last_save_s,
-                   min(SAVE_BASE_S, 3.0 * step) + self.checkpoint_bytes / SAVE_MIN_BYTES_PER_S)
+        """Seconds a checkpoint save may take: max(`SAVE_FACTOR` x the last save of this process,
+        min(`SAVE_FLOOR_S`, `SAVE_FACTOR` x `step_allowance()`) + `rank_checkpoint_bytes` /
+        `SAVE_MIN_BYTES_PER_S`). A save costs its bytes, not steps: a few-MB checkpoint gets
+        60 s (or 3 x a small fixed `hang_timeout_s`) until a slower save was measured."""
+        floor = min(SAVE_FLOOR_S, SAVE_FACTOR * self.step_allowance())
+        return max(SAVE_FACTOR * self.last_save_s,
+                   floor + self.rank_checkpoint_bytes / SAVE_MIN_BYTES_PER_S)
 
     def validation_allowance(self) -> float:
         """Seconds one validation micro-batch may take: `warmup_s` in the first validation of
-        this process (its loader is built then), else 3 x `step_allowance()`."""
-        if self.validations_seen == 0:
-            return max(self.warmup_s, 3.0 * self.step_allowance())
-        return 3.0 * self.step_allowance()
+        this process (its loader is built then, eval shapes may compile) and during warm-up,
+        else `VALIDATION_FACTOR` x the step allowance before its floor: 3 x `hang_timeout_s`,
+        or max(`DERIVED_FLOOR_S`, 3 x `DERIVED_FACTOR` x median step time)."""
+        measured = self._measured()
+        if self.validations_seen == 0 or measured is None:
+            return max(self.warmup_s, VALIDATION_FACTOR * self.step_allowance())
+        if self.hang_timeout_s is not None:
+            return VALIDATION_FACTOR * measured
+        return max(DERIVED_FLOOR_S, VALIDATION_FACTOR * measured)
 
     def allowance(self, phase: str) -> float:
         """The allowance of `phase` (seconds; inf for "done")."""
