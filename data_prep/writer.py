@@ -22,6 +22,7 @@ import fsspec
 import numpy as np
 
 from data_prep.dedup import DigestSet
+from pipeline.data import sample_index
 
 _KEY_HEX = 20  # 80-bit keys
 
@@ -58,14 +59,20 @@ def encode_sample(key: str, tokens: np.ndarray, segments: list[dict]) -> dict:
     return {"__key__": key, "tokens.npy": buf.getvalue(), "json": meta}
 
 
-def write_sample(tar: tarfile.TarFile, sample: dict) -> None:
+def write_sample(tar: tarfile.TarFile, sample: dict) -> dict:
     """Append one sample to an open tar as `<key>.<ext>` members, extensions sorted.
 
     Headers are fixed (mtime 0, uid/gid 0, owner "refusion", mode 0644, USTAR) so equal
     samples give equal bytes; this is the layout webdataset's TarWriter writes (without its
     per-member PAX headers, which cost more than the samples here).
+
+    Returns:
+        `{"start": offset of the sample's first header, ext: (data offset, size), ...}` in
+        bytes from the start of the archive (`TarFile.offset`, which counts what was written),
+        for the shard's sample index (`pipeline.data.sample_index`).
     """
     key = sample["__key__"]
+    where = {"start": tar.offset}
     for ext in sorted(k for k in sample if k != "__key__"):
         data = sample[ext]
         info = tarfile.TarInfo(f"{key}.{ext}")
@@ -73,7 +80,9 @@ def write_sample(tar: tarfile.TarFile, sample: dict) -> None:
         info.uid = info.gid = 0
         info.uname = info.gname = "refusion"
         tar.addfile(info, io.BytesIO(data))
+        where[ext] = (tar.offset - -(-len(data) // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE, len(data))
     tar.members.clear()  # TarFile keeps every TarInfo it wrote (~300 B each); we never read them
+    return where
 
 
 
@@ -256,6 +265,11 @@ class Output:
                 self.fs.rm(p)
 
 
+def index_entry(name: str, data: bytes) -> dict:
+    """The manifest's `index` field of a shard whose sample index `name` holds `data`."""
+    return {"name": name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
 class _HashingFile:
     """File wrapper counting bytes and sha256 of what is written."""
 
@@ -367,7 +381,8 @@ class SplitWriter:
         sample = encode_sample(key, tokens, segments)
         if self.tar is None:
             self._open_shard()
-        write_sample(self.tar, sample)
+        where = write_sample(self.tar, sample)
+        self.cur_index.append((where["start"], *where["tokens.npy"], *where["json"], int(tokens.size)))
         self.cur_samples += 1
         self.cur_tokens += int(tokens.size)
         self.cur_bytes += sum(512 + -(-len(v) // 512) * 512 for k, v in sample.items() if k != "__key__")
@@ -384,11 +399,18 @@ class SplitWriter:
         self.cur_hash = _HashingFile(self.cur_file)
         self.tar = tarfile.open(fileobj=self.cur_hash, mode="w|", format=tarfile.USTAR_FORMAT)
         self.cur_samples = self.cur_tokens = self.cur_bytes = 0
+        self.cur_index = []
 
     def _close_shard(self) -> None:
         self.tar.close()
         self.cur_file.close()
         self.tar = None
+        # the sample index first: a shard whose entry is recorded always has its index
+        index = sample_index.encode(np.array(self.cur_index, dtype=sample_index.DTYPE))
+        self.cur_index = []
+        index_name = sample_index.index_name(self.cur_name)
+        self.out.write_bytes(index_name, index)
+        self.out.current = self.cur_name
         self.out.commit(self.cur_tmp, self.cur_name)
         self.out.current = None
         nxt = self._next_pos()
@@ -401,7 +423,8 @@ class SplitWriter:
         self.pending_skips = keep
         self.entries.append({"name": self.cur_name, "samples": self.cur_samples,
                              "tokens": self.cur_tokens, "bytes": self.cur_hash.size,
-                             "sha256": self.cur_hash.sha.hexdigest(), "next": list(nxt),
+                             "sha256": self.cur_hash.sha.hexdigest(),
+                             "index": index_entry(index_name, index), "next": list(nxt),
                              "skipped": dict(sorted(self.skipped.items()))})
         self.written_samples += self.cur_samples
         self.on_close(self)

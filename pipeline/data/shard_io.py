@@ -34,6 +34,7 @@ import json
 import sys
 
 from pipeline.common.fs import missing_fs_package
+from pipeline.data import sample_index
 from pipeline.data.format import FORMAT_VERSION, MANIFEST, DataError
 
 VERIFY_MODES = ("error", "warn", "off")
@@ -205,6 +206,53 @@ def verify_shard(fs, path: str, expected: str | None, mode: str,
         raise _error(msg)
     _WARNED.add(key)
     print(f"warning: {msg}", file=sys.stderr, flush=True)
+
+
+def missing_index_message(data_dir: str, shard: str) -> str:
+    """The one line for a shard whose manifest entry has no sample index."""
+    return (f"{data_dir}/manifest.json: shard {shard} has no sample index "
+            f"({sample_index.index_name(shard)}; shards written before indexes existed): write "
+            f"them with `python data_prep/shard.py index {data_dir}`")
+
+
+def read_sample_index(fs, root: str, entry: dict, mode: str):
+    """The checked sample index (`pipeline.data.sample_index.DTYPE[N]`) of manifest shard
+    entry `entry` (`name`, `samples`, `bytes`, `index`: {`name`, `bytes`, `sha256`}).
+
+    The file is read whole in one request (36 bytes a sample); its sha256 is compared with the
+    manifest's in modes "error" (raise) and "warn" (one `warning:` line), not in "off". Its
+    layout and offsets are always checked (`sample_index.decode`).
+
+    Raises:
+        DataError: one line naming the index file: missing, unreadable, sha256 mismatch
+            (mode "error"), or a bad layout / sample count / offset.
+    """
+    ix = entry["index"]
+    path = f"{root}/{ix['name']}"
+    try:
+        with fs.open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        raise _error(f"sample index {path}: missing (rerun `python data_prep/shard.py index` on "
+                     "the folder)") from None
+    except Exception as e:  # noqa: BLE001 - fsspec backends raise many types
+        raise _error(no_range_message(path, e) or f"sample index {path}: unreadable "
+                     f"({type(e).__name__}: {(str(e).splitlines() or [''])[0]})") from None
+    want = ix.get("sha256")
+    if mode != "off" and want:
+        got = hashlib.sha256(data).hexdigest()
+        if got != want:
+            msg = (f"sample index {path}: sha256 {got[:16]}... does not match manifest.json "
+                   f"({want[:16]}...; {len(data)} bytes, manifest says {ix.get('bytes')}): damaged "
+                   "or replaced; re-copy it or rerun `python data_prep/shard.py index` on the folder")
+            if mode == "error":
+                raise _error(msg)
+            key = (_protocol(fs), path, want)
+            if key not in _WARNED:
+                _WARNED.add(key)
+                print(f"warning: {msg}", file=sys.stderr, flush=True)
+    return sample_index.decode(data, f"shard {root}/{entry['name']}: sample index {ix['name']}",
+                               entry.get("samples"), entry.get("bytes"))
 
 
 class _HashingReader:
