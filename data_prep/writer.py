@@ -428,3 +428,77 @@ class SplitWriter:
                              "skipped": dict(sorted(self.skipped.items()))})
         self.written_samples += self.cur_samples
         self.on_close(self)
+
+
+def index_shards(url: str, log=None) -> tuple[int, int]:
+    """`shard.py index DIR`: write the missing sample indexes (`<shard>.idx`,
+    `pipeline.data.sample_index`) of a finished shard folder made before indexes existed, and
+    record them in its manifest.json.
+
+    Each shard whose manifest entry lacks a valid index (missing file, other size or sha256, a
+    bad layout or sample count) gets one, built by walking its tar headers once; each index is
+    written atomically, then the manifest (atomically, after every shard, so an interrupted
+    run loses nothing and a rerun skips what is done). Shards whose index is valid are not
+    read: a second run changes nothing. Merged folders (`parts/uNNNNNN/...` names) work the
+    same.
+
+    Args:
+        url: the shard folder (local path or fsspec URL).
+        log: called with one line per written index (None: quiet).
+
+    Returns:
+        (indexes written, indexes already valid).
+
+    Raises:
+        OutputError: one line: no or unreadable manifest.json, a shard that is missing or
+            unreadable, or whose sample count differs from the manifest.
+    """
+    from pipeline.data.format import DataError, MANIFEST
+    from pipeline.data.shard_io import read_manifest
+    out = Output(url)
+    try:
+        manifest = read_manifest(url)
+    except DataError as e:
+        raise OutputError(str(e)) from None
+    written = kept = 0
+    for split, entries in manifest["splits"].items():
+        for e in entries:
+            if _index_valid(out, e):
+                kept += 1
+                continue
+            name = sample_index.index_name(e["name"])
+            try:
+                with out.fs.open(out.path(e["name"]), "rb") as f:
+                    records, _ = sample_index.build(f, out.path(e["name"]))
+            except FileNotFoundError:
+                raise OutputError(f"shard {out.path(e['name'])}: missing") from None
+            except DataError as ex:
+                raise OutputError(str(ex)) from None
+            if len(records) != e.get("samples"):
+                raise OutputError(f"shard {out.path(e['name'])}: {len(records)} samples, "
+                                  f"manifest.json says {e.get('samples')} (damaged or replaced)")
+            data = sample_index.encode(records)
+            out.write_bytes(name, data)
+            e["index"] = index_entry(name, data)
+            out.write_json(MANIFEST, manifest)
+            written += 1
+            if log:
+                log(f"wrote {out.path(name)} ({len(records)} samples)")
+    return written, kept
+
+
+def _index_valid(out: Output, entry: dict) -> bool:
+    """The shard entry's recorded sample index exists with its size, sha256 and layout."""
+    from pipeline.data.format import DataError
+    ix = entry.get("index")
+    if not isinstance(ix, dict) or not isinstance(ix.get("name"), str):
+        return False
+    try:
+        with out.fs.open(out.path(ix["name"]), "rb") as f:
+            data = f.read()
+        if len(data) != ix.get("bytes") or hashlib.sha256(data).hexdigest() != ix.get("sha256"):
+            return False
+        sample_index.decode(data, ix["name"], entry.get("samples"), entry.get("bytes"))
+    except (OSError, DataError):
+        return False
+    return True
