@@ -31,11 +31,15 @@ the samples of one window; it does not depend on dp_size, micro_batch_size or nu
   A one-pass loader (`infinite=False`) gives every rank a batch in every round that has any
   row left (all-padding rows fill the rest), so all ranks yield the same number of batches
   and every sample is in exactly one of them.
-- Reading: a per-shard header index (tar headers only; data skipped by seeking), built when a
-  shard is first needed, gives random access to samples. Unpacked, a worker reads only the
-  samples of its own rows. Packed, the rows depend on the lengths of the whole window: every
-  worker of every rank reads the window's tokens.npy headers (a small read per sample, so
-  that cost grows with dp_size x num_workers), then only the samples of its own rows.
+- Reading: each shard's sample index (`<shard>.idx`, `pipeline.data.sample_index`; one read
+  of 36 bytes a sample when a process first needs the shard, never a walk of tar headers)
+  gives each sample's byte range, read in one request. Unpacked, a worker reads only the
+  samples of its own rows. Packed, the rows depend on the lengths of the whole window, which
+  every worker takes from the indexes (no read per sample), then it reads only the samples of
+  its own rows. A manifest whose shards have no index entry (a folder made before indexes) is
+  refused at start-up in one line naming `python data_prep/shard.py index DIR`, which writes
+  them: a DataError (exit 2) rather than a fallback to the tar walk, so no job silently pays
+  ~45 us a sample per shard per worker at every start.
 Signals: loader workers ignore SIGTERM, SIGINT and SIGUSR1 (`_worker_init`). SLURM preemption /
 scancel and a terminal's Ctrl-C signal every process of the job, workers included, and torch's
 own worker handler would make a worker die, killing the trainer's next `next()` before it can
@@ -53,8 +57,8 @@ every rank after the same number of batches and does not depend on the layout: a
 with one dp_size / micro_batch_size / num_workers continues on another (`allow_reshard=True`)
 with every not yet consumed row of the epoch seen exactly once. Samples prefetched by workers
 but not yielded are not consumed. `data_dir`, the folder it was read from, is informational
-(for the message when the shards differ). Resuming reads the current window (indexing the
-headers of the shards it touches), never replays the epoch. A state whose shard set differs
+(for the message when the shards differ). Resuming reads the current window (and the sample
+indexes of the shards it touches), never replays the epoch. A state whose shard set differs
 (shards rebuilt with more input) is refused, unless the caller asks for a new pass
 (`load_state_dict(..., on_shard_change="new_pass")`): then the loader starts the next epoch
 from its beginning over the new set.
