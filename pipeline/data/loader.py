@@ -95,17 +95,6 @@ _SALT_ROWS = 0x5EED03
 
 
 @dataclass(frozen=True)
-class _Piece:
-    shard: int   # index into the split's shard list
-    start: int   # first sample (0-based, within the shard)
-    stop: int    # one past the last sample
-
-    @property
-    def count(self) -> int:
-        return self.stop - self.start
-
-
-@dataclass(frozen=True)
 class _Spec:
     """Everything a worker needs (picklable)."""
     fs: object
