@@ -1,4 +1,4 @@
-"""The command line of data preparation: `python data_prep/shard.py [plan|run|merge] ...`.
+"""The command line of data preparation: `python data_prep/shard.py [plan|run|merge|index] ...`.
 
 Owns: the options of the one-machine command and of the three stages of a run on many
 machines, their checks (one line, exit code 2), and the mapping of errors to exit codes.
@@ -23,7 +23,7 @@ from data_prep.prepare import (NoSamples, TooManySkipped, check_not_empty, check
                                summary)
 from data_prep.resume import UserError
 from data_prep.sources import InputError, OneLineParser
-from data_prep.writer import OutputError, OutputFull
+from data_prep.writer import OutputError, OutputFull, index_shards
 
 MAX_SKIP_FRACTION = 0.1    # default of --max-skip-fraction
 
@@ -47,13 +47,19 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r}: expected a byte count like 256M")
 
 
-STAGES = ("plan", "run", "merge")  # the stages of a run on many machines (data_prep/plan.py)
+STAGES = ("plan", "run", "merge", "index")  # the stages of a run on many machines
+# (data_prep/plan.py); `index` writes the sample indexes of a folder made before they existed
 
 
 def build_stage_parser(stage: str) -> argparse.ArgumentParser:
     """The parser of `shard.py plan|run|merge` (data_prep/README.md "On a cluster")."""
     if stage == "plan":
         return build_parser(prog="shard.py plan")
+    if stage == "index":
+        p = OneLineParser(prog="shard.py index", description="Write the missing sample indexes "
+                          "(<shard>.idx) of a shard folder and record them in its manifest.json.")
+        p.add_argument("output", metavar="DIR_OR_URL", help="a finished shard folder")
+        return p
     p = OneLineParser(prog=f"shard.py {stage}")
     p.add_argument("--output", required=True, metavar="DIR_OR_URL",
                    help="the folder `shard.py plan` wrote")
@@ -145,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     stage = argv[0] if argv and argv[0] in STAGES else None
     parser = build_stage_parser(stage) if stage else build_parser()
     args = parser.parse_args(argv[1:] if stage else argv)
-    if stage in ("run", "merge"):
+    if stage in ("run", "merge", "index"):
         if stage == "run" and args.workers < 1:
             parser.error("--workers must be >= 1")
         return _guarded(lambda: _stage(stage, args))
@@ -172,9 +178,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _stage(stage: str, args) -> None:
-    """`shard.py run` / `shard.py merge` (data_prep/plan.py, data_prep/merge.py)."""
+    """`shard.py run` / `merge` / `index` (data_prep/plan.py, data_prep/merge.py,
+    data_prep/writer.py `index_shards`)."""
     if stage == "run":
         run_task(args)
+        return
+    if stage == "index":
+        written, kept = index_shards(args.output, log=lambda line: print(f"shard.py: {line}",
+                                                                         file=sys.stderr))
+        print(f"shard.py: {args.output}: {written} sample index(es) written, {kept} already "
+              "valid", file=sys.stderr)
         return
     t0 = time.time()
     manifest = merge(args.output)

@@ -46,6 +46,7 @@ from data_prep.plan import (PLAN, describe_unit, planned_output, read_plan, unit
 from data_prep.prepare import input_records
 from data_prep.resume import UserError, fingerprint
 from data_prep.writer import Item, Output, SplitWriter
+from pipeline.data import sample_index
 from pipeline.data.format import FORMAT_VERSION, MANIFEST, PARTIAL_MANIFEST, SPLITS, DataError
 
 DEDUP_PREFIX = "dedup-"
@@ -122,6 +123,28 @@ def _read_log(out: Output, part: dict, d: str, redo: str) -> dict:
     return {k: z[k] for k in z.files}
 
 
+def _check_index(out: Output, d: str, e: dict, redo: str) -> None:
+    """Shard `e` of part `d` has its sample index (`pipeline.data.sample_index`) with the
+    recorded size and sha256, for as many samples as the shard holds."""
+    ix = e.get("index")
+    path = out.path(f"{d}/{e['name']}")
+    if not isinstance(ix, dict) or "name" not in ix:
+        raise MergeError(f"{path}: its part manifest records no sample index (made before "
+                         f"indexes existed); {redo}")
+    try:
+        with out.fs.open(out.path(f"{d}/{ix['name']}"), "rb") as f:
+            data = f.read()
+    except OSError:
+        raise MergeError(f"{out.path(d)}/{ix['name']}: sample index missing; {redo}") from None
+    if len(data) != ix.get("bytes") or hashlib.sha256(data).hexdigest() != ix.get("sha256"):
+        raise MergeError(f"{out.path(d)}/{ix['name']}: size or sha256 differs from its part "
+                         f"manifest (damaged); {redo}")
+    try:
+        sample_index.decode(data, f"sample index {out.path(d)}/{ix['name']}", e["samples"], e["bytes"])
+    except DataError as ex:
+        raise MergeError(f"{ex}; {redo}") from None
+
+
 def merge(output: str) -> dict:
     """`shard.py merge`: check the parts of `output`'s plan, resolve duplicates across units,
     write `manifest.json`; returns it.
@@ -193,6 +216,7 @@ def merge(output: str) -> dict:
                 if samples != e["samples"]:
                     raise MergeError(f"{path}: {samples} samples, its part manifest says "
                                      f"{e['samples']} (damaged or replaced); {redo}")
+                _check_index(out, d, e, redo)
     splits = {s: [] for s in SPLITS}
     for i, part in enumerate(parts):
         d = unit_dir(i)
@@ -206,7 +230,9 @@ def merge(output: str) -> dict:
                             raise MergeError(f"{out.path(d)}/{e['name']}: sample key {key} "
                                              "appears twice in the dataset; report this")
             splits[split] += [{**{k: e[k] for k in ("name", "samples", "tokens", "bytes", "sha256")},
-                               "name": f"{d}/{e['name']}"} for e in entries]
+                               "name": f"{d}/{e['name']}",
+                               "index": {**e["index"], "name": f"{d}/{e['index']['name']}"}}
+                              for e in entries]
     skipped = collections.Counter({k: v for k, v in skipped.items() if v})
     manifest = {
         "format_version": FORMAT_VERSION, "tokenizer": tok_json,

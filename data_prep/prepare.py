@@ -672,7 +672,7 @@ def run(args, unit=None) -> dict:
     manifest = {
         "format_version": FORMAT_VERSION, "tokenizer": tok_json, "max_length": args.max_length,
         "options": opts,
-        "splits": {s: [{k: e[k] for k in ("name", "samples", "tokens", "bytes", "sha256")}
+        "splits": {s: [{k: e[k] for k in ("name", "samples", "tokens", "bytes", "sha256", "index") if k in e}
                        for e in writers[s].entries] for s in SPLITS},
         "skipped": dict(sorted(skipped.items())),
         "counts": {"special_token_text": special, "records": accepted,

@@ -62,8 +62,9 @@ def differences(m: dict, opts: dict, tok_json: dict) -> str:
 
 
 def clear(out: Output) -> None:
-    """Remove what an earlier run wrote: manifests, `<split>-NNNNNN.tar` shards, tokenizer/."""
-    pattern = re.compile(r"^(%s)-\d{6}\.tar$" % "|".join(SPLITS))
+    """Remove what an earlier run wrote: manifests, `<split>-NNNNNN.tar` shards and their
+    `.idx` sample indexes, tokenizer/."""
+    pattern = re.compile(r"^(%s)-\d{6}\.tar(\.idx)?$" % "|".join(SPLITS))  # shards, sample indexes
     for p in out.fs.ls(out.root, detail=False):
         name = p.rstrip("/").rsplit("/", 1)[-1]
         if name in (MANIFEST, PARTIAL, TOKENIZER_DIR) or pattern.match(name):
@@ -117,7 +118,7 @@ def resume_state(out: Output, expected: str, overwrite: bool, opts: dict, tok_js
                 if isinstance(e, dict) and e.get("sha256") and "name" in e}
         if n == MANIFEST:
             listed = [e for split in SPLITS for e in m.get("splits", {}).get(split, [])]
-            if all(out.size(e["name"]) == e.get("bytes") for e in listed):
+            if all(out.size(e["name"]) == e.get("bytes") and _index_kept(out, e) for e in listed):
                 return m, {}, shas
             print(f"shard.py: {out.path(MANIFEST)} lists missing or changed shards; rebuilding",
                   file=sys.stderr)
@@ -127,8 +128,15 @@ def resume_state(out: Output, expected: str, overwrite: bool, opts: dict, tok_js
         for split in SPLITS:
             kept[split] = []
             for e in m.get("progress", {}).get(split, []):
-                if out.size(e["name"]) != e["bytes"]:
+                if out.size(e["name"]) != e["bytes"] or not _index_kept(out, e):
                     break  # missing or partial: redo from here
                 kept[split].append(e)
         return None, kept, shas
     return fresh
+
+
+def _index_kept(out, entry: dict) -> bool:
+    """A shard entry's sample index (`pipeline.data.sample_index`) is there with its recorded
+    size (an entry without `index`, from before indexes existed, counts as kept)."""
+    index = entry.get("index")
+    return not isinstance(index, dict) or out.size(index.get("name", "")) == index.get("bytes")

@@ -22,6 +22,7 @@ import fsspec
 import numpy as np
 
 from data_prep.dedup import DigestSet
+from pipeline.data import sample_index
 
 _KEY_HEX = 20  # 80-bit keys
 
@@ -58,14 +59,20 @@ def encode_sample(key: str, tokens: np.ndarray, segments: list[dict]) -> dict:
     return {"__key__": key, "tokens.npy": buf.getvalue(), "json": meta}
 
 
-def write_sample(tar: tarfile.TarFile, sample: dict) -> None:
+def write_sample(tar: tarfile.TarFile, sample: dict) -> dict:
     """Append one sample to an open tar as `<key>.<ext>` members, extensions sorted.
 
     Headers are fixed (mtime 0, uid/gid 0, owner "refusion", mode 0644, USTAR) so equal
     samples give equal bytes; this is the layout webdataset's TarWriter writes (without its
     per-member PAX headers, which cost more than the samples here).
+
+    Returns:
+        `{"start": offset of the sample's first header, ext: (data offset, size), ...}` in
+        bytes from the start of the archive (`TarFile.offset`, which counts what was written),
+        for the shard's sample index (`pipeline.data.sample_index`).
     """
     key = sample["__key__"]
+    where = {"start": tar.offset}
     for ext in sorted(k for k in sample if k != "__key__"):
         data = sample[ext]
         info = tarfile.TarInfo(f"{key}.{ext}")
@@ -73,7 +80,9 @@ def write_sample(tar: tarfile.TarFile, sample: dict) -> None:
         info.uid = info.gid = 0
         info.uname = info.gname = "refusion"
         tar.addfile(info, io.BytesIO(data))
+        where[ext] = (tar.offset - -(-len(data) // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE, len(data))
     tar.members.clear()  # TarFile keeps every TarInfo it wrote (~300 B each); we never read them
+    return where
 
 
 
@@ -256,6 +265,11 @@ class Output:
                 self.fs.rm(p)
 
 
+def index_entry(name: str, data: bytes) -> dict:
+    """The manifest's `index` field of a shard whose sample index `name` holds `data`."""
+    return {"name": name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
 class _HashingFile:
     """File wrapper counting bytes and sha256 of what is written."""
 
@@ -367,7 +381,8 @@ class SplitWriter:
         sample = encode_sample(key, tokens, segments)
         if self.tar is None:
             self._open_shard()
-        write_sample(self.tar, sample)
+        where = write_sample(self.tar, sample)
+        self.cur_index.append((where["start"], *where["tokens.npy"], *where["json"], int(tokens.size)))
         self.cur_samples += 1
         self.cur_tokens += int(tokens.size)
         self.cur_bytes += sum(512 + -(-len(v) // 512) * 512 for k, v in sample.items() if k != "__key__")
@@ -384,11 +399,18 @@ class SplitWriter:
         self.cur_hash = _HashingFile(self.cur_file)
         self.tar = tarfile.open(fileobj=self.cur_hash, mode="w|", format=tarfile.USTAR_FORMAT)
         self.cur_samples = self.cur_tokens = self.cur_bytes = 0
+        self.cur_index = []
 
     def _close_shard(self) -> None:
         self.tar.close()
         self.cur_file.close()
         self.tar = None
+        # the sample index first: a shard whose entry is recorded always has its index
+        index = sample_index.encode(np.array(self.cur_index, dtype=sample_index.DTYPE))
+        self.cur_index = []
+        index_name = sample_index.index_name(self.cur_name)
+        self.out.write_bytes(index_name, index)
+        self.out.current = self.cur_name
         self.out.commit(self.cur_tmp, self.cur_name)
         self.out.current = None
         nxt = self._next_pos()
@@ -401,7 +423,82 @@ class SplitWriter:
         self.pending_skips = keep
         self.entries.append({"name": self.cur_name, "samples": self.cur_samples,
                              "tokens": self.cur_tokens, "bytes": self.cur_hash.size,
-                             "sha256": self.cur_hash.sha.hexdigest(), "next": list(nxt),
+                             "sha256": self.cur_hash.sha.hexdigest(),
+                             "index": index_entry(index_name, index), "next": list(nxt),
                              "skipped": dict(sorted(self.skipped.items()))})
         self.written_samples += self.cur_samples
         self.on_close(self)
+
+
+def index_shards(url: str, log=None) -> tuple[int, int]:
+    """`shard.py index DIR`: write the missing sample indexes (`<shard>.idx`,
+    `pipeline.data.sample_index`) of a finished shard folder made before indexes existed, and
+    record them in its manifest.json.
+
+    Each shard whose manifest entry lacks a valid index (missing file, other size or sha256, a
+    bad layout or sample count) gets one, built by walking its tar headers once; each index is
+    written atomically, then the manifest (atomically, after every shard, so an interrupted
+    run loses nothing and a rerun skips what is done). Shards whose index is valid are not
+    read: a second run changes nothing. Merged folders (`parts/uNNNNNN/...` names) work the
+    same.
+
+    Args:
+        url: the shard folder (local path or fsspec URL).
+        log: called with one line per written index (None: quiet).
+
+    Returns:
+        (indexes written, indexes already valid).
+
+    Raises:
+        OutputError: one line: no or unreadable manifest.json, a shard that is missing or
+            unreadable, or whose sample count differs from the manifest.
+    """
+    from pipeline.data.format import DataError, MANIFEST
+    from pipeline.data.shard_io import read_manifest
+    out = Output(url)
+    try:
+        manifest = read_manifest(url)
+    except DataError as e:
+        raise OutputError(str(e)) from None
+    written = kept = 0
+    for split, entries in manifest["splits"].items():
+        for e in entries:
+            if _index_valid(out, e):
+                kept += 1
+                continue
+            name = sample_index.index_name(e["name"])
+            try:
+                with out.fs.open(out.path(e["name"]), "rb") as f:
+                    records, _ = sample_index.build(f, out.path(e["name"]))
+            except FileNotFoundError:
+                raise OutputError(f"shard {out.path(e['name'])}: missing") from None
+            except DataError as ex:
+                raise OutputError(str(ex)) from None
+            if len(records) != e.get("samples"):
+                raise OutputError(f"shard {out.path(e['name'])}: {len(records)} samples, "
+                                  f"manifest.json says {e.get('samples')} (damaged or replaced)")
+            data = sample_index.encode(records)
+            out.write_bytes(name, data)
+            e["index"] = index_entry(name, data)
+            out.write_json(MANIFEST, manifest)
+            written += 1
+            if log:
+                log(f"wrote {out.path(name)} ({len(records)} samples)")
+    return written, kept
+
+
+def _index_valid(out: Output, entry: dict) -> bool:
+    """The shard entry's recorded sample index exists with its size, sha256 and layout."""
+    from pipeline.data.format import DataError
+    ix = entry.get("index")
+    if not isinstance(ix, dict) or not isinstance(ix.get("name"), str):
+        return False
+    try:
+        with out.fs.open(out.path(ix["name"]), "rb") as f:
+            data = f.read()
+        if len(data) != ix.get("bytes") or hashlib.sha256(data).hexdigest() != ix.get("sha256"):
+            return False
+        sample_index.decode(data, ix["name"], entry.get("samples"), entry.get("bytes"))
+    except (OSError, DataError):
+        return False
+    return True

@@ -52,8 +52,9 @@ def random_samples(rng: np.random.Generator, n: int, vocab_size: int = 64, max_l
 
 def write_shards(data_dir: str, splits: dict, samples_per_shard: int = 10,
                  tokenizer: dict | None = None, max_length: int | None = None,
-                 options: dict | None = None) -> dict:
-    """Write `<data_dir>/manifest.json` and `<split>-NNNNNN.tar` shards.
+                 options: dict | None = None, index: bool = True) -> dict:
+    """Write `<data_dir>/manifest.json` and `<split>-NNNNNN.tar` shards, each with its sample
+    index `<shard>.idx` (`index=False`: a folder as written before sample indexes existed).
 
     Args:
         data_dir: local folder or fsspec URL.
@@ -86,8 +87,10 @@ def write_shards(data_dir: str, splits: dict, samples_per_shard: int = 10,
                                  "tokens.npy": np.asarray(tokens, dtype=np.uint32),
                                  "json": {"segments": segments}})
             fs.mv(tmp, f"{root}/{name}")
-            entries.append({"name": name, "samples": len(chunk),
-                            "tokens": int(sum(len(t) for t, _ in chunk))})
+            entry = {"name": name, "samples": len(chunk), "tokens": int(sum(len(t) for t, _ in chunk))}
+            if index:
+                entry["index"] = write_index(fs, root, name)
+            entries.append(entry)
             longest = max([longest, *(len(t) for t, _ in chunk)])
         manifest_splits[split] = entries
     manifest = {"format_version": 1, "tokenizer": dict(tokenizer or DEFAULT_TOKENIZER),
@@ -96,6 +99,22 @@ def write_shards(data_dir: str, splits: dict, samples_per_shard: int = 10,
     with fs.open(f"{root}/manifest.json", "wb") as f:
         f.write(json.dumps(manifest, indent=1).encode())
     return manifest
+
+
+def write_index(fs, root: str, name: str) -> dict:
+    """Write the sample index of shard `<root>/<name>` (built by walking its tar:
+    `pipeline.data.sample_index.build`, what `shard.py index` does) and return its manifest
+    `index` entry."""
+    import hashlib
+
+    from pipeline.data import sample_index
+    with fs.open(f"{root}/{name}", "rb") as f:
+        records, _ = sample_index.build(f, name)
+    data = sample_index.encode(records)
+    iname = sample_index.index_name(name)
+    with fs.open(f"{root}/{iname}", "wb") as f:
+        f.write(data)
+    return {"name": iname, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
 
 def write_train_val(data_dir: str, n_train: int, n_val: int, samples_per_shard: int,

@@ -31,11 +31,15 @@ the samples of one window; it does not depend on dp_size, micro_batch_size or nu
   A one-pass loader (`infinite=False`) gives every rank a batch in every round that has any
   row left (all-padding rows fill the rest), so all ranks yield the same number of batches
   and every sample is in exactly one of them.
-- Reading: a per-shard header index (tar headers only; data skipped by seeking), built when a
-  shard is first needed, gives random access to samples. Unpacked, a worker reads only the
-  samples of its own rows. Packed, the rows depend on the lengths of the whole window: every
-  worker of every rank reads the window's tokens.npy headers (a small read per sample, so
-  that cost grows with dp_size x num_workers), then only the samples of its own rows.
+- Reading: each shard's sample index (`<shard>.idx`, `pipeline.data.sample_index`; one read
+  of 36 bytes a sample when a process first needs the shard, never a walk of tar headers)
+  gives each sample's byte range, read in one request. Unpacked, a worker reads only the
+  samples of its own rows. Packed, the rows depend on the lengths of the whole window, which
+  every worker takes from the indexes (no read per sample), then it reads only the samples of
+  its own rows. A manifest whose shards have no index entry (a folder made before indexes) is
+  refused at start-up in one line naming `python data_prep/shard.py index DIR`, which writes
+  them: a DataError (exit 2) rather than a fallback to the tar walk, so no job silently pays
+  ~45 us a sample per shard per worker at every start.
 Signals: loader workers ignore SIGTERM, SIGINT and SIGUSR1 (`_worker_init`). SLURM preemption /
 scancel and a terminal's Ctrl-C signal every process of the job, workers included, and torch's
 own worker handler would make a worker die, killing the trainer's next `next()` before it can
@@ -53,8 +57,8 @@ every rank after the same number of batches and does not depend on the layout: a
 with one dp_size / micro_batch_size / num_workers continues on another (`allow_reshard=True`)
 with every not yet consumed row of the epoch seen exactly once. Samples prefetched by workers
 but not yielded are not consumed. `data_dir`, the folder it was read from, is informational
-(for the message when the shards differ). Resuming reads the current window (indexing the
-headers of the shards it touches), never replays the epoch. A state whose shard set differs
+(for the message when the shards differ). Resuming reads the current window (and the sample
+indexes of the shards it touches), never replays the epoch. A state whose shard set differs
 (shards rebuilt with more input) is refused, unless the caller asks for a new pass
 (`load_state_dict(..., on_shard_change="new_pass")`): then the loader starts the next epoch
 from its beginning over the new set.
@@ -68,9 +72,7 @@ import io
 import json
 import logging
 import multiprocessing
-import posixpath
 import signal
-import tarfile
 import weakref
 from dataclasses import dataclass
 from typing import Iterator
@@ -79,7 +81,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from pipeline.data import shard_io
+from pipeline.data import sample_index, shard_io
 from pipeline.data.format import DataError, check_tokenizer
 from pipeline.data.shard_io import read_manifest
 from pipeline.objective import ObjectiveConfig, collate, reorganize_sample
@@ -90,17 +92,6 @@ STATE_VERSION = 2
 _SALT_PIECES = 0x5EED01
 _SALT_WINDOW = 0x5EED02
 _SALT_ROWS = 0x5EED03
-
-
-@dataclass(frozen=True)
-class _Piece:
-    shard: int   # index into the split's shard list
-    start: int   # first sample (0-based, within the shard)
-    stop: int    # one past the last sample
-
-    @property
-    def count(self) -> int:
-        return self.stop - self.start
 
 
 @dataclass(frozen=True)
@@ -125,6 +116,7 @@ class _Spec:
     objective: ObjectiveConfig
     shard_meta: tuple = ()   # per shard: (sha256 or None, bytes or None) from the manifest
     verify: str = "error"    # shard_io.VERIFY_MODES
+    index_meta: tuple = ()   # per shard: its manifest "index" entry as (name, bytes, sha256)
 
 
 PACKINGS = ("next_fit", "best_fit")
@@ -140,82 +132,6 @@ def _open_shard(fs, path: str):
     """Open one shard for binary, seekable reading: the only place shards are opened (a hook
     for verification or remote-filesystem error handling wraps this function)."""
     return fs.open(path, "rb")
-
-
-@dataclass
-class _PieceIndex:
-    """Where each sample of a piece lies in its tar: keys and byte offsets/sizes of members."""
-    keys: list
-    tok_off: np.ndarray
-    tok_size: np.ndarray
-    json_off: np.ndarray
-    json_size: np.ndarray
-
-
-def _index_piece(fs, path: str, piece: _Piece, expected_bytes: int | None = None) -> _PieceIndex:
-    """Scan the tar headers (data is skipped by seeking) and locate samples
-    `piece.start .. piece.stop-1`.
-
-    Raises:
-        DataError: unreadable/corrupt/truncated tar, a sample without tokens.npy or json, or
-            fewer samples than the manifest promises.
-    """
-    def bad(msg):
-        return DataError(f"shard {path}: {msg}")
-
-    def hint():  # truncated, or damaged in place (shard_io)
-        h = shard_io.damage_hint(fs, path, expected_bytes)
-        return f"; {h}" if h else ""
-
-    keys, offs = [], {"tokens.npy": [], "json": []}
-    index, key, found = -1, None, {}
-
-    def close_sample():
-        if piece.start <= index < piece.stop:
-            missing = [e for e in offs if e not in found]
-            if missing:
-                raise bad(f"sample {key} lacks {', '.join(missing)}")
-            keys.append(key)
-            for e in offs:
-                offs[e].append(found[e])
-
-    try:
-        with _open_shard(fs, path) as f:
-            tf = tarfile.open(fileobj=f, mode="r:")
-            while True:
-                member = tf.next()
-                if member is None:
-                    break
-                if not member.isfile():
-                    continue
-                d, base = posixpath.split(member.name)
-                mkey, _, ext = base.partition(".")
-                mkey = posixpath.join(d, mkey) if d else mkey
-                if mkey != key:
-                    if key is not None:
-                        close_sample()
-                    index, key, found = index + 1, mkey, {}
-                    if index >= piece.stop:
-                        break
-                if ext in offs:
-                    found[ext] = (member.offset_data, member.size)
-                tf.members.clear()  # do not keep every header of a large shard in memory
-            if key is not None and index < piece.stop:
-                close_sample()
-    except DataError:
-        raise
-    except FileNotFoundError:
-        raise bad("missing") from None
-    except tarfile.TarError as e:
-        raise bad(f"unreadable tar ({e}){hint()}") from None
-    except (EOFError, OSError, ValueError) as e:
-        raise DataError(shard_io.no_range_message(path, e) or f"shard {path}: unreadable ({e}){hint()}") from None
-    if len(keys) != piece.count:
-        raise bad(f"has {index + 1 if index < piece.stop else 'more'} samples, the manifest says "
-                  f"{piece.stop} or more{hint()}")
-    arr = {e: np.asarray(v, dtype=np.int64).reshape(-1, 2) for e, v in offs.items()}
-    return _PieceIndex(keys=keys, tok_off=arr["tokens.npy"][:, 0], tok_size=arr["tokens.npy"][:, 1],
-                       json_off=arr["json"][:, 0], json_size=arr["json"][:, 1])
 
 
 class _Order:
@@ -314,63 +230,62 @@ def next_fit(lengths, capacity: int) -> list[list[int]]:
 
 
 class _Reader:
-    """Random access to samples by global id (per-shard header index, open-file cache)."""
+    """Random access to samples by global id: each shard's sample index
+    (`pipeline.data.sample_index`, read when the shard is first needed) gives every sample's
+    byte range, read in one request from an open-file cache; no tar header is parsed but the
+    one inside a sample's range that names its key."""
 
     def __init__(self, spec: _Spec, order: _Order):
         self.spec, self.order = spec, order
-        self._indexes: dict[int, _PieceIndex] = {}
+        self._indexes: dict[int, np.ndarray] = {}
         self._files: dict[int, object] = {}
 
-    def _locate(self, gid: int):
+    def _index(self, gid: int):
+        """(shard, shard path, index records, sample within the shard) of global sample gid."""
         spec = self.spec
         s = int(np.searchsorted(self.order.shard_first, gid, side="right") - 1)
         path = f"{spec.root}/{spec.shards[s][0]}"
-        sha, size = spec.shard_meta[s] if spec.shard_meta else (None, None)
         if s not in self._indexes:
+            sha, size = spec.shard_meta[s] if spec.shard_meta else (None, None)
             shard_io.verify_shard(spec.fs, path, sha, spec.verify, size,  # whole shard, once
                                   zip((n for n, _ in spec.shards), (m[0] for m in spec.shard_meta)))
-            self._indexes[s] = _index_piece(spec.fs, path, _Piece(s, 0, spec.shards[s][1]), size)
-        idx, i = self._indexes[s], gid - int(self.order.shard_first[s])
-        f = self._files.get(s)
-        if f is None:
-            if len(self._files) >= 8:
-                old = next(iter(self._files))
-                self._files.pop(old).close()
-            f = self._files[s] = _open_shard(spec.fs, path)
-        return path, idx, i, f
+            name, nbytes, digest = spec.index_meta[s]
+            entry = {"name": spec.shards[s][0], "samples": spec.shards[s][1], "bytes": size,
+                     "index": {"name": name, "bytes": nbytes, "sha256": digest}}
+            self._indexes[s] = shard_io.read_sample_index(spec.fs, spec.root, entry, spec.verify)
+        return s, path, self._indexes[s], gid - int(self.order.shard_first[s])
 
-    def length(self, gid: int) -> tuple[str, str, int]:
-        """(shard path, key, tokens) of global sample `gid`, from the tokens.npy header only
-        (a small read; the whole array when the header is unusual)."""
-        path, idx, i, f = self._locate(gid)
-        key = idx.keys[i]
-        try:
-            f.seek(int(idx.tok_off[i]))
-            head = io.BytesIO(f.read(min(int(idx.tok_size[i]), 512)))
-            version = np.lib.format.read_magic(head)
-            if version == (1, 0):
-                shape, _, _ = np.lib.format.read_array_header_1_0(head)
-                if len(shape) == 1:
-                    return path, key, int(shape[0])
-        except (ValueError, OSError, EOFError):
-            pass  # the full read below reports the error
-        return path, key, int(self.read(gid)[2].shape[0])
+    def length(self, gid: int) -> int:
+        """Tokens of global sample `gid`, from its shard's sample index (no read of the sample)."""
+        _, _, idx, i = self._index(gid)
+        return int(idx["num_tokens"][i])
 
     def read(self, gid: int):
-        """(shard path, key, tokens: int ndarray[L], segments) of global sample `gid`."""
-        path, idx, i, f = self._locate(gid)
-        key = idx.keys[i]
+        """(shard path, key, tokens: int ndarray[L], segments) of global sample `gid`: one read
+        of the sample's byte range `[start, end)` (its member headers and data)."""
+        s, path, idx, i = self._index(gid)
+        rec = idx[i]
+        start = int(rec["start"])
+        end = int(sample_index.sample_end(idx[i:i + 1])[0])
+        key = f"#{i}"
         try:
-            f.seek(int(idx.tok_off[i]))
-            raw_tokens = f.read(int(idx.tok_size[i]))
-            f.seek(int(idx.json_off[i]))
-            raw_json = f.read(int(idx.json_size[i]))
-            if len(raw_tokens) != idx.tok_size[i] or len(raw_json) != idx.json_size[i]:
-                raise EOFError("short read")
-            tokens = np.load(io.BytesIO(raw_tokens), allow_pickle=False)
-            meta = json.loads(raw_json.decode("utf-8"))
+            f = self._files.get(s)
+            if f is None:
+                if len(self._files) >= 8:
+                    old = next(iter(self._files))
+                    self._files.pop(old).close()
+                f = self._files[s] = _open_shard(self.spec.fs, path)
+            f.seek(start)
+            raw = f.read(end - start)
+            if len(raw) != end - start:
+                raise EOFError(f"short read: {len(raw)} of {end - start} bytes at offset {start}")
+            jo, to = int(rec["json_offset"]) - start, int(rec["tokens_offset"]) - start
+            key = sample_index.key_from_header(raw[jo - 512:jo])
+            tokens = np.load(io.BytesIO(raw[to:to + int(rec["tokens_size"])]), allow_pickle=False)
+            meta = json.loads(raw[jo:jo + int(rec["json_size"])].decode("utf-8"))
+        except FileNotFoundError:
+            raise DataError(f"shard {path}: missing") from None
         except (ValueError, OSError, EOFError, UnicodeDecodeError) as e:
-            s = int(np.searchsorted(self.order.shard_first, gid, side="right") - 1)
             size = self.spec.shard_meta[s][1] if self.spec.shard_meta else None
             h = shard_io.damage_hint(self.spec.fs, path, size)
             raise DataError(shard_io.no_range_message(path, e) or f"shard {path}: sample {key} is "
@@ -379,6 +294,9 @@ class _Reader:
                 or "segments" not in meta:
             raise DataError(f"shard {path}: sample {key}: tokens.npy must be a 1-D integer array "
                             f"and json must have segments")
+        if tokens.shape[0] != int(rec["num_tokens"]):
+            raise DataError(f"shard {path}: sample {key} has {tokens.shape[0]} tokens, its sample "
+                            f"index says {int(rec['num_tokens'])} (index of another shard version?)")
         return path, key, tokens, meta["segments"]
 
     def close(self) -> None:
@@ -389,16 +307,15 @@ class _Reader:
 
 def _window_rows(spec: _Spec, order: _Order, reader: _Reader, epoch: int, w: int):
     """Rows of window w: (list of rows, each a list of global ids; {gid: read sample} of
-    samples already read, empty: packing reads only the lengths, from the tokens.npy
-    headers, and each worker reads its own rows' samples)."""
+    samples already read, empty: packing takes the lengths from the shards' sample indexes,
+    and each worker reads its own rows' samples)."""
     ids = order.window(epoch, w)
     if spec.packing == "none":
         return [[int(i)] for i in ids], {}
-    info = {int(i): reader.length(int(i)) for i in np.sort(ids)}  # file order within chunks
-    lengths = [info[int(i)][2] for i in ids]
+    lengths = [reader.length(int(i)) for i in ids]  # from the sample indexes: no sample read
     for i, L in zip(ids, lengths):
         if L > spec.max_length:
-            path, key = info[int(i)][:2]
+            path, key = reader.read(int(i))[:2]
             raise DataError(f"shard {path}: sample {key} has {L} tokens > max_length {spec.max_length}")
     if spec.packing == "next_fit":
         rows = next_fit(lengths, spec.max_length)
@@ -755,7 +672,12 @@ def build_loader(data_dir: str, split: str, micro_batch_size: int, max_length: i
     if manifest["max_length"] > max_length:
         raise DataError(f"{where}: shards hold samples up to max_length {manifest['max_length']} tokens, "
                         f"the loader's max_length is {max_length}")
-    shards = tuple((s["name"], int(s["samples"])) for s in manifest["splits"][split])
+    entries = manifest["splits"][split]
+    shards = tuple((s["name"], int(s["samples"])) for s in entries)
+    for e in entries:
+        ix = e.get("index")
+        if not isinstance(ix, dict) or not isinstance(ix.get("name"), str):
+            raise DataError(shard_io.missing_index_message(str(data_dir), e["name"]))
     total = sum(n for _, n in shards)
     if infinite and total < 1:
         raise DataError(f"{where}: split {split!r} has no samples")
@@ -768,7 +690,11 @@ def build_loader(data_dir: str, split: str, micro_batch_size: int, max_length: i
                  mask_id=int(tok["mask_id"]), pad_id=int(tok["pad_id"]),
                  vocab_limit=int(tok["vocab_size"]), objective=objective_cfg or ObjectiveConfig(),
                  shard_meta=tuple((s.get("sha256"), s.get("bytes")) for s in manifest["splits"][split]),
-                 verify=verify_shards)
-    fingerprint = _digest([manifest["tokenizer"], manifest["splits"][split]])
+                 verify=verify_shards,
+                 index_meta=tuple((e["index"]["name"], e["index"].get("bytes"), e["index"].get("sha256"))
+                                  for e in entries))
+    # the sample indexes are left out: adding them (`shard.py index`) keeps the shard set
+    fingerprint = _digest([manifest["tokenizer"],
+                           [{k: v for k, v in e.items() if k != "index"} for e in entries]])
     return ShardLoader(spec, manifest, fingerprint, num_workers, prefetch_factor,
                        data_dir=str(data_dir))

@@ -9,10 +9,10 @@ damaged shard (truncated, or changed in place).
 Must not touch: shard order, batches, loader state (`pipeline.data.loader`).
 
 Why a shard is verified whole, once, when a loader process first needs it: the loader reads
-shards by random access (a tar-header index, then seeks to the chunks of a shuffle window), so
+shards by random access (a sample index, then byte ranges of the samples of a window), so
 the bytes read are not the file in order and cannot be fed to one running hash; and a stream
 reads only part of the shards at its range's ends. So the first time a process touches a shard
-(`_SampleStream._read`, before the header index is built), the whole file is read sequentially
+(before its sample index is read), the whole file is read sequentially
 in 8 MiB blocks and hashed (sha256 runs at about 1-2 GB/s on one core: ~0.2 s for a 256 MB
 shard, next to minutes of training on it), then compared with the manifest. The result is
 remembered per process (path + expected digest), so later windows, epochs and pieces of the same
@@ -26,6 +26,9 @@ extra pass per node, and each process spends ~0.2 s of CPU per 256 MB shard. For
 sets on slow storage, `data.verify_shards=off` skips it (a shard damaged in its tar structure
 is still reported in one line).
 Manifests without a `sha256` entry (older or hand-written ones) are not checked.
+Sample indexes (`<shard>.idx`, `read_sample_index`) are read whole and their sha256 compared
+with the manifest's `index.sha256` in the same modes (36 bytes a sample: ~10 ms of hashing for
+125,000 samples); their layout and offsets are checked in every mode.
 """
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ import json
 import sys
 
 from pipeline.common.fs import missing_fs_package
+from pipeline.data import sample_index
 from pipeline.data.format import FORMAT_VERSION, MANIFEST, DataError
 
 VERIFY_MODES = ("error", "warn", "off")
@@ -205,6 +209,53 @@ def verify_shard(fs, path: str, expected: str | None, mode: str,
         raise _error(msg)
     _WARNED.add(key)
     print(f"warning: {msg}", file=sys.stderr, flush=True)
+
+
+def missing_index_message(data_dir: str, shard: str) -> str:
+    """The one line for a shard whose manifest entry has no sample index."""
+    return (f"{data_dir}/manifest.json: shard {shard} has no sample index "
+            f"({sample_index.index_name(shard)}; shards written before indexes existed): write "
+            f"them with `python data_prep/shard.py index {data_dir}`")
+
+
+def read_sample_index(fs, root: str, entry: dict, mode: str):
+    """The checked sample index (`pipeline.data.sample_index.DTYPE[N]`) of manifest shard
+    entry `entry` (`name`, `samples`, `bytes`, `index`: {`name`, `bytes`, `sha256`}).
+
+    The file is read whole in one request (36 bytes a sample); its sha256 is compared with the
+    manifest's in modes "error" (raise) and "warn" (one `warning:` line), not in "off". Its
+    layout and offsets are always checked (`sample_index.decode`).
+
+    Raises:
+        DataError: one line naming the index file: missing, unreadable, sha256 mismatch
+            (mode "error"), or a bad layout / sample count / offset.
+    """
+    ix = entry["index"]
+    path = f"{root}/{ix['name']}"
+    try:
+        with fs.open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        raise _error(f"sample index {path}: missing (rerun `python data_prep/shard.py index` on "
+                     "the folder)") from None
+    except Exception as e:  # noqa: BLE001 - fsspec backends raise many types
+        raise _error(no_range_message(path, e) or f"sample index {path}: unreadable "
+                     f"({type(e).__name__}: {(str(e).splitlines() or [''])[0]})") from None
+    want = ix.get("sha256")
+    if mode != "off" and want:
+        got = hashlib.sha256(data).hexdigest()
+        if got != want:
+            msg = (f"sample index {path}: sha256 {got[:16]}... does not match manifest.json "
+                   f"({want[:16]}...; {len(data)} bytes, manifest says {ix.get('bytes')}): damaged "
+                   "or replaced; re-copy it or rerun `python data_prep/shard.py index` on the folder")
+            if mode == "error":
+                raise _error(msg)
+            key = (_protocol(fs), path, want)
+            if key not in _WARNED:
+                _WARNED.add(key)
+                print(f"warning: {msg}", file=sys.stderr, flush=True)
+    return sample_index.decode(data, f"shard {root}/{entry['name']}: sample index {ix['name']}",
+                               entry.get("samples"), entry.get("bytes"))
 
 
 class _HashingReader:

@@ -1,0 +1,254 @@
+"""The per-shard sample index (`<shard>.idx`): written by data prep (one machine, packed and
+unpacked, and a merged array folder with rewritten units) equal to an index computed here by
+walking each tar with `tarfile`; the loader reads only the indexes and byte ranges (no tar
+header walk) and yields every sample as the tar holds it; `shard.py index` mends a folder made
+before indexes existed and is idempotent; a damaged or missing index is one line.
+
+References we did not write: Python's tarfile (the walk below) and numpy's .npy reader.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import shutil
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from data_prep import shard
+from pipeline.data import DataError, build_loader
+from pipeline.data import sample_index
+from pipeline.objective import ObjectiveConfig
+from shard_fixtures import random_samples, write_shards
+from test_data_prep import QA_ROWS, corpus_dir, spm_model, write_jsonl  # noqa: F401 (fixtures)
+
+
+def walk_index(path: Path) -> list[tuple]:
+    """(start, tokens offset, tokens size, json offset, json size, tokens, key) per sample,
+    found by reading the whole tar with tarfile (members grouped by key, in order)."""
+    out = []
+    with tarfile.open(path, "r:") as tf:
+        members = [m for m in tf.getmembers() if m.isfile()]
+        groups: dict = {}
+        for m in members:
+            key, _, ext = m.name.partition(".")
+            groups.setdefault(key, {})[ext] = m
+        for key, g in groups.items():
+            tokens = np.load(io.BytesIO(tf.extractfile(g["tokens.npy"]).read()))
+            out.append((min(m.offset for m in g.values()), g["tokens.npy"].offset_data,
+                        g["tokens.npy"].size, g["json"].offset_data, g["json"].size, len(tokens), key))
+    return out
+
+
+def check_folder(folder: Path) -> int:
+    """Every shard's index equals the walk and its manifest entry; returns the shards seen."""
+    m = json.loads((folder / "manifest.json").read_text())
+    n = 0
+    for entries in m["splits"].values():
+        for e in entries:
+            ix = e["index"]
+            assert ix["name"] == e["name"] + ".idx"
+            data = (folder / ix["name"]).read_bytes()
+            assert len(data) == ix["bytes"] and hashlib.sha256(data).hexdigest() == ix["sha256"]
+            assert data[:8] == b"RFSIDX\x00\x01"
+            assert int.from_bytes(data[8:16], "little") == e["samples"]
+            rec = np.frombuffer(data, sample_index.DTYPE, offset=16)
+            got = [tuple(int(x) for x in r) for r in rec]
+            want = walk_index(folder / e["name"])
+            assert got == [w[:6] for w in want]
+            assert len(got) == e["samples"] and sum(r[5] for r in got) == e["tokens"]
+            n += 1
+    return n
+
+
+def test_data_prep_writes_the_index_packed_and_unpacked(tmp_path, spm_model, corpus_dir):
+    rows = QA_ROWS + [{"query": f"q{i}", "response": "w " * (i * 7 % 60)} for i in range(1, 40)]
+    src = write_jsonl(tmp_path / "qa.jsonl", rows)
+    for extra in ([], ["--pack"]):
+        out = tmp_path / f"out{len(extra)}"
+        args = ["--input", src, "--input", corpus_dir, "--tokenizer", spm_model, "--max-length",
+                64, "--val-fraction", "0.25", "--shard-samples", 7, "--output", out, "--no-progress",
+                *extra]
+        assert shard.main([str(a) for a in args]) == 0
+        assert check_folder(out) >= 4
+        m = json.loads((out / "manifest.json").read_text())
+        if extra:
+            assert any(len(json.loads(s)["segments"]) > 1 for s in _jsons(out / m["splits"]["train"][0]["name"]))
+
+
+def _jsons(path: Path):
+    with tarfile.open(path) as tf:
+        return [tf.extractfile(m).read() for m in tf.getmembers() if m.name.endswith(".json")]
+
+
+def test_merged_array_folder_has_checked_indexes(tmp_path, capsys):
+    from test_data_prep_array import UNIT, COMMON, _corpus
+    from data_prep import train_tokenizer
+    corpus = _corpus(tmp_path / "in")
+    tok = tmp_path / "spm.model"
+    assert train_tokenizer.main(["--input", str(corpus / "d.txt"), "--input",
+                                 str(corpus / "b_big.jsonl"), "--output", str(tok),
+                                 "--vocab-size", "300"]) == 0
+    out = tmp_path / "k3"
+    run = lambda *a: shard.main([str(x) for x in a])  # noqa: E731
+    assert run("plan", "--input", corpus, "--output", out, "--tokenizer", tok, "--unit-bytes",
+               UNIT, *COMMON, "--pack") == 0
+    for t in range(3):
+        assert run("run", "--output", out, "--task", t, "--num-tasks", 3) == 0
+    assert run("merge", "--output", out) == 0
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["plan"]["rewritten_units"]
+    names = [e["name"] for s in m["splits"].values() for e in s]
+    assert any("/dedup-" in n for n in names)  # rewritten shards have their own indexes
+    assert check_folder(out) == len(names)
+    # a damaged index of a part is refused by the merge, naming it (a unit not rewritten)
+    e = next(e for e in m["splits"]["train"] if "/dedup-" not in e["name"])
+    victim = out / e["index"]["name"]
+    data = bytearray(victim.read_bytes())
+    data[20] ^= 1
+    victim.write_bytes(bytes(data))
+    capsys.readouterr()
+    assert run("merge", "--output", out) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and victim.name in err and "sha256 differs" in err
+
+
+@pytest.fixture
+def folder(tmp_path) -> Path:
+    rng = np.random.default_rng(3)
+    write_shards(str(tmp_path / "d"), {"train": random_samples(rng, 45, max_length=40)},
+                 samples_per_shard=10)
+    return tmp_path / "d"
+
+
+def _stream(folder: Path) -> dict:
+    """{key: tokens} read straight from the tars."""
+    out = {}
+    for p in sorted(folder.glob("train-*.tar")):
+        with tarfile.open(p) as tf:
+            for m in tf.getmembers():
+                if m.name.endswith(".tokens.npy"):
+                    out[m.name.split(".")[0]] = np.load(io.BytesIO(tf.extractfile(m).read()))
+    return out
+
+
+def _keys_and_tokens(loader) -> list:
+    got = []
+    for b in loader:
+        for key, ids, seg in zip(b["keys"], b["input_ids"], b["segment_ids"]):
+            got.append((key, ids, seg))
+    return got
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_loader_reads_no_tar_headers(folder, monkeypatch, num_workers):
+    """With tarfile's header walk disabled the loader yields every sample once, in manifest
+    order unshuffled, with the tokens the tar holds; packed (shuffled) as well."""
+    want = _stream(folder)
+    ar = ObjectiveConfig(mode="ar")  # rows hold the sample's tokens in natural order
+    ref = _keys_and_tokens(build_loader(str(folder), "train", 3, 40, num_workers=0, shuffle=False,
+                                        infinite=False, seed=2, objective_cfg=ar))
+
+    def refuse(*a, **k):
+        raise AssertionError("the loader walked tar headers")
+    monkeypatch.setattr(tarfile.TarFile, "next", refuse)
+    monkeypatch.setattr(tarfile, "open", refuse)
+    got = _keys_and_tokens(build_loader(str(folder), "train", 3, 40, num_workers=num_workers,
+                                        shuffle=False, infinite=False, seed=2, objective_cfg=ar))
+    keys = [k for k, _, _ in got]
+    assert keys == sorted(want) == [k for k, _, _ in ref]
+    for key, ids, seg in got:
+        n = int((seg > 0).sum())
+        assert ids[:n].tolist() == want[key].tolist()
+    packed = build_loader(str(folder), "train", 2, 80, num_workers=num_workers, pack=True,
+                          shuffle=True, shuffle_buffer=16, infinite=False, seed=2)
+    seen = [k for b in packed for k in b["keys"]]
+    assert sorted(seen) == sorted(want)
+
+
+def test_missing_index_is_one_line_and_shard_index_mends_it(tmp_path, capsys):
+    rng = np.random.default_rng(4)
+    samples = random_samples(rng, 25, max_length=30)
+    ref, old = tmp_path / "ref", tmp_path / "old"
+    write_shards(str(ref), {"train": samples}, samples_per_shard=10)
+    write_shards(str(old), {"train": samples}, samples_per_shard=10, index=False)
+    assert not list(old.glob("*.idx"))
+    with pytest.raises(DataError) as e:
+        build_loader(str(old), "train", 2, 30)
+    msg = str(e.value)
+    assert "\n" not in msg and "train-000000.tar" in msg and f"shard.py index {old}" in msg
+    assert shard.main(["index", str(old)]) == 0
+    assert "3 sample index(es) written, 0 already valid" in capsys.readouterr().err
+    for p in sorted(ref.glob("*.idx")):  # the same bytes as indexes written with the shards
+        assert (old / p.name).read_bytes() == p.read_bytes()
+    assert json.loads((old / "manifest.json").read_text()) == json.loads((ref / "manifest.json").read_text())
+    check_folder(old)
+    a = _keys_and_tokens(build_loader(str(old), "train", 2, 30, num_workers=0, infinite=False, seed=1))
+    b = _keys_and_tokens(build_loader(str(ref), "train", 2, 30, num_workers=0, infinite=False, seed=1))
+    assert [k for k, _, _ in a] == [k for k, _, _ in b] and len(a) == 25
+    # idempotent: nothing rewritten; a lost index is written again, alone
+    stat = {p.name: p.stat().st_mtime_ns for p in old.glob("*.idx")}
+    assert shard.main(["index", str(old)]) == 0
+    assert "0 sample index(es) written, 3 already valid" in capsys.readouterr().err
+    assert {p.name: p.stat().st_mtime_ns for p in old.glob("*.idx")} == stat
+    (old / "train-000001.tar.idx").unlink()
+    assert shard.main(["index", str(old)]) == 0
+    assert "1 sample index(es) written, 2 already valid" in capsys.readouterr().err
+    assert (old / "train-000001.tar.idx").read_bytes() == (ref / "train-000001.tar.idx").read_bytes()
+    # not a shard folder: one line, exit 2
+    assert shard.main(["index", str(tmp_path / "nothing")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "no manifest.json" in err
+
+
+def test_index_entries_are_not_part_of_the_shard_set(tmp_path):
+    """A loader state resumes on the same shards whatever their manifest says of the indexes
+    (a run started before `shard.py index` added them keeps its shard set)."""
+    rng = np.random.default_rng(5)
+    ref = tmp_path / "ref"
+    write_shards(str(ref), {"train": random_samples(rng, 20, max_length=30)}, samples_per_shard=10)
+    a = build_loader(str(ref), "train", 2, 30, num_workers=0)
+    it = iter(a)
+    next(it)
+    state = a.state_dict()
+    m = json.loads((ref / "manifest.json").read_text())
+    for e in m["splits"]["train"]:
+        e["index"]["sha256"] = "0" * 64  # not checked with verify_shards=off
+    other = tmp_path / "other"
+    shutil.copytree(ref, other)
+    (other / "manifest.json").write_text(json.dumps(m))
+    b = build_loader(str(other), "train", 2, 30, num_workers=0, verify_shards="off")
+    assert b.load_state_dict(state) is None  # the same shard set: no new pass
+    assert b.state_dict()["config"]["data"] == state["config"]["data"]
+    m["splits"]["train"][0]["tokens"] += 1  # a shard field that is part of the set
+    (other / "manifest.json").write_text(json.dumps(m))
+    c = build_loader(str(other), "train", 2, 30, num_workers=0, verify_shards="off")
+    with pytest.raises(DataError):
+        c.load_state_dict(state)
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_damaged_index_is_one_line_naming_it(folder, damage):
+    victim = folder / "train-000002.tar.idx"
+    data = bytearray(victim.read_bytes())
+    if damage == "flip":
+        data[16 + 36 + 4] ^= 0x10
+    else:
+        data = data[:-5]
+    victim.write_bytes(bytes(data))
+    loader = build_loader(str(folder), "train", 2, 40, num_workers=0, shuffle=False, infinite=False)
+    with pytest.raises(DataError) as e:
+        for _ in loader:
+            pass
+    msg = str(e.value)
+    assert "\n" not in msg and "train-000002.tar.idx" in msg
+    assert "sha256" in msg and "does not match manifest.json" in msg
+    if damage == "truncate":  # the layout is checked even without digests
+        loader = build_loader(str(folder), "train", 2, 40, num_workers=0, shuffle=False,
+                              infinite=False, verify_shards="off")
+        with pytest.raises(DataError, match=r"train-000002\.tar\.idx: \d+ bytes, expected"):
+            for _ in loader:
+                pass
