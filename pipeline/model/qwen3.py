@@ -19,6 +19,9 @@ tensor-parallel layers, so TP=1 and TP>1 share one code path:
   the vocab (or the embedding weight when tied); logits stay vocab-parallel (`[B, T, V / tp]`),
   see `gather_logits`. Its `loss_inputs` entry runs the fused output layer + cross-entropy
   (`pipeline.model.linear_ce`) inside the layer's own forward, so ZeRO-3 gathers its weight.
+At TP=1 without autograd (decoding, evaluation) these layers run a plain `F.linear` /
+`F.embedding` inside their own forward, skipping megatron's region functions, identities there
+(`_megatron_layers`).
 megatron-core runs on the CPU with these flags (its CUDA-only paths fail there):
 use_cpu_initialization=True, gradient_accumulation_fusion=False, gather_output=False, no
 sequence parallelism.
