@@ -19,14 +19,16 @@ With `--vs-transformers`, a last line compares our AR decoding with transformers
 `Qwen3ForCausalLM.generate` using its static KV cache (`cache_implementation="static"`), on the same weights (copied from our model)
 and the same prompts (left-padded for transformers), greedy, without EOS, so both produce
 `--gen-length` tokens per prompt: tokens/s of each (median of `--repeats` timed calls after
-one warm-up call) as a ratio, and how many prompts got identical tokens. transformers compiles
+one warm-up call each; the calls alternate ours / transformers', so both see the same load) and
+the median of the per-pair ratios, and how many prompts got identical tokens.
+`--only-vs-transformers` prints only that line (no refusion grid). transformers compiles
 its forward with a static cache on CUDA by default (`--hf-compile auto`; the warm-up call
 absorbs the compilation); `--hf-compile off` measures it eager.
 
     .venv/bin/python bench/bench_decoding.py [--model outputs/demo/hf] [--data outputs/demo/shards]
         [--prompts 8] [--gen-length 64] [--slot-size 4] [--num-blocks 2] [--batch-size 8]
         [--repeats 3] [--device auto|cpu|cuda[:N]] [--dtype float32|bfloat16|float16]
-        [--vs-transformers [--hf-compile auto|off]]
+        [--vs-transformers | --only-vs-transformers [--hf-compile auto|off]]
 """
 from __future__ import annotations
 
@@ -90,11 +92,13 @@ def compare_with_transformers(model, prompts: list[list[int]], gen_length: int, 
             "off" (`disable_compile=True`).
         cuda_graph: our AR steps from a CUDA graph (`ar_generate(cuda_graph=True)`).
     Returns:
-        dict: `ours_tokens_per_s`, `hf_tokens_per_s`, `ratio` (ours / transformers),
+        dict: `ours_tokens_per_s`, `hf_tokens_per_s`, `ratio` (ours / transformers: the
+        median over the `repeats` pairs of one call of each, run back to back), `ratios` (each
+        pair's),
         `same_tokens` (prompts whose greedy tokens are identical), `prompts`, `ours_tokens`,
         `hf_tokens` (`list[list[int]]`), `hf_mode`. Tokens/s: `len(prompts) * gen_length`
         over the median wall seconds of `repeats` timed calls after one warm-up call, the device
-        synchronized.
+        synchronized; the timed calls alternate ours / transformers'.
     """
     import time
     from pipeline.inference.decoding import ar_generate
@@ -113,24 +117,30 @@ def compare_with_transformers(model, prompts: list[list[int]], gen_length: int, 
         kw["disable_compile"] = True
 
     def timed(fn):
-        fn()   # warm-up (transformers compiles here on CUDA)
-        secs, out = [], None
-        for _ in range(repeats):
-            synchronize(device)
-            t0 = time.perf_counter()
-            out = fn()
-            synchronize(device)
-            secs.append(time.perf_counter() - t0)
-        return out, statistics.median(secs)
+        synchronize(device)
+        t0 = time.perf_counter()
+        out = fn()
+        synchronize(device)
+        return out, time.perf_counter() - t0
+
+    def run_ours():
+        return ar_generate(model, prompts, gen_length, 0.0, None, cuda_graph=cuda_graph).tokens
+
+    def run_hf():
+        return hf.generate(ids, **kw)
 
     with torch.no_grad():
-        ours, ours_s = timed(lambda: ar_generate(model, prompts, gen_length, 0.0, None,
-                                                 cuda_graph=cuda_graph).tokens)
-        seq, hf_s = timed(lambda: hf.generate(ids, **kw))
+        run_ours(), run_hf()   # warm-up (transformers compiles here on CUDA)
+        pairs = [(timed(run_ours), timed(run_hf)) for _ in range(repeats)]
+    ours, seq = pairs[-1][0][0], pairs[-1][1][0]
+    ours_s = statistics.median(o[1] for o, _ in pairs)
+    hf_s = statistics.median(h[1] for _, h in pairs)
+    ratios = [h[1] / o[1] for o, h in pairs]
     hf_tokens = seq[:, ids.shape[1]:].tolist()
     n = len(prompts) * gen_length
     return {"ours_tokens_per_s": n / ours_s, "hf_tokens_per_s": n / hf_s,
-            "ratio": hf_s / ours_s, "same_tokens": sum(a == b for a, b in zip(ours, hf_tokens)),
+            "ratio": statistics.median(ratios), "ratios": ratios,
+            "same_tokens": sum(a == b for a, b in zip(ours, hf_tokens)),
             "prompts": len(prompts), "ours_tokens": ours, "hf_tokens": hf_tokens,
             "hf_mode": ("eager" if hf_compile == "off" or device.type != "cuda"
                         else "transformers' default (auto-compiled on CUDA)")}
@@ -166,6 +176,8 @@ def main() -> int:
                          "cache) or eager")
     ap.add_argument("--vs-transformers", action="store_true",
                     help="add AR tokens/s against transformers' generate (static cache)")
+    ap.add_argument("--only-vs-transformers", action="store_true",
+                    help="only the comparison with transformers' generate (no refusion grid)")
     args = ap.parse_args()
     from pipeline.inference.decoding import ar_generate, refusion_generate
     from pipeline.common.cli import DTYPES, UsageError
@@ -242,6 +254,8 @@ def main() -> int:
         toks, fw, _, rt = runs[0]
         return toks, fw, statistics.median(r[2] for r in runs), rt
 
+    if args.only_vs_transformers:
+        return _print_comparison(model, prompts, args)
     run_once(lambda p: ar_generate(model, p, 4, 0.0, eos_id))  # warm-up
     ar = run(lambda p: ar_generate(model, p, args.gen_length, 0.0, eos_id))
     print(f"{'mode':<10}{'slot_thr':>9}{'tok_thr':>8}{'tokens':>8}{'forwards':>9}{'TPF':>7}"
@@ -262,13 +276,20 @@ def main() -> int:
                                             verify=args.verify))
         line("refusion", st, tt, r)
     if args.vs_transformers:
-        c = compare_with_transformers(model, prompts[:args.batch_size], args.gen_length,
-                                      args.repeats, args.hf_compile)
-        print(f"ar vs transformers generate (static cache, {c['hf_mode']}; same weights and "
-              f"{c['prompts']} prompts, greedy, no EOS, {args.gen_length} tokens each): ours "
-              f"{c['ours_tokens_per_s']:.1f} tokens/s, transformers "
-              f"{c['hf_tokens_per_s']:.1f} tokens/s, ratio {c['ratio']:.2f}; identical tokens "
-              f"{c['same_tokens']}/{c['prompts']} prompts")
+        return _print_comparison(model, prompts, args)
+    return 0
+
+
+def _print_comparison(model, prompts, args) -> int:
+    c = compare_with_transformers(model, prompts[:args.batch_size], args.gen_length,
+                                  args.repeats, args.hf_compile)
+    print(f"ar vs transformers generate (static cache, {c['hf_mode']}; same weights and "
+          f"{c['prompts']} prompts, greedy, no EOS, {args.gen_length} tokens each): ours "
+          f"{c['ours_tokens_per_s']:.1f} tokens/s, transformers "
+          f"{c['hf_tokens_per_s']:.1f} tokens/s, ratio {c['ratio']:.2f} (median of "
+          f"{len(c['ratios'])} alternating pairs: "
+          f"{' '.join(f'{r:.2f}' for r in sorted(c['ratios']))}); identical tokens "
+          f"{c['same_tokens']}/{c['prompts']} prompts")
     return 0
 
 

@@ -498,3 +498,23 @@ def test_varlen_attention_matches_masked_sdpa_across_torch_signatures(monkeypatc
     want = attention(q, k, v, AttentionPlan("sdpa", mask=build_attention_mask(seg, 2, 7)))
     real = seg > 0                        # padding rows differ by design (own 1-token segment)
     assert torch.allclose(out.transpose(1, 2)[real], want.transpose(1, 2)[real], atol=1e-5)
+
+
+def test_tp1_no_grad_forward_skips_megatron_regions_with_the_same_logits(model, monkeypatch):
+    """At TP=1 without autograd the linear layers and the embedding run `F.linear` /
+    `F.embedding` (`qwen3._megatron_layers`): megatron's region functions are not called, and
+    the logits equal those of megatron's forward (taken with autograd on)."""
+    from megatron.core.tensor_parallel import layers
+    calls = []
+    for name in ("copy_to_tensor_model_parallel_region", "reduce_from_tensor_model_parallel_region"):
+        real = getattr(layers, name)
+        monkeypatch.setattr(layers, name, lambda *a, _r=real, **k: calls.append(1) or _r(*a, **k))
+    ids, pos = _ids(2, 12, seed=5), torch.arange(12).expand(2, 12)
+    ref = model(ids, pos).detach()
+    megatron_calls = len(calls)
+    calls.clear()
+    with torch.no_grad():
+        got = model(ids, pos)
+    assert megatron_calls > 0 and calls == []
+    assert got.shape == (2, 12, 512)
+    assert (got - ref).abs().max().item() <= 1e-5

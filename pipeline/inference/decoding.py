@@ -690,6 +690,9 @@ def _forward(model, batch: _Batch, cache, graphs: dict | None) -> torch.Tensor:
     return _gather(model(batch.ids, batch.positions, kv_cache=cache))
 
 
+_ALL = object()
+
+
 def _run(model, rows: list[_Row], programs: list, max_len: int,
          cuda_graph: bool = False) -> int:
     """Drive the row programs to completion; returns the number of forward calls.
@@ -712,7 +715,9 @@ def _run(model, rows: list[_Row], programs: list, max_len: int,
             pass
     calls = 0
     order = list(range(len(rows)))  # order[i] = the row held by cache row i
-    committed = None   # LongTensor[B, N]: the last forward's commit index, not yet applied
+    # The last forward's commit index, not yet applied: LongTensor[B, N], or _ALL (every row
+    # commits all it was fed, in order: `KVCache.commit()` with no index to check or move).
+    committed = None
     while reqs:
         keep = None
         if len(reqs) < len(order):
@@ -743,9 +748,12 @@ def _run(model, rows: list[_Row], programs: list, max_len: int,
                 m.copy_(causal[:t, :t])
                 if reqs[b].mask is not None:
                     m[nc:, nc:] = reqs[b].mask
-        batch = _pack(committed, torch.tensor(ids_rows, dtype=torch.long),
+        batch = _pack(None if committed is _ALL else committed,
+                      torch.tensor(ids_rows, dtype=torch.long),
                       torch.tensor(pos_rows, dtype=torch.long), intra, device)
-        if committed is not None:
+        if committed is _ALL:
+            cache.commit()
+        elif committed is not None:
             cache.commit(committed, on_device=batch.committed)
         if keep is not None:
             cache.select_rows(torch.tensor(keep, dtype=torch.long))
@@ -769,8 +777,11 @@ def _run(model, rows: list[_Row], programs: list, max_len: int,
             index[slot[b]] = list(range(nc)) + [nc + i for i in row.commit]
             row.commit = []
         n = max(len(i) for i in index)
-        committed = (torch.tensor([i + [-1] * (n - len(i)) for i in index], dtype=torch.long)
-                     if n else None)
+        committed = None
+        if n and all(i == list(range(T)) for i in index):
+            committed = _ALL   # every row commits its whole feed in order (AR steps)
+        elif n:
+            committed = torch.tensor([i + [-1] * (n - len(i)) for i in index], dtype=torch.long)
         reqs = nxt
     return calls
 

@@ -72,6 +72,9 @@ def decode_mask(length: torch.Tensor, t: int, columns: int, new: torch.Tensor | 
     rel = torch.arange(columns, device=dev)[None, :] - length[:, None]   # [B, S]: new index j
     relq = rel[:, None, :]                                               # [B, 1, S]
     qi = torch.arange(t, device=dev)[None, :, None]                      # [1, T, 1]
+    if new is None and cached is None:
+        # committed (j < 0) or causal among the new (0 <= j <= i); sees itself, never empty
+        return (relq <= qi)[:, None]
     is_new = (relq >= 0) & (relq < t)
     if new is None:
         see = is_new & (relq <= qi)

@@ -19,6 +19,9 @@ tensor-parallel layers, so TP=1 and TP>1 share one code path:
   the vocab (or the embedding weight when tied); logits stay vocab-parallel (`[B, T, V / tp]`),
   see `gather_logits`. Its `loss_inputs` entry runs the fused output layer + cross-entropy
   (`pipeline.model.linear_ce`) inside the layer's own forward, so ZeRO-3 gathers its weight.
+At TP=1 without autograd (decoding, evaluation) these layers run a plain `F.linear` /
+`F.embedding` inside their own forward, skipping megatron's region functions, identities there
+(`_megatron_layers`).
 megatron-core runs on the CPU with these flags (its CUDA-only paths fail there):
 use_cpu_initialization=True, gradient_accumulation_fusion=False, gather_output=False, no
 sequence parallelism.
@@ -129,11 +132,45 @@ def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
 
+@functools.lru_cache(maxsize=None)
+def _megatron_layers():
+    """megatron-core's `(ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)`, each
+    with one shortcut: at TP=1 and without autograd (decoding, evaluation) a linear layer's
+    `forward(x)` is `(F.linear(x, weight), None)` and the embedding's is `F.embedding(x,
+    weight)`. There megatron's region functions (copy to / reduce from the TP region) are
+    identities, yet each is an autograd Function call and looks up the TP group (with a
+    deprecation warning per call), which costs more than the matrix multiply of a one-token
+    decode step of a small model. The shortcut sits inside the module's own forward, so module
+    hooks (ZeRO-3's gather) still run; every other case is megatron's forward unchanged. All of
+    the model's linear layers are bias-free, so the bias returned is None as megatron's."""
+    from megatron.core.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
+                                               VocabParallelEmbedding)
+
+    def plain_at_tp1(base):
+        class Layer(base):
+            def forward(self, input_, *args, **kwargs):
+                if (not args and not kwargs and self.bias is None and _tp_size() == 1
+                        and not torch.is_grad_enabled()):
+                    return F.linear(input_, self.weight), None
+                return super().forward(input_, *args, **kwargs)
+        Layer.__name__ = Layer.__qualname__ = base.__name__
+        return Layer
+
+    class Embedding(VocabParallelEmbedding):
+        def forward(self, input_):
+            if _tp_size() == 1 and not torch.is_grad_enabled():
+                return F.embedding(input_, self.weight)
+            return super().forward(input_)
+    Embedding.__name__ = Embedding.__qualname__ = VocabParallelEmbedding.__name__
+
+    return plain_at_tp1(ColumnParallelLinear), plain_at_tp1(RowParallelLinear), Embedding
+
+
 class Attention(nn.Module):
     """GQA self-attention with QK-norm and RoPE; heads split over the tensor-parallel group."""
 
     def __init__(self, cfg: ModelConfig, mcfg, init_method, out_init_method):
-        from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+        ColumnParallelLinear, RowParallelLinear, _ = _megatron_layers()
         super().__init__()
         tp = _tp_size()
         self.head_dim = cfg.head_dim
@@ -192,7 +229,7 @@ class MLP(nn.Module):
     """SwiGLU MLP (Shazeer 2020): `down(silu(gate(x)) * up(x))`, inner dim split over TP."""
 
     def __init__(self, cfg: ModelConfig, mcfg, init_method, out_init_method):
-        from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+        ColumnParallelLinear, RowParallelLinear, _ = _megatron_layers()
         super().__init__()
         self.inner = cfg.intermediate_size // _tp_size()
         self.act = swiglu
@@ -248,7 +285,7 @@ def _output_layer_class():
     entry that runs `pipeline.model.linear_ce.linear_cross_entropy` on this layer's weight.
     Computing the loss inside the layer's own forward is what makes ZeRO-3 gather the
     (partitioned) weight for it and hand its gradient back, as for the plain logits."""
-    from megatron.core.tensor_parallel import ColumnParallelLinear
+    ColumnParallelLinear = _megatron_layers()[0]
 
     class OutputLayer(ColumnParallelLinear):
         """The LM head (`lm_head`): `forward(hidden)` -> `(logits [..., V / tp], None)` as
@@ -257,6 +294,8 @@ def _output_layer_class():
 
         def forward(self, input_, weight=None, runtime_gather_output=None, loss_inputs=None):
             if loss_inputs is None:
+                if weight is None and runtime_gather_output is None:
+                    return super().forward(input_)   # the TP=1 shortcut when it applies
                 return super().forward(input_, weight, runtime_gather_output)
             from megatron.core import parallel_state
             from pipeline.model.linear_ce import linear_cross_entropy
@@ -293,7 +332,7 @@ class Qwen3(nn.Module):
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32,
                  init_weights: bool = True):
-        from megatron.core.tensor_parallel import VocabParallelEmbedding
+        VocabParallelEmbedding = _megatron_layers()[2]
         super().__init__()
         self.tp = _tp_size()
         cfg.validate(self.tp)
