@@ -3,9 +3,10 @@ an allow-list of the few non-tensor types our checkpoints and DeepSpeed's hold.
 
 Owns: the allow-list (`allowed_globals`), `load_checkpoint_file` (every `*.pt` read of a
 checkpoint folder by our code goes through it) and `check_checkpoint_files` (for files that
-DeepSpeed's converters then unpickle themselves). Must not touch: where files are (`pipeline.checkpoint.store`), what they
-mean (`store`, `reshard`, `consolidate`), DeepSpeed's own loaders (`engine.load_checkpoint`
-unpickles a run's checkpoint on resume with `weights_only=False`; README "Security").
+DeepSpeed's converters then unpickle themselves). Must not touch: where files are
+(`pipeline.checkpoint.store`), what they mean (`store`, `reshard`, `consolidate`), DeepSpeed's
+own loaders (`engine.load_checkpoint` unpickles a run's checkpoint on resume with
+`weights_only=False`; README "Security").
 
 A pickle can name any importable function (`os.system`, `builtins.exec`) and have it called
 on load; `weights_only=True` only rebuilds tensors, containers, numbers and strings, plus the
