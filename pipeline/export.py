@@ -195,6 +195,10 @@ def run_tokenizer_dir(src: Path) -> Path | None:
     the latest complete one under a root) gives `data.dir`; its `manifest.json` names the copy
     (`tokenizer.files`, default `tokenizer`). Only a local folder that still holds tokenizer
     files counts (a SentencePiece `tokenizer.model` or Hugging Face files).
+
+    Raises:
+        pipeline.checkpoint.safe_load.UnsafeCheckpointError: that file names a type outside
+            the checkpoint allow-list (any other unreadable file: None).
     """
     from pipeline import checkpoint
     from pipeline.checkpoint.safe_load import UnsafeCheckpointError, load_checkpoint_file

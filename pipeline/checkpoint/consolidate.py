@@ -299,7 +299,8 @@ def open_tp_ranks(checkpoint_dir: str | os.PathLike) -> tuple[list, dict]:
 
     Raises:
         CheckpointError: no complete checkpoint, missing files, or shapes that do not match
-            the recorded layout.
+            the recorded layout; `UnsafeCheckpointError` (one) when a file names a type
+            outside the allow-list of `pipeline.checkpoint.safe_load`.
     """
     info = read_checkpoint_info(checkpoint_dir)
     step_dir = Path(info["checkpoint_dir"])
@@ -404,7 +405,8 @@ def hf_export_state(checkpoint_dir: str | os.PathLike) -> tuple[dict, Any, dict]
         run's shard manifest when still readable, else {}).
 
     Raises:
-        CheckpointError: no complete checkpoint, or no model config recorded with it.
+        CheckpointError: no complete checkpoint, or no model config recorded with it; as
+            `open_tp_ranks` (`UnsafeCheckpointError` also for `refusion_rank_00000.pt`).
     """
     from pipeline.model import ModelConfig
     from pipeline.model.hf import lazy_merged_state

@@ -521,7 +521,8 @@ def load_latest(engine, root_dir: str | os.PathLike, load_optimizer_states: bool
     Raises:
         CheckpointError: the checkpoint was written by a job of a different world size or
             TP size (without `reshard`) or for a different model config, or DeepSpeed could
-            not load it, or (`reshard`) it cannot be converted to this layout.
+            not load it, or (`reshard`) it cannot be converted to this layout, or a file read
+            here names a type outside the allow-list (`safe_load.UnsafeCheckpointError`).
     """
     chosen = None
     if _rank() == 0:
