@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from pipeline.common.cli import EXIT_USAGE
+from shard_fixtures import TINY_MODEL
 from tiny_qwen3 import qwen_tokenizer_dir
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,7 +30,7 @@ class _Payload:
         return (exec, (self.code,))
 
 
-def _step_folder(root: Path, files: dict[str, object]) -> Path:
+def _step_folder(root: Path, files: dict[str, object], model_config: dict | None = None) -> Path:
     """A complete step folder shaped like ours (meta, layout, model config) holding `files`
     ({name: object saved with torch.save})."""
     step = root / "ckpt" / "step_000000001"
@@ -38,7 +39,7 @@ def _step_folder(root: Path, files: dict[str, object]) -> Path:
         {"step": 1, "tag": step.name, "world_size": 1, "tp_size": 1, "dp_size": 1}))
     (step / "refusion_layout.json").write_text(json.dumps(
         {"tp_size": 1, "dp_size": 1, "params": {}}))
-    (step / "refusion_model_config.json").write_text("{}")
+    (step / "refusion_model_config.json").write_text(json.dumps(model_config or {}))
     for name, obj in files.items():
         torch.save(obj, step / name)
     return step
@@ -110,4 +111,19 @@ def test_run_tokenizer_lookup_does_not_swallow_a_refused_rank_file(tmp_path):
     step = _step_folder(tmp_path, {"refusion_rank_00000.pt": {"client_state": _Payload(marker)}})
     with pytest.raises(UnsafeCheckpointError, match="refusion_rank_00000.pt: .* exec"):
         run_tokenizer_dir(step)
+    assert not marker.exists()
+
+
+def test_reshard_checks_zero3_files_before_deepspeed_converts_them(tmp_path):
+    """Resuming on another layout hands the step folder's ZeRO-3 files to DeepSpeed's
+    ds_to_universal (weights_only=False): every file is checked with the allow-list first."""
+    from pipeline.checkpoint import reshard
+    from pipeline.checkpoint.safe_load import UnsafeCheckpointError
+    marker = tmp_path / "ran"
+    name = "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    step = _step_folder(tmp_path, {"zero_pp_rank_0_mp_rank_00_model_states.pt": {"module": {}},
+                                   name: {"optimizer_state_dict": _Payload(marker)}},
+                        model_config=dict(TINY_MODEL))
+    with pytest.raises(UnsafeCheckpointError, match=f"{name}: not loaded: it names exec"):
+        reshard.convert_to_universal(step, 1)
     assert not marker.exists()
