@@ -125,11 +125,11 @@ def main(argv=None) -> int:
         "sampling seed (temperature > 0) and objective seed of the validation loss; default: "
         "the run's train.seed for a training checkpoint, else 0")
     args = p.parse_args(argv)
-    run_seed, run_objective = run_settings(args.model)
-    if args.seed is None:
-        args.seed = run_seed if run_seed is not None else 0
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     try:
+        run_seed, run_objective = run_settings(args.model)
+        if args.seed is None:
+            args.seed = run_seed if run_seed is not None else 0
         if not modes or any(m not in ("refusion", "ar") for m in modes):
             raise UsageError(f"--modes {args.modes!r}: a comma list of refusion, ar")
         if args.limit < 0 or args.max_batches < 0 or args.micro_batch_size < 1:

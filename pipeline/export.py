@@ -195,13 +195,19 @@ def run_tokenizer_dir(src: Path) -> Path | None:
     the latest complete one under a root) gives `data.dir`; its `manifest.json` names the copy
     (`tokenizer.files`, default `tokenizer`). Only a local folder that still holds tokenizer
     files counts (a SentencePiece `tokenizer.model` or Hugging Face files).
+
+    Raises:
+        pipeline.checkpoint.safe_load.UnsafeCheckpointError: that file names a type outside
+            the checkpoint allow-list (any other unreadable file: None).
     """
     from pipeline import checkpoint
+    from pipeline.checkpoint.safe_load import UnsafeCheckpointError, load_checkpoint_file
     step = src if checkpoint.is_complete(src) else checkpoint.find_latest(src)
     try:
-        ours = torch.load(Path(step) / "refusion_rank_00000.pt", map_location="cpu",
-                          weights_only=False)
+        ours = load_checkpoint_file(Path(step) / "refusion_rank_00000.pt")
         data_dir = Path(str(ours["client_state"]["config"]["data"]["dir"]))
+    except UnsafeCheckpointError:
+        raise
     except Exception:  # noqa: BLE001 - an old or foreign checkpoint: no default tokenizer
         return None
     if "://" in str(data_dir):

@@ -18,6 +18,7 @@ from distributed import run_distributed
 from pipeline import checkpoint as ckpt
 from pipeline.checkpoint import consolidate as ckpt_consolidate
 from pipeline.checkpoint import store as ckpt_store
+from pipeline.checkpoint.safe_load import load_checkpoint_file
 
 V, H, F = 16, 8, 12          # vocab, hidden, feed-forward sizes (all divisible by TP=2)
 TP, WORLD = 2, 4
@@ -218,8 +219,7 @@ def test_keep_last_and_crash_leaves_previous_latest(runs):
     assert (root / "latest").read_text() == "step_000000006"
     assert ckpt.find_latest(root) == root / "step_000000006"
     for rank in range(WORLD):  # the second save of step 6 won, rank by rank
-        saved = torch.load(root / "step_000000006" / f"refusion_rank_{rank:05d}.pt",
-                           weights_only=False)
+        saved = load_checkpoint_file(root / "step_000000006" / f"refusion_rank_{rank:05d}.pt")
         assert saved["client_state"] == {"consumed_samples": 24} and saved["rank"] == rank
 
 

@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pipeline.checkpoint.safe_load import load_checkpoint_file
 from shard_fixtures import random_samples, write_shards
 from test_train import ROOT, _env, _metrics, _write_config
 
@@ -115,12 +116,11 @@ def test_resume_on_a_grown_shard_set_keeps_weights_optimizer_and_step(tmp_path):
     assert abs(continuing_a - expected) > 1e-3
 
     # the final checkpoint: Adam's state went on (5 steps), both shard sets recorded
-    optim = torch.load(next((ckpts / "step_000000005").glob("*optim_states.pt")),
-                       map_location="cpu", weights_only=False)
+    optim = load_checkpoint_file(next((ckpts / "step_000000005").glob("*optim_states.pt")))
     adam = optim["optimizer_state_dict"]["optimizer_state_dict"]["state"]
     assert adam and all(int(s["step"]) == 5 for s in adam.values())
-    client = torch.load(ckpts / "step_000000005" / "refusion_rank_00000.pt", map_location="cpu",
-                        weights_only=False)["client_state"]
+    client = load_checkpoint_file(ckpts / "step_000000005" / "refusion_rank_00000.pt")
+    client = client["client_state"]
     assert client["shard_sets"] == [
         {"step": 0, "fingerprint": fp_a, "data_dir": str(data), "epoch": 0, "samples_per_epoch": 24},
         {"step": 3, "fingerprint": fp_b, "data_dir": str(data), "epoch": 1, "samples_per_epoch": 48}]

@@ -3,7 +3,8 @@
 - `store.py`: save (crash-safe, every rank), find the latest complete one, load, retention;
 - `reshard.py`: resume a ZeRO-3 checkpoint on another data/tensor-parallel layout;
 - `consolidate.py`: read a finished checkpoint offline (per-TP-rank fp32 weights, full Hugging
-  Face tensors for export and inference).
+  Face tensors for export and inference);
+- `safe_load.py`: read one checkpoint `.pt` file without running code from it (allow-list).
 
 The names below are the package's public API; import the rest from its module.
 """

@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from pipeline.checkpoint.safe_load import (UnsafeCheckpointError, check_checkpoint_files,
+                                           load_checkpoint_file)
 from pipeline.checkpoint.store import (LAYOUT, META, MODEL_CONFIG, CheckpointError,
                                        resolve_checkpoint_dir)
 
@@ -91,7 +93,7 @@ class _Zero3RankReader:
                              key=lambda f: natural_keys(f.name))
         if not self.optim_files or not model_files:
             raise _NotStreamable("no ZeRO-3 per-DP-rank files")
-        ms = torch.load(model_files[0], map_location="cpu", mmap=True, weights_only=False)
+        ms = load_checkpoint_file(model_files[0], mmap=True)
         if ms.get("frozen_param_shapes") or ms.get("shared_params"):
             raise _NotStreamable("frozen or shared parameters")
         osd = self._load(0)
@@ -125,7 +127,7 @@ class _Zero3RankReader:
         self._read_bytes = 0
 
     def _load(self, dp: int) -> dict:
-        sd = torch.load(self.optim_files[dp], map_location="cpu", mmap=True, weights_only=False)
+        sd = load_checkpoint_file(self.optim_files[dp], mmap=True)
         return sd["optimizer_state_dict"]
 
     def _groups(self, dp: int) -> list[torch.Tensor]:
@@ -247,9 +249,10 @@ def _per_tp_rank_state_dict(step_dir: Path, tp_rank: int) -> dict[str, torch.Ten
         if not plain.is_file():
             raise CheckpointError(f"{step_dir}: no DeepSpeed model/optimizer files of TP rank "
                                   f"{tp_rank} (*{mp}*_states.pt)")
-        module = torch.load(plain, map_location="cpu", weights_only=False)["module"]
+        module = load_checkpoint_file(plain)["module"]
         return {k: v.float() if v.is_floating_point() else v for k, v in module.items()
                 if isinstance(v, torch.Tensor)}       # megatron's `_extra_state` entries: None
+    check_checkpoint_files(files)     # zero_to_fp32 unpickles them with weights_only=False
     with tempfile.TemporaryDirectory(prefix="refusion-tp-") as tmp:
         view = Path(tmp) / step_dir.name
         view.mkdir()
@@ -296,7 +299,8 @@ def open_tp_ranks(checkpoint_dir: str | os.PathLike) -> tuple[list, dict]:
 
     Raises:
         CheckpointError: no complete checkpoint, missing files, or shapes that do not match
-            the recorded layout.
+            the recorded layout; `UnsafeCheckpointError` (one) when a file names a type
+            outside the allow-list of `pipeline.checkpoint.safe_load`.
     """
     info = read_checkpoint_info(checkpoint_dir)
     step_dir = Path(info["checkpoint_dir"])
@@ -371,9 +375,10 @@ def _token_ids_from_run(step_dir: Path) -> dict:
     then lacks these ids in config.json, and `--tokenizer` supplies them)."""
     from pipeline.data.shard_io import read_manifest
     try:
-        ours = torch.load(step_dir / "refusion_rank_00000.pt", map_location="cpu",
-                          weights_only=False)
+        ours = load_checkpoint_file(step_dir / "refusion_rank_00000.pt")
         tok = read_manifest(str(ours["client_state"]["config"]["data"]["dir"]))["tokenizer"]
+    except UnsafeCheckpointError:
+        raise
     except (OSError, KeyError, TypeError, ValueError, ImportError, RuntimeError) as e:
         log.warning("token ids not taken from the run's shard manifest (%s: %s)",
                     type(e).__name__, str(e).splitlines()[0] if str(e) else "")
@@ -400,7 +405,8 @@ def hf_export_state(checkpoint_dir: str | os.PathLike) -> tuple[dict, Any, dict]
         run's shard manifest when still readable, else {}).
 
     Raises:
-        CheckpointError: no complete checkpoint, or no model config recorded with it.
+        CheckpointError: no complete checkpoint, or no model config recorded with it; as
+            `open_tp_ranks` (`UnsafeCheckpointError` also for `refusion_rank_00000.pt`).
     """
     from pipeline.model import ModelConfig
     from pipeline.model.hf import lazy_merged_state

@@ -56,6 +56,8 @@ from typing import Any
 
 import torch
 
+from pipeline.checkpoint.safe_load import check_checkpoint_files, load_checkpoint_file
+
 log = logging.getLogger(__name__)
 
 __all__ = ["ReshardError", "universal_dir", "convert_to_universal", "load_universal",
@@ -90,6 +92,7 @@ def _ds_universal_one_tp_rank(step_dir: Path, tp_rank: int, work: Path) -> Path:
     if not any(f.name.endswith("_optim_states.pt") for f in files):
         raise ReshardError(f"{step_dir}: no ZeRO-3 optimizer files of TP rank {tp_rank} "
                            f"(zero_pp_rank_*{mp}optim_states.pt); only ZeRO-3 checkpoints reshard")
+    check_checkpoint_files(files)     # ds_to_universal unpickles them with weights_only=False
     view = work / f"src_tp{tp_rank}" / step_dir.name
     view.mkdir(parents=True)
     for f in files:
@@ -106,7 +109,7 @@ def _ds_universal_one_tp_rank(step_dir: Path, tp_rank: int, work: Path) -> Path:
 def _read_universal(path: Path, shape: list[int]) -> torch.Tensor:
     """One universal tensor (DeepSpeed stores ZeRO-3 merges flat, sometimes in a dict under
     "param") at its per-TP-rank shape."""
-    x = torch.load(path, map_location="cpu", weights_only=False)
+    x = load_checkpoint_file(path)
     t = x["param"] if isinstance(x, dict) else x
     return t.reshape(shape)
 
@@ -247,8 +250,8 @@ def saved_client_states(step_dir: str | os.PathLike) -> list[dict[str, Any]]:
     """Every old rank's `refusion_rank_<rank>.pt` (client_state + RNG), in rank order."""
     step_dir = Path(step_dir)
     meta = json.loads((step_dir / "refusion_meta.json").read_text())
-    return [torch.load(step_dir / f"refusion_rank_{r:05d}.pt", map_location="cpu",
-                       weights_only=False) for r in range(int(meta["world_size"]))]
+    return [load_checkpoint_file(step_dir / f"refusion_rank_{r:05d}.pt")
+            for r in range(int(meta["world_size"]))]
 
 
 def saved_global_batch(step_dir: str | os.PathLike) -> int | None:
@@ -257,8 +260,7 @@ def saved_global_batch(step_dir: str | os.PathLike) -> int | None:
     x DP size); None when neither is there."""
     step_dir = Path(step_dir)
     meta = json.loads((step_dir / "refusion_meta.json").read_text())
-    cs = torch.load(step_dir / "refusion_rank_00000.pt", map_location="cpu",
-                    weights_only=False)["client_state"]
+    cs = load_checkpoint_file(step_dir / "refusion_rank_00000.pt")["client_state"]
     if cs.get("global_batch_size"):
         return int(cs["global_batch_size"])
     train = (cs.get("config") or {}).get("train") or {}

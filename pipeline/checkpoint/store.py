@@ -521,7 +521,8 @@ def load_latest(engine, root_dir: str | os.PathLike, load_optimizer_states: bool
     Raises:
         CheckpointError: the checkpoint was written by a job of a different world size or
             TP size (without `reshard`) or for a different model config, or DeepSpeed could
-            not load it, or (`reshard`) it cannot be converted to this layout.
+            not load it, or (`reshard`) it cannot be converted to this layout, or a file read
+            here names a type outside the allow-list (`safe_load.UnsafeCheckpointError`).
     """
     chosen = None
     if _rank() == 0:
@@ -548,8 +549,8 @@ def load_latest(engine, root_dir: str | os.PathLike, load_optimizer_states: bool
                                           load_lr_scheduler_states=load_optimizer_states)
     if load_path is None:
         raise CheckpointError(f"{step_dir}: DeepSpeed could not load this checkpoint")
-    ours = torch.load(step_dir / f"refusion_rank_{rank:05d}.pt", map_location="cpu",
-                      weights_only=False)
+    from pipeline.checkpoint.safe_load import load_checkpoint_file
+    ours = load_checkpoint_file(step_dir / f"refusion_rank_{rank:05d}.pt")
     if restore_rng:
         set_rng_state(ours["rng"])
     state = dict(ours["client_state"])

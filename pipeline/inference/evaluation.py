@@ -17,8 +17,6 @@ import json
 import re
 from pathlib import Path
 
-import torch
-
 from pipeline.common.cli import UsageError
 
 
@@ -29,17 +27,24 @@ HUMANEVAL_STOP = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#", "\na
 
 def run_settings(model_path) -> tuple[int | None, dict | None]:
     """(train.seed, objective section) recorded in a training checkpoint's run config, or
-    (None, None) for a Hugging Face folder or a checkpoint that does not record them."""
+    (None, None) for a Hugging Face folder or a checkpoint that does not record them.
+
+    Raises:
+        UsageError: rank 0's `refusion_rank_00000.pt` names a type outside the checkpoint
+            allow-list (`pipeline.checkpoint.safe_load`).
+    """
     from pipeline import checkpoint
+    from pipeline.checkpoint.safe_load import UnsafeCheckpointError, load_checkpoint_file
     path = Path(model_path)
     if (path / "config.json").is_file():
         return None, None
     try:
         step = checkpoint.resolve_checkpoint_dir(path)
-        ours = torch.load(Path(step) / "refusion_rank_00000.pt", map_location="cpu",
-                          weights_only=False)
+        ours = load_checkpoint_file(Path(step) / "refusion_rank_00000.pt")
         cfg = ours["client_state"]["config"]
         return int(cfg["train"]["seed"]), dict(cfg.get("objective") or {}) or None
+    except UnsafeCheckpointError as e:
+        raise UsageError(f"--model {model_path}: {e}") from None
     except Exception:  # noqa: BLE001 - not a checkpoint, or an old one: no recorded settings
         return None, None
 
