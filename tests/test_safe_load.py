@@ -127,3 +127,25 @@ def test_reshard_checks_zero3_files_before_deepspeed_converts_them(tmp_path):
     with pytest.raises(UnsafeCheckpointError, match=f"{name}: not loaded: it names exec"):
         reshard.convert_to_universal(step, 1)
     assert not marker.exists()
+
+
+def test_numpy_state_pickled_by_numpy_1_and_2_both_load(tmp_path):
+    """A rank file's numpy RNG state names `_reconstruct` by the writing numpy's module path:
+    `numpy.core.multiarray` (numpy 1.x) or `numpy._core.multiarray` (numpy 2). Both load,
+    to the same array; a legacy (non-zip) torch file lets the test rewrite the name."""
+    import numpy as np
+    from pipeline.checkpoint.safe_load import load_checkpoint_file
+    state = {"rng": {"numpy": np.random.RandomState(3).get_state()}}
+    path = tmp_path / "rank.pt"
+    torch.save(state, path, _use_new_zipfile_serialization=False)
+    raw = path.read_bytes()
+    names = [n for n in (b"numpy._core.multiarray", b"numpy.core.multiarray") if n in raw]
+    assert len(names) == 1, "the writing numpy names _reconstruct by one of the two paths"
+    other = (b"numpy.core.multiarray" if names[0] == b"numpy._core.multiarray"
+             else b"numpy._core.multiarray")
+    renamed = tmp_path / "renamed.pt"
+    renamed.write_bytes(raw.replace(names[0], other))
+    for p in (path, renamed):
+        got = load_checkpoint_file(p)["rng"]["numpy"]
+        assert got[0] == state["rng"]["numpy"][0]
+        assert np.array_equal(got[1], state["rng"]["numpy"][1]) and got[1].dtype == np.uint32

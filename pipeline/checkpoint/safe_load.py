@@ -49,7 +49,11 @@ def allowed_globals() -> tuple:
         from numpy._core.multiarray import _reconstruct
     except ImportError:                # pragma: no cover - numpy 1.x
         from numpy.core.multiarray import _reconstruct
-    return (_reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32)),  # numpy RNG state
+    # a checkpoint names the function by the path of the numpy that wrote it: numpy 1.x
+    # `numpy.core.multiarray`, numpy 2 `numpy._core.multiarray`; both are the same function
+    reconstruct = [(_reconstruct, f"numpy.{core}.multiarray._reconstruct")
+                   for core in ("core", "_core")]
+    return (*reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32)),  # numpy RNG state
             ZeroStageEnum, LossScaler, fragment_address)                    # ZeRO-3 optim states
 
 
