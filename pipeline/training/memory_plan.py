@@ -48,10 +48,11 @@ layer, with `r = 4` (RMSNorm computes in fp32, `pipeline.model.qwen3.rms_norm`):
   SwiGLU activation): qkv output `e (q + 2k) / t`, attention core output copy `e q / t`, the
   residual after attention `e h`, gate|up `2 e I / t`;
 - full: nothing inside the block (its input is kept, below).
-Every mode also keeps each block's input (the residual stream, `e h` per token and layer); in
-backward one block is live with its "none" activations (full: recomputed; selective: its
-recomputed regions) plus their gradients of the same size, counted as one block's "none"
-activations. Outside the blocks: the embedding output and the final RMSNorm `(r + 3 e) h`, the
+Every mode also keeps each block's input (the residual stream, `e h` per token and layer). In
+backward the recomputed tensors of one block are alive on top: full, the block's whole "none"
+set plus the gradient of its gate|up output (`2 e I / t`); selective, at most the regions it
+recomputes ("none" minus "selective"); none, nothing (its backward frees as fast as it
+allocates; measured). Outside the blocks: the embedding output and the final RMSNorm `(r + 3 e) h`, the
 hidden-state gradient `e h`, and with the dense-mask SDPA kernel (`model.attention` "sdpa", the
 CPU; "auto" on a CUDA GPU in bf16 is the varlen kernel without a mask) the boolean mask
 `b s^2` bytes.
@@ -208,7 +209,13 @@ def plan_memory(mcfg, *, tp: int, dp: int, micro_batch: int, seq_len: int, preci
                 + 4 * min(chunk * vr, 1 << 25))
     else:
         head = head_rows + (e + 8) * chunk * vr
-    backward_block = 2 * none_layer * tokens
+    inter = mcfg.intermediate_size / tp
+    if mode == "full":
+        backward_block = (none_layer + 2 * e * inter) * tokens
+    elif mode == "selective":
+        backward_block = (none_layer - per_layer) * tokens
+    else:
+        backward_block = 0.0
     c["peak transient: max(output layer + CE, one block's backward)"] = int(max(head, backward_block))
     if decode_rows and decode_capacity:
         c["decoding KV cache"] = kv_cache_bytes(mcfg, tp, decode_rows, decode_capacity, e)
