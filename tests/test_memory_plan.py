@@ -212,3 +212,27 @@ def test_cli_bad_input_is_one_line_exit_2():
     assert "train.no_such_key" in r.stderr
     r = _cli("--config", "configs/qwen3_8b.yaml", "--world-size", "3")
     assert r.returncode == 2 and "tensor_parallel_size=2" in r.stderr
+
+
+def test_trainer_prints_the_plan_and_refuses_before_building(tmp_path, monkeypatch, capsys):
+    """`pipeline.train`'s start-up check: the plan printed by rank 0; on a (pretended) CUDA
+    device smaller than the plan, `train.memory_check=error` stops with one config-error line
+    and exit 2 before any process group or weight exists; `warn` prints one warning line."""
+    import pipeline.train as train
+    config = _config(tmp_path)
+    base = [f"run_dir={tmp_path}/run", "train.gpu_memory_gib=0.001"]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    built = []
+    monkeypatch.setattr(train.Trainer, "setup", lambda self: built.append(1))
+    assert train.main(["--config", config, *base]) == 2
+    err = capsys.readouterr().err
+    assert "memory plan per GPU" in err and built == []
+    refusal = [ln for ln in err.splitlines() if "config error" in ln]
+    assert len(refusal) == 1 and "train.memory_check" in refusal[0] and "GiB" in refusal[0]
+    from pipeline.config import load_config, validate
+    cfg = load_config(config, [*base, "train.memory_check=warn"])
+    train._memory_check(cfg, validate(cfg), True)
+    assert "warning: train.memory_check" in capsys.readouterr().err
+    cfg = load_config(config, [*base, "train.memory_check=off"])
+    train._memory_check(cfg, validate(cfg), True)
+    assert capsys.readouterr().err == ""
