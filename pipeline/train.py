@@ -804,8 +804,8 @@ def _memory_check(cfg, plan, rank0: bool) -> None:
                       row_length=plan.row_length, device="cuda" if cuda else "cpu",
                       gpu_bytes=gpu_bytes if cuda else None)
     if rank0:
-        print("\n".join(f"pipeline.train: {ln}" for ln in format_plan(mp)), file=sys.stderr,
-              flush=True)
+        # not prefixed "pipeline.": those lines are the job's outcome (errors, warnings)
+        print("\n".join(format_plan(mp)), file=sys.stderr, flush=True)
     if not cuda or gpu_bytes is None or mp.total <= gpu_bytes:
         return
     line = (f"train.memory_check: the memory plan needs {mp.total / GIB:.1f} GiB per GPU, more "
