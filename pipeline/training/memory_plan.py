@@ -36,7 +36,8 @@ run-dtype copy (`e + g` bytes per element).
 Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
 Models", section 4.1 counts `s b h (34 + 5 a s / h)` bytes per layer for GPT; here the same
 tensor-by-tensor count for this network, `activation_bytes_per_token_layer`): per token and
-layer, with `r = 4` (RMSNorm computes in fp32, `pipeline.model.qwen3.rms_norm`):
+layer, with `r = 4` below fp32 (RMSNorm computes in fp32, `pipeline.model.qwen3.rms_norm`, and
+`x.float()` copies a bf16 input) and `r = 0` in fp32 (no copy):
 - none: two RMSNorms `2 x (r h + 2 e h)` (the fp32 input, the normalized value kept for the
   weight's gradient, the output kept by the next matrix multiply), the fused qkv output
   `e (q + 2k) / t` (v is a view of it, so it stays alive), the q/k RMSNorm and RoPE
@@ -45,8 +46,9 @@ layer, with `r = 4` (RMSNorm computes in fp32, `pipeline.model.qwen3.rms_norm`):
   residual after attention `e h`, SwiGLU `e (2I + I + I) / t` (gate|up output, silu(gate),
   product);
 - selective (`pipeline.model.qwen3.Block` recomputes the norms, the attention core and the
-  SwiGLU activation): qkv output `e (q + 2k) / t`, attention core output copy `e q / t`, the
-  residual after attention `e h`, gate|up `2 e I / t`;
+  SwiGLU activation): the two norms' outputs `2 e h` (kept by the next matrix multiply), qkv
+  output `e (q + 2k) / t`, attention core output `e q / t`, the residual after attention `e h`,
+  gate|up `2 e I / t` and the SwiGLU output `e I / t`;
 - full: nothing inside the block (its input is kept, below).
 Every mode also keeps each block's input (the residual stream, `e h` per token and layer). In
 backward the recomputed tensors of one block are alive on top: full, the block's whole "none"
@@ -96,11 +98,12 @@ def activation_bytes_per_token_layer(mcfg, tp: int, mode: str, elem: int) -> flo
     h, inter = mcfg.hidden_size, mcfg.intermediate_size / tp
     q = mcfg.num_attention_heads * mcfg.head_dim / tp
     k = mcfg.num_key_value_heads * mcfg.head_dim / tp
-    r = FP32_NORM_BYTES
+    r = FP32_NORM_BYTES if elem < FP32_NORM_BYTES else 0   # x.float() copies only below fp32
     if mode == "full":
         return 0.0
     if mode == "selective":
-        return elem * (q + 2 * k) + elem * q + elem * h + 2 * elem * inter
+        return (elem * (q + 2 * k) + elem * q + elem * h + 2 * elem * inter + elem * inter
+                + 2 * elem * h)
     norms = 2 * (r * h + 2 * elem * h)
     attn = (elem * (q + 2 * k) + (r + 4 * elem) * (q + k) + 2 * elem * q
             + 4 * mcfg.num_attention_heads / tp)
