@@ -142,9 +142,9 @@ def _check(rec, tol=0.10):
         assert abs(planned - measured) <= tol * measured, (name, planned, measured, rec)
 
 
-def _run(tmp_path, world_size, tp, modes):
+def _run(tmp_path, world_size, tp, modes, precision="fp32"):
     from distributed import run_distributed
-    config = _config(tmp_path, tp=tp)
+    config = _config(tmp_path, tp=tp, precision=precision)
     if world_size == 1:
         res = run_distributed(_measure, 1, (config, str(tmp_path), modes))
     else:  # one mode per launch: a process group is not re-created on the same port
@@ -236,3 +236,10 @@ def test_trainer_prints_the_plan_and_refuses_before_building(tmp_path, monkeypat
     cfg = load_config(config, [*base, "train.memory_check=off"])
     train._memory_check(cfg, validate(cfg), True)
     assert capsys.readouterr().err == ""
+
+
+def test_plan_matches_measured_bf16_dp1_every_recompute_mode(tmp_path):
+    """bf16: 2-byte weights and activations, fp32 master weights and gradients, and the fp32
+    copies RMSNorm makes of a bf16 input."""
+    for rec in _run(tmp_path, 1, 1, ("none", "selective", "full"), precision="bf16")[0].values():
+        _check(rec)
