@@ -217,6 +217,9 @@ print(f"    trainer {name:<12} {r['tokens_per_s']:>9.0f} tokens/s | MFU {pct(r['
       f"x {r['steps']} | loss {r['loss_last']:.3f} | recompute {s['activation_checkpointing']}, "
       f"loss {s['loss_impl']}, fused AdamW {s['optim_fused']}, compile {s['compile']}, "
       f"attention {s['attention']}, ZeRO-{s['zero_stage']} (set-up {r['setup_s']:.0f} s)")
+print(f"    trainer {name:<12} memory: measured peak {r['peak_memory_gib']:.2f} GiB vs planned "
+      f"{r['planned_memory_gib']:.2f} GiB (python -m pipeline.plan_memory; measured / planned "
+      f"{r['peak_memory_gib'] / r['planned_memory_gib']:.2f})")
 EOF
 }
 

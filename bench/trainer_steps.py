@@ -4,7 +4,8 @@ Builds `pipeline.train.Trainer` from a run config exactly as `python -m pipeline
 (config validation, process groups, DeepSpeed engine, loader, metrics.jsonl), runs
 `--steps` optimizer steps through `Trainer.train_step`, and prints one JSON line: tokens/s
 (real tokens over the wall time of the steps after `--warmup`), mean MFU and HFU of those steps,
-peak memory, the last loss, and the run's settings. The trainer's own loop (`Trainer.run`) is
+peak memory and the memory plan's total (`pipeline.training.memory_plan`, same config), the
+last loss, and the run's settings. The trainer's own loop (`Trainer.run`) is
 not used because it always saves a final checkpoint; a GPU check has no time for a 28+ GB save.
 
     python bench/trainer_steps.py --config RUN.yaml [--steps 6] [--warmup 2] [--json OUT]
@@ -73,7 +74,13 @@ def main() -> int:
     mean = lambda k: (sum(m[k] for m in timed) / len(timed)  # noqa: E731
                       if all(m.get(k) is not None for m in timed) else None)
     t = cfg.train
-    out = {"steps": len(timed), "tokens_per_s": sum(m["tokens_per_s"] * m["step_time_s"]
+    import torch
+
+    from pipeline.training.memory_plan import plan_for_run
+    mem_plan = plan_for_run(cfg, tp=plan.tp_size, dp=plan.dp_size, model_fields=plan.model_fields,
+                            row_length=plan.row_length,
+                            device="cuda" if torch.cuda.is_available() else "cpu")
+    out = {"planned_memory_gib": mem_plan.total / 2 ** 30, "steps": len(timed), "tokens_per_s": sum(m["tokens_per_s"] * m["step_time_s"]
                                                    for m in timed) / secs,
            "step_s": secs / len(timed), "mfu": mean("mfu"), "hfu": mean("hfu"),
            "peak_memory_gib": max(m["peak_memory_bytes"] for m in records) / 2 ** 30,

@@ -148,6 +148,13 @@ class TrainSection:
     - `straggler_factor`, `straggler_intervals`: a rank whose compute time per step (the step's
       time minus its wait in the step's all-reduce), averaged over a log interval, exceeds the
       median rank's by this factor for this many log intervals in a row gets one warning line.
+
+    Memory plan (`pipeline.training.memory_plan`, `python -m pipeline.plan_memory`): rank 0
+    prints the per-GPU plan at start-up. `memory_check`: "error" (default: a plan above the
+    GPU's memory stops the job before any weight is loaded, one line, exit 2), "warn" (one
+    warning line, the run goes on) or "off" (no check); on the CPU there is no check.
+    `gpu_memory_gib`: the device memory to check against in GiB (null: the CUDA device's total
+    memory).
     """
     max_steps: int = MISSING
     micro_batch_size: int = 1
@@ -172,6 +179,8 @@ class TrainSection:
     collective_timeout_s: float = 1800.0
     straggler_factor: float = 1.5
     straggler_intervals: int = 3
+    memory_check: str = "error"
+    gpu_memory_gib: Optional[float] = None
 
 
 @dataclass
@@ -451,6 +460,25 @@ def _load_model_fields(cfg: DictConfig, tp: int) -> Dict[str, Any]:
     return fields
 
 
+def model_fields(cfg: DictConfig, tp: int) -> Dict[str, Any]:
+    """The merged `ModelConfig` fields of a run (preset, inline, `train.activation_checkpointing`,
+    `model.attention`) without the rest of `validate` (no shard folder needed: the memory
+    planner). With `init.source=hf`, a preset and no readable `init.hf_path`, the preset alone.
+
+    Raises:
+        ConfigError: one line naming the key.
+    """
+    try:
+        if (cfg.init.source == "hf" and cfg.model.preset
+                and not (cfg.init.hf_path and os.path.isfile(os.path.join(str(cfg.init.hf_path),
+                                                                          "config.json")))):
+            cfg = cfg.copy()
+            cfg.init.source = "random"
+        return _load_model_fields(cfg, tp)
+    except OmegaConfBaseException as e:
+        raise ConfigError(_describe(e)) from None
+
+
 def validate(cfg: DictConfig, world_size: int | None = None) -> Plan:
     """Check a run config against the launch (world size) and the files it names.
 
@@ -532,6 +560,10 @@ def _validate(cfg: DictConfig, world_size: int | None) -> Plan:
          f"and train.hang_warmup_s (={max(hang or 0.0, t.hang_warmup_s):g} s): the collective "
          f"timeout is the backstop behind the hang watchdog")
     need(t.straggler_factor > 1, f"train.straggler_factor must be > 1, got {t.straggler_factor}")
+    need(t.memory_check in ("error", "warn", "off"),
+         f"train.memory_check must be error, warn or off, got {t.memory_check!r}")
+    need(t.gpu_memory_gib is None or t.gpu_memory_gib > 0,
+         f"train.gpu_memory_gib must be > 0 (GiB) or null, got {t.gpu_memory_gib}")
     need(t.straggler_intervals >= 1,
          f"train.straggler_intervals must be >= 1, got {t.straggler_intervals}")
     dbg = cfg.debug

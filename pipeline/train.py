@@ -780,6 +780,46 @@ def _lost_peer(e: BaseException) -> str | None:
     return f"gloo: {first}" if "gloo" in text else first
 
 
+def _memory_check(cfg, plan, rank0: bool) -> None:
+    """Print the per-GPU memory plan (rank 0, `pipeline.training.memory_plan`) and, on CUDA,
+    refuse a plan above the device's memory before anything is built or loaded
+    (`train.memory_check`: error / warn / off; `train.gpu_memory_gib` or the CUDA device's
+    total memory; no check on the CPU).
+
+    Raises:
+        ConfigError: `train.memory_check=error` and the plan exceeds the memory (one line).
+    """
+    mode = str(cfg.train.memory_check)
+    if mode == "off":
+        return
+    import torch
+
+    from pipeline.config import ConfigError
+    from pipeline.training.memory_plan import GIB, format_plan, plan_for_run
+    cuda = torch.cuda.is_available()
+    gib = cfg.train.gpu_memory_gib
+    gpu_bytes = int(gib * GIB) if gib is not None else (
+        torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", "0"))
+                                         % torch.cuda.device_count()).total_memory
+        if cuda else None)
+    mp = plan_for_run(cfg, tp=plan.tp_size, dp=plan.dp_size, model_fields=plan.model_fields,
+                      row_length=plan.row_length, device="cuda" if cuda else "cpu",
+                      gpu_bytes=gpu_bytes if cuda else None)
+    if rank0:
+        # not prefixed "pipeline.": those lines are the job's outcome (errors, warnings)
+        print("\n".join(format_plan(mp)), file=sys.stderr, flush=True)
+    if not cuda or gpu_bytes is None or mp.total <= gpu_bytes:
+        return
+    line = (f"train.memory_check: the memory plan needs {mp.total / GIB:.1f} GiB per GPU, more "
+            f"than the {gpu_bytes / GIB:.1f} GiB the GPU has (largest micro-batch that fits: "
+            f"{mp.max_micro_batch}); lower train.micro_batch_size or data.max_length, set "
+            f"train.activation_checkpointing, or train.memory_check=warn to run anyway")
+    if mode == "error":
+        raise ConfigError(line)
+    if rank0:
+        print(f"pipeline.train: warning: {line}", file=sys.stderr, flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse `--config PATH [key=value ...]`, validate, train. Returns the exit code."""
     ap = argparse.ArgumentParser(prog="python -m pipeline.train",
@@ -792,6 +832,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         plan = validate(cfg)
+        _memory_check(cfg, plan, rank0)
     except ConfigError as e:
         # Before any process group: under torchrun / pipeline.launch the agent's store dedupes
         # (so a config error only one rank sees is still printed, once); otherwise rank 0 prints.

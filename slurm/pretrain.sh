@@ -62,6 +62,9 @@
 #   REFUSION_RENDEZVOUS_TIMEOUT  seconds every rank waits to join the rendezvous (default 60)
 #   SRUN_EXTRA_ARGS      extra srun options, e.g. "--cpu-bind=cores" or "--gpu-bind=closest"
 #   REQUEUE_ON_SIGNAL    1 (default) requeue after a SIGUSR1-triggered checkpoint; 0 to not
+#   REFUSION_DRY_RUN=1   print the per-GPU memory plan for this job's task count
+#                        (`python -m pipeline.plan_memory`, train.gpu_memory_gib to check a fit)
+#                        and exit (0 fits, 1 does not, 2 bad config); no training task starts
 #   REFUSION_MAX_REQUEUES requeues after a hang (exit 6) or a lost rank (exit 5 or 128+signal); default 3, 0 = none
 #   REFUSION_STATE_DIR   where the fault-requeue count is kept (default: $REFUSION_ROOT/.cache/slurm)
 #   TORCH_EXTENSIONS_DIR DeepSpeed's JIT-op cache (default: $REFUSION_ROOT/.cache/torch_extensions)
@@ -110,6 +113,9 @@ export MASTER_ADDR
 export MASTER_PORT=${MASTER_PORT:-$(( 20000 + SLURM_JOB_ID % 20000 ))}
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$ROOT/.cache/torch_extensions}
 export PYTHONUNBUFFERED=1
+if [ "${REFUSION_DRY_RUN:-0}" = 1 ]; then  # the memory plan for this job's layout, nothing started
+  exec "$PYTHON" -m pipeline.plan_memory --config "$CONFIG" --world-size "$NTASKS" "$@"
+fi
 # Cores per task, passed to srun explicitly (srun >= 22.05 does not inherit sbatch's
 # --cpus-per-task): CPUS_PER_TASK, else the job's --cpus-per-task, else an even split of this
 # node's allocated cores (SLURM_CPUS_ON_NODE) over its tasks.

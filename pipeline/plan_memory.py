@@ -1,0 +1,88 @@
+"""Will it fit: `python -m pipeline.plan_memory --config RUN.yaml [key=value ...] [--nodes N]
+[--gpus-per-node G | --world-size W] [--gpu-memory GiB] [--device cuda|cpu]`.
+
+Prints the per-GPU memory plan of a run config (`pipeline.training.memory_plan`: weights,
+fp32 master weights, AdamW moments, gradients, ZeRO-3 gathered parameters and buckets,
+activations by recompute mode, the output layer's buffers, a total) and, with a memory size,
+whether it fits and the largest micro-batch that does. Nothing is built, no shard folder or HF
+folder is read (the model preset is enough). The config is read by `pipeline.config.load_config`
+like `pipeline.train` reads it (same overrides, same one-line errors, exit 2). The world size:
+`--world-size`, else `--nodes x --gpus-per-node` (default 8 GPUs per node), else
+WORLD_SIZE / SLURM_NTASKS, else 1. The fed row length is `data.max_length` (or the shards'
+`max_length` when `data.dir` is readable). `--gpu-memory` defaults to `train.gpu_memory_gib`.
+Exit codes: 0 fits (or no memory size given), 1 does not fit, 2 bad input.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from pipeline.common.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE
+
+GIB = 1 << 30
+
+
+def _row_length(cfg) -> int:
+    from pipeline.config import ConfigError
+    if cfg.data.max_length is not None:
+        return int(cfg.data.max_length)
+    from omegaconf import OmegaConf
+    if not OmegaConf.is_missing(cfg.data, "dir") and cfg.data.dir:
+        from pipeline.data import DataError, read_manifest
+        try:
+            return int(read_manifest(cfg.data.dir)["max_length"])
+        except DataError as e:
+            raise ConfigError(f"data.dir: {str(e).splitlines()[0]}") from None
+    raise ConfigError("data.max_length: not set and no readable data.dir; give "
+                      "data.max_length=TOKENS to plan")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse the arguments, print the plan. Returns the exit code (module docstring)."""
+    ap = argparse.ArgumentParser(prog="python -m pipeline.plan_memory",
+                                 description="Per-GPU memory plan of a training run config.")
+    ap.add_argument("--config", required=True, help="run config YAML (configs/*.yaml)")
+    ap.add_argument("overrides", nargs="*", help="omegaconf overrides, e.g. train.micro_batch_size=8")
+    ap.add_argument("--world-size", type=int, default=None, help="processes (GPUs) in the job")
+    ap.add_argument("--nodes", type=int, default=None, help="nodes (x --gpus-per-node)")
+    ap.add_argument("--gpus-per-node", type=int, default=8)
+    ap.add_argument("--gpu-memory", type=float, default=None, metavar="GiB",
+                    help="memory of one GPU in GiB (default train.gpu_memory_gib)")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                    help="where the run trains (picks the attention kernel; default cuda)")
+    args = ap.parse_args(argv)
+    from pipeline.config import ConfigError, _world_size_from_env, load_config, model_fields
+    from pipeline.training.memory_plan import format_plan, plan_for_run
+    try:
+        cfg = load_config(args.config, args.overrides)
+        if args.world_size is not None:
+            ws = args.world_size
+        elif args.nodes is not None:
+            ws = args.nodes * args.gpus_per_node
+        else:
+            ws = _world_size_from_env()
+        if ws < 1 or args.gpus_per_node < 1:
+            raise ConfigError(f"world size must be >= 1, got {ws}")
+        tp = int(cfg.train.tensor_parallel_size)
+        if tp < 1 or ws % tp:
+            raise ConfigError(f"train.tensor_parallel_size={tp} does not divide the world size {ws}")
+        if int(cfg.train.micro_batch_size) < 1:
+            raise ConfigError(f"train.micro_batch_size must be >= 1, got {cfg.train.micro_batch_size}")
+        fields = model_fields(cfg, tp)
+        row = _row_length(cfg)
+        gib = args.gpu_memory if args.gpu_memory is not None else cfg.train.gpu_memory_gib
+        if gib is not None and gib <= 0:
+            raise ConfigError(f"--gpu-memory must be > 0 GiB, got {gib}")
+        plan = plan_for_run(cfg, tp=tp, dp=ws // tp, model_fields=fields, row_length=row,
+                            device=args.device,
+                            gpu_bytes=None if gib is None else int(gib * GIB))
+    except (ConfigError, ValueError) as e:
+        print(f"pipeline.plan_memory: config error: {str(e).strip().splitlines()[0]}",
+              file=sys.stderr)
+        return EXIT_USAGE
+    print("\n".join(format_plan(plan)))
+    return EXIT_FAILED if plan.fits() is False else EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

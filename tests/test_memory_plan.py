@@ -1,0 +1,245 @@
+"""The memory planner (`pipeline.training.memory_plan`, `python -m pipeline.plan_memory`) against
+memory measured on the CPU over the real trainer's step.
+
+Measured: the model states are the bytes of every tensor alive between two optimizer steps (the
+engine's partitions, fp32 master copy, AdamW moments and gradient partitions; `gc` over all
+tensors, unique storages); the step's working memory is the peak of the bytes of storages
+created during one `Trainer.train_step` (forward, loss, backward, optimizer step) and still
+alive, tracked by a `TorchDispatchMode` that registers every storage an op returns and drops it
+when the storage is freed (`weakref.finalize`). The plan must be within 10% of both and of
+their sum.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import subprocess
+import sys
+import weakref
+
+import numpy as np
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from shard_fixtures import TINY_MODEL, random_samples, write_shards
+
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
+
+
+class LiveStorage(TorchDispatchMode):
+    """Bytes of the storages created by ops inside the mode and still alive: `live`, and the
+    maximum it reached: `peak`."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+        self._seen: dict[int, int] = {}
+
+    def _drop(self, key: int) -> None:
+        self.live -= self._seen.pop(key, 0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                st = t.untyped_storage()
+                key = st.data_ptr()
+                if key and key not in self._seen:
+                    self._seen[key] = st.nbytes()
+                    self.live += st.nbytes()
+                    self.peak = max(self.peak, self.live)
+                    weakref.finalize(st, self._drop, key)
+        return out
+
+
+def _tensor_bytes() -> int:
+    """Bytes of all live CPU tensors' storages (unique), found through `gc`."""
+    seen: dict[int, int] = {}
+    for o in gc.get_objects():
+        try:
+            if isinstance(o, torch.Tensor) and o.device.type == "cpu" and not o.is_meta:
+                st = o.untyped_storage()
+                if st.data_ptr():
+                    seen[st.data_ptr()] = st.nbytes()
+        except Exception:
+            pass
+    return sum(seen.values())
+
+
+def _measure(rank, world_size, config, run_dir, modes):
+    """Per recompute mode: the trainer's plan and the measured model states and step peak."""
+    from pipeline.config import load_config, validate
+    from pipeline.train import Trainer
+    from pipeline.training.memory_plan import plan_for_run
+    out = {}
+    for mode in modes:
+        cfg = load_config(config, [f"run_dir={run_dir}/{mode}",
+                                   f"train.activation_checkpointing={mode}"])
+        plan = validate(cfg)
+        gc.collect()
+        baseline = _tensor_bytes()         # what earlier modes of this process left behind
+        trainer = Trainer(cfg, plan)
+        try:
+            trainer.setup()
+            trainer.train_step()          # AdamW's moments exist from the first step on
+            gc.collect()
+            before = _tensor_bytes() - baseline
+            tracker = LiveStorage()
+            with tracker:
+                trainer.train_step()
+            gc.collect()
+        finally:
+            it = getattr(trainer, "_train_iter", None)
+            if it is not None:
+                it.close()
+            if trainer.run_lock is not None:
+                trainer.run_lock.release()
+            from pipeline.parallel import destroy_distributed
+            destroy_distributed()
+        mp = plan_for_run(cfg, tp=plan.tp_size, dp=plan.dp_size, model_fields=plan.model_fields,
+                          row_length=plan.row_length, device="cpu")
+        out[mode] = {"states": before, "step_peak": tracker.peak,
+                     "components": mp.components, "total": mp.total}
+        del trainer
+        gc.collect()
+    return out
+
+
+def _config(tmp_path, tp=1, row=256, mb=2, precision="fp32"):
+    rng = np.random.default_rng(5)
+    write_shards(str(tmp_path / "data"), {"train": random_samples(
+        rng, 16, vocab_size=64, max_length=row, min_length=row // 2)}, samples_per_shard=8)
+    model = {**TINY_MODEL, "hidden_size": 64, "intermediate_size": 192, "head_dim": 16,
+             "max_position_embeddings": row}
+    cfg = {"model": {"inline": model},
+           "data": {"dir": str(tmp_path / "data"), "num_workers": 0, "max_length": row},
+           "optim": {"lr": 1e-3, "warmup_steps": 1},
+           "train": {"max_steps": 4, "micro_batch_size": mb, "grad_accum_steps": 1,
+                     "precision": precision, "seed": 3, "tensor_parallel_size": tp},
+           "checkpoint": {"interval": 0}, "wandb": {"mode": "disabled"},
+           "log": {"peak_tflops": 1.0}}
+    path = tmp_path / "run.yaml"
+    path.write_text(json.dumps(cfg))
+    return str(path)
+
+
+STATES = ("weights (run dtype)", "fp32 master weights", "AdamW moments (fp32)", "gradients")
+
+
+def _split(rec):
+    states = sum(v for k, v in rec["components"].items() if k in STATES)
+    return states, rec["total"] - states
+
+
+def _check(rec, tol=0.10):
+    planned_states, planned_step = _split(rec)
+    rows = (("model states", planned_states, rec["states"]),
+            ("step working memory", planned_step, rec["step_peak"]),
+            ("total", rec["total"], rec["states"] + rec["step_peak"]))
+    for name, planned, measured in rows:
+        assert abs(planned - measured) <= tol * measured, (name, planned, measured, rec)
+
+
+def _run(tmp_path, world_size, tp, modes, precision="fp32"):
+    from distributed import run_distributed
+    config = _config(tmp_path, tp=tp, precision=precision)
+    if world_size == 1:
+        res = run_distributed(_measure, 1, (config, str(tmp_path), modes))
+    else:  # one mode per launch: a process group is not re-created on the same port
+        res = [{} for _ in range(world_size)]
+        for mode in modes:
+            for rank, rec in enumerate(run_distributed(_measure, world_size,
+                                                       (config, str(tmp_path), (mode,)))):
+                res[rank].update(rec)
+    for rank, per_mode in enumerate(res):
+        for mode, rec in per_mode.items():
+            print(f"world {world_size} tp {tp} rank {rank} {mode}: states planned "
+                  f"{_split(rec)[0]} measured {rec['states']}; step planned {_split(rec)[1]} "
+                  f"measured {rec['step_peak']}")
+    return res
+
+
+def test_plan_matches_measured_dp1_tp1_every_recompute_mode(tmp_path):
+    res = _run(tmp_path, 1, 1, ("none", "selective", "full"))
+    for mode, rec in res[0].items():
+        _check(rec)
+
+
+def test_plan_matches_measured_dp2_every_recompute_mode(tmp_path):
+    for per_mode in _run(tmp_path, 2, 1, ("none", "selective", "full")):
+        for rec in per_mode.values():
+            _check(rec)
+
+
+def test_plan_matches_measured_tp2_every_recompute_mode(tmp_path):
+    for per_mode in _run(tmp_path, 2, 2, ("none", "selective", "full")):
+        for rec in per_mode.values():
+            _check(rec)
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "pipeline.plan_memory", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_cli_qwen3_8b_model_states_and_fit():
+    """configs/qwen3_8b.yaml on 4 nodes x 8 GPUs (TP 2, DP 16): the model states are ZeRO-3's
+    (2 + 4 + 8 + 4) bytes per parameter of a TP rank over 16 ranks (the persistent norms whole),
+    and a micro-batch that does not fit 80 GiB without recompute exits 1."""
+    from pipeline.model import ModelConfig
+    from pipeline.model.flops import num_parameters
+    r = _cli("--config", "configs/qwen3_8b.yaml", "--nodes", "4", "--gpu-memory", "80")
+    assert r.returncode == 0, r.stderr
+    lines = {ln.split("  ")[1].strip(): float(ln.split()[-2]) for ln in r.stdout.splitlines()
+             if ln.startswith("  ") and ln.strip().endswith("GiB") and "fits" not in ln}
+    cfg = ModelConfig.from_yaml(str(ROOT / "configs/model/qwen3_8b.yaml"))
+    n = num_parameters(cfg)
+    norms = cfg.num_layers * (2 * cfg.hidden_size + 2 * cfg.head_dim) + cfg.hidden_size
+    per_rank = (n - norms) / 2 + norms
+    assert lines["AdamW moments (fp32)"] == pytest.approx(8 * per_rank / 16 / 2 ** 30, abs=0.01)
+    assert lines["fp32 master weights"] == pytest.approx(4 * per_rank / 16 / 2 ** 30, abs=0.01)
+    assert "recompute full" in r.stdout and "largest micro-batch that fits" in r.stdout
+    r = _cli("--config", "configs/qwen3_8b.yaml", "--nodes", "4", "--gpu-memory", "80",
+             "train.activation_checkpointing=none", "train.micro_batch_size=8")
+    assert r.returncode == 1 and "does NOT fit" in r.stdout
+
+
+def test_cli_bad_input_is_one_line_exit_2():
+    r = _cli("--config", "configs/qwen3_8b.yaml", "train.no_such_key=1")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
+    assert "train.no_such_key" in r.stderr
+    r = _cli("--config", "configs/qwen3_8b.yaml", "--world-size", "3")
+    assert r.returncode == 2 and "tensor_parallel_size=2" in r.stderr
+
+
+def test_trainer_prints_the_plan_and_refuses_before_building(tmp_path, monkeypatch, capsys):
+    """`pipeline.train`'s start-up check: the plan printed by rank 0; on a (pretended) CUDA
+    device smaller than the plan, `train.memory_check=error` stops with one config-error line
+    and exit 2 before any process group or weight exists; `warn` prints one warning line."""
+    import pipeline.train as train
+    config = _config(tmp_path)
+    base = [f"run_dir={tmp_path}/run", "train.gpu_memory_gib=0.001"]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    built = []
+    monkeypatch.setattr(train.Trainer, "setup", lambda self: built.append(1))
+    assert train.main(["--config", config, *base]) == 2
+    err = capsys.readouterr().err
+    assert "memory plan per GPU" in err and built == []
+    refusal = [ln for ln in err.splitlines() if "config error" in ln]
+    assert len(refusal) == 1 and "train.memory_check" in refusal[0] and "GiB" in refusal[0]
+    from pipeline.config import load_config, validate
+    cfg = load_config(config, [*base, "train.memory_check=warn"])
+    train._memory_check(cfg, validate(cfg), True)
+    assert "warning: train.memory_check" in capsys.readouterr().err
+    cfg = load_config(config, [*base, "train.memory_check=off"])
+    train._memory_check(cfg, validate(cfg), True)
+    assert capsys.readouterr().err == ""
+
+
+def test_plan_matches_measured_bf16_dp1_every_recompute_mode(tmp_path):
+    """bf16: 2-byte weights and activations, fp32 master weights and gradients, and the fp32
+    copies RMSNorm makes of a bf16 input."""
+    for rec in _run(tmp_path, 1, 1, ("none", "selective", "full"), precision="bf16")[0].values():
+        _check(rec)
