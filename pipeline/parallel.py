@@ -346,9 +346,15 @@ def init_distributed(tensor_parallel_size: int = 1, backend: str | None = None,
     device = bind_local_device(local_rank)
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        if "MASTER_PORT" not in os.environ:  # a lone process needs no agreed port: take a free one
-            os.environ["MASTER_PORT"] = str(free_port()) if world_size == 1 else "29500"
         store = None
+        if world_size == 1 and "MASTER_PORT" not in os.environ:
+            # a lone process needs no agreed port: its store binds one the kernel picks, in the
+            # same call (a port chosen first and bound later can be taken in between)
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], 0, world_size=1, is_master=True,
+                                  timeout=datetime.timedelta(seconds=timeout_s))
+            os.environ["MASTER_PORT"] = str(store.port)
+        elif "MASTER_PORT" not in os.environ:
+            os.environ["MASTER_PORT"] = "29500"
         if world_size > 1 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
             store = rendezvous_store(rank, world_size, timeout_s)
         elif world_size > 1:

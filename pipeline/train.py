@@ -687,9 +687,8 @@ def _launcher_env() -> None:
             os.environ[ours] = os.environ.get(slurm, default)
     if (os.environ["WORLD_SIZE"] == "1" and "MASTER_PORT" not in os.environ
             and "SLURM_PROCID" not in os.environ):
-        # a bare single process: a free port, so two such runs on one host do not collide
-        from pipeline.parallel import free_port
-        os.environ["MASTER_PORT"] = str(free_port())
+        # a bare single process: init_distributed binds its store to a port the kernel picks,
+        # so two such runs on one host do not collide
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("LOCAL_WORLD_SIZE", os.environ.get("SLURM_NTASKS_PER_NODE", "1")
                           if "SLURM_PROCID" in os.environ else os.environ["WORLD_SIZE"])

@@ -39,6 +39,7 @@ def tp1():
 # time (--dist loadfile, --no-loadscope-reorder): starting these first keeps the last worker
 # from finishing a long module alone after the others are done. Order only; nothing is skipped.
 LONGEST_FIRST = ("test_slurm.py", "test_hang.py", "test_run_safety.py", "test_train.py",
+                 "test_memory_plan.py",
                  "test_checkpoint.py", "test_levers.py", "test_train_reshard.py",
                  "test_reshard.py", "test_rendezvous.py", "test_lm_eval.py",
                  "test_export_checkpoint.py", "test_export.py", "test_train_data_change.py",

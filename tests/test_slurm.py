@@ -483,8 +483,11 @@ def _hang_job(tmp_path: Path, name: str, max_steps: int, max_requeues: int, stop
             os.kill(pid, sig)
             _poll(f"leg {leg + 1} to end", lambda: "training tasks exited with status"
                       in this_leg(), 180, log)
+        # every leg's end is logged: the faulted legs, plus the leg after the last requeue
+        # (squeue can miss a job between a leg's end and its requeue, so the state alone races)
+        legs = min(stops, max_requeues) + 1
         _poll("the job to leave the queue", lambda: _job_state(job) == "" and
-                  log.read_text().count("training tasks exited with status") >= stops, 400, log)
+                  log.read_text().count("training tasks exited with status") >= legs, 400, log)
     finally:
         subprocess.run(["scancel", job], capture_output=True, timeout=30)
     return job, log.read_text(), metrics, run / "checkpoints"
