@@ -16,6 +16,24 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 
 
+LAUNCHER_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+                      "LOCAL_WORLD_SIZE")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _launcher_variables_stay_in_their_module():
+    """A module that starts a process group in this process (a trainer built in-process) leaves
+    MASTER_PORT and friends in os.environ; restore them when the module ends, so a later module
+    on the same pytest-xdist worker does not hand a stale port to the trainers it launches."""
+    saved = {k: os.environ.get(k) for k in LAUNCHER_VARIABLES}
+    yield
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
 @pytest.fixture(scope="module")
 def tp1():
     """megatron-core parallel_state at TP=1 in this process (gloo, world size 1, free port);
