@@ -67,15 +67,22 @@ def _corpus(d: Path) -> Path:
     return d
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    """(corpus folder, SentencePiece model, base tmp folder)."""
-    base = tmp_path_factory.mktemp("array")
+def _corpus_and_tokenizer(base: Path) -> tuple[Path, Path]:
+    """The test corpus under `base / "in"` and a 300-piece SentencePiece model trained on it
+    (`base / "spm.model"`)."""
     corpus = _corpus(base / "in")
     tok = base / "spm.model"
     assert train_tokenizer.main(["--input", str(corpus / "d.txt"), "--input",
                                  str(corpus / "b_big.jsonl"), "--output", str(tok),
                                  "--vocab-size", "300"]) == 0
+    return corpus, tok
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """(corpus folder, SentencePiece model, base tmp folder)."""
+    base = tmp_path_factory.mktemp("array")
+    corpus, tok = _corpus_and_tokenizer(base)
     return corpus, str(tok), base
 
 

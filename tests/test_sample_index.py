@@ -85,13 +85,8 @@ def _jsons(path: Path):
 
 
 def test_merged_array_folder_has_checked_indexes(tmp_path, capsys):
-    from test_data_prep_array import UNIT, COMMON, _corpus
-    from data_prep import train_tokenizer
-    corpus = _corpus(tmp_path / "in")
-    tok = tmp_path / "spm.model"
-    assert train_tokenizer.main(["--input", str(corpus / "d.txt"), "--input",
-                                 str(corpus / "b_big.jsonl"), "--output", str(tok),
-                                 "--vocab-size", "300"]) == 0
+    from test_data_prep_array import UNIT, COMMON, _corpus_and_tokenizer
+    corpus, tok = _corpus_and_tokenizer(tmp_path)
     out = tmp_path / "k3"
     run = lambda *a: shard.main([str(x) for x in a])  # noqa: E731
     assert run("plan", "--input", corpus, "--output", out, "--tokenizer", tok, "--unit-bytes",

@@ -379,13 +379,9 @@ def test_shard_array_and_merge_on_the_cluster(tmp_path, slurm_cluster):
     task 1 failing (its interpreter exits 1) the merge still runs, checks the parts itself and
     fails naming a unit with no part; the array submitted again (complete parts kept) and the
     merge give the one-process run's dataset."""
-    from data_prep import cli, train_tokenizer
-    from test_data_prep_array import COMMON, UNIT, _corpus, _dataset
-    corpus = _corpus(tmp_path / "in")
-    tok = tmp_path / "spm.model"
-    assert train_tokenizer.main(["--input", str(corpus / "d.txt"), "--input",
-                                 str(corpus / "b_big.jsonl"), "--output", str(tok),
-                                 "--vocab-size", "300"]) == 0
+    from data_prep import cli
+    from test_data_prep_array import COMMON, UNIT, _corpus_and_tokenizer, _dataset
+    corpus, tok = _corpus_and_tokenizer(tmp_path)
     one = tmp_path / "one"
     assert cli.main(["--input", str(corpus), "--output", str(one), "--tokenizer", str(tok),
                        *COMMON, "--no-progress"]) == 0
