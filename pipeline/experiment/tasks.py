@@ -217,7 +217,7 @@ class MathTask(Task):
     metric = "final_answer"
     main_set = "test"
     gen_length = 128
-    sizes = {"train": 80000, "test": 200, "dev": 200, "test_unseen": 100}
+    sizes = {"train": 80000, "test": 1000, "dev": 200, "test_unseen": 100}
     seed = 0
     vocab_pieces = 1000
     grid = (tuple(Setting("refusion", k, b, 0.9, t, "authors")
