@@ -44,6 +44,27 @@ non-empty), each response token predicts the next, and the last token of the seg
 label (nothing follows it inside the segment; data_prep ends responses with EOS, so EOS is a
 target). MDM is 0. This is what an SFT/pretraining run of the same network on the same
 segments would optimize, so it is the like-for-like baseline.
+
+Dual-stream layout (`mode="dual"`, docs/METHOD.md "The dual-stream arm"; TiDAR's training
+layout, arXiv 2511.08923): each segment is fed as its clean tokens in natural order (prompt then
+response, labelled as in mode "ar": the last prompt token predicts the first response token,
+each response token the next one), then masked copies of some of its response slots, in slot
+order. A copy's tokens are all the mask id, keep the slot's original position ids and are
+labelled with the clean tokens (MDM). A clean token attends causally to the clean tokens of its
+segment; a copy token attends to the clean tokens of its segment before the slot's start and to
+every token of its own copy (bidirectionally), nothing else. That pattern is not causal over
+the fed order, so `collate` also builds a dense boolean mask (`attention_mask`) for the model.
+Which slots get a copy (`ObjectiveConfig.dual_masking`), and the draws:
+  - "all": every slot; p = 1 for every segment; no draw beyond draw 1 above (slot sizes, only
+    with `slot_sizes`);
+  - "refusion": draw 1 (only with `slot_sizes`), then draws 2 and 3 above: `t` per segment,
+    `p = (1 - eps) * t + eps`, `u` per slot; slot copied iff `u < p` (the slots mode "refusion"
+    would mask). Draws 4 and 5 are not made.
+A copied token's loss weight is 1 / (p * n_r) as a masked token's in mode "refusion" (p = 1 for
+"all"), so "refusion" is an inverse-probability subsample of "all". When the clean tokens plus
+the copies exceed `max_length` (`reorganize_sample(..., max_length=)`), copies are dropped, the
+last slot (in natural order, over all segments) first, until the sample fits; dropped copies are
+counted (`Reorganized.dropped_copies`, the batch's `dropped_copies`) and contribute nothing.
 """
 from __future__ import annotations
 
@@ -57,10 +78,12 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 IGNORE_INDEX = -100
+MODES = ("refusion", "ar", "dual")
+DUAL_MASKINGS = ("all", "refusion")
 
-__all__ = ["IGNORE_INDEX", "ObjectiveConfig", "Reorganized", "sample_rng", "slot_layout",
+__all__ = ["IGNORE_INDEX", "MODES", "DUAL_MASKINGS", "ObjectiveConfig", "Reorganized", "sample_rng", "slot_layout",
            "reorganize_sample", "collate", "token_cross_entropy", "labelled_cross_entropy",
-           "hybrid_loss", "LOSS_CHUNK_TOKENS"]
+           "hybrid_loss", "LOSS_CHUNK_TOKENS", "dual_attention_mask"]
 
 
 @dataclass
@@ -68,8 +91,9 @@ class ObjectiveConfig:
     """Options of the objective. Defaults are the paper's.
 
     Attributes:
-        mode: "refusion" (hybrid AR + MDM, the method) or "ar" (plain next-token baseline,
-            see the module docstring).
+        mode: "refusion" (hybrid AR + MDM, the method), "ar" (plain next-token baseline,
+            see the module docstring) or "dual" (clean tokens in natural order, then masked
+            copies of response slots; module docstring, docs/METHOD.md "The dual-stream arm").
         eps: lower bound of the mask probability, `p = (1 - eps) * t + eps` (docs/METHOD.md
             "One training sample", step 1).
         slot_sizes: None = use the slot boundaries stored in the shards (data_prep drew k per
@@ -83,6 +107,9 @@ class ObjectiveConfig:
             natural order (draw 5 of the module docstring); with `boundary_labels` such a
             segment is plain next-token training. Such segments count in the MDM term's B (as a
             draw with nothing masked) and report p = 0. 0 = the paper's objective.
+        dual_masking: mode "dual" only: which response slots get a masked copy, "all" (every
+            slot) or "refusion" (slot copied iff u < p, mode "refusion"'s masking draws).
+            Other modes ignore it.
     """
 
     mode: str = "refusion"
@@ -92,10 +119,15 @@ class ObjectiveConfig:
     mdm_weight: float = 1.0
     boundary_labels: bool = False
     natural_order_fraction: float = 0.0
+    dual_masking: str = "all"
 
     def __post_init__(self) -> None:
-        if self.mode not in ("refusion", "ar"):
-            raise ValueError(f"objective.mode must be 'refusion' or 'ar', got {self.mode!r}")
+        if self.mode not in MODES:
+            raise ValueError(f"objective.mode must be 'refusion' or 'ar' or 'dual', got "
+                             f"{self.mode!r}")
+        if self.dual_masking not in DUAL_MASKINGS:
+            raise ValueError(f"objective.dual_masking must be 'all' or 'refusion', got "
+                             f"{self.dual_masking!r}")
         if not 0.0 <= self.eps < 1.0:
             raise ValueError(f"objective.eps must be in [0, 1), got {self.eps}")
         if self.slot_sizes is not None:
@@ -111,6 +143,12 @@ class ObjectiveConfig:
             raise ValueError(f"objective.natural_order_fraction must be in [0, 1], got "
                              f"{self.natural_order_fraction}")
         self.natural_order_fraction = float(self.natural_order_fraction)
+        if self.mode == "dual" and self.boundary_labels:
+            raise ValueError("objective.boundary_labels: mode dual already labels every clean "
+                             "token (natural order); leave it false")
+        if self.mode == "dual" and self.natural_order_fraction > 0:
+            raise ValueError("objective.natural_order_fraction: mode dual feeds every segment in "
+                             "natural order already; leave it 0")
 
 
 def _key_hash(key: str) -> int:
@@ -176,8 +214,18 @@ class Reorganized:
         is_masked: bool[L] token belongs to a masked slot (its label is the MDM target).
         loss_weight: float32[L] 1/(p * n_r) at masked tokens, 1 at AR-labelled tokens, else 0.
         segment: int64[L] 0-based index of the token's segment within this sample.
-        p: float64[S] mask probability of each segment (0 in mode "ar").
+        p: float64[S] mask probability of each segment (0 in mode "ar"; 1 in mode "dual" with
+            `dual_masking="all"`).
         response_tokens: int, number of response tokens over all segments.
+        copy_id: mode "dual" only (else None): int64[L], 0 at clean tokens, c >= 1 at the tokens
+            of the sample's c-th masked copy (copies numbered in fed order).
+        clean_limit: mode "dual" only (else None): int64[L], the token attends to the clean
+            tokens of its segment whose position id is < clean_limit (a clean token: its own
+            position id + 1, i.e. causal; a copy's token: its slot's first position id), and,
+            for a copy's token, to the tokens of its own copy.
+        copy_tokens: tokens of the masked copies (mode "dual"; else 0).
+        dropped_copies / dropped_copy_tokens: copies (and their tokens) left out so that the
+            sample fits `max_length` (mode "dual"; else 0).
     """
 
     key: str
@@ -189,6 +237,11 @@ class Reorganized:
     segment: np.ndarray
     p: np.ndarray
     response_tokens: int
+    copy_id: np.ndarray | None = None
+    clean_limit: np.ndarray | None = None
+    copy_tokens: int = 0
+    dropped_copies: int = 0
+    dropped_copy_tokens: int = 0
 
     @property
     def length(self) -> int:
@@ -202,7 +255,8 @@ class Reorganized:
 
 
 def reorganize_sample(tokens: np.ndarray, segments: Sequence[dict], key: str, *, seed: int,
-                      epoch: int, mask_id: int, cfg: ObjectiveConfig) -> Reorganized:
+                      epoch: int, mask_id: int, cfg: ObjectiveConfig,
+                      max_length: int | None = None) -> Reorganized:
     """Reorganize one shard sample (docs/METHOD.md "One training sample", steps 1-5), vectorized.
 
     Each segment is handled inside its own span: prompt first (natural order), then the clean
@@ -216,12 +270,16 @@ def reorganize_sample(tokens: np.ndarray, segments: Sequence[dict], key: str, *,
         seed, epoch: see `sample_rng`.
         mask_id: id of the mask token.
         cfg: objective options.
+        max_length: mode "dual" only: the most tokens the sample may have (a row's length);
+            copies are dropped, the last slot first, until the sample fits. None = keep every
+            copy. Other modes ignore it (they never lengthen a sample).
 
     Returns:
         A `Reorganized` (arrays in fed order).
 
     Raises:
-        ValueError: the segments do not cover `tokens` contiguously, or a response is empty.
+        ValueError: the segments do not cover `tokens` contiguously, or a response is empty;
+            mode "dual": the clean tokens alone exceed `max_length`.
     """
     x = np.asarray(tokens).astype(np.int64, copy=False)
     L = int(x.shape[0])
@@ -247,6 +305,9 @@ def reorganize_sample(tokens: np.ndarray, segments: Sequence[dict], key: str, *,
             or np.bincount(slot_seg, minlength=n_seg).min() < 1):
         raise ValueError(f"sample {key}: slot_starts must be increasing and start at each "
                          f"segment's response start")
+    if cfg.mode == "dual":
+        return _dual_sample(x, key, rng, cfg, mask_id, max_length, seg_start, seg_end, resp_start,
+                            slot_start, slot_end, slot_seg)
 
     if cfg.mode == "ar":
         p = np.zeros(n_seg, dtype=np.float64)
@@ -311,6 +372,99 @@ def reorganize_sample(tokens: np.ndarray, segments: Sequence[dict], key: str, *,
         segment=tok_seg[perm], p=p, response_tokens=int((seg_end - resp_start).sum()))
 
 
+def _dual_sample(x: np.ndarray, key: str, rng: np.random.Generator, cfg: ObjectiveConfig,
+                 mask_id: int, max_length: int | None, seg_start: np.ndarray, seg_end: np.ndarray,
+                 resp_start: np.ndarray, slot_start: np.ndarray, slot_end: np.ndarray,
+                 slot_seg: np.ndarray) -> Reorganized:
+    """Mode "dual" of `reorganize_sample` (module docstring, "Dual-stream layout"): per segment,
+    its clean tokens in natural order, then the masked copies of its copied slots in slot
+    order. Arguments: the validated sample (`x` int64[L]) and its slots, in natural order."""
+    L = int(x.shape[0])
+    n_seg, n_slot = int(seg_start.shape[0]), int(slot_start.shape[0])
+    if max_length is not None and L > max_length:
+        raise ValueError(f"sample {key}: {L} tokens > max_length {max_length}")
+    if cfg.dual_masking == "refusion":
+        t = rng.random(n_seg)
+        p = (1.0 - cfg.eps) * t + cfg.eps
+        copied = rng.random(n_slot) < p[slot_seg]
+    else:
+        p = np.ones(n_seg, dtype=np.float64)
+        copied = np.ones(n_slot, dtype=bool)
+    size = slot_end - slot_start
+    kept = copied.copy()
+    if max_length is not None:
+        # keep the longest prefix (natural slot order) of the copies that fits: dropping the
+        # last copies first until the sample fits gives exactly that prefix
+        kept &= L + np.cumsum(np.where(copied, size, 0)) <= max_length
+    cslot = np.flatnonzero(kept)                                   # copied slots, in order
+    n_copy = int(cslot.shape[0])
+    ctok_slot = np.repeat(cslot, size[cslot])                      # per copy token: its slot
+    first = np.cumsum(size[cslot]) - size[cslot]
+    cpos = (slot_start[ctok_slot] + np.arange(ctok_slot.shape[0], dtype=np.int64)
+            - np.repeat(first, size[cslot]))                        # original offsets
+    cseg = slot_seg[ctok_slot]
+
+    pos = np.arange(L, dtype=np.int64)
+    tok_seg = np.repeat(np.arange(n_seg, dtype=np.int64), seg_end - seg_start)
+    nxt = np.full(L, IGNORE_INDEX, dtype=np.int64)
+    nxt[:-1] = x[1:]
+    # clean labels as in mode "ar": response tokens but each segment's last, and the last
+    # prompt token (when the prompt is non-empty)
+    ar_lab = ((pos >= resp_start[tok_seg]) & (pos + 1 < seg_end[tok_seg])) | (
+        (pos + 1 == resp_start[tok_seg]) & (pos + 1 > seg_start[tok_seg]))
+    n_r = (seg_end - resp_start).astype(np.float64)
+
+    # all tokens (clean first, then copies), then the fed order: by segment, clean before
+    # copies, copies by slot, each in natural order
+    all_pos = np.concatenate([pos, cpos])
+    all_seg = np.concatenate([tok_seg, cseg])
+    is_copy = np.concatenate([np.zeros(L, dtype=bool), np.ones(cpos.shape[0], dtype=bool)])
+    slot_key = np.concatenate([np.zeros(L, dtype=np.int64), ctok_slot])
+    perm = np.lexsort((all_pos, slot_key, is_copy, all_seg))
+    input_ids = np.concatenate([x, np.full(cpos.shape[0], mask_id, dtype=np.int64)])
+    labels = np.concatenate([np.where(ar_lab, nxt, IGNORE_INDEX), x[cpos]])
+    weight = np.concatenate([ar_lab.astype(np.float64), 1.0 / (p[cseg] * n_r[cseg])])
+    position_ids = all_pos - seg_start[all_seg]
+    # copy number c >= 1 per copied slot in fed order (segment, then slot: the slot order)
+    copy_no = np.zeros(n_slot, dtype=np.int64)
+    copy_no[cslot] = np.arange(1, n_copy + 1, dtype=np.int64)
+    copy_id = np.concatenate([np.zeros(L, dtype=np.int64), copy_no[ctok_slot]])
+    clean_limit = np.concatenate([pos - seg_start[tok_seg] + 1,
+                                  slot_start[ctok_slot] - seg_start[cseg]])
+    dropped = copied & ~kept
+    return Reorganized(
+        key=key, input_ids=input_ids[perm], position_ids=position_ids[perm], labels=labels[perm],
+        is_masked=is_copy[perm], loss_weight=weight[perm].astype(np.float32),
+        segment=all_seg[perm], p=p, response_tokens=int((seg_end - resp_start).sum()),
+        copy_id=copy_id[perm], clean_limit=clean_limit[perm], copy_tokens=int(cpos.shape[0]),
+        dropped_copies=int(dropped.sum()), dropped_copy_tokens=int(size[dropped].sum()))
+
+
+def dual_attention_mask(segment_ids: np.ndarray, position_ids: np.ndarray, copy_id: np.ndarray,
+                        clean_limit: np.ndarray) -> np.ndarray:
+    """The attention pattern of mode "dual" rows (module docstring, "Dual-stream layout").
+
+    Query q may see key k of the same row iff both are in the same (non-padding) segment and
+    either k is clean with `position_ids[k] < clean_limit[q]`, or q is a copy's token and k
+    belongs to the same copy. Padding (segment 0) sees only itself, as in
+    `pipeline.model.attention.build_attention_mask`.
+
+    Args:
+        segment_ids, position_ids, copy_id, clean_limit: int64[B, T] as `collate` lays them
+            out (`Reorganized.copy_id` / `clean_limit`; 0 at padding).
+    Returns:
+        bool[B, 1, T, T], True = may attend.
+    """
+    seg, pos = segment_ids, position_ids
+    same = (seg[:, :, None] == seg[:, None, :]) & (seg[:, :, None] != 0)
+    clean_key = (copy_id[:, None, :] == 0) & (pos[:, None, :] < clean_limit[:, :, None])
+    own_copy = (copy_id[:, :, None] != 0) & (copy_id[:, :, None] == copy_id[:, None, :])
+    mask = same & (clean_key | own_copy)
+    T = seg.shape[1]
+    mask |= np.eye(T, dtype=bool)[None] & (seg == 0)[:, :, None]
+    return mask[:, None]
+
+
 def collate(rows: Sequence[Sequence[Reorganized]], max_length: int, pad_id: int) -> dict:
     """Lay reorganized samples into a fixed-shape micro-batch.
 
@@ -337,6 +491,10 @@ def collate(rows: Sequence[Sequence[Reorganized]], max_length: int, pad_id: int)
         varlen kernel's boundaries, equal to `pipeline.model.attention.varlen_boundaries(
         segment_ids)`: every padding token a segment of its own), `segment_lengths:
         LongTensor[S]` (tokens of each real segment, row-major; for FLOPs).
+        When the samples come from mode "dual" (`Reorganized.copy_id` set), also
+        `attention_mask: BoolTensor[B, 1, T, T]` (`dual_attention_mask`; the model attends with
+        it instead of the document-causal pattern of `segment_ids`), `copy_tokens,
+        dropped_copies: LongTensor[]` (masked-copy tokens fed, copies left out to fit).
 
     Raises:
         ValueError: a row's samples are longer than `max_length`.
@@ -349,6 +507,11 @@ def collate(rows: Sequence[Sequence[Reorganized]], max_length: int, pad_id: int)
     loss_weight = np.zeros((B, T), dtype=np.float32)
     is_masked = np.zeros((B, T), dtype=bool)
     keys, ps, response_tokens = [], [], 0
+    dual = any(s.copy_id is not None for samples in rows for s in samples)
+    if dual:
+        copy_id = np.zeros((B, T), dtype=np.int64)
+        clean_limit = np.zeros((B, T), dtype=np.int64)
+        copy_tokens = dropped_copies = 0
     for b, samples in enumerate(rows):
         used, seg_base = 0, 0
         for s in samples:
@@ -361,6 +524,11 @@ def collate(rows: Sequence[Sequence[Reorganized]], max_length: int, pad_id: int)
             segment_ids[b, used:end] = s.segment + seg_base + 1
             loss_weight[b, used:end] = s.loss_weight
             is_masked[b, used:end] = s.is_masked
+            if dual:
+                copy_id[b, used:end] = s.copy_id
+                clean_limit[b, used:end] = s.clean_limit
+                copy_tokens += s.copy_tokens
+                dropped_copies += s.dropped_copies
             seg_base += s.num_segments
             used = end
             keys.append(s.key)
@@ -385,6 +553,12 @@ def collate(rows: Sequence[Sequence[Reorganized]], max_length: int, pad_id: int)
     cu = np.append(np.flatnonzero(start), B * T).astype(np.int32)
     real_start = start & (flat > 0)
     seg_len = np.diff(cu)[real_start[cu[:-1]]]
+    extra = {}
+    if dual:
+        extra = {"attention_mask": torch.from_numpy(
+                     dual_attention_mask(segment_ids, position_ids, copy_id, clean_limit)),
+                 "copy_tokens": torch.tensor(copy_tokens, dtype=torch.long),
+                 "dropped_copies": torch.tensor(dropped_copies, dtype=torch.long)}
     return {
         "input_ids": torch.from_numpy(input_ids), "position_ids": torch.from_numpy(position_ids),
         "labels": torch.from_numpy(labels), "segment_ids": torch.from_numpy(segment_ids),
@@ -398,6 +572,7 @@ def collate(rows: Sequence[Sequence[Reorganized]], max_length: int, pad_id: int)
         "cu_seqlens": torch.from_numpy(cu),
         "max_seqlen": int(np.diff(cu).max()) if B * T else 0,
         "segment_lengths": torch.from_numpy(seg_len.astype(np.int64)),
+        **extra,
     }
 
 

@@ -177,6 +177,10 @@ class Trainer:
         self.device = info.device
         _seed_everything(cfg.train.seed)
         self.objective_cfg = ObjectiveConfig(**OmegaConf.to_container(cfg.objective, resolve=True))
+        if self.objective_cfg.mode == "dual":
+            log.info("objective.mode=dual: training and validation forwards attend with SDPA and "
+                     "the loader's dense [B, 1, T, T] mask (model.attention=%s is not used for "
+                     "them)", self.plan.model_fields.get("attention") or "auto")
         self.mcfg = ModelConfig.from_dict(dict(self.plan.model_fields), source="model")
         self.ckdir = self.plan.checkpoint_dir
         self.console = ConsoleLog(cfg.train.max_steps, cfg.train.log_interval)
@@ -399,6 +403,7 @@ class Trainer:
         per_micro: list = []          # detached [loss, ar, mdm] per micro-batch (on device)
         keys_of: list[list[str]] = []
         tokens = rows = 0
+        copy_tokens = dropped_copies = 0   # objective mode "dual": masked copies fed / left out
         model_flops = hw_flops = 0.0  # this rank's micro-batches (pipeline.model.flops)
         t = cfg.train
         if t.loss_impl == "chunked":
@@ -418,6 +423,8 @@ class Trainer:
             b = self._batch_to_device(batch)
             real = int(batch["real_tokens"])          # CPU tensors: no device sync
             tokens += real
+            copy_tokens += int(batch.get("copy_tokens", 0))
+            dropped_copies += int(batch.get("dropped_copies", 0))
             rows += int(batch["input_ids"].shape[0])
             seg_len = batch.get("segment_lengths")
             labelled = batch.get("label_index")
@@ -430,6 +437,7 @@ class Trainer:
             hw_flops += hf
             self._progress("forward_backward")
             hidden = eng(b["input_ids"], b["position_ids"], segment_ids=b["segment_ids"],
+                         attention_mask=b.get("attention_mask"),   # objective mode "dual" only
                          return_hidden=True, cu_seqlens=b.get("cu_seqlens"),
                          max_seqlen=b.get("max_seqlen"))
             loss, stats = hybrid_loss(hidden, b, self.objective_cfg, **loss_kw)
@@ -443,11 +451,12 @@ class Trainer:
         vals = torch.stack(per_micro).double()                            # [GA, 3]
         finite = torch.isfinite(vals[:, 0])
         # one all-reduce over the world: [loss, ar, mdm sums over finite micro-batches,
-        # real tokens, rows, non-finite micro-batches, signal flag, model FLOPs, hardware FLOPs]
+        # real tokens, rows, non-finite micro-batches, signal flag, model FLOPs, hardware FLOPs,
+        # copy tokens, dropped copies]
         sums = torch.cat([torch.where(finite[:, None], vals, torch.zeros_like(vals)).sum(0),
                           vals.new_tensor([tokens, rows, float((~finite).sum()),
                                            1.0 if self.signal_received else 0.0,
-                                           model_flops, hw_flops])])
+                                           model_flops, hw_flops, copy_tokens, dropped_copies])])
         if cfg.debug.slow_rank == self.info.rank and cfg.debug.slow_rank_s:
             time.sleep(cfg.debug.slow_rank_s)   # fault injection: a straggler (debug section)
         self._progress("collective")
@@ -504,6 +513,11 @@ class Trainer:
             "consumed_samples": st.consumed_samples, "consumed_tokens": st.consumed_tokens,
             "step_time_s": dt, "skipped": not applied,
         }
+        if self.objective_cfg.mode == "dual":
+            # fed tokens of the step (global): clean + copy = the step's non-padding tokens
+            copies = int(round(sums[9].item() / tp))
+            metrics.update({"clean_tokens": tokens - copies, "copy_tokens": copies,
+                            "dropped_copies": int(round(sums[10].item() / tp))})
         return metrics, nonfinite, sig
 
 

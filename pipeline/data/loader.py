@@ -36,7 +36,9 @@ the samples of one window; it does not depend on dp_size, micro_batch_size or nu
   gives each sample's byte range, read in one request. Unpacked, a worker reads only the
   samples of its own rows. Packed, the rows depend on the lengths of the whole window, which
   every worker takes from the indexes (no read per sample), then it reads only the samples of
-  its own rows. A manifest whose shards have no index entry (a folder made before indexes) is
+  its own rows (objective mode "dual" packs by the fed length, clean tokens plus masked copies,
+  which needs the samples: each worker reads the whole window). A manifest whose shards have
+  no index entry (a folder made before indexes) is
   refused at start-up in one line naming `python data_prep/shard.py index DIR`, which writes
   them: a DataError (exit 2) rather than a fallback to the tar walk, so no job silently pays
   ~45 us a sample per shard per worker at every start.
@@ -308,7 +310,8 @@ class _Reader:
 def _window_rows(spec: _Spec, order: _Order, reader: _Reader, epoch: int, w: int):
     """Rows of window w: (list of rows, each a list of global ids; {gid: read sample} of
     samples already read, empty: packing takes the lengths from the shards' sample indexes,
-    and each worker reads its own rows' samples)."""
+    and each worker reads its own rows' samples; in objective mode "dual", packing goes by the
+    fed length, clean tokens + masked copies, so every sample of the window is read)."""
     ids = order.window(epoch, w)
     if spec.packing == "none":
         return [[int(i)] for i in ids], {}
@@ -317,6 +320,12 @@ def _window_rows(spec: _Spec, order: _Order, reader: _Reader, epoch: int, w: int
         if L > spec.max_length:
             path, key = reader.read(int(i))[:2]
             raise DataError(f"shard {path}: sample {key} has {L} tokens > max_length {spec.max_length}")
+    loaded = {}
+    if spec.objective.mode == "dual":
+        # the fed length (clean tokens + masked copies) depends on the sample's slots and
+        # draws: read the window's samples and pack by it
+        loaded = {int(i): reader.read(int(i)) for i in ids}
+        lengths = [_reorganize(spec, loaded[int(i)], epoch).length for i in ids]
     if spec.packing == "next_fit":
         rows = next_fit(lengths, spec.max_length)
     else:
@@ -324,7 +333,7 @@ def _window_rows(spec: _Spec, order: _Order, reader: _Reader, epoch: int, w: int
         if spec.shuffle:  # BFD creates rows longest-first: do not feed them in that trend
             rng = np.random.default_rng([spec.seed, epoch, w, _SALT_ROWS])
             rows = [rows[int(r)] for r in rng.permutation(len(rows))]
-    return [[int(ids[i]) for i in row] for row in rows], {}
+    return [[int(ids[i]) for i in row] for row in rows], loaded
 
 
 def _reorganize(spec: _Spec, item, epoch: int):
@@ -337,7 +346,8 @@ def _reorganize(spec: _Spec, item, epoch: int):
                         f"tokenizer.vocab_size {spec.vocab_limit}")
     try:
         return reorganize_sample(tokens, segments, key, seed=spec.seed, epoch=epoch,
-                                 mask_id=spec.mask_id, cfg=spec.objective)
+                                 mask_id=spec.mask_id, cfg=spec.objective,
+                                 max_length=spec.max_length)
     except (ValueError, KeyError, TypeError) as e:
         raise DataError(f"shard {path}: bad segments in sample {key} ({e})") from None
 

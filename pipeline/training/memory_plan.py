@@ -12,8 +12,10 @@ Notation (one rank): `t` TP size, `d` data-parallel size, `b` micro-batch rows, 
 per row, `h` hidden size, `I` intermediate size, `q = H_q * D`, `k = H_kv * D` (per TP rank
 `q / t`, `k / t`, `I / t`), `V` vocabulary rows, `L` layers, `e` bytes of the run's dtype (bf16
 2, fp32 4). Fed tokens: `pipeline.objective.reorganize_sample` reorders a sample and never
-lengthens it, and `pipeline.objective.collate` pads every row to `data.max_length`
-(`Plan.row_length`), so the model is always fed `b x s` tokens with `s = data.max_length`.
+lengthens it (objective mode "dual" adds masked copies, but never past `data.max_length`), and
+`pipeline.objective.collate` pads every row to `data.max_length` (`Plan.row_length`), so the
+model is always fed `b x s` tokens with `s = data.max_length`. Mode "dual" always attends with
+the dense-mask SDPA kernel (its mask is counted below, whatever `model.attention` says).
 
 Model states (ZeRO, Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training
 Trillion Parameter Models", section 5.1, in the form of DeepSpeed's
@@ -273,7 +275,8 @@ def plan_for_run(cfg, *, tp: int, dp: int, model_fields: dict, row_length: int,
                        zero=zero_sizes(cfg.deepspeed, int(mcfg.hidden_size)),
                        fp32_grad_accum=bool(cfg.deepspeed.fp32_grad_accum),
                        loss_impl=str(t.loss_impl), chunk_tokens=int(t.loss_chunk_tokens),
-                       device=device, attention=str(model_fields.get("attention") or "auto"),
+                       device=device, attention=("sdpa" if cfg.objective.get("mode") == "dual"
+                                                 else str(model_fields.get("attention") or "auto")),
                        offload_optimizer=bool(t.offload_optimizer),
                        offload_params=bool(t.offload_params), gpu_bytes=gpu_bytes)
 
