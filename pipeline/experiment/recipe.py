@@ -196,6 +196,8 @@ class Experiment:
             config's seed is `runs/<arm>`, another's `runs/<arm>_seed<N>`; all start from the
             one AR pretraining.
         grid: "default" (the task's `default_grid`) or "full" (`Task.jobs`).
+        limit_examples: evaluate on the first N examples of each held-out set only (0: all);
+            results under `eval_first<N>/`, `diagnose_first<N>/`.
     """
 
     def __init__(self, task: Task | str, out: str | None = None,
@@ -203,9 +205,12 @@ class Experiment:
                  threads: int = 2, nproc: int = 1, micro_batch_size: int | None = None,
                  parallel: int | bool = 1, config: str | None = None, sweep: bool = False,
                  natural_order_fraction: float | None = None, worker: bool = False,
-                 arms=None, seeds=None, grid: str = "default"):
+                 arms=None, seeds=None, grid: str = "default", limit_examples: int = 0):
         self.task = TASKS[task] if isinstance(task, str) else task
         t = self.task
+        # a quick check on the first N problems of each set: its results in folders of their
+        # own, never mixed with those of the whole sets
+
         self.arms = list(arms) if arms else list(t.arms)
         if "ar_continued" not in self.arms:
             self.arms.append("ar_continued")
@@ -217,6 +222,10 @@ class Experiment:
         self._data_fp: str | None = None
         self.stage_status: dict[str, str] = {}    # this invocation: stage -> "ran" | "reused"
         self.out = Path(out or f"outputs/experiment/{t.name}")
+        self.limit_examples = int(limit_examples or 0)
+        suffix = f"_first{self.limit_examples}" if self.limit_examples else ""
+        self.eval_dir = self.out / f"eval{suffix}"
+        self.diagnose_dir = self.out / f"diagnose{suffix}"
         self.pretrain_steps = pretrain_steps or t.pretrain_steps
         self.finetune_steps = finetune_steps or t.finetune_steps
         self.micro_batch_size = micro_batch_size or t.micro_batch_size
@@ -315,11 +324,13 @@ class Experiment:
         return list(dict.fromkeys(names))
 
     def eval_path(self, model: str, set_name: str, s: Setting) -> Path:
-        return self.out / "eval" / set_name / f"{model}__{s.name()}.json"
+        return self.eval_dir / set_name / f"{model}__{s.name()}.json"
 
     def examples(self, set_name: str) -> list[dict]:
+        """The held-out examples of a set (the first `limit_examples` when set)."""
         if set_name not in self._examples:
-            self._examples[set_name] = self.task.examples(self.out, set_name)
+            ex = self.task.examples(self.out, set_name)
+            self._examples[set_name] = ex[:self.limit_examples] if self.limit_examples else ex
         return self._examples[set_name]
 
     # ---------------------------------------------------------------- 0. data
@@ -590,8 +601,8 @@ class Experiment:
         return True
 
     def _clear_claims(self) -> None:
-        for d in ("eval", "diagnose"):
-            for p in (self.out / d).rglob("*.claim"):
+        for d in (self.eval_dir, self.diagnose_dir):
+            for p in d.rglob("*.claim"):
                 p.unlink()
 
     def stage_eval_workers(self):
@@ -610,7 +621,8 @@ class Experiment:
                "--output", str(self.out), "--threads", str(self.threads),
                "--natural-order-fraction", f"{self.fraction:g}", "--parallel", str(n),
                "--arms", ",".join(self.arms), "--seeds", ",".join(map(str, self.seeds)),
-               "--grid", self.grid, "--config", self.config, "--eval-worker"]
+               "--grid", self.grid, "--config", self.config,
+               "--examples", str(self.limit_examples), "--eval-worker"]
         _log(f"evaluation in {n} worker processes of {self.threads} thread(s) each")
         try:
             _run_many([cmd] * n, self.threads)
@@ -629,7 +641,7 @@ class Experiment:
         # the task's newest arm first: its decodes are the ones the task adds
         for model in sorted(by_model, key=lambda m: split_seed(m)[0] != "refusion_boundary"):
             jobs = by_model[model]
-            loss_path = self.out / "eval" / f"{model}__val_loss.json"
+            loss_path = self.eval_dir / f"{model}__val_loss.json"
             # a worker leaves the batch-1 decodes (latency) to the parent, which runs them alone
             todo = [(n, s) for n, s in jobs if self._cached(self.eval_path(model, n, s), model)
                     is None and not (self.worker and s.batch_size == 1)]
@@ -676,7 +688,7 @@ class Experiment:
         for model in self.models():
             loaded = None
             for k in t.diagnose_slot_sizes:
-                path = self.out / "diagnose" / f"{model}__slot_acceptance_k{k}.json"
+                path = self.diagnose_dir / f"{model}__slot_acceptance_k{k}.json"
                 if self._cached(path, model) is not None or not self._claim(path):
                     continue
                 loaded = loaded or load_for_inference(str(self.hf_dir(model)))
@@ -687,7 +699,7 @@ class Experiment:
                 _log(f"{model} k={k}: first token {r['first_token_accuracy']:.3f}, drafts by "
                      f"offset {[round(x, 3) for x in r['draft_accuracy_by_offset']]}, accepted "
                      f"per slot {r['accepted']}, AR next token {r['ar_next_token_accuracy']:.3f}")
-            path = self.out / "diagnose" / f"{model}__first_token.json"
+            path = self.diagnose_dir / f"{model}__first_token.json"
             if self._cached(path, model) is None and self._claim(path):
                 loaded = loaded or load_for_inference(str(self.hf_dir(model)))
                 r = first_token_effect(loaded, examples, t.gen_length,
@@ -708,14 +720,14 @@ class Experiment:
         for model, set_name, s in self.jobs():
             p = self.eval_path(model, set_name, s)
             if p.is_file():
-                rows.append(json.loads(p.read_text()))
-        for p in sorted((self.out / "eval").glob("*__val_loss.json")):
+                rows.append(self._with_correct(json.loads(p.read_text())))
+        for p in sorted(self.eval_dir.glob("*__val_loss.json")):
             d = json.loads(p.read_text())
             losses[d["model"]] = d["loss"]
         diag = [json.loads(p.read_text())
-                for p in sorted((self.out / "diagnose").glob("*__slot_acceptance_k*.json"))]
+                for p in sorted(self.diagnose_dir.glob("*__slot_acceptance_k*.json"))]
         first = [json.loads(p.read_text())
-                 for p in sorted((self.out / "diagnose").glob("*__first_token.json"))]
+                 for p in sorted(self.diagnose_dir.glob("*__first_token.json"))]
         arms = set(self.models())
         diag = [d for d in diag if d["model"] in arms]
         first = [d for d in first if d["model"] in arms]
@@ -731,6 +743,23 @@ class Experiment:
         if base == "refusion_boundary":
             label = f"{label} (share {self.fraction:g})"
         return label + ("" if seed is None else f", seed {seed}")
+
+    def _with_correct(self, doc: dict) -> dict:
+        """A decode result with its per-problem `correct` list: results written before it was
+        recorded get it from their kept answers and the set's references (unchanged when the
+        references cannot be read or do not pair up)."""
+        if doc.get("correct") is not None or "outputs" not in doc:
+            return doc
+        from pipeline.inference.evaluation import answers_match
+        try:
+            ex = self.examples(doc["set"])[:len(doc["outputs"])]
+        except (OSError, ValueError, KeyError):
+            return doc
+        if len(ex) != len(doc["outputs"]) or not all("reference" in e for e in ex):
+            return doc
+        doc["correct"] = [bool(answers_match(o["text"], e["reference"], self.task.metric))
+                          for o, e in zip(doc["outputs"], ex)]
+        return doc
 
     def training_runs(self) -> dict:
         """{run label: metrics} of the training runs (stage 1 and every model), stage-2
@@ -840,6 +869,9 @@ def main(argv=None) -> int:
                    help="stage-2 seeds (train.seed; default: the run config's): one run per "
                         "arm and seed, runs/<arm>_seed<N> for a seed other than the config's")
     hidden_alias(p, "--seed", dest="seeds")
+    p.add_argument("--examples", type=int, default=0, metavar="N",
+                   help="a quick check: evaluate on the first N problems of each held-out set "
+                        "(results in eval_firstN/, diagnose_firstN/; default: all)")
     p.add_argument("--grid", choices=GRIDS, default="default",
                    help="ReFusion decodes of each ReFusion arm: default (the paper's setting, "
                         "draft_ahead and draft_every) or full (the task's whole grid too)")
@@ -853,9 +885,9 @@ def main(argv=None) -> int:
         return EXIT_USAGE
     given = [v for v in (args.pretrain_steps, args.finetune_steps, args.micro_batch_size)
              if v is not None]
-    if min(given + [args.threads, args.nproc]) < 1 or args.parallel < 0:
+    if min(given + [args.threads, args.nproc]) < 1 or args.parallel < 0 or args.examples < 0:
         print("error: --pretrain-steps, --finetune-steps, --micro-batch-size, --threads, "
-              "--nproc must be >= 1 (--parallel >= 0)", file=sys.stderr)
+              "--nproc must be >= 1 (--parallel, --examples >= 0)", file=sys.stderr)
         return 2
     f = args.natural_order_fraction
     if f is not None and not 0.0 <= f <= 1.0:
@@ -864,8 +896,9 @@ def main(argv=None) -> int:
     exp = Experiment(args.task, args.out, args.pretrain_steps, args.finetune_steps,
                      args.threads, args.nproc, args.micro_batch_size, args.parallel,
                      args.config, args.sweep, args.natural_order_fraction,
-                     worker=args.eval_worker, arms=arms, seeds=seeds, grid=args.grid)
-    if args.only_report and not any((exp.out / "eval").glob("*/*.json")):
+                     worker=args.eval_worker, arms=arms, seeds=seeds, grid=args.grid,
+                     limit_examples=args.examples)
+    if args.only_report and not any(exp.eval_dir.glob("*/*.json")):
         print(f"error: --only-report: {exp.out} holds no decode results of task {args.task} "
               f"(run without --only-report first)", file=sys.stderr)
         return 2
