@@ -1,42 +1,50 @@
 """The scaled-down ReFusion recipe, ReFusion vs AR, end to end: `make experiment`.
 
     python -m pipeline.experiment [--task math|code] [--output outputs/experiment/<task>]
+        [--arms A,B,...] [--seeds N,M,...] [--grid default|full] [--examples N]
         [--pretrain-steps N] [--finetune-steps N] [--micro-batch-size B] [--threads T]
         [--nproc P] [--parallel [N]] [--sweep] [--natural-order-fraction F] [--only-report]
 
-Owns: the experiment's stages, their skip-if-done logic and timings. Must not touch:
+Owns: the experiment's stages, their reuse decisions and timings. Must not touch:
 training, decoding, evaluation loops, plotting of one run (it calls `pipeline.train`,
 `pipeline.export` and data_prep as subprocesses, `pipeline.evaluate` and `pipeline.report` as
-libraries). The task's fixed choices are in `pipeline.experiment.tasks`, the diagnosis in
+libraries). The task's fixed choices are in `pipeline.experiment.tasks`, what identifies a
+stage's inputs in `pipeline.experiment.reuse`, the diagnosis in
 `pipeline.experiment.diagnosis`, the report text and figures in `pipeline.experiment.writeup`.
 
-Stages (each skipped when its result exists, so an interrupted run resumes with the same
-command; the trainer itself resumes from its latest checkpoint):
-0. data: the task's tokenizer and shards (math: the problems first).
+Stages (each reused when its result exists and was made from the same inputs, so an
+interrupted run resumes with the same command, and a new arm or seed reuses the pretraining;
+the trainer itself resumes from its latest checkpoint):
+0. data: the task's tokenizer and shards (math: the problems first). Then every run folder of
+   this invocation is checked against its inputs (`check_runs`, `reuse.check_run`): a folder
+   of other inputs stops it here (one line, exit code 2).
 1. `pretrain_ar`: a small Qwen3 (the task's run config) from scratch, `objective.mode=ar`.
 2. export it (`pipeline.export`); from it, with equal compute (same steps, batch, data order
-   and learning-rate schedule), the task's arms: `refusion` (`init.source=hf`,
-   `objective.mode=refusion`), `ar_continued` (`init.source=hf`, `objective.mode=ar`) and, for
-   the math task, `refusion_boundary` (`objective.mode=refusion`,
-   `objective.boundary_labels=true`, `objective.natural_order_fraction=F`; its run folder is
-   `runs/refusion_boundary_f<F>`); export each. With `--sweep`, one such run per share of
-   `task.sweep_fractions`.
+   and learning-rate schedule), the arms (`--arms`, default the task's; objective options in
+   `tasks.ARM_OBJECTIVES`): `refusion`, `ar_continued` (always), for the math task
+   `refusion_boundary` (`objective.boundary_labels=true`, `objective.natural_order_fraction=F`;
+   its run folder is `runs/refusion_boundary_f<F>`), `dual_all`, `dual_refusion`; each once per
+   seed of `--seeds` (`runs/<arm>_seed<N>` for a seed other than the config's); export each.
+   With `--sweep`, one `refusion_boundary` run per share of `task.sweep_fractions`.
 2b. only with `--sweep`: AR decoding and `task.sweep_setting` of every swept share (and AR
    decoding of `ar_continued`) on `task.sweep_set`; `choose_fraction` picks F by the rule fixed
    in `pipeline.experiment.tasks`, the rest of the run uses it, and `sweep.json` records it.
-3. evaluation: the validation loss of both stage-2 models under the ReFusion objective
-   (`pipeline.training.validation.validation_loss`), then every decode of `task.jobs()` (AR decoding of
-   both models, the ReFusion grid of `refusion`, the task's extra decodes), each cached as
-   JSON under `<out>/eval/<set>/<model>__<setting>.json` with every decoded answer.
-3b. diagnosis: `slot_acceptance` (teacher-forced plan + verify profile) of every arm on the
+3. evaluation: the validation loss of every stage-2 model under the ReFusion objective
+   (`pipeline.training.validation.validation_loss`), then every decode of `jobs()` (the task's
+   jobs for `--grid` and the arms, at every seed), each cached as JSON under
+   `<out>/eval/<set>/<model>__<setting>.json` with every decoded answer and whether it was
+   right, and the key of the export decoded.
+3b. diagnosis: `slot_acceptance` (teacher-forced plan + verify profile) of every model on the
    main held-out set, per slot size; cached under `<out>/diagnose/`.
    With `--parallel` other than 1, stages 3 and 3b first run in `eval_workers()` processes of
    `--threads` threads each (`stage_eval_workers`), which take their items (a validation loss,
    a decode, a profile) one at a time through claim files, so the work balances itself; the
    decodes at batch 1 (a latency figure) are left to this process, which runs them alone
    after the workers.
-4. `report.md`, `frontier.png`, `loss.png`.
-Exit codes: 0 done; 1 a stage failed (its command and exit code on stderr); 2 bad options.
+4. `report.md`, `frontier.png`, `loss.png`; `timings.json` records every stage of the
+   invocation (`_timed`).
+Exit codes: 0 done; 1 a stage failed (its command and exit code on stderr); 2 bad options or
+a folder of other inputs.
 """
 from __future__ import annotations
 
@@ -68,7 +76,9 @@ SWEEP_EM_RATIO = 0.9               # the sweep's rule (issue 26): 90% of ar_cont
 
 RUN_LABELS = {"pretrain_ar": "1. AR pretraining (from scratch)",
               "refusion": "2a. ReFusion fine-tuning", "ar_continued": "2b. AR continued",
-              "refusion_boundary": "2c. ReFusion fine-tuning, boundary labels + natural order"}
+              "refusion_boundary": "2c. ReFusion fine-tuning, boundary labels + natural order",
+              "dual_all": "2d. dual objective, dual_masking=all",
+              "dual_refusion": "2e. dual objective, dual_masking=refusion"}
 
 
 def boundary_run(fraction: float) -> str:
@@ -245,6 +255,7 @@ class Experiment:
         self.timings = (json.loads(self.timings_path.read_text())
                         if self.timings_path.is_file() else {})
         self._examples: dict[str, list[dict]] = {}
+        self._missing_modes: set[str] = set()
 
     # ---------------------------------------------------------------- bookkeeping
     def _timed(self, name: str, fn, processes: int = 1) -> None:
@@ -629,6 +640,18 @@ class Experiment:
         finally:
             self._clear_claims()
 
+    def _decodable(self, s: Setting) -> bool:
+        """False (logged once per mode) for a setting whose verify mode this checkout's decoder
+        does not have (`pipeline.inference.decoding.VERIFY_MODES`): its decodes are left out
+        and the report has no row for them."""
+        from pipeline.inference.decoding import VERIFY_MODES
+        if s.mode != "refusion" or s.verify in VERIFY_MODES:
+            return True
+        if s.verify not in self._missing_modes:
+            self._missing_modes.add(s.verify)
+            _log(f"the decoder has no verify mode {s.verify!r}: its decodes are left out")
+        return False
+
     def stage_eval(self):
         import torch
         from pipeline.training.validation import validation_loss
@@ -644,7 +667,8 @@ class Experiment:
             loss_path = self.eval_dir / f"{model}__val_loss.json"
             # a worker leaves the batch-1 decodes (latency) to the parent, which runs them alone
             todo = [(n, s) for n, s in jobs if self._cached(self.eval_path(model, n, s), model)
-                    is None and not (self.worker and s.batch_size == 1)]
+                    is None and not (self.worker and s.batch_size == 1)
+                    and self._decodable(s)]
             if self._cached(loss_path, model) is not None and not todo:
                 continue
             loaded = None

@@ -370,12 +370,17 @@ class MathTask(Task):
                 f"{s['test_unseen']} problems of 3 templates never trained on",
                 "- metric: exact match of the final answer (the number after `####`, GSM8K's); "
                 "also token accuracy against the reference solution and whole-solution match",
-                f"- greedy decoding, gen length {self.gen_length}; ReFusion grid on `test`: "
-                f"slot size {{4, 8}} x order {{4 blocks, one slot per block}}, slot threshold "
-                f"0.9; verify authors at token threshold {{0.4, 0.9}}, verify correct at 0.9; "
-                f"verify draft_ahead at k {{4, 8, 16}}, token threshold 0.9 (both ReFusion "
-                f"arms); tokens/s at batch {self.decode_batch}, and at batch 1 for the AR "
-                f"decodes and draft_ahead of `refusion_boundary`",
+                f"- greedy decoding, gen length {self.gen_length}; ReFusion decodes of every "
+                f"ReFusion arm on `test`, `--grid default`: {self.paper_setting.label()} (the "
+                f"paper's GSM8K setting), verify draft_ahead and draft_every at k {{4, 8}}, "
+                f"token threshold 0.9; `--grid full` adds slot size {{4, 8}} x order {{4 "
+                f"blocks, one slot per block}}, slot threshold 0.9, verify authors at token "
+                f"threshold {{0.4, 0.9}}, verify correct at 0.9, draft_ahead at k 16, and the "
+                f"earlier extra decodes; tokens/s at batch {self.decode_batch}, and at batch 1 "
+                f"(the first {self.latency_examples} problems) for AR decoding of "
+                f"`ar_continued` and draft_ahead / draft_every of every ReFusion arm; AR "
+                f"decoding of every model on `unseen`; the diagnosis on the first "
+                f"{self.diagnose_examples} problems of `test`",
                 f"- `refusion_boundary`: `objective.boundary_labels=true`, "
                 f"`objective.natural_order_fraction={self.natural_order_fraction:g}` (chosen "
                 f"on `{self.sweep_set}` from {{"

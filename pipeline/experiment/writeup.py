@@ -15,7 +15,9 @@ from pipeline.experiment.tasks import Setting
 RUN_TEXT = {"refusion": "2a. ReFusion fine-tuning (the paper's objective)",
             "ar_continued": "2b. AR continued training",
             "refusion_boundary": "2c. ReFusion fine-tuning with boundary labels and a "
-                                 "natural-order share"}
+                                 "natural-order share",
+            "dual_all": "2d. the dual objective (`objective.dual_masking=all`)",
+            "dual_refusion": "2e. the dual objective (`objective.dual_masking=refusion`)"}
 COLORS = {4: "tab:blue", 8: "tab:orange", 16: "tab:green", 32: "tab:purple"}
 MARKERS = {"authors": "o", "correct": "^", "draft_ahead": "D"}
 AR_FACE = {"refusion": "white", "ar_continued": "black", "refusion_boundary": "tab:red"}
