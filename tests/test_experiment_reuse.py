@@ -263,11 +263,13 @@ def test_target_needs_every_seed_and_the_batch_1_speedup():
                 {"model": "dual_all" + sfx, "mode": "refusion", "set": "test",
                  "setting": one.to_dict(), "exact_match": em_hits / 20, "tpf": tpf,
                  "examples": 20, "seconds": fast_s, "correct": corr}]
-    easy = {"tpf": 2.5, "em_ratio": 0.95, "lower": 0.90, "speedup": 1.5}
+    easy = {"tpf": 2.5, "em_ratio": 0.95, "lower": 0.90, "speedup": 1.5, "seeds": 2}
     ok = wu.ratio_rows(rows(None, 16, 2.6, 1.0) + rows(1235, 16, 2.7, 1.0))
     assert [r["ratio"] for r in ok] == [1.0, 1.0] and [r["speedup"] for r in ok] == [2.0, 2.0]
     got = wu.check_target(ok, easy)
     assert got[("dual_all", s.name())]["met"]
+    alone = wu.check_target(ok[:1], easy)[("dual_all", s.name())]
+    assert not alone["met"] and alone["failed"] == ["1 seed(s) of the 2 needed"]
     slow = wu.ratio_rows(rows(None, 16, 2.6, 1.0) + rows(1235, 16, 2.7, 1.5))
     v = wu.check_target(slow, easy)[("dual_all", s.name())]
     assert not v["met"] and v["failed"] == ["batch-1 speedup 1.33 < 1.5 (seed 1235)"]

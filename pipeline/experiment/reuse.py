@@ -148,6 +148,9 @@ def resolved_config(config_path: str, overrides: list[str]) -> dict:
     from omegaconf import OmegaConf
 
     from pipeline.config import ConfigError, load_config
+    from pipeline.experiment.tasks import ROOT
+    if not os.path.isfile(config_path) and (ROOT / config_path).is_file():
+        config_path = str(ROOT / config_path)     # the trainer runs from the repository root
     try:
         return OmegaConf.to_container(load_config(config_path, overrides), resolve=True)
     except ConfigError as e:
