@@ -61,8 +61,7 @@ from pathlib import Path
 from pipeline.common.cli import EXIT_USAGE, hidden_alias
 from pipeline.common.atomic_io import write_json, write_text
 from pipeline.experiment import reuse
-from pipeline.experiment.tasks import (AR, ARM_OBJECTIVES, GRIDS, ROOT, TASKS, Setting, Task,
-                                       refusion_arms)
+from pipeline.experiment.tasks import AR, ARM_OBJECTIVES, GRIDS, ROOT, TASKS, Setting, Task
 
 VAL_LOSS_BATCHES = 40              # micro-batches of 4 samples (160 of the validation split)
 # Issue 34's target, fixed before any result (docs/EXPERIMENTS.md keeps the earlier ones): at
@@ -218,9 +217,6 @@ class Experiment:
                  arms=None, seeds=None, grid: str = "default", limit_examples: int = 0):
         self.task = TASKS[task] if isinstance(task, str) else task
         t = self.task
-        # a quick check on the first N problems of each set: its results in folders of their
-        # own, never mixed with those of the whole sets
-
         self.arms = list(arms) if arms else list(t.arms)
         if "ar_continued" not in self.arms:
             self.arms.append("ar_continued")
@@ -232,6 +228,8 @@ class Experiment:
         self._data_fp: str | None = None
         self.stage_status: dict[str, str] = {}    # this invocation: stage -> "ran" | "reused"
         self.out = Path(out or f"outputs/experiment/{t.name}")
+        # a quick check on the first N problems of each set: its results in folders of their
+        # own, never mixed with those of the whole sets
         self.limit_examples = int(limit_examples or 0)
         suffix = f"_first{self.limit_examples}" if self.limit_examples else ""
         self.eval_dir = self.out / f"eval{suffix}"
@@ -300,11 +298,6 @@ class Experiment:
     def models(self, arms=None) -> list[str]:
         """Every stage-2 model (each arm at each seed), seed by seed."""
         return [self.model_name(a, s) for s in self.seeds for a in (arms or self.arms)]
-
-    def baseline(self, model: str) -> str:
-        """The AR model (`ar_continued` at the same seed) a model is compared with."""
-        _, seed = split_seed(model)
-        return "ar_continued" if seed is None else f"ar_continued_seed{seed}"
 
     def jobs(self) -> list[tuple[str, str, Setting]]:
         """The evaluation's decodes (model, set, setting): `task.jobs(arms, grid)` for every
