@@ -291,7 +291,7 @@ def test_eval_workers_take_unclaimed_items_and_leave_batch_1_to_the_parent(tmp_p
     assert Experiment(t, str(tmp_path), parallel=1).eval_workers() == 1
     assert Experiment(t, str(tmp_path), parallel=0, threads=1).eval_workers() == 2
     assert Experiment(t, str(tmp_path), parallel=3, threads=2).eval_workers() == 1
-    assert Experiment(t, str(tmp_path), parallel=1).stage_eval_workers() is False
+    assert Experiment(t, str(tmp_path), parallel=1).stage_eval_workers() == "skipped"
     done = []
     monkeypatch.setattr(loading, "load_for_inference",
                         lambda path: types.SimpleNamespace(model=path))

@@ -293,6 +293,8 @@ def test_timings_record_ran_and_reused_stages(tmp_path):
     again = json.loads(f.timings_path.read_text())["train pretrain_ar"]
     assert again["status"] == "reused" and again["threads"] == 2
     assert again["last_run"] == first and f.stage_status == {"train pretrain_ar": "reused"}
+    f._timed("sweep", f.stage_sweep)                    # not asked for: skipped
+    assert f.stage_status["sweep"] == "skipped" and "last_run" not in f.timings["sweep"]
     md = "\n".join(wu.timing_lines(f.timings))
     assert "| train pretrain_ar | reused |" in md and f"{first['date']} |" in md
 

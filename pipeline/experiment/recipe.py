@@ -106,6 +106,9 @@ def choose_fraction(ar_em: dict, tpf: dict, baseline_em: float, ratio: float = S
     return max(fs, key=lambda f: (ar_em[f], -f))
 
 
+SKIPPED = "skipped"                # a stage's return value: the options do not ask for it
+
+
 class StageError(RuntimeError):
     """A stage's command failed (message: the command and its exit code)."""
 
@@ -258,13 +261,14 @@ class Experiment:
     # ---------------------------------------------------------------- bookkeeping
     def _timed(self, name: str, fn, processes: int = 1) -> None:
         """Run a stage and record it in `timings.json`: {stage: {"status": "ran" | "reused"
-        (the stage returned False: its result was there), "seconds" (wall, this invocation),
+        (the stage returned False: its result was there) | "skipped" (it returned SKIPPED:
+        not asked for by the options), "seconds" (wall, this invocation),
         "threads" (torch threads per process), "processes" (at once), "date" (UTC, ISO
         8601)}, and for a reused stage "last_run": the record of when it last ran, if known}.
         An older file's bare numbers are read as records of stages that ran."""
         t0 = time.time()
         done = fn()
-        status = "reused" if done is False else "ran"
+        status = "reused" if done is False else "skipped" if done == SKIPPED else "ran"
         rec = {"status": status, "seconds": round(time.time() - t0, 1),
                "threads": self.threads, "processes": processes,
                "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
@@ -547,7 +551,7 @@ class Experiment:
         from pipeline.inference.loading import load_for_inference
         t = self.task
         if not self.sweep:
-            return False
+            return SKIPPED
         torch.set_num_threads(self.threads)
         ran = False
         docs: dict = {}
@@ -612,14 +616,14 @@ class Experiment:
     def stage_eval_workers(self):
         """Stages 3 and 3b in `eval_workers()` processes at once (`python -m
         pipeline.experiment --eval-worker`, `--threads` each); the batch-1 decodes stay for
-        `stage_eval`. Returns False (nothing run) with one worker.
+        `stage_eval`. Returns SKIPPED (nothing to run) with one worker.
 
         Raises:
             StageError: a worker failed (after all have ended).
         """
         n = self.eval_workers()
         if n == 1:
-            return False
+            return SKIPPED
         self._clear_claims()       # a claim left by an interrupted run is stale
         cmd = [sys.executable, "-m", "pipeline.experiment", "--task", self.task.name,
                "--output", str(self.out), "--threads", str(self.threads),

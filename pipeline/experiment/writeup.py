@@ -550,7 +550,7 @@ def report_markdown(exp, got: dict, runs: dict, tok=None, target: dict | None = 
           "decode result was seen (`pipeline/experiment/tasks.py`)", ""]
     if exp.timings:
         L += ["Stages of the last invocation (`timings.json`; `reused`: its result was there, "
-              "made from the same inputs):", ""] + timing_lines(exp.timings) + [""]
+              "made from the same inputs; `skipped`: the options did not ask for it):", ""] + timing_lines(exp.timings) + [""]
     L += ["## Training", "", "| run | steps | tokens | last train loss (AR / MDM) | "
           "last validation loss (AR / MDM) |", "|---|---|---|---|---|"]
     for label, m in runs.items():
