@@ -95,10 +95,12 @@ def test_a_folder_of_other_inputs_is_refused_with_one_line(tmp_path, capsys):
     for p in ("problems/info.json", "tokenizer/spm.model"):
         (e.out / p).parent.mkdir(parents=True, exist_ok=True)
         (e.out / p).write_text("x")
+    e.timings_path.write_text('{"data": 1.0}')
     assert main(["--output", str(e.out), "--pretrain-steps", "30", "--finetune-steps",
                  "10"]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and "steps 20 -> 30" in lines[0]
+    assert e.timings_path.read_text() == '{"data": 1.0}'     # refused before writing anything
 
 
 def test_a_legacy_folder_is_adopted_when_its_checkpoint_recorded_the_same_inputs(tmp_path):

@@ -829,11 +829,16 @@ class Experiment:
                 inputs.
         """
         self.out.mkdir(parents=True, exist_ok=True)
+        checked = (self.shards / "manifest.json").is_file()
+        if checked:                # before anything is written, timings.json included
+            self.check_runs()
         self.timings = {}          # this invocation's record (`_timed`) replaces the last one
         old = json.loads(self.timings_path.read_text()) if self.timings_path.is_file() else {}
         self._last_timings = old if isinstance(old, dict) else {}
         self._timed("data", self.stage_data)
-        self.check_runs()
+        if not checked or self.stage_status["data"] == "ran":   # the shards may have changed
+            self._data_fp, self._keys = None, {}
+            self.check_runs()
         plan = self.training_plan()
         self._timed("train pretrain_ar", lambda: self.stage_train(plan[:1]), self.nproc)
         self._timed("export pretrain_ar", lambda: self.stage_export("pretrain_ar"))

@@ -610,7 +610,7 @@ def report_markdown(exp, got: dict, runs: dict, tok=None, target: dict | None = 
               "bootstrap over problems (10,000 resamples of the problem indices, the ratio of "
               "means per resample, percentile interval; seed 0). Batch-1 speedup: wall seconds "
               "of `ar_continued`'s AR decoding at batch 1 over this setting's at batch 1, on the "
-              f"same first {task.latency_examples or n_main} problems.", ""]
+              f"same first {min(task.latency_examples or n_main, n_main)} problems.", ""]
         L += ratio_table(ratios) + [""]
     if target is not None and ratios:
         L += ["## Target"] + target_lines(ratios, target, "Target (issue 34)")
