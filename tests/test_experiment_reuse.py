@@ -3,6 +3,7 @@ options and their job lists, the paired bootstrap of the ratio to AR, and the pe
 timings record. No training runs: run folders are written here the way the trainer leaves
 them (a checkpoint whose rank-0 file records the resolved config)."""
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -14,7 +15,9 @@ from pipeline.experiment import reuse
 from pipeline.experiment import writeup as wu
 from pipeline.experiment.recipe import main, parse_arms, parse_seeds
 
-LEAD_RUN = Path("/work/exp/math")      # a real run folder, read (copied) when present
+# a real math output folder made before inputs.json, e.g. by `make experiment`: read (its small
+# files copied), never written; the test runs when this variable names one
+REAL_RUN = Path(os.environ.get("EXPERIMENT_REAL_RUN", "/nonexistent"))
 
 
 def _manifest(shards: Path, sha: str = "a" * 64, inputs: str = "/somewhere/train.jsonl"):
@@ -118,7 +121,7 @@ def test_a_legacy_folder_is_adopted_when_its_checkpoint_recorded_the_same_inputs
     assert not e._finished("pretrain_ar", 19) and e._finished("pretrain_ar", 20)
     assert e.check_runs()["pretrain_ar"] == "adopted"
     assert json.loads((run / "inputs.json").read_text())["key"] == e.key("pretrain_ar")
-    assert e.stage_train(plan_of(e)[:1]) is False        # finished with the same inputs: reused
+    assert e.stage_train(e.training_plan()[:1]) is False        # finished with the same inputs: reused
     # another recorded lr: refused, the folder named
     other = tmp_path / "other"
     f = _experiment(other)
@@ -134,10 +137,6 @@ def test_a_legacy_folder_is_adopted_when_its_checkpoint_recorded_the_same_inputs
     (g.run_dir("pretrain_ar") / "metrics.jsonl").write_text("")
     with pytest.raises(reuse.InputsMismatch, match="no inputs.json and no complete checkpoint"):
         g.check_runs()
-
-
-def plan_of(e):
-    return e.training_plan()
 
 
 def test_exports_and_results_are_keyed_by_the_run_they_came_from(tmp_path):
@@ -301,19 +300,19 @@ def test_timings_record_ran_and_reused_stages(tmp_path):
     assert "| train pretrain_ar | reused |" in md and f"{first['date']} |" in md
 
 
-@pytest.mark.skipif(not (LEAD_RUN / "runs" / "pretrain_ar" / "checkpoints").is_dir(),
-                    reason="no real run folder on this machine")
+@pytest.mark.skipif(not (REAL_RUN / "runs" / "pretrain_ar" / "checkpoints").is_dir(),
+                    reason="EXPERIMENT_REAL_RUN names no run folder with checkpoints")
 def test_a_real_pretraining_folder_is_adopted_from_a_copy_of_its_small_files(tmp_path):
     """The AR pretraining of a real run folder made before inputs.json (read, never written):
     a copy of its shard manifest, tokenizer and latest checkpoint's small files is adopted by
     the experiment's default invocation, so it would not be trained again."""
     from pipeline.checkpoint import find_latest
-    step = find_latest(LEAD_RUN / "runs" / "pretrain_ar" / "checkpoints")
+    step = find_latest(REAL_RUN / "runs" / "pretrain_ar" / "checkpoints")
     if step is None:
         pytest.skip("the real run has no complete checkpoint yet")
     out = tmp_path / "math"
     (out / "shards").mkdir(parents=True)
-    shutil.copy(LEAD_RUN / "shards" / "manifest.json", out / "shards" / "manifest.json")
+    shutil.copy(REAL_RUN / "shards" / "manifest.json", out / "shards" / "manifest.json")
     dst = out / "runs" / "pretrain_ar" / "checkpoints" / step.name
     dst.mkdir(parents=True)
     for f in ("refusion_rank_00000.pt", "refusion_meta.json"):
@@ -321,4 +320,4 @@ def test_a_real_pretraining_folder_is_adopted_from_a_copy_of_its_small_files(tmp
     (dst.parent / "latest").write_text(step.name)
     e = Experiment("math", str(out))
     assert e.check_runs()["pretrain_ar"] == "adopted"
-    assert not (LEAD_RUN / "runs" / "pretrain_ar" / "inputs.json").exists()
+    assert not (REAL_RUN / "runs" / "pretrain_ar" / "inputs.json").exists()
