@@ -3,7 +3,8 @@
 # scaled-down ReFusion-vs-AR recipe (docs/EXPERIMENTS.md; not part of `make test`) on
 # TASK=math (GSM8K-form word problems, the default; three arms, 1-3.5 hours on 2 CPU cores
 # depending on the machine: docs/EXPERIMENTS.md, run 4) or
-# TASK=code (stdlib functions, 47 minutes); EXPERIMENT_ARGS passes options, e.g. "--pretrain-steps 400".
+# TASK=code (stdlib functions, 47 minutes); EXPERIMENT_ARGS passes options, e.g. "--pretrain-steps 400"
+# or "--arms dual_all --seeds 1234,1235" (stages whose inputs are unchanged are reused).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python

@@ -1,65 +1,83 @@
 """The scaled-down ReFusion recipe, ReFusion vs AR, end to end: `make experiment`.
 
     python -m pipeline.experiment [--task math|code] [--output outputs/experiment/<task>]
+        [--arms A,B,...] [--seeds N,M,...] [--grid default|full] [--examples N]
         [--pretrain-steps N] [--finetune-steps N] [--micro-batch-size B] [--threads T]
         [--nproc P] [--parallel [N]] [--sweep] [--natural-order-fraction F] [--only-report]
 
-Owns: the experiment's stages, their skip-if-done logic and timings. Must not touch:
+Owns: the experiment's stages, their reuse decisions and timings. Must not touch:
 training, decoding, evaluation loops, plotting of one run (it calls `pipeline.train`,
 `pipeline.export` and data_prep as subprocesses, `pipeline.evaluate` and `pipeline.report` as
-libraries). The task's fixed choices are in `pipeline.experiment.tasks`, the diagnosis in
+libraries). The task's fixed choices are in `pipeline.experiment.tasks`, what identifies a
+stage's inputs in `pipeline.experiment.reuse`, the diagnosis in
 `pipeline.experiment.diagnosis`, the report text and figures in `pipeline.experiment.writeup`.
 
-Stages (each skipped when its result exists, so an interrupted run resumes with the same
-command; the trainer itself resumes from its latest checkpoint):
-0. data: the task's tokenizer and shards (math: the problems first).
+Stages (each reused when its result exists and was made from the same inputs, so an
+interrupted run resumes with the same command, and a new arm or seed reuses the pretraining;
+the trainer itself resumes from its latest checkpoint):
+0. data: the task's tokenizer and shards (math: the problems first). Then every run folder of
+   this invocation is checked against its inputs (`check_runs`, `reuse.check_run`): a folder
+   of other inputs stops it here (one line, exit code 2).
 1. `pretrain_ar`: a small Qwen3 (the task's run config) from scratch, `objective.mode=ar`.
 2. export it (`pipeline.export`); from it, with equal compute (same steps, batch, data order
-   and learning-rate schedule), the task's arms: `refusion` (`init.source=hf`,
-   `objective.mode=refusion`), `ar_continued` (`init.source=hf`, `objective.mode=ar`) and, for
-   the math task, `refusion_boundary` (`objective.mode=refusion`,
-   `objective.boundary_labels=true`, `objective.natural_order_fraction=F`; its run folder is
-   `runs/refusion_boundary_f<F>`); export each. With `--sweep`, one such run per share of
-   `task.sweep_fractions`.
+   and learning-rate schedule), the arms (`--arms`, default the task's; objective options in
+   `tasks.ARM_OBJECTIVES`): `refusion`, `ar_continued` (always), for the math task
+   `refusion_boundary` (`objective.boundary_labels=true`, `objective.natural_order_fraction=F`;
+   its run folder is `runs/refusion_boundary_f<F>`), `dual_all`, `dual_refusion`; each once per
+   seed of `--seeds` (`runs/<arm>_seed<N>` for a seed other than the config's); export each.
+   With `--sweep`, one `refusion_boundary` run per share of `task.sweep_fractions`.
 2b. only with `--sweep`: AR decoding and `task.sweep_setting` of every swept share (and AR
    decoding of `ar_continued`) on `task.sweep_set`; `choose_fraction` picks F by the rule fixed
    in `pipeline.experiment.tasks`, the rest of the run uses it, and `sweep.json` records it.
-3. evaluation: the validation loss of both stage-2 models under the ReFusion objective
-   (`pipeline.training.validation.validation_loss`), then every decode of `task.jobs()` (AR decoding of
-   both models, the ReFusion grid of `refusion`, the task's extra decodes), each cached as
-   JSON under `<out>/eval/<set>/<model>__<setting>.json` with every decoded answer.
-3b. diagnosis: `slot_acceptance` (teacher-forced plan + verify profile) of every arm on the
+3. evaluation: the validation loss of every stage-2 model under the ReFusion objective
+   (`pipeline.training.validation.validation_loss`), then every decode of `jobs()` (the task's
+   jobs for `--grid` and the arms, at every seed), each cached as JSON under
+   `<out>/eval/<set>/<model>__<setting>.json` with every decoded answer and whether it was
+   right, and the key of the export decoded.
+3b. diagnosis: `slot_acceptance` (teacher-forced plan + verify profile) of every model on the
    main held-out set, per slot size; cached under `<out>/diagnose/`.
    With `--parallel` other than 1, stages 3 and 3b first run in `eval_workers()` processes of
    `--threads` threads each (`stage_eval_workers`), which take their items (a validation loss,
    a decode, a profile) one at a time through claim files, so the work balances itself; the
    decodes at batch 1 (a latency figure) are left to this process, which runs them alone
    after the workers.
-4. `report.md`, `frontier.png`, `loss.png`.
-Exit codes: 0 done; 1 a stage failed (its command and exit code on stderr); 2 bad options.
+4. `report.md`, `frontier.png`, `loss.png`; `timings.json` records every stage of the
+   invocation (`_timed`).
+Exit codes: 0 done; 1 a stage failed (its command and exit code on stderr); 2 bad options or
+a folder of other inputs.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from pipeline.common.cli import hidden_alias
+from pipeline.common.cli import EXIT_USAGE, hidden_alias
 from pipeline.common.atomic_io import write_json, write_text
-from pipeline.experiment.tasks import AR, ROOT, TASKS, Setting, Task
+from pipeline.experiment import reuse
+from pipeline.experiment.tasks import AR, ARM_OBJECTIVES, GRIDS, ROOT, TASKS, Setting, Task
 
 VAL_LOSS_BATCHES = 40              # micro-batches of 4 samples (160 of the validation split)
-TARGET_TPF, TARGET_EM_RATIO = 2.0, 0.9   # issue 26: TPF >= 2 at >= 90% of AR's exact match
-GOAL_TPF, GOAL_EM_RATIO = 2.5, 0.95      # and the goal beyond it
+# Issue 34's target, fixed before any result (docs/EXPERIMENTS.md keeps the earlier ones): at
+# one setting of one ReFusion arm, at each of `seeds` seeds, TPF >= `tpf` with exact match >= `em_ratio`
+# x the AR decoding of `ar_continued` (same seed), the paired bootstrap 95% interval's lower
+# end of that ratio >= `lower`, and a batch-1 wall-clock speedup over `ar_continued`'s AR
+# decoding at batch 1 >= `speedup`. The goal beyond it: TPF >= 3 at >= 98%.
+TARGET = {"tpf": 2.5, "em_ratio": 0.95, "lower": 0.90, "speedup": 1.5, "seeds": 2}
+GOAL = {"tpf": 3.0, "em_ratio": 0.98, "lower": 0.90, "speedup": 1.5, "seeds": 2}
+SWEEP_EM_RATIO = 0.9               # the sweep's rule (issue 26): 90% of ar_continued's
 
 RUN_LABELS = {"pretrain_ar": "1. AR pretraining (from scratch)",
               "refusion": "2a. ReFusion fine-tuning", "ar_continued": "2b. AR continued",
-              "refusion_boundary": "2c. ReFusion fine-tuning, boundary labels + natural order"}
+              "refusion_boundary": "2c. ReFusion fine-tuning, boundary labels + natural order",
+              "dual_all": "2d. dual objective, dual_masking=all",
+              "dual_refusion": "2e. dual objective, dual_masking=refusion"}
 
 
 def boundary_run(fraction: float) -> str:
@@ -67,7 +85,7 @@ def boundary_run(fraction: float) -> str:
     return f"refusion_boundary_f{fraction:g}"
 
 
-def choose_fraction(ar_em: dict, tpf: dict, baseline_em: float, ratio: float = TARGET_EM_RATIO
+def choose_fraction(ar_em: dict, tpf: dict, baseline_em: float, ratio: float = SWEEP_EM_RATIO
                     ) -> float:
     """The sweep's rule (fixed in `pipeline.experiment.tasks` before any result): among the
     shares whose AR-decoding exact match reaches `ratio` x the AR model's, the one of largest
@@ -88,8 +106,50 @@ def choose_fraction(ar_em: dict, tpf: dict, baseline_em: float, ratio: float = T
     return max(fs, key=lambda f: (ar_em[f], -f))
 
 
+SKIPPED = "skipped"                # a stage's return value: the options do not ask for it
+
+
 class StageError(RuntimeError):
     """A stage's command failed (message: the command and its exit code)."""
+
+
+def split_seed(name: str) -> tuple[str, int | None]:
+    """`refusion_seed1235` -> ("refusion", 1235); a name without the suffix -> (name, None)."""
+    m = re.fullmatch(r"(.+)_seed(\d+)", name)
+    return (m.group(1), int(m.group(2))) if m else (name, None)
+
+
+def parse_arms(text: str) -> list[str]:
+    """`--arms A,B,...`: the names, in order, each once; `ar_continued` (the AR baseline every
+    ratio needs) appended when missing.
+
+    Raises:
+        UsageError: an empty list or an unknown arm (one line naming it and the known ones).
+    """
+    from pipeline.common.cli import UsageError
+    arms = list(dict.fromkeys(a.strip() for a in text.split(",") if a.strip()))
+    bad = [a for a in arms if a not in ARM_OBJECTIVES]
+    if not arms or bad:
+        raise UsageError(f"--arms {text!r}: unknown arm {bad[0] if bad else '(none given)'}; "
+                         f"known: {', '.join(ARM_OBJECTIVES)}")
+    return arms + ([] if "ar_continued" in arms else ["ar_continued"])
+
+
+def parse_seeds(text: str) -> list[int]:
+    """`--seeds 1234,1235`: distinct integers >= 0, in order.
+
+    Raises:
+        UsageError: an empty list, a non-integer, a negative or repeated seed (one line).
+    """
+    from pipeline.common.cli import UsageError
+    parts = [p.strip() for p in str(text).split(",") if p.strip()]
+    try:
+        seeds = [int(p) for p in parts]
+    except ValueError:
+        raise UsageError(f"--seeds {text!r}: expected integers separated by commas") from None
+    if not seeds or min(seeds) < 0 or len(set(seeds)) != len(seeds):
+        raise UsageError(f"--seeds {text!r}: expected distinct integers >= 0")
+    return seeds
 
 
 def _log(msg: str) -> None:
@@ -142,16 +202,41 @@ class Experiment:
             it by the one it chooses).
         worker: True in an evaluation worker process (`stage_eval_workers`): it takes only
             unclaimed items and leaves the batch-1 decodes to the parent.
+        arms: the stage-2 arms (`parse_arms`; default the task's); `ar_continued` is always
+            among them.
+        seeds: stage-2 seeds (`train.seed`); default: the run config's. The run of the
+            config's seed is `runs/<arm>`, another's `runs/<arm>_seed<N>`; all start from the
+            one AR pretraining.
+        grid: "default" (the task's `default_grid`) or "full" (`Task.jobs`).
+        limit_examples: evaluate on the first N examples of each held-out set only (0: all);
+            results under `eval_first<N>/`, `diagnose_first<N>/`.
     """
 
     def __init__(self, task: Task | str, out: str | None = None,
                  pretrain_steps: int | None = None, finetune_steps: int | None = None,
                  threads: int = 2, nproc: int = 1, micro_batch_size: int | None = None,
                  parallel: int | bool = 1, config: str | None = None, sweep: bool = False,
-                 natural_order_fraction: float | None = None, worker: bool = False):
+                 natural_order_fraction: float | None = None, worker: bool = False,
+                 arms=None, seeds=None, grid: str = "default", limit_examples: int = 0):
         self.task = TASKS[task] if isinstance(task, str) else task
         t = self.task
+        self.arms = list(arms) if arms else list(t.arms)
+        if "ar_continued" not in self.arms:
+            self.arms.append("ar_continued")
+        if grid not in GRIDS:
+            raise ValueError(f"grid {grid!r} is not one of {', '.join(GRIDS)}")
+        self.grid = grid
+        self._seeds = list(seeds) if seeds else None
+        self._keys: dict[str, str] = {}
+        self._data_fp: str | None = None
+        self.stage_status: dict[str, str] = {}    # this invocation: stage -> "ran" | "reused"
         self.out = Path(out or f"outputs/experiment/{t.name}")
+        # a quick check on the first N problems of each set: its results in folders of their
+        # own, never mixed with those of the whole sets
+        self.limit_examples = int(limit_examples or 0)
+        suffix = f"_first{self.limit_examples}" if self.limit_examples else ""
+        self.eval_dir = self.out / f"eval{suffix}"
+        self.diagnose_dir = self.out / f"diagnose{suffix}"
         self.pretrain_steps = pretrain_steps or t.pretrain_steps
         self.finetune_steps = finetune_steps or t.finetune_steps
         self.micro_batch_size = micro_batch_size or t.micro_batch_size
@@ -171,18 +256,66 @@ class Experiment:
         self.timings = (json.loads(self.timings_path.read_text())
                         if self.timings_path.is_file() else {})
         self._examples: dict[str, list[dict]] = {}
+        self._missing_modes: set[str] = set()
 
     # ---------------------------------------------------------------- bookkeeping
-    def _timed(self, name: str, fn) -> None:
+    def _timed(self, name: str, fn, processes: int = 1) -> None:
+        """Run a stage and record it in `timings.json`: {stage: {"status": "ran" | "reused"
+        (the stage returned False: its result was there) | "skipped" (it returned SKIPPED:
+        not asked for by the options), "seconds" (wall, this invocation),
+        "threads" (torch threads per process), "processes" (at once), "date" (UTC, ISO
+        8601)}, and for a reused stage "last_run": the record of when it last ran, if known}.
+        An older file's bare numbers are read as records of stages that ran."""
         t0 = time.time()
         done = fn()
-        if done is not False:     # False: skipped (its earlier time stays recorded)
-            self.timings[name] = round(time.time() - t0, 1)
-            write_json(self.timings_path, self.timings)
+        status = "reused" if done is False else "skipped" if done == SKIPPED else "ran"
+        rec = {"status": status, "seconds": round(time.time() - t0, 1),
+               "threads": self.threads, "processes": processes,
+               "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        old = getattr(self, "_last_timings", self.timings).get(name)
+        if isinstance(old, (int, float)):
+            old = {"status": "ran", "seconds": float(old)}
+        if status == "reused" and isinstance(old, dict):
+            last = old if old.get("status") == "ran" else old.get("last_run")
+            if last:
+                rec["last_run"] = {k: v for k, v in last.items() if k != "last_run"}
+        self.timings[name] = rec
+        self.stage_status[name] = status
+        write_json(self.timings_path, self.timings, indent=1)
+
+    @property
+    def default_seed(self) -> int:
+        """`train.seed` of the run config."""
+        if not hasattr(self, "_default_seed"):
+            self._default_seed = int(reuse.resolved_config(self.config, [])["train"]["seed"])
+        return self._default_seed
+
+    @property
+    def seeds(self) -> list[int]:
+        """The stage-2 seeds (default: the run config's)."""
+        return self._seeds or [self.default_seed]
+
+    def model_name(self, arm: str, seed: int) -> str:
+        """A stage-2 model's name: the arm, with `_seed<N>` unless `seed` is the config's."""
+        return arm if seed == self.default_seed else f"{arm}_seed{seed}"
+
+    def models(self, arms=None) -> list[str]:
+        """Every stage-2 model (each arm at each seed), seed by seed."""
+        return [self.model_name(a, s) for s in self.seeds for a in (arms or self.arms)]
+
+    def jobs(self) -> list[tuple[str, str, Setting]]:
+        """The evaluation's decodes (model, set, setting): `task.jobs(arms, grid)` for every
+        seed, the models named by `model_name`."""
+        base = self.task.jobs(self.arms, self.grid)
+        return [(self.model_name(m, seed), n, s) for seed in self.seeds for m, n, s in base]
 
     def run_name(self, name: str) -> str:
-        """The folder name of a model or run: `refusion_boundary` is the run of its share."""
-        return boundary_run(self.fraction) if name == "refusion_boundary" else name
+        """The folder name of a model or run: `refusion_boundary` is the run of its share
+        (`refusion_boundary_f<F>`, then any `_seed<N>`)."""
+        base, seed = split_seed(name)
+        if base != "refusion_boundary":
+            return name
+        return boundary_run(self.fraction) + ("" if seed is None else f"_seed{seed}")
 
     def run_dir(self, name: str) -> Path:
         return self.out / "runs" / self.run_name(name)
@@ -191,18 +324,21 @@ class Experiment:
         return self.out / "hf" / self.run_name(name)
 
     def stage2_runs(self) -> list[str]:
-        """Run names of stage 2: the task's arms, then (with `sweep`) every swept share."""
-        names = [self.run_name(a) for a in self.task.arms]
+        """Run names of stage 2: every model (`models`), then (with `sweep`) every swept
+        share."""
+        names = [self.run_name(m) for m in self.models()]
         if self.sweep:
             names += [boundary_run(f) for f in self.task.sweep_fractions]
         return list(dict.fromkeys(names))
 
     def eval_path(self, model: str, set_name: str, s: Setting) -> Path:
-        return self.out / "eval" / set_name / f"{model}__{s.name()}.json"
+        return self.eval_dir / set_name / f"{model}__{s.name()}.json"
 
     def examples(self, set_name: str) -> list[dict]:
+        """The held-out examples of a set (the first `limit_examples` when set)."""
         if set_name not in self._examples:
-            self._examples[set_name] = self.task.examples(self.out, set_name)
+            ex = self.task.examples(self.out, set_name)
+            self._examples[set_name] = ex[:self.limit_examples] if self.limit_examples else ex
         return self._examples[set_name]
 
     # ---------------------------------------------------------------- 0. data
@@ -217,21 +353,79 @@ class Experiment:
         latest = find_latest(self.run_dir(name) / "checkpoints")
         return latest is not None and latest.name == f"step_{steps:09d}"
 
+    def train_overrides(self, name: str, steps: int, overrides: list[str]) -> list[str]:
+        """The `key=value` options a training run is started with (after `--config`)."""
+        return [f"run_dir={self.run_dir(name)}", f"data.dir={self.shards}",
+                f"train.max_steps={steps}",
+                f"train.micro_batch_size={self.micro_batch_size}"] + list(overrides)
+
     def train_command(self, name: str, steps: int, overrides: list[str]) -> list[str]:
         launch = ([sys.executable] if self.nproc == 1 else
                   [sys.executable, "-m", "torch.distributed.run", "--standalone",
                    "--nproc_per_node", str(self.nproc)])
-        return launch + ["-m", "pipeline.train", "--config", self.config,
-                         f"run_dir={self.run_dir(name)}", f"data.dir={self.shards}",
-                         f"train.max_steps={steps}",
-                         f"train.micro_batch_size={self.micro_batch_size}"] + overrides
+        return launch + ["-m", "pipeline.train", "--config", self.config] + \
+            self.train_overrides(name, steps, overrides)
+
+    def pretrain_overrides(self) -> list[str]:
+        """Stage-1 options: AR from scratch."""
+        return ["init.source=random", "objective.mode=ar",
+                f"optim.warmup_steps={min(30, self.pretrain_steps // 10)}"]
+
+    def training_plan(self) -> list[tuple[str, int, list[str]]]:
+        """Every training run of this invocation as (run name, steps, overrides): stage 1,
+        then stage 2 (`stage2_runs`)."""
+        return ([("pretrain_ar", self.pretrain_steps, self.pretrain_overrides())]
+                + [(r, self.finetune_steps, self.finetune_overrides(r))
+                   for r in self.stage2_runs()])
+
+    def data_fingerprint(self) -> str:
+        if self._data_fp is None:
+            self._data_fp = reuse.data_fingerprint(self.shards)
+        return self._data_fp
+
+    def run_inputs(self, name: str, steps: int, overrides: list[str]) -> dict:
+        """The inputs record of a run (`pipeline.experiment.reuse.run_inputs`); a stage-2 run's
+        `init` is the pretraining's key."""
+        cfg = reuse.resolved_config(self.config, self.train_overrides(name, steps, overrides))
+        init = None if name == "pretrain_ar" else self.key("pretrain_ar")
+        return reuse.run_inputs(cfg, self.data_fingerprint(), self.nproc, init)
+
+    def key(self, name: str) -> str:
+        """The inputs key of a run of `training_plan` (by run or model name)."""
+        name = self.run_name(name)
+        if name not in self._keys:
+            plan = {n: (st, ov) for n, st, ov in self.training_plan()}
+            if name not in plan:    # a model of another invocation's arms or seeds
+                plan[name] = (self.finetune_steps, self.finetune_overrides(name))
+            self._keys[name] = reuse.inputs_key(self.run_inputs(name, *plan[name]))
+        return self._keys[name]
+
+    def check_runs(self) -> dict[str, str]:
+        """Check every run folder of `training_plan` against its inputs before any training
+        (`reuse.check_run`: new, same, adopted), so that a folder of other inputs stops the
+        invocation before it spends anything.
+
+        Raises:
+            reuse.InputsMismatch: a folder holds a run of other inputs (one line).
+        """
+        out = {}
+        for name, steps, overrides in self.training_plan():
+            inputs = self.run_inputs(name, steps, overrides)
+            self._keys[name] = reuse.inputs_key(inputs)
+            out[name] = reuse.check_run(self.run_dir(name), inputs,
+                                        init_of=lambda hf: self._keys.get(Path(hf).name))
+            if out[name] == "adopted":
+                _log(f"{self.run_dir(name)}: no {reuse.INPUTS}; its checkpoint recorded the same "
+                     f"inputs, adopted")
+        return out
 
     def stage_train(self, runs: list[tuple[str, int, list[str]]]):
-        """Train the runs not finished yet, concurrently (`self.parallel`) or one by one."""
+        """Train the runs not finished yet, concurrently (`self.parallel`) or one by one (their
+        folders checked by `check_runs` first). Returns False when every run was finished."""
         todo = []
         for name, steps, overrides in runs:
             if self._finished(name, steps):
-                _log(f"train {name}: {steps} steps done, kept")
+                _log(f"train {name}: {steps} steps done with the same inputs, reused")
             else:
                 todo.append(self.train_command(name, steps, overrides))
         if not todo:
@@ -241,40 +435,61 @@ class Experiment:
             _run_many(todo[i:i + n], self.threads)
 
     def stage_export(self, name: str):
-        hf = self.hf_dir(name)
-        if (hf / "config.json").is_file() and (hf / "tokenizer.model").is_file():
-            _log(f"export {name}: {hf} exists, kept")
+        """Export a run's latest checkpoint to `hf_dir`, unless the export there came from this
+        run as it is (`reuse.check_export`); record its source (`source.json`)."""
+        from pipeline.checkpoint import find_latest
+        hf, run = self.hf_dir(name), self.run_dir(name)
+        if reuse.check_export(hf, run, self.key(name)):
+            _log(f"export {name}: {hf} is the export of this run, reused")
             return False
         _run_many([[sys.executable, "-m", "pipeline.export",
-                    str(self.run_dir(name) / "checkpoints"), str(hf), "--tokenizer",
+                    str(run / "checkpoints"), str(hf), "--tokenizer",
                     str(self.shards / "tokenizer"), "--dtype", "float32", "--overwrite"]],
                   self.threads)
         shutil.copy(self.shards / "tokenizer" / "tokenizer.model", hf / "tokenizer.model")
+        reuse.write_source(hf, run, self.key(name), find_latest(run / "checkpoints").name)
 
     def finetune_overrides(self, run: str) -> list[str]:
         """Stage-2 options of a run: identical for every arm except the objective options
-        (`ar_continued`: mode ar; `refusion`: mode refusion; `refusion_boundary_f<F>`: mode
-        refusion with boundary labels and natural-order share F)."""
-        if run == "ar_continued":
-            objective = ["objective.mode=ar"]
-        elif run == "refusion":
-            objective = ["objective.mode=refusion"]
-        elif run.startswith("refusion_boundary_f"):
-            objective = ["objective.mode=refusion", "objective.boundary_labels=true",
-                         f"objective.natural_order_fraction={run[len('refusion_boundary_f'):]}"]
+        (`tasks.ARM_OBJECTIVES`; `refusion_boundary_f<F>` adds the natural-order share F) and,
+        for a run `<arm>_seed<N>`, `train.seed=N`.
+
+        Raises:
+            ValueError: an unknown arm.
+        """
+        base, seed = split_seed(run)
+        if base.startswith("refusion_boundary_f"):
+            objective = list(ARM_OBJECTIVES["refusion_boundary"]) + [
+                f"objective.natural_order_fraction={base[len('refusion_boundary_f'):]}"]
+        elif base in ARM_OBJECTIVES and base != "refusion_boundary":
+            objective = list(ARM_OBJECTIVES[base])
         else:
             raise ValueError(f"unknown stage-2 run {run!r}")
         return ["init.source=hf", f"init.hf_path={self.hf_dir('pretrain_ar')}", *objective,
                 "optim.lr=1.0e-3", "optim.min_lr=1.0e-4",
-                f"optim.warmup_steps={min(30, self.finetune_steps // 10)}"]
+                f"optim.warmup_steps={min(30, self.finetune_steps // 10)}"] + (
+                    [] if seed is None else [f"train.seed={seed}"])
 
     # ---------------------------------------------------------------- 3. evaluation
+    def export_key(self, model: str) -> str | None:
+        """The key of the run the current export of `model` came from (its `source.json`), or
+        None (no export, or one from before these records)."""
+        src = self.hf_dir(model) / reuse.SOURCE
+        return json.loads(src.read_text()).get("key") if src.is_file() else None
+
     def _cached(self, path: Path, model: str) -> dict | None:
-        """A cached result, if it was computed from the current export of `model` (the same
-        export folder, written before the result)."""
+        """A cached result, if it was computed from the current export of `model`: the result
+        records the export's run key (`model_key`) and it is the export's now; for a result or
+        export from before these records, the same export folder, written before the
+        result."""
+        if not path.is_file():
+            return None
+        doc = json.loads(path.read_text())
+        key = self.export_key(model)
+        if doc.get("model_key") is not None and key is not None:
+            return doc if doc["model_key"] == key else None
         weights = self.hf_dir(model) / "config.json"
-        if path.is_file() and path.stat().st_mtime >= weights.stat().st_mtime:
-            doc = json.loads(path.read_text())
+        if weights.is_file() and path.stat().st_mtime >= weights.stat().st_mtime:
             if doc.get("hf_dir", str(self.hf_dir(model))) == str(self.hf_dir(model)):
                 return doc
         return None
@@ -289,21 +504,39 @@ class Experiment:
                                   temperature=0.0, exact_cache=False, seed=0,
                                   batch_size=s.batch_size or self.task.decode_batch)
 
+    def decode_examples(self, set_name: str, s: Setting) -> list[dict]:
+        """The examples a decode runs on: the set, or for a batch-1 decode (a latency figure)
+        its first `task.latency_examples` (0: all)."""
+        ex = self.examples(set_name)
+        n = self.task.latency_examples
+        return ex[:n] if s.batch_size == 1 and n else ex
+
     def decode(self, loaded, model: str, set_name: str, s: Setting) -> dict:
-        """Decode `set_name` with one setting, write the result (every answer kept) to
+        """Decode `set_name` with one setting, write the result (every answer kept, and
+        `correct`: per problem, whether its answer matched by the task's metric) to
         `eval_path` and return it; `threads` and `processes` record what its tokens/s were
-        measured with (torch threads; evaluation processes running at once)."""
+        measured with (torch threads; evaluation processes running at once); `model_key`
+        the run key of the export decoded."""
         from pipeline.inference.cli import check_decoding_args
-        from pipeline.inference.evaluation import exact_match_eval
+        from pipeline.inference.evaluation import answers_match, exact_match_eval
         args = self.decode_args(s)
         check_decoding_args(args, refusion=s.mode == "refusion")
-        r = exact_match_eval(loaded, self.examples(set_name), args, [s.mode], self.task.metric,
+        examples = self.decode_examples(set_name, s)
+        r = exact_match_eval(loaded, examples, args, [s.mode], self.task.metric,
                              keep_outputs=True)
         import torch
+        eos = loaded.eos_id
+        refs = [e["reference"] if "reference" in e else loaded.decode(
+            e["reference_ids"][:e["reference_ids"].index(eos)] if eos in e["reference_ids"]
+            else e["reference_ids"]) for e in examples]
+        correct = [bool(answers_match(o["text"], ref, self.task.metric))
+                   for o, ref in zip(r[s.mode]["outputs"], refs)]
         doc = {"model": model, "set": set_name, "mode": s.mode, "setting": s.to_dict(),
                "gen_length": args.gen_length, "num_blocks": args.num_blocks,
-               "hf_dir": str(self.hf_dir(model)), "threads": torch.get_num_threads(),
-               "processes": self.eval_workers() if self.worker else 1, **r[s.mode]}
+               "hf_dir": str(self.hf_dir(model)), "model_key": self.export_key(model),
+               "threads": torch.get_num_threads(),
+               "processes": self.eval_workers() if self.worker else 1, **r[s.mode],
+               "correct": correct}
         write_json(self.eval_path(model, set_name, s), doc, indent=None)
         _log(f"{model} {set_name} {s.name()}: exact match {doc['exact_match']:.3f} "
              f"token accuracy {doc['token_accuracy']:.3f} TPF {doc['tpf']:.2f} "
@@ -318,7 +551,7 @@ class Experiment:
         from pipeline.inference.loading import load_for_inference
         t = self.task
         if not self.sweep:
-            return False
+            return SKIPPED
         torch.set_num_threads(self.threads)
         ran = False
         docs: dict = {}
@@ -346,7 +579,7 @@ class Experiment:
                 for f in t.sweep_fractions]
         write_json(self.out / "sweep.json", {
             "set": t.sweep_set, "setting": t.sweep_setting.to_dict(),
-            "ar_continued_exact_match": base, "ratio": TARGET_EM_RATIO, "rows": rows,
+            "ar_continued_exact_match": base, "ratio": SWEEP_EM_RATIO, "rows": rows,
             "chosen": self.fraction})
         _log(f"sweep on {t.sweep_set}: " + "; ".join(
             f"f={r['natural_order_fraction']:g}: AR exact match {r['ar_exact_match']:.3f}, "
@@ -360,7 +593,7 @@ class Experiment:
         at most one per `--threads` threads of this machine's cores; 1 means none."""
         if self.parallel == 1:
             return 1
-        n = self.parallel or len(self.task.arms)
+        n = self.parallel or len(self.models())
         return max(1, min(n, (os.cpu_count() or 1) // self.threads))
 
     def _claim(self, path: Path) -> bool:
@@ -376,31 +609,45 @@ class Experiment:
         return True
 
     def _clear_claims(self) -> None:
-        for d in ("eval", "diagnose"):
-            for p in (self.out / d).rglob("*.claim"):
+        for d in (self.eval_dir, self.diagnose_dir):
+            for p in d.rglob("*.claim"):
                 p.unlink()
 
     def stage_eval_workers(self):
         """Stages 3 and 3b in `eval_workers()` processes at once (`python -m
         pipeline.experiment --eval-worker`, `--threads` each); the batch-1 decodes stay for
-        `stage_eval`. Returns False (nothing run) with one worker.
+        `stage_eval`. Returns SKIPPED (nothing to run) with one worker.
 
         Raises:
             StageError: a worker failed (after all have ended).
         """
         n = self.eval_workers()
         if n == 1:
-            return False
+            return SKIPPED
         self._clear_claims()       # a claim left by an interrupted run is stale
         cmd = [sys.executable, "-m", "pipeline.experiment", "--task", self.task.name,
                "--output", str(self.out), "--threads", str(self.threads),
                "--natural-order-fraction", f"{self.fraction:g}", "--parallel", str(n),
-               "--eval-worker"]
+               "--arms", ",".join(self.arms), "--seeds", ",".join(map(str, self.seeds)),
+               "--grid", self.grid, "--config", self.config,
+               "--examples", str(self.limit_examples), "--eval-worker"]
         _log(f"evaluation in {n} worker processes of {self.threads} thread(s) each")
         try:
             _run_many([cmd] * n, self.threads)
         finally:
             self._clear_claims()
+
+    def _decodable(self, s: Setting) -> bool:
+        """False (logged once per mode) for a setting whose verify mode this checkout's decoder
+        does not have (`pipeline.inference.decoding.VERIFY_MODES`): its decodes are left out
+        and the report has no row for them."""
+        from pipeline.inference.decoding import VERIFY_MODES
+        if s.mode != "refusion" or s.verify in VERIFY_MODES:
+            return True
+        if s.verify not in self._missing_modes:
+            self._missing_modes.add(s.verify)
+            _log(f"the decoder has no verify mode {s.verify!r}: its decodes are left out")
+        return False
 
     def stage_eval(self):
         import torch
@@ -409,15 +656,16 @@ class Experiment:
         torch.set_num_threads(self.threads)
         ran = False   # False when everything was cached: the first run's time stays recorded
         by_model: dict[str, list] = {}
-        for model, set_name, s in self.task.jobs():
+        for model, set_name, s in self.jobs():
             by_model.setdefault(model, []).append((set_name, s))
-        # the newest arm first: its decodes are the ones the task adds
-        for model in sorted(by_model, key=lambda m: m != "refusion_boundary"):
+        # the task's newest arm first: its decodes are the ones the task adds
+        for model in sorted(by_model, key=lambda m: split_seed(m)[0] != "refusion_boundary"):
             jobs = by_model[model]
-            loss_path = self.out / "eval" / f"{model}__val_loss.json"
+            loss_path = self.eval_dir / f"{model}__val_loss.json"
             # a worker leaves the batch-1 decodes (latency) to the parent, which runs them alone
             todo = [(n, s) for n, s in jobs if self._cached(self.eval_path(model, n, s), model)
-                    is None and not (self.worker and s.batch_size == 1)]
+                    is None and not (self.worker and s.batch_size == 1)
+                    and self._decodable(s)]
             if self._cached(loss_path, model) is not None and not todo:
                 continue
             loaded = None
@@ -429,7 +677,8 @@ class Experiment:
                                        VAL_LOSS_BATCHES, 0)
                 loss["seconds"] = time.time() - t0
                 write_json(loss_path, {"model": model, "loss": loss,
-                                       "hf_dir": str(self.hf_dir(model))})
+                                       "hf_dir": str(self.hf_dir(model)),
+                                       "model_key": self.export_key(model)})
                 _log(f"{model}: validation loss {loss['val_loss']:.4f} (AR "
                      f"{loss['val_ar_loss']:.4f}, MDM {loss['val_mdm_loss']:.4f})")
             for set_name, s in todo:
@@ -443,36 +692,41 @@ class Experiment:
 
     def stage_diagnose(self):
         """Teacher-forced plan + verify profile (`diagnosis.slot_acceptance`) of the main set
-        for every arm (`ar_continued` is the contrast without MDM training), at each of the
-        task's slot sizes and the grid's token thresholds, and the weight of the answer's
-        first token (`diagnosis.first_token_effect`); cached under `<out>/diagnose/`."""
+        (its first `task.diagnose_examples`) for every model (`ar_continued` is the contrast
+        without MDM training), at each of the task's slot sizes and the grid's token
+        thresholds, and the weight of the answer's first token
+        (`diagnosis.first_token_effect`); cached under `<out>/diagnose/`."""
         import torch
         from pipeline.experiment.diagnosis import first_token_effect, slot_acceptance
         from pipeline.inference.loading import load_for_inference
         torch.set_num_threads(self.threads)
         t = self.task
         thresholds = sorted({s.token_threshold for s in t.grid})
+        n = t.diagnose_examples
+        examples = self.examples(t.main_set)
+        examples = examples[:n] if n else examples
         ran = False
-        for model in t.arms:
+        for model in self.models():
             loaded = None
             for k in t.diagnose_slot_sizes:
-                path = self.out / "diagnose" / f"{model}__slot_acceptance_k{k}.json"
+                path = self.diagnose_dir / f"{model}__slot_acceptance_k{k}.json"
                 if self._cached(path, model) is not None or not self._claim(path):
                     continue
                 loaded = loaded or load_for_inference(str(self.hf_dir(model)))
-                r = slot_acceptance(loaded, self.examples(t.main_set), k,
-                                    t.diagnose_block_size, thresholds)
-                write_json(path, {"model": model, "hf_dir": str(self.hf_dir(model)), **r})
+                r = slot_acceptance(loaded, examples, k, t.diagnose_block_size, thresholds)
+                write_json(path, {"model": model, "hf_dir": str(self.hf_dir(model)),
+                                  "model_key": self.export_key(model), **r})
                 ran = True
                 _log(f"{model} k={k}: first token {r['first_token_accuracy']:.3f}, drafts by "
                      f"offset {[round(x, 3) for x in r['draft_accuracy_by_offset']]}, accepted "
                      f"per slot {r['accepted']}, AR next token {r['ar_next_token_accuracy']:.3f}")
-            path = self.out / "diagnose" / f"{model}__first_token.json"
+            path = self.diagnose_dir / f"{model}__first_token.json"
             if self._cached(path, model) is None and self._claim(path):
                 loaded = loaded or load_for_inference(str(self.hf_dir(model)))
-                r = first_token_effect(loaded, self.examples(t.main_set), t.gen_length,
+                r = first_token_effect(loaded, examples, t.gen_length,
                                        t.diagnose_slot_sizes[0], t.metric)
-                write_json(path, {"model": model, "hf_dir": str(self.hf_dir(model)), **r})
+                write_json(path, {"model": model, "hf_dir": str(self.hf_dir(model)),
+                                  "model_key": self.export_key(model), **r})
                 ran = True
                 _log(f"{model}: answer's first token from AR / plan: accuracy "
                      f"{r['first_token_accuracy']}, exact match then {r['exact_match']}")
@@ -484,18 +738,18 @@ class Experiment:
         """Cached results of the current task's jobs: {"rows": [result docs], "losses":
         {model: validation loss figures}, "diagnose": [profiles], "first_token": [effects]}."""
         rows, losses = [], {}
-        for model, set_name, s in self.task.jobs():
+        for model, set_name, s in self.jobs():
             p = self.eval_path(model, set_name, s)
             if p.is_file():
-                rows.append(json.loads(p.read_text()))
-        for p in sorted((self.out / "eval").glob("*__val_loss.json")):
+                rows.append(self._with_correct(json.loads(p.read_text())))
+        for p in sorted(self.eval_dir.glob("*__val_loss.json")):
             d = json.loads(p.read_text())
             losses[d["model"]] = d["loss"]
         diag = [json.loads(p.read_text())
-                for p in sorted((self.out / "diagnose").glob("*__slot_acceptance_k*.json"))]
+                for p in sorted(self.diagnose_dir.glob("*__slot_acceptance_k*.json"))]
         first = [json.loads(p.read_text())
-                 for p in sorted((self.out / "diagnose").glob("*__first_token.json"))]
-        arms = set(self.task.arms)
+                 for p in sorted(self.diagnose_dir.glob("*__first_token.json"))]
+        arms = set(self.models())
         diag = [d for d in diag if d["model"] in arms]
         first = [d for d in first if d["model"] in arms]
         losses = {m: v for m, v in losses.items() if m in arms}
@@ -503,23 +757,45 @@ class Experiment:
         return {"rows": rows, "losses": losses, "diagnose": diag, "first_token": first,
                 "sweep": json.loads(sweep.read_text()) if sweep.is_file() else None}
 
+    def run_label(self, name: str) -> str:
+        """A run's label in tables and figures (`RUN_LABELS`, the share, the seed)."""
+        base, seed = split_seed(name)
+        label = RUN_LABELS.get(base, f"2. {base}")
+        if base == "refusion_boundary":
+            label = f"{label} (share {self.fraction:g})"
+        return label + ("" if seed is None else f", seed {seed}")
+
+    def _with_correct(self, doc: dict) -> dict:
+        """A decode result with its per-problem `correct` list: results written before it was
+        recorded get it from their kept answers and the set's references (unchanged when the
+        references cannot be read or do not pair up)."""
+        if doc.get("correct") is not None or "outputs" not in doc:
+            return doc
+        from pipeline.inference.evaluation import answers_match
+        try:
+            ex = self.examples(doc["set"])[:len(doc["outputs"])]
+        except (OSError, ValueError, KeyError):
+            return doc
+        if len(ex) != len(doc["outputs"]) or not all("reference" in e for e in ex):
+            return doc
+        doc["correct"] = [bool(answers_match(o["text"], e["reference"], self.task.metric))
+                          for o, e in zip(doc["outputs"], ex)]
+        return doc
+
     def training_runs(self) -> dict:
-        """{run label: metrics} of the training runs (stage 1 and the task's arms), stage-2
+        """{run label: metrics} of the training runs (stage 1 and every model), stage-2
         steps counted after stage 1."""
         from pipeline.report import ReportError, read_metrics
         runs = {}
-        for name, label in RUN_LABELS.items():
-            if name != "pretrain_ar" and name not in self.task.arms:
-                continue
-            if name == "refusion_boundary":
-                label = f"{label} (share {self.fraction:g})"
+        for name in ["pretrain_ar"] + self.models():
+            label = self.run_label(name)
             offset = 0 if name == "pretrain_ar" else self.pretrain_steps
             try:
                 m = read_metrics(self.run_dir(name) / "metrics.jsonl")
             except ReportError:
                 continue
-            drop = (("mdm_loss", "val_mdm_loss") if name not in self.task.refusion_arms
-                    else ())  # AR: logged 0
+            drop = (("mdm_loss", "val_mdm_loss") if split_seed(name)[0] in
+                    ("pretrain_ar", "ar_continued") else ())  # AR: logged 0
             runs[label] = {k: [{**{f: x for f, x in r.items() if f not in drop},
                                 "step": r["step"] + offset, "run_step": r["step"]}
                                for r in v] for k, v in m.items()}
@@ -533,32 +809,51 @@ class Experiment:
             plot_loss(runs, self.out / "loss.png")
         got = self.collect()
         main = [r for r in got["rows"] if r["set"] == self.task.main_set]
-        plot_frontier(main, self.out / "frontier.png", self.task, TARGET_TPF, TARGET_EM_RATIO)
+        plot_frontier(main, self.out / "frontier.png", self.task, TARGET["tpf"],
+                      TARGET["em_ratio"])
         tok = None
         spm = self.task.spm(self.out)
         if spm.is_file():
             from pipeline.tokenizer import load_tokenizer
             tok = load_tokenizer(str(spm))
-        text = report_markdown(self, got, runs, tok, TARGET_TPF, TARGET_EM_RATIO, GOAL_TPF,
-                               GOAL_EM_RATIO)
+        text = report_markdown(self, got, runs, tok, TARGET, GOAL)
         write_text(self.out / "report.md", text)
         return self.out / "report.md"
 
     def run(self) -> Path:
+        """Every stage in order (the module docstring); every run folder is checked against
+        its inputs (`check_runs`) before the first training starts.
+
+        Raises:
+            StageError: a stage's command failed; reuse.InputsMismatch: a folder of other
+                inputs.
+        """
         self.out.mkdir(parents=True, exist_ok=True)
+        checked = (self.shards / "manifest.json").is_file()
+        if checked:                # before anything is written, timings.json included
+            self.check_runs()
+        self.timings = {}          # this invocation's record (`_timed`) replaces the last one
+        old = json.loads(self.timings_path.read_text()) if self.timings_path.is_file() else {}
+        self._last_timings = old if isinstance(old, dict) else {}
         self._timed("data", self.stage_data)
-        self._timed("train pretrain_ar", lambda: self.stage_train([(
-            "pretrain_ar", self.pretrain_steps,
-            ["init.source=random", "objective.mode=ar",
-             f"optim.warmup_steps={min(30, self.pretrain_steps // 10)}"])]))
+        if not checked or self.stage_status["data"] == "ran":   # the shards may have changed
+            self._data_fp, self._keys = None, {}
+            self.check_runs()
+        plan = self.training_plan()
+        self._timed("train pretrain_ar", lambda: self.stage_train(plan[:1]), self.nproc)
         self._timed("export pretrain_ar", lambda: self.stage_export("pretrain_ar"))
-        runs = self.stage2_runs()
-        self._timed("train stage 2", lambda: self.stage_train([
-            (name, self.finetune_steps, self.finetune_overrides(name)) for name in runs]))
-        for name in runs:
+        stage2 = plan[1:]
+        if self.parallel == 1:
+            for run in stage2:
+                self._timed(f"train {run[0]}", lambda: self.stage_train([run]), self.nproc)
+        else:
+            self._timed("train stage 2", lambda: self.stage_train(stage2),
+                        min(self.parallel or len(stage2), len(stage2)) * self.nproc)
+        for name, _, _ in stage2:
             self._timed(f"export {name}", lambda: self.stage_export(name))
         self._timed("sweep", self.stage_sweep)
-        self._timed("evaluate and diagnose (workers)", self.stage_eval_workers)
+        self._timed("evaluate and diagnose (workers)", self.stage_eval_workers,
+                    self.eval_workers())
         self._timed("evaluate", self.stage_eval)
         self._timed("diagnose", self.stage_diagnose)
         return self.stage_report()
@@ -593,12 +888,32 @@ def main(argv=None) -> int:
     p.add_argument("--nproc", type=int, default=1, help="training processes (default 1)")
     p.add_argument("--only-report", action="store_true",
                    help="rewrite report.md and the figures from what is there")
+    p.add_argument("--arms", default=None, metavar="A,B,...",
+                   help="stage-2 arms to train and evaluate (default: the task's; "
+                        "ar_continued is always added): " + ", ".join(ARM_OBJECTIVES))
+    p.add_argument("--seeds", default=None, metavar="N,M,...",
+                   help="stage-2 seeds (train.seed; default: the run config's): one run per "
+                        "arm and seed, runs/<arm>_seed<N> for a seed other than the config's")
+    hidden_alias(p, "--seed", dest="seeds")
+    p.add_argument("--examples", type=int, default=0, metavar="N",
+                   help="a quick check: evaluate on the first N problems of each held-out set "
+                        "(results in eval_firstN/, diagnose_firstN/; default: all)")
+    p.add_argument("--grid", choices=GRIDS, default="default",
+                   help="ReFusion decodes of each ReFusion arm: default (the paper's setting, "
+                        "draft_ahead and draft_every) or full (the task's whole grid too)")
     args = p.parse_args(argv)
+    from pipeline.common.cli import UsageError
+    try:
+        arms = parse_arms(args.arms) if args.arms is not None else None
+        seeds = parse_seeds(args.seeds) if args.seeds is not None else None
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
     given = [v for v in (args.pretrain_steps, args.finetune_steps, args.micro_batch_size)
              if v is not None]
-    if min(given + [args.threads, args.nproc]) < 1 or args.parallel < 0:
+    if min(given + [args.threads, args.nproc]) < 1 or args.parallel < 0 or args.examples < 0:
         print("error: --pretrain-steps, --finetune-steps, --micro-batch-size, --threads, "
-              "--nproc must be >= 1 (--parallel >= 0)", file=sys.stderr)
+              "--nproc must be >= 1 (--parallel, --examples >= 0)", file=sys.stderr)
         return 2
     f = args.natural_order_fraction
     if f is not None and not 0.0 <= f <= 1.0:
@@ -607,8 +922,9 @@ def main(argv=None) -> int:
     exp = Experiment(args.task, args.out, args.pretrain_steps, args.finetune_steps,
                      args.threads, args.nproc, args.micro_batch_size, args.parallel,
                      args.config, args.sweep, args.natural_order_fraction,
-                     worker=args.eval_worker)
-    if args.only_report and not any((exp.out / "eval").glob("*/*.json")):
+                     worker=args.eval_worker, arms=arms, seeds=seeds, grid=args.grid,
+                     limit_examples=args.examples)
+    if args.only_report and not any(exp.eval_dir.glob("*/*.json")):
         print(f"error: --only-report: {exp.out} holds no decode results of task {args.task} "
               f"(run without --only-report first)", file=sys.stderr)
         return 2
@@ -622,6 +938,11 @@ def main(argv=None) -> int:
     except StageError as e:
         print(f"error: experiment stage failed: {e}", file=sys.stderr)
         return 1
+    except UsageError as e:       # reuse.InputsMismatch: a folder of other inputs
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    if exp.stage_status:
+        _log("stages " + ", ".join(f"{k}: {v}" for k, v in exp.stage_status.items()))
     _log(f"done in {time.time() - t0:.0f} s: {path}, {exp.out / 'frontier.png'}, "
          f"{exp.out / 'loss.png'}")
     return 0

@@ -9,7 +9,7 @@ training, decoding and evaluation loops (`pipeline.experiment.recipe` runs them)
   response = body, plus source text); exact match of the whole body on the validation
   functions whose body is at most 32 tokens.
 - `math` (issue 20): GSM8K-form word problems from `data_prep/math_problems.py`; exact match of
-  the final answer (GSM8K's metric: the number after `####`) on 200 held-out problems of the
+  the final answer (GSM8K's metric: the number after `####`) on 1000 held-out problems of the
   training templates (`test`) and 100 problems of 3 templates never trained on (`unseen`).
 """
 from __future__ import annotations
@@ -57,8 +57,9 @@ class Setting:
         bs = f", batch {self.batch_size}" if self.batch_size else ""
         if self.mode == "ar":
             return "AR" + bs
-        if self.verify == "draft_ahead":
-            return f"k={self.slot_size}, token thr {self.token_threshold}, verify draft_ahead{bs}"
+        if self.verify in LEFT_TO_RIGHT:
+            return (f"k={self.slot_size}, token thr {self.token_threshold}, verify "
+                    f"{self.verify}{bs}")
         order = "left-to-right slots" if self.num_blocks == 0 else f"{self.num_blocks} blocks"
         return (f"k={self.slot_size}, {order}, slot thr {self.slot_threshold}, token thr "
                 f"{self.token_threshold}, verify {self.verify}{bs}")
@@ -72,6 +73,25 @@ class Setting:
 
 
 AR = Setting()
+# verify modes that decode one slot at a time, left to right, whatever `num_blocks` says
+LEFT_TO_RIGHT = ("draft_ahead", "draft_every")
+GRIDS = ("default", "full")
+# The stage-2 arms `--arms` may name, with the objective options each trains with (besides the
+# options every stage-2 run shares, `recipe.Experiment.finetune_overrides`);
+# `refusion_boundary` adds its natural-order share.
+ARM_OBJECTIVES = {
+    "refusion": ("objective.mode=refusion",),
+    "ar_continued": ("objective.mode=ar",),
+    "refusion_boundary": ("objective.mode=refusion", "objective.boundary_labels=true"),
+    "dual_all": ("objective.mode=dual", "objective.dual_masking=all"),
+    "dual_refusion": ("objective.mode=dual", "objective.dual_masking=refusion"),
+}
+
+
+def refusion_arms(arms) -> list[str]:
+    """The stage-2 models (arm names, with or without a `_seed<N>` suffix) decoded with
+    ReFusion settings: every one but `ar_continued`'s."""
+    return [a for a in arms if a.split("_seed")[0] != "ar_continued"]
 
 
 class Task(abc.ABC):
@@ -107,19 +127,50 @@ class Task(abc.ABC):
     sweep_fractions: tuple = ()
     sweep_set = ""
     sweep_setting = None
+    default_grid = None                # None: `--grid default` is the full grid
+    full_grid: tuple = ()              # further settings of `--grid full` (every ReFusion arm)
+    latency_settings: tuple = ()       # decoded at batch 1 too, for every ReFusion arm
+    latency_examples = 0               # batch-1 decodes: the first N of main_set (0: all)
+    diagnose_examples = 0              # the diagnosis: the first N of main_set (0: all)
+    unseen_set = ""                    # a held-out set of unseen templates: AR of every model
 
     @property
     def refusion_arms(self) -> list[str]:
-        """The stage-2 models trained with the ReFusion objective."""
-        return [a for a in self.arms if a != "ar_continued"]
+        """The task's default stage-2 models trained with a ReFusion objective."""
+        return refusion_arms(self.arms)
 
-    def jobs(self) -> list[tuple[str, str, Setting]]:
+    def arm_settings(self, grid: str = "full") -> tuple:
+        """The ReFusion settings decoded on main_set for every ReFusion arm: `grid="full"`:
+        `arm_grid`, `grid` and `full_grid`; `"default"`: `default_grid` (when the task has
+        one)."""
+        if grid == "default" and self.default_grid is not None:
+            return tuple(self.default_grid)
+        return tuple(dict.fromkeys(self.arm_grid + self.grid + self.full_grid))
+
+    def jobs(self, arms=None, grid: str = "full") -> list[tuple[str, str, Setting]]:
         """Every decode of the evaluation stage as (model, set, setting), AR baselines first:
-        the grid and `arm_grid` for every ReFusion arm, then `extra`."""
-        out = [(m, self.main_set, AR) for m in self.arms]
-        out += [(m, self.main_set, s) for m in self.refusion_arms
-                for s in self.arm_grid + self.grid]
-        return out + [j for j in self.extra if j not in out]
+        `arm_settings(grid)` for every ReFusion arm, then (full grid) `extra`, AR decoding of
+        every arm on `unseen_set`, and at batch 1 AR decoding of `ar_continued` and
+        `latency_settings` of every ReFusion arm. Jobs of arms not in `arms` are left out.
+
+        Args:
+            arms: the stage-2 arms (default: the task's); grid: "default" or "full".
+        """
+        arms = tuple(arms or self.arms)
+        out = [(m, self.main_set, AR) for m in arms]
+        out += [(m, self.main_set, s) for m in refusion_arms(arms)
+                for s in self.arm_settings(grid)]
+        more = list(self.extra) if grid == "full" else []
+        if self.unseen_set:
+            more += [(m, self.unseen_set, AR) for m in arms]
+        if self.latency_settings:
+            more += [("ar_continued", self.main_set, Setting(batch_size=1))]
+            more += [(m, self.main_set, Setting(**{**s.to_dict(), "batch_size": 1}))
+                     for m in refusion_arms(arms) for s in self.latency_settings]
+        for j in more:
+            if j[0] in arms and j not in out:
+                out.append(j)
+        return out
 
     def sets(self) -> list[str]:
         return list(dict.fromkeys(s for _, s, _ in self.jobs()))
@@ -250,6 +301,22 @@ class MathTask(Task):
     sweep_fractions = (0.0, 0.25, 0.5, 0.75)
     sweep_set = "dev"
     sweep_setting = Setting("refusion", 8, 0, 0.9, 0.9, "draft_ahead")
+    # Issue 34: `--grid default` (what one new arm costs, under 90 minutes with pretraining
+    # reused on the 2-core VM): the authors' decoder at the paper's GSM8K setting only (4 blocks,
+    # slot threshold 0.9, token threshold 0.4; k=4, the smaller slot of the grid), and the
+    # lossless one-slot-at-a-time modes draft_ahead and draft_every at k = 4, 8 (token
+    # threshold 0.9). `--grid full` adds these to the grid above. Tokens/s at batch 1 (the
+    # first `latency_examples` problems of `test`) for AR decoding of ar_continued and the
+    # lossless modes; the diagnosis on the first `diagnose_examples` problems of `test`.
+    draft_settings = tuple(Setting("refusion", k, 0, 0.9, 0.9, v)
+                           for v in LEFT_TO_RIGHT for k in (4, 8))
+    paper_setting = Setting("refusion", 4, 4, 0.9, 0.4, "authors")
+    default_grid = (paper_setting,) + draft_settings
+    full_grid = draft_settings
+    latency_settings = draft_settings
+    latency_examples = 100
+    diagnose_examples = 200
+    unseen_set = "unseen"
     diagnose_slot_sizes = (4, 8)
     diagnose_block_size = 32           # gen_length / 4 blocks
     sample_settings = (Setting("refusion", 8, 4, 0.9, 0.9, "authors"),
@@ -303,12 +370,17 @@ class MathTask(Task):
                 f"{s['test_unseen']} problems of 3 templates never trained on",
                 "- metric: exact match of the final answer (the number after `####`, GSM8K's); "
                 "also token accuracy against the reference solution and whole-solution match",
-                f"- greedy decoding, gen length {self.gen_length}; ReFusion grid on `test`: "
-                f"slot size {{4, 8}} x order {{4 blocks, one slot per block}}, slot threshold "
-                f"0.9; verify authors at token threshold {{0.4, 0.9}}, verify correct at 0.9; "
-                f"verify draft_ahead at k {{4, 8, 16}}, token threshold 0.9 (both ReFusion "
-                f"arms); tokens/s at batch {self.decode_batch}, and at batch 1 for the AR "
-                f"decodes and draft_ahead of `refusion_boundary`",
+                f"- greedy decoding, gen length {self.gen_length}; ReFusion decodes of every "
+                f"ReFusion arm on `test`, `--grid default`: {self.paper_setting.label()} (the "
+                f"paper's GSM8K setting), verify draft_ahead and draft_every at k {{4, 8}}, "
+                f"token threshold 0.9; `--grid full` adds slot size {{4, 8}} x order {{4 "
+                f"blocks, one slot per block}}, slot threshold 0.9, verify authors at token "
+                f"threshold {{0.4, 0.9}}, verify correct at 0.9, draft_ahead at k 16, and the "
+                f"earlier extra decodes; tokens/s at batch {self.decode_batch}, and at batch 1 "
+                f"(the first {self.latency_examples} problems) for AR decoding of "
+                f"`ar_continued` and draft_ahead / draft_every of every ReFusion arm; AR "
+                f"decoding of every model on `unseen`; the diagnosis on the first "
+                f"{self.diagnose_examples} problems of `test`",
                 f"- `refusion_boundary`: `objective.boundary_labels=true`, "
                 f"`objective.natural_order_fraction={self.natural_order_fraction:g}` (chosen "
                 f"on `{self.sweep_set}` from {{"

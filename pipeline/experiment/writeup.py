@@ -7,6 +7,7 @@ anything (no model, no decoding); plotting of one run (`pipeline.report`).
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from pipeline.experiment.tasks import Setting
@@ -14,7 +15,9 @@ from pipeline.experiment.tasks import Setting
 RUN_TEXT = {"refusion": "2a. ReFusion fine-tuning (the paper's objective)",
             "ar_continued": "2b. AR continued training",
             "refusion_boundary": "2c. ReFusion fine-tuning with boundary labels and a "
-                                 "natural-order share"}
+                                 "natural-order share",
+            "dual_all": "2d. the dual objective (`objective.dual_masking=all`)",
+            "dual_refusion": "2e. the dual objective (`objective.dual_masking=refusion`)"}
 COLORS = {4: "tab:blue", 8: "tab:orange", 16: "tab:green", 32: "tab:purple"}
 MARKERS = {"authors": "o", "correct": "^", "draft_ahead": "D"}
 AR_FACE = {"refusion": "white", "ar_continued": "black", "refusion_boundary": "tab:red"}
@@ -83,6 +86,208 @@ def target_check(rows: list[dict], tpf: float, ratio: float) -> dict:
             if r["tpf"] >= tpf and r["exact_match"] >= need:
                 out[key].append(r)
     return out
+
+
+# ---------------------------------------------------------------- ratios to AR
+def paired_bootstrap_ratio(a, b, resamples: int = 10_000, level: float = 0.95,
+                           seed: int = 0) -> tuple[float, float, float] | None:
+    """Ratio of means mean(a) / mean(b) of two paired per-problem scores, with a paired
+    bootstrap percentile interval (Efron & Tibshirani, "An Introduction to the Bootstrap",
+    1993, ch. 13: the percentile interval): `resamples` times, draw n problem indices with
+    replacement, the same indices for both arms, and take the ratio of the two means over
+    them; the interval is the (1 - level) / 2 and (1 + level) / 2 quantiles of those ratios
+    (numpy's linear interpolation). A resample whose mean(b) is 0 has no ratio and is left out.
+
+    Args:
+        a, b: per-problem scores of the same n problems in the same order (e.g. 1 / 0 for a
+            correct / wrong answer), sequences of bool or float of length n >= 1.
+        resamples: bootstrap resamples; level: the interval's coverage in (0, 1); seed: the
+            generator's seed (fixed: the same inputs give the same interval).
+
+    Returns:
+        (ratio, lower, upper), or None when mean(b) is 0 (no ratio).
+
+    Raises:
+        ValueError: a and b of different lengths, or empty.
+    """
+    import numpy as np
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    if a.shape != b.shape or a.ndim != 1 or not len(a):
+        raise ValueError(f"paired scores must be two equal, non-empty 1-d sequences, got "
+                         f"shapes {a.shape} and {b.shape}")
+    if b.mean() == 0:
+        return None
+    n, rng, ratios = len(a), np.random.default_rng(seed), []
+    for start in range(0, resamples, 1000):       # 1000 resamples x n indices at a time
+        idx = rng.integers(0, n, size=(min(1000, resamples - start), n))
+        num, den = a[idx].mean(axis=1), b[idx].mean(axis=1)
+        ok = den > 0
+        ratios.append(num[ok] / den[ok])
+    r = np.concatenate(ratios)
+    lo, hi = np.quantile(r, [(1 - level) / 2, (1 + level) / 2])
+    return float(a.mean() / b.mean()), float(lo), float(hi)
+
+
+def seed_of(model: str) -> int | None:
+    """The seed suffix of a model name (`refusion_seed1235` -> 1235; none -> None)."""
+    m = re.fullmatch(r".+_seed(\d+)", model)
+    return int(m.group(1)) if m else None
+
+
+def arm_of(model: str) -> str:
+    """A model's arm (its name without the `_seed<N>` suffix)."""
+    return re.sub(r"_seed\d+$", "", model)
+
+
+def baseline_of(model: str) -> str:
+    """The AR model a model is compared with: `ar_continued` at the same seed."""
+    seed = seed_of(model)
+    return "ar_continued" if seed is None else f"ar_continued_seed{seed}"
+
+
+def ratio_rows(rows: list[dict], resamples: int = 10_000) -> list[dict]:
+    """Per ReFusion decode (default batch) of every model but the AR ones: its exact match over
+    the exact match of `ar_continued`'s AR decoding at the same seed on the same set, with the
+    paired bootstrap 95% interval over problems (`paired_bootstrap_ratio`, seed 0), and the
+    batch-1 wall-clock speedup: seconds of `ar_continued`'s AR decode at batch 1 / seconds of
+    the same setting at batch 1 (same problems), when both were decoded.
+
+    Returns:
+        [{"model", "arm", "seed", "setting" (Setting), "tpf", "exact_match", "ar_exact_match",
+        "ratio", "lower", "upper" (None without per-problem results or with an AR exact match
+        of 0), "speedup" (or None)}].
+    """
+    out = []
+    for r in rows:
+        if r["mode"] != "refusion" or arm_of(r["model"]) == "ar_continued" or batch_of(r):
+            continue
+        base_name = baseline_of(r["model"])
+        base = ar_row(rows, base_name, r.get("set"))
+        if base is None:
+            continue
+        ci = None
+        if r.get("correct") is not None and base.get("correct") is not None and \
+                len(r["correct"]) == len(base["correct"]):
+            ci = paired_bootstrap_ratio(r["correct"], base["correct"], resamples)
+        s = setting_of(r)
+        one = Setting(**{**s.to_dict(), "batch_size": 1})
+        fast = next((o for o in rows if o["model"] == r["model"] and o["mode"] == "refusion"
+                     and o.get("set") == r.get("set") and setting_of(o) == one), None)
+        slow = next((o for o in rows if o["model"] == base_name and o["mode"] == "ar"
+                     and o.get("set") == r.get("set") and batch_of(o) == 1), None)
+        speedup = (slow["seconds"] / fast["seconds"] if fast and slow and fast["seconds"]
+                   and fast["examples"] == slow["examples"] else None)
+        ratio = (r["exact_match"] / base["exact_match"] if base["exact_match"] else None)
+        out.append({"model": r["model"], "arm": arm_of(r["model"]), "seed": seed_of(r["model"]),
+                    "setting": s, "tpf": r["tpf"], "exact_match": r["exact_match"],
+                    "ar_exact_match": base["exact_match"],
+                    "ratio": ci[0] if ci else ratio, "lower": ci[1] if ci else None,
+                    "upper": ci[2] if ci else None, "speedup": speedup})
+    return out
+
+
+def check_target(ratios: list[dict], target: dict) -> dict:
+    """Issue 34's check per (arm, setting) over the seeds present: met when there are at
+    least target["seeds"] seeds (default 1) and at every one TPF >= target["tpf"], ratio >=
+    target["em_ratio"], the interval's lower end >= target["lower"] and the batch-1 speedup
+    >= target["speedup"].
+
+    Returns:
+        {(arm, setting name): {"setting": Setting, "seeds": [ratio_rows entries], "met": bool,
+        "failed": [what failed, in words]}}.
+    """
+    out: dict = {}
+    for r in ratios:
+        out.setdefault((r["arm"], r["setting"].name()), {"setting": r["setting"], "seeds": []})[
+            "seeds"].append(r)
+    for v in out.values():
+        failed = []
+        if len(v["seeds"]) < target.get("seeds", 1):
+            failed.append(f"{len(v['seeds'])} seed(s) of the {target['seeds']} needed")
+        for r in v["seeds"]:
+            at = "" if r["seed"] is None else f" (seed {r['seed']})"
+            if r["tpf"] < target["tpf"]:
+                failed.append(f"TPF {r['tpf']:.2f} < {target['tpf']}{at}")
+            if r["ratio"] is None or r["ratio"] < target["em_ratio"]:
+                failed.append(f"ratio {_f(r['ratio'])} < {target['em_ratio']}{at}")
+            if r["lower"] is None or r["lower"] < target["lower"]:
+                failed.append(f"lower end {_f(r['lower'])} < {target['lower']}{at}")
+            if r["speedup"] is None or r["speedup"] < target["speedup"]:
+                failed.append(f"batch-1 speedup {_f(r['speedup'], '.2f')} < "
+                              f"{target['speedup']}{at}")
+        v["failed"], v["met"] = failed, not failed
+    return out
+
+
+def ratio_table(ratios: list[dict]) -> list[str]:
+    """Markdown: each ReFusion decode's ratio to AR with its interval, per seed, then (with
+    several seeds) the mean over seeds per arm and setting."""
+    if not ratios:
+        return []
+    L = ["| model | decoding | TPF | exact match | AR exact match (ar_continued, same seed) | "
+         "ratio | 95% interval (paired bootstrap) | batch-1 speedup |",
+         "|---|---|---|---|---|---|---|---|"]
+    for r in sorted(ratios, key=lambda r: (r["arm"], r["setting"].name(), r["seed"] or 0)):
+        ci = "-" if r["lower"] is None else f"[{r['lower']:.3f}, {r['upper']:.3f}]"
+        L.append(f"| {r['model']} | {r['setting'].label()} | {r['tpf']:.2f} | "
+                 f"{r['exact_match']:.3f} | {r['ar_exact_match']:.3f} | {_f(r['ratio'])} | "
+                 f"{ci} | {_f(r['speedup'], '.2f')} |")
+    groups: dict = {}
+    for r in ratios:
+        groups.setdefault((r["arm"], r["setting"].name()), []).append(r)
+    if any(len(g) > 1 for g in groups.values()):
+        L += ["", "Mean over seeds:", "",
+              "| arm | decoding | seeds | TPF | ratio | lowest lower end | batch-1 speedup |",
+              "|---|---|---|---|---|---|---|"]
+
+        def mean(xs):
+            xs = [x for x in xs if x is not None]
+            return sum(xs) / len(xs) if xs else None
+        for (arm, _), g in sorted(groups.items()):
+            lows = [r["lower"] for r in g]
+            L.append(f"| {arm} | {g[0]['setting'].label()} | {len(g)} | "
+                     f"{mean([r['tpf'] for r in g]):.2f} | {_f(mean([r['ratio'] for r in g]))} | "
+                     f"{_f(None if None in lows else min(lows))} | "
+                     f"{_f(mean([r['speedup'] for r in g]), '.2f')} |")
+    return L
+
+
+def target_lines(ratios: list[dict], target: dict, what: str) -> list[str]:
+    """Markdown: the target (or goal) and, per arm and setting, met or what failed."""
+    t = target
+    L = ["", f"{what}: at one setting of one ReFusion arm, at each of {t.get('seeds', 1)} "
+         f"seed(s), TPF >= {t['tpf']} "
+         f"with exact match >= {t['em_ratio']:.0%} of the AR decoding of `ar_continued` (same "
+         f"seed), the 95% interval's lower end >= {t['lower']:.0%}, and a batch-1 wall-clock "
+         f"speedup >= {t['speedup']}x over `ar_continued`'s AR decoding at batch 1.", ""]
+    checked = check_target(ratios, t)
+    met = [(k, v) for k, v in sorted(checked.items()) if v["met"]]
+    if met:
+        L += [f"- met by `{arm}`, {v['setting'].label()}" for (arm, _), v in met]
+    else:
+        L.append("- not met.")
+        for (arm, _), v in sorted(checked.items()):
+            L.append(f"  - `{arm}`, {v['setting'].label()}: " + "; ".join(v["failed"]))
+    return L
+
+
+def timing_lines(timings: dict) -> list[str]:
+    """Markdown: the last invocation's stages (`timings.json`): ran or reused, wall seconds,
+    threads, processes, date, and for a reused stage when it last ran."""
+    if not timings:
+        return []
+    L = ["| stage | this invocation | wall s | threads | processes | date | last run (s, date) |",
+         "|---|---|---|---|---|---|---|"]
+    total = 0.0
+    for k, v in timings.items():
+        v = {"status": "ran", "seconds": float(v)} if isinstance(v, (int, float)) else v
+        total += v.get("seconds") or 0.0
+        last = v.get("last_run") or {}
+        L.append(f"| {k} | {v.get('status', '-')} | {v.get('seconds', 0):.0f} | "
+                 f"{v.get('threads', '-')} | {v.get('processes', '-')} | {v.get('date', '-')} | "
+                 + (f"{last.get('seconds', 0):.0f}, {last.get('date', '-')}" if last else "-")
+                 + " |")
+    return L + ["", f"Total of this invocation: {total:.0f} s ({total / 60:.1f} min)."]
 
 
 # ---------------------------------------------------------------- figures
@@ -191,14 +396,15 @@ def plain_text(tok, ids: list[int], eos_id: int) -> str:
 
 
 def samples_markdown(rows: list[dict], task, examples: list[dict] | None, tok,
-                     n: int = 3) -> list[str]:
+                     n: int = 3, models=None) -> list[str]:
     """The first `n` examples of the main set: reference, AR decodes, and the task's sample
-    settings with the tokens each forward committed marked."""
+    settings with the tokens each forward committed marked, for `models` (default the task's
+    ReFusion arms)."""
     if tok is None:
         return []
     eos = tok.info.eos_id
     pick = [("AR decoding of ar_continued", "ar_continued", Setting())]
-    for m in task.refusion_arms:
+    for m in (task.refusion_arms if models is None else models):
         pick += [(f"AR decoding of {m}", m, Setting())]
         pick += [(f"ReFusion decoding of {m} ({s.label()})", m, s) for s in task.sample_settings
                  if m == "refusion" or s.verify != "authors"]
@@ -268,53 +474,27 @@ def decode_table(rows: list[dict]) -> list[str]:
     return L
 
 
-def _target_lines(main: list[dict], tpf: float, ratio: float, what: str) -> list[str]:
-    tc = target_check(main, tpf, ratio)
-    if tc.get("need") is None:
-        return []
-    L = ["", f"{what}: TPF >= {tpf} with exact match >= {ratio:.0%} of the AR decoding of "
-         f"`ar_continued` (the equal-compute AR model), i.e. >= {tc['need']:.3f}:", ""]
-    for key in sorted(k for k in tc if k not in ("baseline", "need")):
-        model, v = key
-        hit = tc[key]
-        best = max(hit, key=lambda r: r["tpf"]) if hit else None
-        who = "" if model == "refusion" else f"`{model}`, "
-        if hit:
-            L.append(f"- {who}verify {v}: reached by {len(hit)} setting(s); the fastest: "
-                     f"{setting_of(best).label()} (TPF {best['tpf']:.2f}, exact match "
-                     f"{best['exact_match']:.3f}).")
-        else:
-            rows = [r for r in main if r["mode"] == "refusion" and r["model"] == model
-                    and setting_of(r).verify == v and batch_of(r) == 0]
-            ok = [r for r in rows if r["exact_match"] >= tc["need"]]
-            near = max(ok, key=lambda r: r["tpf"]) if ok else max(
-                rows, key=lambda r: r["exact_match"]) if rows else None
-            L.append(f"- {who}verify {v}: not reached." + (
-                f" Closest: {setting_of(near).label()} (TPF {near['tpf']:.2f}, exact match "
-                f"{near['exact_match']:.3f})." if near is not None else ""))
-    if tc["baseline"] == 0:
-        L += ["", "The exact-match side of the target is empty here (the AR baseline's exact "
-              "match is 0, so any setting meets it): compare token accuracy, and see the "
-              "diagnosis below for what limits TPF."]
-    return L
-
-
 def latency_table(rows: list[dict]) -> list[str]:
-    """Tokens/s of the batch-1 decodes beside the same decodes at the task's batch."""
+    """Tokens/s of the batch-1 decodes beside the same decodes at the task's batch, and the
+    wall-clock speedup over `ar_continued`'s AR decoding at batch 1 at the same seed (its wall
+    seconds over this decode's, on the same problems)."""
     one = [r for r in rows if batch_of(r) == 1]
     if not one:
         return []
-    L = ["| model | decoding | TPF | tokens/s at batch 1 | x AR of ar_continued at batch 1 | "
-         "tokens/s at the default batch |", "|---|---|---|---|---|---|"]
-    base = next((r for r in one if r["mode"] == "ar" and r["model"] == "ar_continued"), None)
+    L = ["| model | decoding | problems | TPF | tokens/s at batch 1 | wall-clock speedup over AR "
+         "of ar_continued at batch 1 | tokens/s at the default batch |",
+         "|---|---|---|---|---|---|---|"]
     for r in one:
+        base = next((o for o in one if o["mode"] == "ar"
+                     and o["model"] == baseline_of(r["model"])), None)
         plain = Setting(**{**setting_of(r).to_dict(), "batch_size": 0})   # at the default batch
         twin = next((o for o in rows if batch_of(o) == 0 and o["model"] == r["model"]
                      and o["mode"] == r["mode"] and (o["mode"] == "ar" or setting_of(o) == plain)),
                     None)
         label = "AR" if r["mode"] == "ar" else plain.label()
-        L.append(f"| {r['model']} | {label} | {r['tpf']:.2f} | {r['tps']:.0f} | "
-                 + (f"{r['tps'] / base['tps']:.2f}" if base and base["tps"] else "-") + " | "
+        ok = base and r["seconds"] and base["examples"] == r["examples"]
+        L.append(f"| {r['model']} | {label} | {r['examples']} | {r['tpf']:.2f} | {r['tps']:.0f} | "
+                 + (f"{base['seconds'] / r['seconds']:.2f}" if ok else "-") + " | "
                  + (f"{twin['tps']:.0f}" if twin else "-") + " |")
     return L
 
@@ -339,14 +519,15 @@ def sweep_lines(sweep: dict | None) -> list[str]:
     return L + [""]
 
 
-def report_markdown(exp, got: dict, runs: dict, tok=None, target_tpf: float = 2.0,
-                    target_ratio: float = 0.9, goal_tpf: float | None = None,
-                    goal_ratio: float | None = None) -> str:
+def report_markdown(exp, got: dict, runs: dict, tok=None, target: dict | None = None,
+                    goal: dict | None = None) -> str:
     """report.md of an `Experiment` (`exp`) from `exp.collect()` (`got`), the training runs'
     metrics (`runs`: {label: read_metrics result}) and the task's tokenizer (for the
-    side-by-side answers; None leaves them out); the target (and, when given, the goal)
-    checked on the main set."""
+    side-by-side answers; None leaves them out); the target (and, when given, the goal:
+    {"tpf", "em_ratio", "lower", "speedup"}, `check_target`) checked on the main set."""
     task = exp.task
+    models = exp.models()
+    ref_models = [m for m in models if arm_of(m) != "ar_continued"]
     rows = got["rows"]
     main = [r for r in rows if r.get("set") == task.main_set]
     n_main = main[0]["examples"] if main else 0
@@ -354,23 +535,22 @@ def report_markdown(exp, got: dict, runs: dict, tok=None, target_tpf: float = 2.
     L += ["## Settings", "",
           f"- data: {task.data_description} (`{exp.shards}`)",
           f"- model: run config `{exp.config}`; {exp.nproc} process(es) x {exp.threads} "
-          f"thread(s)" + (f"; {exp.parallel or len(task.arms)} stage-2 runs at a time"
+          f"thread(s)" + (f"; {exp.parallel or len(models)} stage-2 runs at a time"
                           if exp.parallel != 1 else "")
           + (f"; evaluation in {exp.eval_workers()} processes at a time, the batch-1 decodes "
              f"alone afterwards" if exp.eval_workers() > 1 else ""),
           f"- 1. AR pretraining from scratch: {exp.pretrain_steps} steps of "
           f"{exp.micro_batch_size} packed 256-token rows",
           "- stage 2 from the export, " + ", ".join(
-              f"{RUN_TEXT.get(a, a)}" for a in task.arms) + f": {exp.finetune_steps} steps each, "
-          "same batch, data order and lr schedule"]
+              f"{RUN_TEXT.get(a, a)}" for a in exp.arms) + f": {exp.finetune_steps} steps each, "
+          "same batch, data order and lr schedule; seeds (`train.seed`): "
+          + ", ".join(map(str, exp.seeds)) + f"; decoding grid `{exp.grid}`"]
     L += task.settings_text()
     L += ["- the held-out sets, metric, generation length and grid were fixed before any "
           "decode result was seen (`pipeline/experiment/tasks.py`)", ""]
     if exp.timings:
-        total = sum(exp.timings.values())
-        L += ["Stage wall times (s): " + ", ".join(f"{k} {v:.0f}" for k, v in
-                                                  exp.timings.items())
-              + f"; total {total:.0f} s ({total / 60:.1f} min)", ""]
+        L += ["Stages of the last invocation (`timings.json`; `reused`: its result was there, "
+              "made from the same inputs; `skipped`: the options did not ask for it):", ""] + timing_lines(exp.timings) + [""]
     L += ["## Training", "", "| run | steps | tokens | last train loss (AR / MDM) | "
           "last validation loss (AR / MDM) |", "|---|---|---|---|---|"]
     for label, m in runs.items():
@@ -411,7 +591,7 @@ def report_markdown(exp, got: dict, runs: dict, tok=None, target_tpf: float = 2.
               "about the same whatever it feeds on a GPU; on these CPUs it still grows with "
               "the tokens fed.", ""] + lat + [""]
     L += sweep_lines(got.get("sweep"))
-    for model in task.refusion_arms:
+    for model in ref_models:
         ref = [r for r in main if r["mode"] == "refusion" and r["model"] == model
                and batch_of(r) == 0]
         if not ref:
@@ -422,10 +602,20 @@ def report_markdown(exp, got: dict, runs: dict, tok=None, target_tpf: float = 2.
             L.append(f"- {setting_of(r).label()}: TPF {r['tpf']:.2f}, exact match "
                      f"{r['exact_match']:.3f}, token accuracy {_f(r.get('token_accuracy'))}")
         L.append("")
-    if any(r["mode"] == "refusion" for r in main):
-        L += ["## Target"] + _target_lines(main, target_tpf, target_ratio, "Target")
-        if goal_tpf is not None:
-            L += _target_lines(main, goal_tpf, goal_ratio, "Goal beyond it")
+    ratios = ratio_rows(main)
+    if ratios:
+        L += ["## Exact match relative to AR", "",
+              f"Each ReFusion decode's exact match over the AR decoding of `ar_continued` at the "
+              f"same seed, on the same {n_main} problems; the 95% interval is a paired "
+              "bootstrap over problems (10,000 resamples of the problem indices, the ratio of "
+              "means per resample, percentile interval; seed 0). Batch-1 speedup: wall seconds "
+              "of `ar_continued`'s AR decoding at batch 1 over this setting's at batch 1, on the "
+              f"same first {min(task.latency_examples or n_main, n_main)} problems.", ""]
+        L += ratio_table(ratios) + [""]
+    if target is not None and ratios:
+        L += ["## Target"] + target_lines(ratios, target, "Target (issue 34)")
+        if goal is not None:
+            L += target_lines(ratios, goal, "Goal beyond it")
         L.append("")
     others = [r for r in rows if r.get("set") != task.main_set]
     for set_name in dict.fromkeys(r["set"] for r in others):
@@ -438,7 +628,7 @@ def report_markdown(exp, got: dict, runs: dict, tok=None, target_tpf: float = 2.
             examples = exp.examples(task.main_set)[:3]
         except (OSError, ValueError, KeyError):
             pass
-    L += samples_markdown(main, task, examples, tok)
+    L += samples_markdown(main, task, examples, tok, models=ref_models)
     diag = got.get("diagnose") or []
     if diag:
         thr = list(diag[0]["accepted"])
