@@ -321,3 +321,25 @@ def test_a_real_pretraining_folder_is_adopted_from_a_copy_of_its_small_files(tmp
     e = Experiment("math", str(out))
     assert e.check_runs()["pretrain_ar"] == "adopted"
     assert not (REAL_RUN / "runs" / "pretrain_ar" / "inputs.json").exists()
+
+
+def test_dual_arms_are_fed_the_same_tokens_per_step_in_longer_rows(tmp_path):
+    """A dual-stream arm takes rows of ARM_ROW_TOKENS and fewer of them: rows x length is the
+    other arms' micro-batch x 256; a micro-batch that does not divide is refused (exit 2)."""
+    from pipeline.common.cli import UsageError
+    from pipeline.experiment.tasks import ARM_ROW_TOKENS, ROW_TOKENS
+
+    def opts(e, name):
+        return dict(o.split("=", 1) for o in e.train_overrides(name, 10, []))
+
+    e = _experiment(tmp_path)
+    plain = opts(e, "ar_continued")
+    assert plain["train.micro_batch_size"] == "8" and "data.max_length" not in plain
+    for arm in ("dual_all", "dual_refusion_seed7"):
+        o = opts(e, arm)
+        length = int(o["data.max_length"])
+        assert length == ARM_ROW_TOKENS[arm.split("_seed")[0]] == 512
+        assert int(o["train.micro_batch_size"]) * length == 8 * ROW_TOKENS
+    odd = Experiment("math", str(tmp_path / "odd"), micro_batch_size=3)
+    with pytest.raises(UsageError, match="--micro-batch-size 3: dual_all"):
+        odd.train_overrides("dual_all", 10, [])

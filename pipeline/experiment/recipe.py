@@ -61,7 +61,8 @@ from pathlib import Path
 from pipeline.common.cli import EXIT_USAGE, hidden_alias
 from pipeline.common.atomic_io import write_json, write_text
 from pipeline.experiment import reuse
-from pipeline.experiment.tasks import AR, ARM_OBJECTIVES, GRIDS, ROOT, TASKS, Setting, Task
+from pipeline.experiment.tasks import (AR, ARM_OBJECTIVES, ARM_ROW_TOKENS, GRIDS, ROOT,
+                                      ROW_TOKENS, TASKS, Setting, Task)
 
 VAL_LOSS_BATCHES = 40              # micro-batches of 4 samples (160 of the validation split)
 # Issue 34's target, fixed before any result (docs/EXPERIMENTS.md keeps the earlier ones): at
@@ -354,10 +355,20 @@ class Experiment:
         return latest is not None and latest.name == f"step_{steps:09d}"
 
     def train_overrides(self, name: str, steps: int, overrides: list[str]) -> list[str]:
-        """The `key=value` options a training run is started with (after `--config`)."""
+        """The `key=value` options a training run is started with (after `--config`). An arm
+        of `tasks.ARM_ROW_TOKENS` is fed rows of that length and `micro_batch_size x
+        ROW_TOKENS / length` rows per step: the same tokens per step as every other arm."""
+        rows, extra = self.micro_batch_size, []
+        length = ARM_ROW_TOKENS.get(split_seed(name)[0])
+        if length:
+            if (self.micro_batch_size * ROW_TOKENS) % length:
+                from pipeline.common.cli import UsageError
+                raise UsageError(f"--micro-batch-size {self.micro_batch_size}: {name} needs "
+                                 f"rows x {ROW_TOKENS} divisible by its row length {length}")
+            rows, extra = self.micro_batch_size * ROW_TOKENS // length, [f"data.max_length={length}"]
         return [f"run_dir={self.run_dir(name)}", f"data.dir={self.shards}",
-                f"train.max_steps={steps}",
-                f"train.micro_batch_size={self.micro_batch_size}"] + list(overrides)
+                f"train.max_steps={steps}", f"train.micro_batch_size={rows}"] + extra + list(
+                    overrides)
 
     def train_command(self, name: str, steps: int, overrides: list[str]) -> list[str]:
         launch = ([sys.executable] if self.nproc == 1 else

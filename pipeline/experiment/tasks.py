@@ -88,6 +88,15 @@ ARM_OBJECTIVES = {
 }
 
 
+# Arms fed in longer rows: a dual-stream sample (clean tokens + masked copies of its slots) is
+# about twice a problem's length, so 256-token rows would hold one sample and pad the rest
+# (measured on the math shards: 75% real tokens against 95% for `refusion`). These arms take
+# rows of this many tokens and proportionally fewer rows per step (`recipe.Experiment.
+# train_overrides`), so every arm is fed the same tokens per step, padding included.
+ARM_ROW_TOKENS = {"dual_all": 512, "dual_refusion": 512}
+ROW_TOKENS = 256          # the shards' max_length and the other arms' row length
+
+
 def refusion_arms(arms) -> list[str]:
     """The stage-2 models (arm names, with or without a `_seed<N>` suffix) decoded with
     ReFusion settings: every one but `ar_continued`'s."""
