@@ -6,22 +6,30 @@ tests' tiny model `tests/shard_fixtures.TINY_MODEL` with the tokenizer's vocabul
 command to the trainer's "step 1/1" log line, on the same samples written by data prep once
 in small shards and once in a few large ones, unpacked and packed (`data.pack`, best fit, the
 default shuffle window of 1,000 samples). Shards are verified as in a real run
-(`data.verify_shards=error`: each loader process hashes each shard it touches, once).
+(`data.verify_shards=error`: each loader process hashes each shard it touches, once, before
+its first sample) unless `--verify off`.
 "after" is the loader as it is (each shard's `<shard>.idx`); "before" is the same loader with
 the index read replaced by the walk of the shard's tar headers
 (`pipeline.data.sample_index.build`, the code the loader ran before indexes existed: the loader
 itself no longer has that path, it refuses a folder without indexes), patched into each rank
 before its loader is built (loader workers are forked from it and inherit it).
-Also printed: the peak RSS (VmHWM, polled from /proc) of the loader workers and of the rank
-processes, and how long data prep took to write each folder.
+Also printed: "first batch", the slowest rank's seconds from its loader's first `iter` to its
+first batch (worker start, shard hashing, index reads or tar walks, the samples' reads: the
+loader's share of the launch, less noisy than the whole on a busy machine); the peak RSS
+(VmHWM) and the largest private memory (USS) seen of the rank processes and of the loader
+workers (polled from /proc every 0.2 s; a forked worker's RSS counts pages it shares with its
+rank, its USS is what it holds itself); and how long data prep took.
+Each run appends a JSON line to `<data>/runs/results.jsonl` (its log beside it).
 
-The data (synthetic query/response records, a 300-piece SentencePiece tokenizer trained on
-the first 20,000 of them, then `data_prep/shard.py --shard-samples S` for each layout) is kept
-under `--data` and reused by later runs; data prep's wall time is recorded there
-(`prep_times.json`) the first time it runs.
+The data (synthetic query/response records of a few words, ~50 tokens a sample, a 300-piece
+SentencePiece tokenizer trained on the first 20,000 of them, `data_prep/shard.py
+--shard-samples S` for the smallest layout, the larger layouts regrouped from it (`regroup`),
+`--sizes` the first shards of each) is kept under `--data` and reused by later runs; the
+seconds data prep took are recorded there (`prep_times.json`) the first time it runs.
 
     .venv/bin/python bench/bench_launch.py [--data /tmp/idx_bench] [--samples 1000000]
-        [--shard-samples 10000,250000] [--modes after,before] [--timeout 1800]
+        [--shard-samples 10000,250000] [--sizes 1000000,250000] [--modes after,before]
+        [--before-up-to 250000] [--pack no,yes] [--verify error|off] [--timeout 1800]
 """
 from __future__ import annotations
 
@@ -179,13 +187,14 @@ def m_total(manifest: dict) -> int:
     return sum(e["samples"] for e in manifest["splits"]["train"])
 
 
-def write_config(path: Path, data_dir: Path, run_dir: Path, pack: bool) -> None:
+def write_config(path: Path, data_dir: Path, run_dir: Path, pack: bool, verify: str) -> None:
     from shard_fixtures import TINY_MODEL
     m = json.loads((data_dir / "manifest.json").read_text())
     model = dict(TINY_MODEL, vocab_size=m["tokenizer"]["vocab_size"],
                  max_position_embeddings=max(64, m["max_length"]))
     cfg = {"run_dir": str(run_dir), "model": {"inline": model},
-           "data": {"dir": str(data_dir), "num_workers": 2, "pack": pack},
+           "data": {"dir": str(data_dir), "num_workers": 2, "pack": pack,
+                    "verify_shards": verify},
            "optim": {"lr": 1e-3, "warmup_steps": 1},
            "train": {"max_steps": 1, "micro_batch_size": 2, "global_batch_size": 4,
                      "precision": "fp32", "tensor_parallel_size": 1, "eval_interval": 0,
@@ -317,6 +326,8 @@ def main() -> None:
     p.add_argument("--before-up-to", type=int, default=None,
                    help="run `before` only on sizes up to this many samples")
     p.add_argument("--pack", default="no,yes", help="no, yes or both, comma-separated")
+    p.add_argument("--verify", default="error", choices=("error", "off"),
+                   help="data.verify_shards of the runs")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per trainer launch")
     p.add_argument("--prepare-only", action="store_true")
     a = p.parse_args()
@@ -340,18 +351,19 @@ def main() -> None:
                 for s in layouts:  # the layouts side by side
                     d = subset(a.data / f"shards-{a.samples}-{s}", n)
                     shards = json.loads((d / "manifest.json").read_text())["splits"]["train"]
-                    tag = f"{d.name}-{'packed' if pack else 'unpacked'}-{mode}"
+                    tag = f"{d.name}-{'packed' if pack else 'unpacked'}-{mode}-verify_{a.verify}"
                     cfg = runs / f"{tag}.json"
-                    write_config(cfg, d, runs / tag, pack)
+                    write_config(cfg, d, runs / tag, pack, a.verify)
                     r = launch(cfg, mode == "before", a.timeout, runs / f"{tag}.log")
                     r.update(samples=n, samples_per_shard=s, shards=len(shards), pack=pack,
-                             mode=mode, load=os.getloadavg()[0],
+                             mode=mode, verify=a.verify, load=os.getloadavg()[0],
                              date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
                     with open(runs / "results.jsonl", "a") as f:
                         f.write(json.dumps(r) + "\n")
                     fmt = lambda v: f"{v:.1f} s" if v is not None else "none"  # noqa: E731
                     print(f"{n:8d} samples in {len(shards):3d} shards, "
-                          f"{'packed' if pack else 'unpacked':8s} {mode:6s}: launch to step 1 "
+                          f"{'packed' if pack else 'unpacked':8s} {mode:6s} verify {a.verify}: "
+                          f"launch to step 1 "
                           f"{fmt(r['step1_s'])}, first batch {fmt(r['first_batch_s'])} (exit "
                           f"{r['rc']}, {r['total_s']:.0f} s); peak RSS MB (USS): rank "
                           f"{r['ranks']:.0f} ({r['ranks_uss']:.0f}), loader worker "

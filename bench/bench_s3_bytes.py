@@ -3,7 +3,8 @@
 A moto S3 server (`moto.server`, in a thread of this process) behind a WSGI wrapper that adds
 up the body bytes of every GET it answers (and counts the GETs); the shard folder
 (`bench_shard_index.write_folder`: data prep's tar layout and sample indexes, `--samples`
-samples of ~2 KB in `--shards` shards) is uploaded to it, and the loader reads
+samples of ~2 KB in `--shards` shards, each shard's sha256 in the manifest as data prep
+records it) is uploaded to it, and the loader reads
 `s3://bench/shards` through s3fs (`build_loader`, one shuffled pass, `infinite=False`,
 micro-batch 8). Each configuration runs in a fresh process (forked loader workers, where
 `--workers` > 0, use the same server); the figure is bytes served during the pass / bytes of
@@ -22,6 +23,7 @@ them, e.g. a venv made with `--system-site-packages` next to the project's:
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import multiprocessing
 import os
@@ -119,6 +121,10 @@ def main() -> None:
         folder = Path(tmp) / "shards"
         shard_bytes = write_folder(folder, a.samples, -(-a.samples // a.shards), a.max_length,
                                    seed=2)
+        m = json.loads((folder / "manifest.json").read_text())
+        for e in m["splits"]["train"]:  # as data prep records it: what verify_shards checks
+            e["sha256"] = hashlib.sha256((folder / e["name"]).read_bytes()).hexdigest()
+        (folder / "manifest.json").write_text(json.dumps(m))
         fs.put(str(folder) + "/", "bench/shards/", recursive=True)
     print(f"{a.samples} samples in {a.shards} shards, {shard_bytes / 1e6:.1f} MB, uploaded to "
           f"moto at {endpoint}", flush=True)
