@@ -37,6 +37,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -353,6 +354,7 @@ def main() -> None:
                     shards = json.loads((d / "manifest.json").read_text())["splits"]["train"]
                     tag = f"{d.name}-{'packed' if pack else 'unpacked'}-{mode}-verify_{a.verify}"
                     cfg = runs / f"{tag}.json"
+                    shutil.rmtree(runs / tag, ignore_errors=True)  # else it resumes at step 1
                     write_config(cfg, d, runs / tag, pack, a.verify)
                     r = launch(cfg, mode == "before", a.timeout, runs / f"{tag}.log")
                     r.update(samples=n, samples_per_shard=s, shards=len(shards), pack=pack,
