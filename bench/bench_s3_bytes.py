@@ -6,19 +6,25 @@ up the body bytes of every GET it answers (and counts the GETs); the shard folde
 samples of ~2 KB in `--shards` shards, each shard's sha256 in the manifest as data prep
 records it) is uploaded to it, and the loader reads
 `s3://bench/shards` through s3fs (`build_loader`, one shuffled pass, `infinite=False`,
-micro-batch 8). Each configuration runs in a fresh process (forked loader workers, where
-`--workers` > 0, use the same server); the figure is bytes served during the pass / bytes of
-the shards (indexes not counted in the denominator, counted when read).
+micro-batch 8). Each configuration runs in a fresh process (its forked loader workers, if
+any, use the same server); the figure is bytes served during the pass / bytes of the shards
+(indexes not counted in the denominator, counted when read).
 
-Configurations: sample index ("after") or the tar-header walk it replaced ("before",
-`bench_shard_index.Mode`), `data.verify_shards` off or error (error reads each shard whole
-once per process to hash it), unpacked or packed, loader workers.
+Configurations (`--configs`, comma-separated `mode:verify:workers:pack`): sample index
+("after") or the tar-header walk it replaced ("before", `bench_shard_index.Mode`),
+`data.verify_shards` off or error (error reads each shard whole once per process to hash it),
+loader workers, unpacked or packed. moto copies the whole object for every range request, so
+on a small machine keep the shards small (`--samples 3000 --shards 6`: minutes per
+configuration on a loaded 2-core machine).
 
-Needs `moto[server]` and `s3fs` (not project dependencies): run it with an environment that has
-them, e.g. a venv made with `--system-site-packages` next to the project's:
+Needs `moto[server]` and `s3fs` (not project dependencies): run it with a venv of its own that
+also sees the project's packages (a `.pth` file naming the project venv's site-packages):
 
-    python -m venv --system-site-packages /tmp/s3venv && /tmp/s3venv/bin/pip install "moto[server]" s3fs
-    /tmp/s3venv/bin/python bench/bench_s3_bytes.py [--samples 20000] [--shards 10] [--max-length 320]
+    .venv/bin/python -m venv /tmp/s3venv && /tmp/s3venv/bin/pip install "moto[server]" s3fs
+    .venv/bin/python -c "import site; print(site.getsitepackages()[0])" > \
+        "$(/tmp/s3venv/bin/python -c 'import site; print(site.getsitepackages()[0])')/project.pth"
+    /tmp/s3venv/bin/python bench/bench_s3_bytes.py [--samples 20000] [--shards 10]
+        [--max-length 320] [--configs after:off:0:unpacked,...]
 """
 from __future__ import annotations
 
