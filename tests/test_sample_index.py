@@ -247,3 +247,56 @@ def test_damaged_index_is_one_line_naming_it(folder, damage):
         with pytest.raises(DataError, match=r"train-000002\.tar\.idx: \d+ bytes, expected"):
             for _ in loader:
                 pass
+
+
+def _range_fs(fetched: dict):
+    """An fsspec filesystem over local files whose files are fsspec's buffered remote-file
+    class with its default read-ahead cache (as s3fs, gcsfs and http files are): every byte
+    fetched from disk is added to `fetched[path]`."""
+    from fsspec.implementations.local import LocalFileSystem
+    from fsspec.spec import AbstractBufferedFile
+
+    class RangeFile(AbstractBufferedFile):
+        def _fetch_range(self, start, end):
+            with open(self.path, "rb") as f:
+                f.seek(start)
+                data = f.read(end - start)
+            fetched[self.path] = fetched.get(self.path, 0) + len(data)
+            return data
+
+    class RangeFS(LocalFileSystem):
+        protocol = "rangefile"
+
+        def _open(self, path, mode="rb", block_size=None, autocommit=True, cache_options=None,
+                  **kwargs):
+            if mode != "rb":
+                return super()._open(path, mode, block_size=block_size, **kwargs)
+            return RangeFile(self, self._strip_protocol(path), mode, block_size or "default",
+                             cache_options=cache_options, **kwargs)
+
+    return RangeFS
+
+
+@pytest.mark.parametrize("pack", [False, True])
+def test_an_epoch_from_a_read_ahead_filesystem_reads_each_sample_once(tmp_path, pack):
+    """One shuffled epoch through a filesystem that reads ahead (5 MB blocks, fsspec's default;
+    s3fs reads 50 MB) fetches from each shard exactly the byte ranges its index gives its
+    samples, no more: each sample is one range read without the cache (the read-ahead fetched
+    the rest of the shard at every jump of the shuffled order)."""
+    import fsspec
+    rng = np.random.default_rng(5)
+    root = tmp_path / "d"
+    write_shards(str(root), {"train": random_samples(rng, 120, max_length=40)},
+                 samples_per_shard=30)
+    fetched: dict = {}
+    fsspec.register_implementation("rangefile", _range_fs(fetched), clobber=True)
+    loader = build_loader(f"rangefile://{root}", "train", 4, 80 if pack else 40, num_workers=0,
+                          pack=pack, shuffle=True, shuffle_buffer=32, infinite=False, seed=1,
+                          verify_shards="off")
+    assert sum(len(b["keys"]) for b in loader) == 120
+    tars = sorted(root.glob("train-*.tar"))
+    assert len(tars) == 4
+    for tar in tars:
+        idx = sample_index.decode((root / sample_index.index_name(tar.name)).read_bytes(), "t")
+        ranges = int((sample_index.sample_end(idx) - idx["start"].astype(np.int64)).sum())
+        assert fetched[str(tar)] == ranges < tar.stat().st_size

@@ -262,6 +262,35 @@ def test_srun_gets_cpus_per_task(tmp_path, env, cores, warns):
     assert ("core(s) per GPU task" in r.stdout) is warns, r.stdout
 
 
+@pytest.mark.parametrize("overrides,code,verdict", [
+    (["train.gpu_memory_gib=80"], 0, "fits in 80.0 GiB"),
+    (["train.gpu_memory_gib=80", "train.activation_checkpointing=none",
+      "train.micro_batch_size=8"], 1, "does NOT fit"),
+])
+def test_dry_run_prints_the_memory_plan_of_the_jobs_layout(tmp_path, overrides, code, verdict):
+    """REFUSION_DRY_RUN=1: the plan for the allocation's task count (4 nodes x 8 tasks of
+    configs/qwen3_8b.yaml, TP 2: DP 16) with the command line's overrides, the plan's exit code
+    (0 fits, 1 does not), and no training task started (`srun` records any call; no cluster)."""
+    import sys
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, body in (("srun", FAKE_SRUN), ("scontrol", "#!/usr/bin/env bash\necho node0\n")):
+        (bin_dir / name).write_text(body)
+        (bin_dir / name).chmod(0o755)
+    args_file = tmp_path / "srun_args"
+    base = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    run_env = {**base, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SRUN_ARGS_FILE": str(args_file),
+               "SLURM_JOB_ID": "7", "SLURM_JOB_NUM_NODES": "4", "SLURM_NTASKS_PER_NODE": "8",
+               "SLURM_JOB_NODELIST": "node[0-3]", "PYTHON": sys.executable, "REFUSION_DRY_RUN": "1"}
+    r = subprocess.run(["bash", str(SCRIPT), "configs/qwen3_8b.yaml", *overrides], cwd=ROOT,
+                       env=run_env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == code, r.stdout + r.stderr
+    assert r.stdout.startswith("memory plan per GPU (TP 2 x DP 16, ZeRO-3"), r.stdout
+    assert verdict in r.stdout and not args_file.exists()
+    if code == 1:  # the override reached the plan
+        assert "micro-batch 8 x 4096 tokens, recompute none" in r.stdout
+
+
 def test_sbatch_wandb_offline_scontrol_requeue_keeps_checkpoint_and_history(tmp_path, slurm_cluster):
     """`scontrol requeue` (as preemption does: SIGTERM to every process of the job, wandb's
     service included) with wandb offline: the leg checkpoints at the step it reached and exits

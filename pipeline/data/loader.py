@@ -132,8 +132,14 @@ def _digest(obj) -> str:
 
 def _open_shard(fs, path: str):
     """Open one shard for binary, seekable reading: the only place shards are opened (a hook
-    for verification or remote-filesystem error handling wraps this function)."""
-    return fs.open(path, "rb")
+    for verification or remote-filesystem error handling wraps this function).
+
+    Without a read cache (`cache_type="none"`): each `read` is one request for exactly the
+    sample's byte range. fsspec's remote files otherwise read ahead (s3fs: 50 MB past a read,
+    fsspec's http: 5 MB), which in the loader's shuffled order fetched up to the rest of the
+    shard at every jump: one epoch of 10,000 samples in 10 shards took 72x the shards' bytes
+    from an S3 server (`bench/bench_s3_bytes.py`). Local and in-memory files ignore it."""
+    return fs.open(path, "rb", cache_type="none")
 
 
 class _Order:
