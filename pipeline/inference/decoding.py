@@ -515,6 +515,56 @@ def _correct(row: _Row, d_off: list[int], d_tok: list[int], logits: torch.Tensor
     row.ref_tpf_steps += 1
 
 
+def _walk_and_commit(row: _Row, d_tok: list[int], logits: torch.Tensor, *, p0: int, cur: int,
+                     gen_length: int, token_threshold: float, temperature: float,
+                     eos_id: int | None, generator, mode: str) -> tuple[list[int], bool]:
+    """One left-to-right step's verdict (verify="draft_ahead" and "draft_every"): the drafts
+    `d_tok` of offsets `cur, cur + 1, ...` were fed causally right after the carried token at
+    offset `cur - 1`; `logits: FloatTensor[>= len(d_tok), V]` holds their logits first.
+
+    Walks the drafts with the AR head (`_judge`: the carried token's logits judge the first
+    draft, draft i's logits the next); at the first failure the AR head's choice is committed
+    in its place; after a full walk, the AR head's choice for the next offset (the bonus) when
+    it is inside the generation region. Records the commit on `row`: the accepted drafts are
+    committed to the cache from this forward (`row.commit`, a prefix of the request), the
+    correction/bonus token is carried into the next forward; sets `row.eos_pos` on an EOS.
+
+    Returns:
+        (the committed tokens: accepted drafts + the correction or bonus token, in natural
+        order from offset `cur`; True when an EOS ended the row).
+    Raises:
+        AssertionError: the last forward carried no token at offset `cur - 1` (a driver bug).
+    """
+    if row.carry_logits is None or row.carry_last != p0 + cur - 1:
+        raise AssertionError(f"{mode}: no AR prediction for the first open offset")
+    # walk the drafts with the AR head; the first failure gets the AR head's choice
+    m, extra, v = 0, None, row.carry_logits
+    for i, d in enumerate(d_tok):
+        extra = _judge(v, d, token_threshold, temperature, generator)
+        if extra is not None:
+            break
+        m = i + 1
+        if eos_id is not None and d == eos_id:
+            break
+        v = logits[i]
+    done = eos_id is not None and eos_id in d_tok[:m]
+    if extra is None and not done and cur + m < gen_length:
+        extra = int(_sample(v, temperature, generator))   # the bonus token
+    row.commit = list(range(m))
+    toks = d_tok[:m] + ([extra] if extra is not None else [])
+    row.tokens.extend(toks)
+    row.positions.extend(p0 + cur + i for i in range(len(toks)))
+    row.commit_forward.extend([sum(row.forwards.values())] * len(toks))
+    row.ref_tpf_sum += len(toks)
+    row.ref_tpf_steps += 1
+    if done or (eos_id is not None and extra == eos_id):
+        row.eos_pos = p0 + cur + len(toks) - 1
+        return toks, True
+    if extra is not None:    # encoded ahead of the next forward, whose logits judge after it
+        row.carry, row.carry_positions = [extra], [p0 + cur + m]
+    return toks, False
+
+
 def _draft_ahead_program(row: _Row, *, gen_length: int, slot_size: int,
                          token_threshold: float, temperature: float, mask_id: int,
                          eos_id: int | None, generator) -> Generator[_Request, torch.Tensor, None]:
@@ -531,33 +581,12 @@ def _draft_ahead_program(row: _Row, *, gen_length: int, slot_size: int,
         positions = [p0 + cur + i for i in range(len(d_tok) + n_mask)]
         logits = yield _Request("verify" if d_tok else "plan", d_tok + [mask_id] * n_mask,
                                 positions)
-        if row.carry_logits is None or row.carry_last != p0 + cur - 1:
-            raise AssertionError("draft_ahead: no AR prediction for the first open offset")
-        # walk the drafts with the AR head; the first failure gets the AR head's choice
-        m, extra, v = 0, None, row.carry_logits
-        for i, d in enumerate(d_tok):
-            extra = _judge(v, d, token_threshold, temperature, generator)
-            if extra is not None:
-                break
-            m = i + 1
-            if eos_id is not None and d == eos_id:
-                break
-            v = logits[i]
-        done = eos_id is not None and eos_id in d_tok[:m]
-        if extra is None and not done and cur + m < g:
-            extra = int(_sample(v, temperature, generator))   # the bonus token
-        row.commit = list(range(m))
-        toks = d_tok[:m] + ([extra] if extra is not None else [])
-        row.tokens.extend(toks)
-        row.positions.extend(p0 + cur + i for i in range(len(toks)))
-        row.commit_forward.extend([sum(row.forwards.values())] * len(toks))
-        row.ref_tpf_sum += len(toks)
-        row.ref_tpf_steps += 1
-        if done or (eos_id is not None and extra == eos_id):
-            row.eos_pos = p0 + cur + len(toks) - 1
+        toks, finished = _walk_and_commit(row, d_tok, logits, p0=p0, cur=cur, gen_length=g,
+                                          token_threshold=token_threshold,
+                                          temperature=temperature, eos_id=eos_id,
+                                          generator=generator, mode="draft_ahead")
+        if finished:
             return
-        if extra is not None:    # encoded ahead of the next forward, whose logits judge after it
-            row.carry, row.carry_positions = [extra], [p0 + cur + m]
         # next drafts: the old drafts after the new `cur`, then this forward's mask predictions
         x0 = _sample(logits[len(d_tok):], temperature, generator).cpu().tolist()
         ahead = d_tok + x0               # predictions of offsets cur, cur + 1, ...
