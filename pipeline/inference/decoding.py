@@ -310,7 +310,7 @@ def _block_causal(lengths: Sequence[int]) -> torch.Tensor:
     return m
 
 
-VERIFY_MODES = ("authors", "correct", "draft_ahead")
+VERIFY_MODES = ("authors", "correct", "draft_ahead", "draft_every")
 
 
 def _select(score: torch.Tensor, slot_threshold: float) -> list[int]:
@@ -594,6 +594,55 @@ def _draft_ahead_program(row: _Row, *, gen_length: int, slot_size: int,
         draft = ahead[len(toks):]
 
 
+def _draft_every_program(row: _Row, *, gen_length: int, slot_size: int,
+                         token_threshold: float, temperature: float, mask_id: int,
+                         eos_id: int | None, generator) -> Generator[_Request, torch.Tensor, None]:
+    """verify="draft_every" (module docstring, step 2'''): one forward per step. With `L` the
+    committed length (the carried token at position L - 1 included) and `n <= k` drafts of
+    positions L .. L + n - 1, each forward feeds, after the cache and the carried token, the
+    drafts (causal), then for each acceptance length a = 0 .. n a block of k + 1 masks at
+    positions L + a .. L + a + k: the first stands for the AR head's correction or bonus token
+    at L + a (not known yet; its prediction is not used), the other k draft the next k
+    positions. Block a sees the cache, the carried token and drafts 0 .. a - 1 and is causal
+    within itself (as masked slots are fed in training); blocks do not see each other and
+    drafts do not see blocks. After the walk (`_walk_and_commit`) accepted a drafts, block a's
+    last k predictions are the next step's drafts. Blocks past a drafted EOS (which would end
+    the row) and positions past the generation region are not fed."""
+    k, p0, g = slot_size, len(row.prompt), gen_length
+    cur = 0                              # first offset not committed (all before it are)
+    draft: list[int] = []                # drafts of offsets cur, cur + 1, ... (<= k of them)
+    while cur < g:
+        d_tok = draft[:g - cur]
+        n = len(d_tok)
+        last = d_tok.index(eos_id) if eos_id is not None and eos_id in d_tok else n
+        # block a: offset cur + a (the correction / bonus), then the drafts of offsets
+        # cur + a + 1 .. cur + a + k cut at the region's end (no block when none is left)
+        sizes = [min(k, g - cur - a - 1) for a in range(last + 1)]
+        sizes = [1 + sz if sz > 0 else 0 for sz in sizes]
+        starts = [n + sum(sizes[:a]) for a in range(len(sizes))]
+        t = n + sum(sizes)
+        positions = [p0 + cur + i for i in range(n)]
+        mask = torch.zeros(t, t, dtype=torch.bool)
+        mask[:n, :n] = torch.ones(n, n, dtype=torch.bool).tril()
+        for a, (o, sz) in enumerate(zip(starts, sizes)):
+            positions += [p0 + cur + a + j for j in range(sz)]
+            mask[o:o + sz, :a] = True
+            mask[o:o + sz, o:o + sz] = torch.ones(sz, sz, dtype=torch.bool).tril()
+        logits = yield _Request("verify" if d_tok else "plan", d_tok + [mask_id] * (t - n),
+                                positions, mask if t > n else None)
+        toks, finished = _walk_and_commit(row, d_tok, logits, p0=p0, cur=cur, gen_length=g,
+                                          token_threshold=token_threshold,
+                                          temperature=temperature, eos_id=eos_id,
+                                          generator=generator, mode="draft_every")
+        if finished:
+            return
+        m = len(toks) - 1                # accepted drafts (a correction or bonus follows)
+        cur += len(toks)
+        if cur < g:                      # the block of the acceptance that happened
+            o = starts[m]
+            draft = _sample(logits[o + 1:o + sizes[m]], temperature, generator).cpu().tolist()
+
+
 def _ar_program(row: _Row, *, gen_length: int, temperature: float, eos_id: int | None,
                 generator) -> Generator[_Request, torch.Tensor, None]:
     p0 = len(row.prompt)
@@ -869,8 +918,9 @@ def refusion_generate(model, prompt_ids, gen_length: int, slot_size: int, num_bl
     """
     if verify not in VERIFY_MODES:
         raise ValueError(f"verify must be one of {', '.join(VERIFY_MODES)}, got {verify!r}")
-    # draft_ahead goes slot by slot, left to right: num_blocks does not apply
-    g = _check(gen_length, slot_size, 1 if verify == "draft_ahead" else num_blocks)
+    # draft_ahead / draft_every go left to right: num_blocks does not apply
+    g = _check(gen_length, slot_size,
+               1 if verify in ("draft_ahead", "draft_every") else num_blocks)
     prompts = split_prompts(prompt_ids, attention_mask)
     _check_positions(model, prompts, g)
     gen = torch.Generator(device=_model_device(model)).manual_seed(seed)
@@ -880,11 +930,13 @@ def refusion_generate(model, prompt_ids, gen_length: int, slot_size: int, num_bl
     for r in rows:
         r.tokens.extend(r.prompt)
         r.positions.extend(range(len(r.prompt)))
-    if verify == "draft_ahead":
-        programs = [_draft_ahead_program(r, gen_length=g, slot_size=slot_size,
-                                         token_threshold=token_threshold,
-                                         temperature=temperature, mask_id=mask_id,
-                                         eos_id=eos_id, generator=gen) for r in rows]
+    if verify in ("draft_ahead", "draft_every"):
+        left_to_right = (_draft_ahead_program if verify == "draft_ahead"
+                         else _draft_every_program)
+        programs = [left_to_right(r, gen_length=g, slot_size=slot_size,
+                                  token_threshold=token_threshold, temperature=temperature,
+                                  mask_id=mask_id, eos_id=eos_id, generator=gen)
+                    for r in rows]
     else:
         programs = [_refusion_program(r, gen_length=g, slot_size=slot_size,
                                       num_blocks=num_blocks, slot_threshold=slot_threshold,
