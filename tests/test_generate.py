@@ -319,17 +319,19 @@ def test_bf16_on_cpu_decoding_tensors_follow_the_model(tp1, folder, monkeypatch)
     assert out_r.seconds > 0 and out_a.seconds > 0
 
 
-def test_verify_draft_ahead_from_the_command_line_equals_ar_mode(tp1, folder, capsys):
-    """`--verify draft_ahead` (greedy, the default token threshold 0.6 >= 0.5) prints the same
-    ids as `--mode ar`, and records its setting."""
+@pytest.mark.parametrize("verify", ["draft_ahead", "draft_every"])
+def test_verify_draft_ahead_from_the_command_line_equals_ar_mode(tp1, folder, capsys, verify):
+    """`--verify draft_ahead` / `draft_every` (greedy, the default token threshold 0.6 >= 0.5)
+    print the same ids as `--mode ar`, and record the setting; the default --num-blocks 2,
+    which does not divide the 3 slots, is not checked (slots go left to right)."""
     base = ["--model", str(folder), "--prompt", "a b c", "--prompt", "x", "--gen-length", "12",
             "--json", "--device", "cpu"]
-    rc, out, err = _run(capsys, base + ["--verify", "draft_ahead"])
+    rc, out, err = _run(capsys, base + ["--verify", verify])
     assert rc == 0, err
     da = json.loads(out)
     rc, out, _ = _run(capsys, base + ["--mode", "ar"])
     assert rc == 0
     ar = json.loads(out)
-    assert da["settings"]["verify"] == "draft_ahead"
+    assert da["settings"]["verify"] == verify
     assert [r["token_ids"] for r in da["results"]] == [r["token_ids"] for r in ar["results"]]
     assert all(len(r["token_ids"]) > 0 for r in da["results"])

@@ -72,6 +72,23 @@ step of a prompt ("row"):
    are committed to the cache, so it holds exactly the keys/values of a causal forward of the
    committed sequence; rejected drafts and the masks leave nothing behind.
 
+2'''. `verify="draft_every"` (an option; docs/METHOD.md "Drafting for every acceptance
+   length", after TiDAR, arXiv 2511.08923): draft_ahead's rule, one forward per step, but the
+   next slot is drafted for every possible outcome of the walk, so that a rejection costs no
+   forward that only re-drafts. With L the committed length (the carried token at L - 1) and
+   n <= k drafts at positions L .. L + n - 1 (k = slot_size; slots are the k positions after
+   the last committed token, not a fixed grid), each forward feeds, after the cache and the
+   carried token, the drafts (causal), then for each acceptance length a = 0 .. n a block of
+   k + 1 masks at positions L + a .. L + a + k: the first stands for the correction or bonus
+   token the walk commits at L + a (unknown when the forward is built), the other k draft
+   the next slot. Block a sees the cache, the carried token and drafts 0 .. a - 1, and is
+   causal within itself; blocks do not see each other, drafts see no block. After the walk
+   accepted a drafts, block a's last k predictions are the next step's drafts: made with
+   exactly the committed prefix, except for the token at L + a. Only the carried token and
+   the accepted drafts are committed (a prefix of the fed tokens), so the cache is exact and
+   no block leaves anything in it. Greedy with token_threshold >= 0.5, the output equals
+   `ar_generate`'s (and draft_ahead's). Tokens fed per forward: 1 + k + (k + 1)^2 at most.
+
 Where this differs from the reference code (ML-GSAI/ReFusion `generate.py`): prompts are batched
 (each row keeps its own state; each model forward serves every row's current phase, so rows at
 different progress share forwards); parallel slots share one batch row with a block-diagonal
@@ -125,8 +142,8 @@ class GenerationOutput:
             ends (CUDA work is asynchronous).
         tpf_reference_style: per prompt, the reference code's "TPF" (per-step average of
             slot_size x slots committed / forwards of that step); None in ar mode. With
-            verify="correct": tokens committed per step / 2; "draft_ahead": tokens
-            committed per forward.
+            verify="correct": tokens committed per step / 2; "draft_ahead" and
+            "draft_every": tokens committed per forward.
         commit_forward: per prompt, aligned with `tokens`: the 1-based index of the prompt's
             forward after which each token was committed (tokens sharing an index were
             accepted together: the parallel infill made visible).
@@ -906,7 +923,9 @@ def refusion_generate(model, prompt_ids, gen_length: int, slot_size: int, num_bl
             AR head's own token; the KV cache is then always exact and `exact_cache` has no
             effect) or "draft_ahead" (step 2'': the same rule, one forward per step, the next
             slot drafted by masks fed after the drafts; slots left to right, `num_blocks`,
-            `slot_threshold` and `exact_cache` unused).
+            `slot_threshold` and `exact_cache` unused) or "draft_every" (step 2''': as
+            draft_ahead, with the next slot drafted for every acceptance length by a block of
+            masks each; the same options unused).
 
     Returns:
         `GenerationOutput` (generated ids per prompt, forwards by kind, TPF, TPS, the forward
