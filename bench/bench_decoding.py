@@ -1,10 +1,15 @@
-"""Decoding speed: TPF and tokens/s of plan-and-infill (refusion) vs AR mode, across thresholds,
-and AR decoding against transformers' `generate`.
+"""Decoding speed: TPF and tokens/s of plan-and-infill (refusion) vs AR mode, across thresholds
+and verify modes, and AR decoding against transformers' `generate`.
 
 Prints one line per setting: generated tokens, model forwards, TPF (tokens / forwards), tokens/s
 (tokens / wall seconds of the batched decode; each setting is decoded `--repeats` times and the
 median wall time is used, as single timings on a shared machine are noisy), the reference code's TPF figure, and the fraction
 of prompts whose text equals the AR decode of the same model (docs/METHOD.md "TPF, TPS and the other figures").
+`--verify` takes one or more modes (`pipeline.generate --verify`): each setting is decoded with
+each, the timed decodes of the modes alternating (A B A B ...) so that all see the same load,
+and a last column gives each mode's tokens/s over the first mode's (the median of the
+per-repeat ratios). draft_ahead and draft_every do not use the slot threshold (one line per
+token threshold).
 `--device auto` (default) decodes on CUDA when available, else on the CPU; the dtype defaults
 to bfloat16 on CUDA, float32 on the CPU (`--dtype`); wall times are read with the device
 synchronized (`pipeline.inference.decoding`).
@@ -27,7 +32,8 @@ absorbs the compilation); `--hf-compile off` measures it eager.
 
     .venv/bin/python bench/bench_decoding.py [--model outputs/demo/hf] [--data outputs/demo/shards]
         [--prompts 8] [--gen-length 64] [--slot-size 4] [--num-blocks 2] [--batch-size 8]
-        [--repeats 3] [--device auto|cpu|cuda[:N]] [--dtype float32|bfloat16|float16]
+        [--verify MODE [MODE ...]] [--repeats 3] [--device auto|cpu|cuda[:N]]
+        [--dtype float32|bfloat16|float16]
         [--vs-transformers | --only-vs-transformers [--hf-compile auto|off]]
 """
 from __future__ import annotations
@@ -43,6 +49,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 import torch  # noqa: E402
+
+from pipeline.inference.decoding import VERIFY_MODES  # noqa: E402
 
 GRID = [(0.9, 0.9), (0.9, 0.5), (0.6, 0.3), (0.6, 0.1), (0.3, 0.3), (0.3, 0.0), (1.5, 0.0)]
 
@@ -163,8 +171,9 @@ def main() -> int:
     ap.add_argument("--batch-size", type=int, default=8, help="prompts decoded together")
     ap.add_argument("--repeats", type=int, default=3,
                     help="timed decodes per setting; tokens/s uses the median wall time")
-    ap.add_argument("--verify", choices=("authors", "correct"), default="authors",
-                    help="what a rejected draft becomes (pipeline.generate --verify)")
+    ap.add_argument("--verify", nargs="+", choices=VERIFY_MODES, default=["authors"],
+                    help="what a rejected draft becomes (pipeline.generate --verify); several "
+                         "modes are decoded side by side, their timed decodes alternating")
     ap.add_argument("--exact-cache", action="store_true",
                     help="re-encode slots infilled in parallel (exact KV cache)")
     ap.add_argument("--device", default="auto",
@@ -186,8 +195,10 @@ def main() -> int:
     from pipeline.inference.cli import check_decoding_args
     from pipeline.inference.loading import default_dtype, load_for_inference, resolve_device
     try:  # validate before any decoding
-        check_decoding_args(argparse.Namespace(**vars(args), temperature=0.0, slot_threshold=0.0,
-                                               token_threshold=0.0))
+        for v in args.verify:
+            check_decoding_args(argparse.Namespace(**{**vars(args), "verify": v},
+                                                   temperature=0.0, slot_threshold=0.0,
+                                                   token_threshold=0.0))
         if args.prompts < 1 or args.repeats < 1:
             raise UsageError("--prompts and --repeats must be >= 1")
         device = resolve_device(args.device)
@@ -254,27 +265,51 @@ def main() -> int:
         toks, fw, _, rt = runs[0]
         return toks, fw, statistics.median(r[2] for r in runs), rt
 
+    def run_side_by_side(fns):
+        """`run` of several decodes, their timed runs alternating (A B A B ...); also each
+        one's tokens/s over the first one's: the median of the per-repeat ratios."""
+        runs = [[] for _ in fns]
+        for _ in range(args.repeats):
+            for r, fn in zip(runs, fns):
+                r.append(run_once(fn))
+
+        def tps(x):
+            return sum(len(t) for t in x[0]) / x[2]
+
+        return [(r[0][0], r[0][1], statistics.median(x[2] for x in r), r[0][3],
+                 statistics.median(tps(b) / tps(a) for a, b in zip(runs[0], r)))
+                for r in runs]
+
     if args.only_vs_transformers:
         return _print_comparison(model, prompts, args)
     run_once(lambda p: ar_generate(model, p, 4, 0.0, eos_id))  # warm-up
     ar = run(lambda p: ar_generate(model, p, args.gen_length, 0.0, eos_id))
-    print(f"{'mode':<10}{'slot_thr':>9}{'tok_thr':>8}{'tokens':>8}{'forwards':>9}{'TPF':>7}"
-          f"{'tokens/s':>10}{'ref-TPF':>8}{'same as AR':>11}")
+    print(f"{'mode':<22}{'slot_thr':>9}{'tok_thr':>8}{'tokens':>8}{'forwards':>9}{'TPF':>7}"
+          f"{'tokens/s':>10}{'ref-TPF':>8}{'same as AR':>11}{'tok/s ratio':>12}")
 
-    def line(name, st, tt, r):
-        toks, fw, secs, rt = r
+    def line(name, st, tt, r, ratio=None):
+        toks, fw, secs, rt = r[:4]
         n = sum(len(t) for t in toks)
         same = sum(a == b for a, b in zip(toks, ar[0])) / len(toks)
-        print(f"{name:<10}{st:>9}{tt:>8}{n:>8}{fw:>9}{n / fw:>7.2f}{n / secs:>10.1f}"
-              f"{(f'{rt:.2f}' if rt is not None else '-'):>8}{same:>11.2f}")
+        print(f"{name:<22}{st:>9}{tt:>8}{n:>8}{fw:>9}{n / fw:>7.2f}{n / secs:>10.1f}"
+              f"{(f'{rt:.2f}' if rt is not None else '-'):>8}{same:>11.2f}"
+              f"{(f'{ratio:.2f}' if ratio is not None else '-'):>12}")
 
     line("ar", "-", "-", ar)
+    left_to_right = ("draft_ahead", "draft_every")
+    done = set()
     for st, tt in GRID:
-        r = run(lambda p: refusion_generate(model, p, args.gen_length, args.slot_size,
-                                            args.num_blocks, st, tt, 0.0, mask_id, eos_id,
-                                            exact_cache=args.exact_cache,
-                                            verify=args.verify))
-        line("refusion", st, tt, r)
+        modes = [v for v in args.verify if (v, tt if v in left_to_right else (st, tt)) not in done]
+        done |= {(v, tt if v in left_to_right else (st, tt)) for v in modes}
+        if not modes:
+            continue
+        fns = [(lambda p, v=v: refusion_generate(model, p, args.gen_length, args.slot_size,
+                                                 args.num_blocks, st, tt, 0.0, mask_id, eos_id,
+                                                 exact_cache=args.exact_cache, verify=v))
+               for v in modes]
+        for v, r in zip(modes, run_side_by_side(fns)):
+            line(f"refusion/{v}", "-" if v in left_to_right else st, tt, r,
+                 r[4] if len(args.verify) > 1 else None)
     if args.vs_transformers:
         return _print_comparison(model, prompts, args)
     return 0

@@ -251,7 +251,8 @@ def test_parallel_slots_equal_the_cache_free_reference(random_model, trained_mod
 
 def test_verify_is_checked(random_model):
     from pipeline.inference.decoding import refusion_generate
-    with pytest.raises(ValueError, match="verify must be one of authors, correct, draft_ahead"):
+    with pytest.raises(ValueError, match="verify must be one of authors, correct, draft_ahead, "
+                                         "draft_every"):
         refusion_generate(random_model, [[1, 2]], 8, 4, 1, 0.5, 0.5, 0.0, MASK, None,
                           verify="fix")
 
@@ -360,3 +361,205 @@ def test_draft_ahead_equals_the_cache_free_reference(random_model, trained_model
             ref, fw = _draft_ahead_reference(model, p, G, k, thr, mask, eos)
             assert out.tokens[i] == ref, (k, thr, i)
             assert out.forwards[i] == fw
+
+
+# ------------------------------------------------------------------ verify="draft_every"
+
+
+@torch.no_grad()
+def _draft_every_reference(model, prompt, G, k, token_threshold, mask_id, eos):
+    """verify="draft_every", greedy, from docs/METHOD.md "Drafting for every acceptance length",
+    without a cache: the verify is a causal forward of prompt + committed tokens + the drafts;
+    the next drafts come from a forward of its own, prompt + committed tokens (before this
+    step) + the accepted drafts + a mask at the correction or bonus token's position + k masks
+    after it, whose predictions they are. Returns (output, Counter of forwards: one per
+    step)."""
+    from collections import Counter
+    P = len(prompt)
+    seq = list(prompt)                  # committed, natural order
+    drafts: list[int] = []
+    fw = Counter()
+
+    def run(toks, poss):
+        return model(torch.tensor([toks]), torch.tensor([poss]))[0].double()
+
+    while len(seq) - P < G:
+        L = len(seq)
+        d = drafts[:P + G - L]
+        fw["verify" if d else "plan"] += 1
+        judge = run(seq + d, list(range(L + len(d))))[L - 1:]   # AR logits for L, L + 1, ...
+        new, stop = [], False
+        for i, t in enumerate(d):
+            pr = judge[i].softmax(-1)
+            if t != int(pr.argmax()) and not float(pr[t]) > token_threshold:
+                new.append(int(pr.argmax()))
+                break
+            new.append(t)
+            if t == eos:
+                stop = True
+                break
+        else:
+            if L + len(d) < P + G:
+                new.append(int(judge[len(d)].argmax()))
+        seq += new
+        if stop or (eos is not None and new[-1] == eos) or len(seq) - P >= G:
+            break
+        a = len(new) - 1                # accepted drafts; new[-1] is at position L + a
+        n = min(k, P + G - (L + a + 1))
+        blk = run(seq[:L] + d[:a] + [mask_id] * (1 + n), list(range(L + a + 1 + n)))
+        drafts = blk[L + a + 1:].argmax(-1).tolist()
+    return seq[P:], fw
+
+
+def _eos_cases(ar_tokens, G):
+    """EOS choices for the equality tests: a token the AR decode produced mid-way (row 0), and a
+    token that a row's AR decode first produces at its very last position."""
+    last = [t[-1] for t in ar_tokens if len(t) == G and t[-1] not in t[:-1]]
+    assert last, "no row whose last token is new"
+    return [("mid", ar_tokens[0][G // 2]), ("end", last[0])]
+
+
+@pytest.mark.parametrize("k,thr", [(4, 0.5), (4, 0.9), (8, 0.6)])
+def test_draft_every_equals_ar_and_draft_ahead_on_a_random_model(random_model, k, thr):
+    """Greedy, token threshold >= 0.5: the output is AR decoding's (and so draft_ahead's),
+    without an EOS, with one mid-way and with one at the generation's last position; one
+    forward per step (a plan, then verifies)."""
+    from pipeline.inference.decoding import ar_generate, refusion_generate
+    prompts = _prompts(4, seed=13)
+    G = 4 * k
+    ar = ar_generate(random_model, prompts, G, 0.0, None)
+    cases = [("none", None)] + _eos_cases(ar.tokens, G)
+    for name, eos in cases:
+        ar = ar_generate(random_model, prompts, G, 0.0, eos)
+        out = refusion_generate(random_model, prompts, G, k, 0, 0.9, thr, 0.0, MASK, eos,
+                                verify="draft_every")
+        ahead = refusion_generate(random_model, prompts, G, k, 1, 0.9, thr, 0.0, MASK, eos,
+                                  verify="draft_ahead")
+        assert out.tokens == ar.tokens == ahead.tokens, (k, thr, name)
+        for i in range(len(prompts)):
+            assert out.forwards[i]["plan"] == 1
+            assert set(out.forwards[i]) <= {"plan", "verify"}
+            # one forward per step, each committing >= 1 token
+            assert out.commit_forward[i] == sorted(out.commit_forward[i])
+            assert len(set(out.commit_forward[i])) == out.num_forwards(i)
+            assert out.tpf(i) == len(out.tokens[i]) / out.num_forwards(i)
+        if name == "end":
+            assert any(len(t) == G and t[-1] == eos for t in ar.tokens)
+        if name == "mid":
+            assert ar.tokens[0][-1] == eos and len(ar.tokens[0]) < G
+
+
+def test_draft_every_on_the_trained_model_equals_ar_at_tpf_above_one(trained_model):
+    """The trained toy model's drafts are mostly right, but one answer position is random: in
+    the same batched forward some rows accept all drafts and others stop early. Greedy with
+    token threshold >= 0.5, draft_every equals AR decoding (EOS at the end of every answer)
+    and draft_ahead token for token, at slot sizes 4 and 8, committing more than one token
+    per forward."""
+    from pipeline.inference.decoding import ar_generate, refusion_generate
+    rng = np.random.default_rng(5)
+    prompts = [_toy_example(rng)[0] for _ in range(12)]
+    G = 24
+    ar = ar_generate(trained_model, prompts, G, 0.0, T_EOS)
+    assert sum(t[-1] == T_EOS for t in ar.tokens) >= 10
+    for k, thr in ((4, 0.5), (4, 0.9), (8, 0.9)):
+        out = refusion_generate(trained_model, prompts, G, k, 0, 0.9, thr, 0.0, T_MASK, T_EOS,
+                                verify="draft_every")
+        ahead = refusion_generate(trained_model, prompts, G, k, 1, 0.9, thr, 0.0, T_MASK,
+                                  T_EOS, verify="draft_ahead")
+        assert out.tokens == ar.tokens == ahead.tokens, (k, thr)
+        fwd = sum(out.num_forwards(i) for i in range(len(prompts)))
+        tokens = sum(map(len, out.tokens))
+        assert tokens / fwd > 1.0, (k, thr, tokens, fwd)
+        # rows with different acceptance lengths in one batched forward (the batch forward
+        # index is each row's own forward index: every row takes part until it ends)
+        per_forward = {}
+        for f in out.commit_forward:
+            for j, c in zip(*np.unique(f, return_counts=True)):
+                per_forward.setdefault(int(j), set()).add(int(c))
+        assert any(len(c) > 1 for c in per_forward.values()), (k, thr)
+        assert any(max(np.bincount(f)) > 2 for f in out.commit_forward)
+
+
+@pytest.mark.parametrize("k,thr", [(4, 0.2), (8, 0.0), (2, 0.3), (8, 0.3)])
+def test_draft_every_equals_the_cache_free_reference(random_model, trained_model, k, thr):
+    """Thresholds below 0.5 (accepted drafts that are not the AR head's choice, so not AR
+    decoding's output): the cached decoder equals the cache-free recompute, forward for
+    forward, on rows that accept different numbers of drafts in the same forward."""
+    from pipeline.inference.decoding import refusion_generate
+    rng = np.random.default_rng(8)
+    cases = [(random_model, _prompts(3, seed=14), MASK, 24, None),
+             (trained_model, [_toy_example(rng)[0] for _ in range(4)], T_MASK, 24, T_EOS)]
+    for model, prompts, mask, G, eos in cases:
+        out = refusion_generate(model, prompts, G, k, 0, 0.9, thr, 0.0, mask, eos,
+                                verify="draft_every")
+        for i, p in enumerate(prompts):
+            ref, fw = _draft_every_reference(model, p, G, k, thr, mask, eos)
+            assert out.tokens[i] == ref, (k, thr, i)
+            assert out.forwards[i] == fw
+
+
+class _CacheSpy(torch.nn.Module):
+    """The model, with a copy of every row's committed keys/values and lengths taken at each
+    forward (after the driver applied the previous forward's commit, before this one runs)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model, self.cfg, self.tp = model, model.cfg, model.tp
+        self.seen = []
+
+    def forward(self, ids, positions, attention_mask=None, kv_cache=None):
+        n = kv_cache.length.clone()
+        w = int(n.max())
+        self.seen.append((n, [k[:, :, :w].clone() for k in kv_cache.keys],
+                          [v[:, :, :w].clone() for v in kv_cache.values]))
+        return self.model(ids, positions, attention_mask=attention_mask, kv_cache=kv_cache)
+
+
+@pytest.mark.parametrize("k,thr", [(4, 0.3), (8, 0.9)])
+def test_draft_every_cache_holds_exactly_the_committed_tokens(trained_model, k, thr):
+    """Before every forward, each row's KV cache holds the keys/values of a fresh causal forward
+    of exactly its committed tokens except the carried one (the prompt and the generated
+    tokens committed so far, in order): no mask block and no rejected draft is left behind,
+    also after rows with other acceptance lengths or finished rows left the batch."""
+    from pipeline.inference.decoding import refusion_generate
+    from pipeline.model import KVCache
+    rng = np.random.default_rng(9)
+    prompts = [_toy_example(rng)[0] + [int(rng.integers(10, 58))] * (i % 3)
+               for i in range(5)]
+    spy = _CacheSpy(trained_model)
+    out = refusion_generate(spy, prompts, 24, k, 0, 0.9, thr, 0.0, T_MASK, T_EOS,
+                            verify="draft_every")
+    assert len(spy.seen) == out.batch_forwards
+    left = 0
+    for f, (lengths, keys, values) in enumerate(spy.seen, start=1):
+        active = [i for i in range(len(prompts)) if out.num_forwards(i) >= f]
+        left += len(active) < len(prompts)
+        assert len(lengths) == len(active)
+        for r, i in enumerate(active):
+            n = int(lengths[r])
+            done = sum(c <= f - 1 for c in out.commit_forward[i])
+            assert n == (0 if f == 1 else len(prompts[i]) + done - 1), (f, i)
+            if n == 0:
+                continue
+            seq = (prompts[i] + out.tokens[i])[:n]
+            fresh = KVCache.for_model(trained_model, 1, n)
+            with torch.no_grad():
+                trained_model(torch.tensor([seq]), torch.arange(n)[None], kv_cache=fresh)
+            fresh.commit()
+            for lyr in range(len(keys)):
+                torch.testing.assert_close(keys[lyr][r, :, :n], fresh.keys[lyr][0, :, :n],
+                                           rtol=1e-9, atol=1e-9)
+                torch.testing.assert_close(values[lyr][r, :, :n], fresh.values[lyr][0, :, :n],
+                                           rtol=1e-9, atol=1e-9)
+    assert left > 0          # some forwards ran after a row had finished
+
+
+def test_draft_every_at_temperature_above_zero_decodes_every_row(random_model):
+    """Sampling (temperature > 0): every row gets a contiguous output of the requested length
+    (no EOS), and the same seed gives the same tokens."""
+    from pipeline.inference.decoding import refusion_generate
+    prompts = _prompts(3, seed=15)
+    runs = [refusion_generate(random_model, prompts, 16, 4, 0, 0.9, 0.9, 0.8, MASK, None,
+                              seed=3, verify="draft_every") for _ in range(2)]
+    assert runs[0].tokens == runs[1].tokens
+    assert [len(t) for t in runs[0].tokens] == [16, 16, 16]

@@ -296,3 +296,27 @@ def test_model_without_tokenizer_takes_the_shards_tokenizer(loaded, folder, tmp_
     assert main(argv) == 0
     rep = json.loads(capsys.readouterr().out)
     assert rep["loss"]["val_batches"] == 2 and rep["qa"]["ar"]["examples"] == 2
+
+
+def test_exact_match_eval_with_verify_draft_every_agrees_with_ar(loaded):
+    """The experiment's path for Setting(mode="refusion", slot_size=k, num_blocks=0,
+    slot_threshold=0.9, token_threshold=0.9, verify="draft_every"): the options it builds
+    (one slot per block) pass the CLI checks, and greedy decoding equals ar mode's answers."""
+    import argparse
+    from pipeline.inference.cli import check_decoding_args
+    from pipeline.inference.decoding import ar_generate
+    from pipeline.inference.evaluation import exact_match_eval
+    prompts = [loaded.tokenizer.prompt_ids(q) for q in ("def f(x):", "import os", "class A:")]
+    for k in (4, 8):
+        g = 16
+        args = argparse.Namespace(gen_length=g, slot_size=k, num_blocks=g // k,
+                                  slot_threshold=0.9, token_threshold=0.9, verify="draft_every",
+                                  temperature=0.0, exact_cache=False, seed=0, batch_size=2)
+        check_decoding_args(args, refusion=True)
+        ar = ar_generate(loaded.model, prompts, g, 0.0, loaded.eos_id)
+        ex = [{"prompt_ids": p_, "reference_ids": list(t)} for p_, t in zip(prompts, ar.tokens)]
+        got = exact_match_eval(loaded, ex, args, ["ar", "refusion"])
+        assert got["refusion"]["agreement_with_ar"] == 1.0
+        assert got["refusion"]["token_accuracy"] == got["ar"]["token_accuracy"] == 1.0
+        assert got["refusion"]["tokens"] == sum(map(len, ar.tokens))
+        assert got["refusion"]["forwards"] <= got["ar"]["forwards"]

@@ -236,9 +236,28 @@ def test_bench_decoding_reports_the_median_of_repeats(folder, tmp_path):
     lines = r.stdout.splitlines()
     assert "tokens/s: median of 2 timed decodes per setting" in lines[0]
     rows = [ln.split() for ln in lines[2:]]
-    assert [x[0] for x in rows] == ["ar"] + ["refusion"] * 7
+    assert [x[0] for x in rows] == ["ar"] + ["refusion/authors"] * 7
     assert all(float(x[6]) > 0 for x in rows)  # tokens/s
     assert rows[0][3] == "8"  # 2 prompts x 4 tokens (the tiny random model emits no EOS)
+    assert all(x[9] == "-" for x in rows)     # one mode: no ratio column
+
+
+def test_bench_decoding_compares_verify_modes_side_by_side(folder, tmp_path):
+    """`--verify draft_ahead draft_every`: per token threshold of the grid (the slot threshold
+    is unused by both), one line per mode, the same tokens (both equal AR decoding at
+    threshold >= 0.5), and each mode's tokens/s over the first one's (1.00 for the first)."""
+    r = _bench("bench_decoding.py", "--model", str(folder), "--data", str(tmp_path / "none"),
+               "--prompts", "2", "--gen-length", "8", "--repeats", "1", "--verify",
+               "draft_ahead", "draft_every")
+    assert r.returncode == 0, r.stderr
+    rows = [ln.split() for ln in r.stdout.splitlines()[2:]]
+    assert [x[0] for x in rows] == ["ar"] + ["refusion/draft_ahead", "refusion/draft_every"] * 5
+    assert [x[2] for x in rows[1::2]] == ["0.9", "0.5", "0.3", "0.1", "0.0"]
+    for ahead, every in zip(rows[1::2], rows[2::2]):
+        assert ahead[1] == every[1] == "-" and ahead[3] == every[3]   # same tokens
+        assert ahead[9] == "1.00" and float(every[9]) > 0
+        if float(ahead[2]) >= 0.5:
+            assert float(ahead[8]) == float(every[8]) == 1.0          # same as AR
 
 
 def test_device_resolution(monkeypatch):
@@ -319,17 +338,19 @@ def test_bf16_on_cpu_decoding_tensors_follow_the_model(tp1, folder, monkeypatch)
     assert out_r.seconds > 0 and out_a.seconds > 0
 
 
-def test_verify_draft_ahead_from_the_command_line_equals_ar_mode(tp1, folder, capsys):
-    """`--verify draft_ahead` (greedy, the default token threshold 0.6 >= 0.5) prints the same
-    ids as `--mode ar`, and records its setting."""
+@pytest.mark.parametrize("verify", ["draft_ahead", "draft_every"])
+def test_verify_draft_ahead_from_the_command_line_equals_ar_mode(tp1, folder, capsys, verify):
+    """`--verify draft_ahead` / `draft_every` (greedy, the default token threshold 0.6 >= 0.5)
+    print the same ids as `--mode ar`, and record the setting; the default --num-blocks 2,
+    which does not divide the 3 slots, is not checked (slots go left to right)."""
     base = ["--model", str(folder), "--prompt", "a b c", "--prompt", "x", "--gen-length", "12",
             "--json", "--device", "cpu"]
-    rc, out, err = _run(capsys, base + ["--verify", "draft_ahead"])
+    rc, out, err = _run(capsys, base + ["--verify", verify])
     assert rc == 0, err
     da = json.loads(out)
     rc, out, _ = _run(capsys, base + ["--mode", "ar"])
     assert rc == 0
     ar = json.loads(out)
-    assert da["settings"]["verify"] == "draft_ahead"
+    assert da["settings"]["verify"] == verify
     assert [r["token_ids"] for r in da["results"]] == [r["token_ids"] for r in ar["results"]]
     assert all(len(r["token_ids"]) > 0 for r in da["results"])

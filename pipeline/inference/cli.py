@@ -82,7 +82,9 @@ def add_decoding_args(p: argparse.ArgumentParser) -> None:
                         "temperature 0 the output equals --mode ar); draft_ahead: correct's "
                         "rule in one forward per step, the next slot drafted inside the verify "
                         "forward (slots left to right; --num-blocks and --slot-threshold "
-                        "unused). docs/METHOD.md")
+                        "unused); draft_every: draft_ahead with the next slot drafted for "
+                        "every acceptance length (a block of masks each), so a rejection "
+                        "costs no re-draft. docs/METHOD.md")
     p.add_argument("--batch-size", type=int, default=d["batch_size"],
                    help="prompts decoded together")
     hidden_alias(p, "--batch_size", dest="batch_size", type=int)
@@ -138,8 +140,9 @@ def check_decoding_args(args, refusion: bool = True) -> None:
         raise UsageError(f"--slot-threshold {args.slot_threshold} must be >= 0 (values >= 1 "
                          f"select one slot per step)")
     slots = -(-args.gen_length // args.slot_size)
-    # draft_ahead decodes slots left to right and does not use --num-blocks
-    if refusion and getattr(args, "verify", "authors") != "draft_ahead" and slots % args.num_blocks:
+    # draft_ahead and draft_every decode left to right and do not use --num-blocks
+    left_to_right = getattr(args, "verify", "authors") in ("draft_ahead", "draft_every")
+    if refusion and not left_to_right and slots % args.num_blocks:
         raise UsageError(f"--num-blocks {args.num_blocks} must divide the {slots} slots "
                          f"(--gen-length rounded up to a multiple of --slot-size)")
 

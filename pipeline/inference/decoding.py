@@ -72,6 +72,23 @@ step of a prompt ("row"):
    are committed to the cache, so it holds exactly the keys/values of a causal forward of the
    committed sequence; rejected drafts and the masks leave nothing behind.
 
+2'''. `verify="draft_every"` (an option; docs/METHOD.md "Drafting for every acceptance
+   length", after TiDAR, arXiv 2511.08923): draft_ahead's rule, one forward per step, but the
+   next slot is drafted for every possible outcome of the walk, so that a rejection costs no
+   forward that only re-drafts. With L the committed length (the carried token at L - 1) and
+   n <= k drafts at positions L .. L + n - 1 (k = slot_size; slots are the k positions after
+   the last committed token, not a fixed grid), each forward feeds, after the cache and the
+   carried token, the drafts (causal), then for each acceptance length a = 0 .. n a block of
+   k + 1 masks at positions L + a .. L + a + k: the first stands for the correction or bonus
+   token the walk commits at L + a (unknown when the forward is built), the other k draft
+   the next slot. Block a sees the cache, the carried token and drafts 0 .. a - 1, and is
+   causal within itself; blocks do not see each other, drafts see no block. After the walk
+   accepted a drafts, block a's last k predictions are the next step's drafts: made with
+   exactly the committed prefix, except for the token at L + a. Only the carried token and
+   the accepted drafts are committed (a prefix of the fed tokens), so the cache is exact and
+   no block leaves anything in it. Greedy with token_threshold >= 0.5, the output equals
+   `ar_generate`'s (and draft_ahead's). Tokens fed per forward: 1 + k + (k + 1)^2 at most.
+
 Where this differs from the reference code (ML-GSAI/ReFusion `generate.py`): prompts are batched
 (each row keeps its own state; each model forward serves every row's current phase, so rows at
 different progress share forwards); parallel slots share one batch row with a block-diagonal
@@ -125,8 +142,8 @@ class GenerationOutput:
             ends (CUDA work is asynchronous).
         tpf_reference_style: per prompt, the reference code's "TPF" (per-step average of
             slot_size x slots committed / forwards of that step); None in ar mode. With
-            verify="correct": tokens committed per step / 2; "draft_ahead": tokens
-            committed per forward.
+            verify="correct": tokens committed per step / 2; "draft_ahead" and
+            "draft_every": tokens committed per forward.
         commit_forward: per prompt, aligned with `tokens`: the 1-based index of the prompt's
             forward after which each token was committed (tokens sharing an index were
             accepted together: the parallel infill made visible).
@@ -310,7 +327,7 @@ def _block_causal(lengths: Sequence[int]) -> torch.Tensor:
     return m
 
 
-VERIFY_MODES = ("authors", "correct", "draft_ahead")
+VERIFY_MODES = ("authors", "correct", "draft_ahead", "draft_every")
 
 
 def _select(score: torch.Tensor, slot_threshold: float) -> list[int]:
@@ -515,6 +532,56 @@ def _correct(row: _Row, d_off: list[int], d_tok: list[int], logits: torch.Tensor
     row.ref_tpf_steps += 1
 
 
+def _walk_and_commit(row: _Row, d_tok: list[int], logits: torch.Tensor, *, p0: int, cur: int,
+                     gen_length: int, token_threshold: float, temperature: float,
+                     eos_id: int | None, generator, mode: str) -> tuple[list[int], bool]:
+    """One left-to-right step's verdict (verify="draft_ahead" and "draft_every"): the drafts
+    `d_tok` of offsets `cur, cur + 1, ...` were fed causally right after the carried token at
+    offset `cur - 1`; `logits: FloatTensor[>= len(d_tok), V]` holds their logits first.
+
+    Walks the drafts with the AR head (`_judge`: the carried token's logits judge the first
+    draft, draft i's logits the next); at the first failure the AR head's choice is committed
+    in its place; after a full walk, the AR head's choice for the next offset (the bonus) when
+    it is inside the generation region. Records the commit on `row`: the accepted drafts are
+    committed to the cache from this forward (`row.commit`, a prefix of the request), the
+    correction/bonus token is carried into the next forward; sets `row.eos_pos` on an EOS.
+
+    Returns:
+        (the committed tokens: accepted drafts + the correction or bonus token, in natural
+        order from offset `cur`; True when an EOS ended the row).
+    Raises:
+        AssertionError: the last forward carried no token at offset `cur - 1` (a driver bug).
+    """
+    if row.carry_logits is None or row.carry_last != p0 + cur - 1:
+        raise AssertionError(f"{mode}: no AR prediction for the first open offset")
+    # walk the drafts with the AR head; the first failure gets the AR head's choice
+    m, extra, v = 0, None, row.carry_logits
+    for i, d in enumerate(d_tok):
+        extra = _judge(v, d, token_threshold, temperature, generator)
+        if extra is not None:
+            break
+        m = i + 1
+        if eos_id is not None and d == eos_id:
+            break
+        v = logits[i]
+    done = eos_id is not None and eos_id in d_tok[:m]
+    if extra is None and not done and cur + m < gen_length:
+        extra = int(_sample(v, temperature, generator))   # the bonus token
+    row.commit = list(range(m))
+    toks = d_tok[:m] + ([extra] if extra is not None else [])
+    row.tokens.extend(toks)
+    row.positions.extend(p0 + cur + i for i in range(len(toks)))
+    row.commit_forward.extend([sum(row.forwards.values())] * len(toks))
+    row.ref_tpf_sum += len(toks)
+    row.ref_tpf_steps += 1
+    if done or (eos_id is not None and extra == eos_id):
+        row.eos_pos = p0 + cur + len(toks) - 1
+        return toks, True
+    if extra is not None:    # encoded ahead of the next forward, whose logits judge after it
+        row.carry, row.carry_positions = [extra], [p0 + cur + m]
+    return toks, False
+
+
 def _draft_ahead_program(row: _Row, *, gen_length: int, slot_size: int,
                          token_threshold: float, temperature: float, mask_id: int,
                          eos_id: int | None, generator) -> Generator[_Request, torch.Tensor, None]:
@@ -531,38 +598,66 @@ def _draft_ahead_program(row: _Row, *, gen_length: int, slot_size: int,
         positions = [p0 + cur + i for i in range(len(d_tok) + n_mask)]
         logits = yield _Request("verify" if d_tok else "plan", d_tok + [mask_id] * n_mask,
                                 positions)
-        if row.carry_logits is None or row.carry_last != p0 + cur - 1:
-            raise AssertionError("draft_ahead: no AR prediction for the first open offset")
-        # walk the drafts with the AR head; the first failure gets the AR head's choice
-        m, extra, v = 0, None, row.carry_logits
-        for i, d in enumerate(d_tok):
-            extra = _judge(v, d, token_threshold, temperature, generator)
-            if extra is not None:
-                break
-            m = i + 1
-            if eos_id is not None and d == eos_id:
-                break
-            v = logits[i]
-        done = eos_id is not None and eos_id in d_tok[:m]
-        if extra is None and not done and cur + m < g:
-            extra = int(_sample(v, temperature, generator))   # the bonus token
-        row.commit = list(range(m))
-        toks = d_tok[:m] + ([extra] if extra is not None else [])
-        row.tokens.extend(toks)
-        row.positions.extend(p0 + cur + i for i in range(len(toks)))
-        row.commit_forward.extend([sum(row.forwards.values())] * len(toks))
-        row.ref_tpf_sum += len(toks)
-        row.ref_tpf_steps += 1
-        if done or (eos_id is not None and extra == eos_id):
-            row.eos_pos = p0 + cur + len(toks) - 1
+        toks, finished = _walk_and_commit(row, d_tok, logits, p0=p0, cur=cur, gen_length=g,
+                                          token_threshold=token_threshold,
+                                          temperature=temperature, eos_id=eos_id,
+                                          generator=generator, mode="draft_ahead")
+        if finished:
             return
-        if extra is not None:    # encoded ahead of the next forward, whose logits judge after it
-            row.carry, row.carry_positions = [extra], [p0 + cur + m]
         # next drafts: the old drafts after the new `cur`, then this forward's mask predictions
         x0 = _sample(logits[len(d_tok):], temperature, generator).cpu().tolist()
         ahead = d_tok + x0               # predictions of offsets cur, cur + 1, ...
         cur += len(toks)
         draft = ahead[len(toks):]
+
+
+def _draft_every_program(row: _Row, *, gen_length: int, slot_size: int,
+                         token_threshold: float, temperature: float, mask_id: int,
+                         eos_id: int | None, generator) -> Generator[_Request, torch.Tensor, None]:
+    """verify="draft_every" (module docstring, step 2'''): one forward per step. With `L` the
+    committed length (the carried token at position L - 1 included) and `n <= k` drafts of
+    positions L .. L + n - 1, each forward feeds, after the cache and the carried token, the
+    drafts (causal), then for each acceptance length a = 0 .. n a block of k + 1 masks at
+    positions L + a .. L + a + k: the first stands for the AR head's correction or bonus token
+    at L + a (not known yet; its prediction is not used), the other k draft the next k
+    positions. Block a sees the cache, the carried token and drafts 0 .. a - 1 and is causal
+    within itself (as masked slots are fed in training); blocks do not see each other and
+    drafts do not see blocks. After the walk (`_walk_and_commit`) accepted a drafts, block a's
+    last k predictions are the next step's drafts. Blocks past a drafted EOS (which would end
+    the row) and positions past the generation region are not fed."""
+    k, p0, g = slot_size, len(row.prompt), gen_length
+    cur = 0                              # first offset not committed (all before it are)
+    draft: list[int] = []                # drafts of offsets cur, cur + 1, ... (<= k of them)
+    while cur < g:
+        d_tok = draft[:g - cur]
+        n = len(d_tok)
+        last = d_tok.index(eos_id) if eos_id is not None and eos_id in d_tok else n
+        # block a: offset cur + a (the correction / bonus), then the drafts of offsets
+        # cur + a + 1 .. cur + a + k cut at the region's end (no block when none is left)
+        sizes = [min(k, g - cur - a - 1) for a in range(last + 1)]
+        sizes = [1 + sz if sz > 0 else 0 for sz in sizes]
+        starts = [n + sum(sizes[:a]) for a in range(len(sizes))]
+        t = n + sum(sizes)
+        positions = [p0 + cur + i for i in range(n)]
+        mask = torch.zeros(t, t, dtype=torch.bool)
+        mask[:n, :n] = torch.ones(n, n, dtype=torch.bool).tril()
+        for a, (o, sz) in enumerate(zip(starts, sizes)):
+            positions += [p0 + cur + a + j for j in range(sz)]
+            mask[o:o + sz, :a] = True
+            mask[o:o + sz, o:o + sz] = torch.ones(sz, sz, dtype=torch.bool).tril()
+        logits = yield _Request("verify" if d_tok else "plan", d_tok + [mask_id] * (t - n),
+                                positions, mask if t > n else None)
+        toks, finished = _walk_and_commit(row, d_tok, logits, p0=p0, cur=cur, gen_length=g,
+                                          token_threshold=token_threshold,
+                                          temperature=temperature, eos_id=eos_id,
+                                          generator=generator, mode="draft_every")
+        if finished:
+            return
+        m = len(toks) - 1                # accepted drafts (a correction or bonus follows)
+        cur += len(toks)
+        if cur < g:                      # the block of the acceptance that happened
+            o = starts[m]
+            draft = _sample(logits[o + 1:o + sizes[m]], temperature, generator).cpu().tolist()
 
 
 def _ar_program(row: _Row, *, gen_length: int, temperature: float, eos_id: int | None,
@@ -828,7 +923,9 @@ def refusion_generate(model, prompt_ids, gen_length: int, slot_size: int, num_bl
             AR head's own token; the KV cache is then always exact and `exact_cache` has no
             effect) or "draft_ahead" (step 2'': the same rule, one forward per step, the next
             slot drafted by masks fed after the drafts; slots left to right, `num_blocks`,
-            `slot_threshold` and `exact_cache` unused).
+            `slot_threshold` and `exact_cache` unused) or "draft_every" (step 2''': as
+            draft_ahead, with the next slot drafted for every acceptance length by a block of
+            masks each; the same options unused).
 
     Returns:
         `GenerationOutput` (generated ids per prompt, forwards by kind, TPF, TPS, the forward
@@ -840,8 +937,9 @@ def refusion_generate(model, prompt_ids, gen_length: int, slot_size: int, num_bl
     """
     if verify not in VERIFY_MODES:
         raise ValueError(f"verify must be one of {', '.join(VERIFY_MODES)}, got {verify!r}")
-    # draft_ahead goes slot by slot, left to right: num_blocks does not apply
-    g = _check(gen_length, slot_size, 1 if verify == "draft_ahead" else num_blocks)
+    # draft_ahead / draft_every go left to right: num_blocks does not apply
+    g = _check(gen_length, slot_size,
+               1 if verify in ("draft_ahead", "draft_every") else num_blocks)
     prompts = split_prompts(prompt_ids, attention_mask)
     _check_positions(model, prompts, g)
     gen = torch.Generator(device=_model_device(model)).manual_seed(seed)
@@ -851,11 +949,13 @@ def refusion_generate(model, prompt_ids, gen_length: int, slot_size: int, num_bl
     for r in rows:
         r.tokens.extend(r.prompt)
         r.positions.extend(range(len(r.prompt)))
-    if verify == "draft_ahead":
-        programs = [_draft_ahead_program(r, gen_length=g, slot_size=slot_size,
-                                         token_threshold=token_threshold,
-                                         temperature=temperature, mask_id=mask_id,
-                                         eos_id=eos_id, generator=gen) for r in rows]
+    if verify in ("draft_ahead", "draft_every"):
+        left_to_right = (_draft_ahead_program if verify == "draft_ahead"
+                         else _draft_every_program)
+        programs = [left_to_right(r, gen_length=g, slot_size=slot_size,
+                                  token_threshold=token_threshold, temperature=temperature,
+                                  mask_id=mask_id, eos_id=eos_id, generator=gen)
+                    for r in rows]
     else:
         programs = [_refusion_program(r, gen_length=g, slot_size=slot_size,
                                       num_blocks=num_blocks, slot_threshold=slot_threshold,
