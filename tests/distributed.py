@@ -10,6 +10,11 @@ Usage in a test:
     results = run_distributed(_body, world_size=4, args=(tmp_path,))   # list indexed by rank
 
 A failure in any rank raises in the test with that rank's traceback.
+
+The ranks are forked from a multiprocessing forkserver that imported torch, DeepSpeed,
+megatron-core and the pipeline once (per test process): a spawned rank spent most of its CPU
+time on those imports. Each rank still starts from the test process's environment, working
+folder and stdout/stderr at the time of the call, as a spawned one did.
 """
 from __future__ import annotations
 
@@ -25,7 +30,40 @@ from pipeline.parallel import free_port
 
 
 
-def _worker(rank, world_size, port, fn, args, queue):
+# Imported once in the forkserver (the ranks' common imports); a name that fails to import is
+# skipped by multiprocessing and then imported by the rank that needs it.
+PRELOAD = ["torch", "numpy", "deepspeed", "megatron.core.parallel_state",
+           "megatron.core.tensor_parallel", "pipeline.parallel", "pipeline.model",
+           "pipeline.checkpoint", "pipeline.train"]
+
+
+def _context():
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)   # read when the forkserver starts (first use)
+    return ctx
+
+
+def _adopt_parent(parent_pid: int, environ: dict, cwd: str) -> None:
+    """Make this forked rank look spawned by the test process: its environment and working
+    folder now, and its stdout/stderr (pytest's capture of the current test), which the
+    forkserver, started during an earlier test, does not hold."""
+    os.environ.clear()
+    os.environ.update(environ)
+    os.chdir(cwd)
+    import sys
+    for fd, stream in ((1, sys.stdout), (2, sys.stderr)):
+        try:
+            target = os.open(f"/proc/{parent_pid}/fd/{fd}", os.O_WRONLY | os.O_APPEND)
+        except OSError:
+            continue
+        stream.flush()
+        os.dup2(target, fd)
+        os.close(target)
+
+
+def _worker(rank, world_size, port, fn, args, queue, parent=None):
+    if parent is not None:
+        _adopt_parent(*parent)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size), DS_ACCELERATOR="cpu",
@@ -77,10 +115,11 @@ def run_distributed(fn, world_size: int, args: tuple = (), timeout_s: float = 60
 
 
 def _run_once(fn, world_size: int, args: tuple, timeout_s: float) -> list:
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue))
+    parent = (os.getpid(), dict(os.environ), os.getcwd())
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, parent))
              for r in range(world_size)]
     for p in procs:
         p.start()

@@ -176,7 +176,10 @@ def test_second_job_on_a_run_dir_exits_2_and_bare_runs_pick_free_ports(data):
     config = _write_config(base / "lock.yaml", d, train={"max_steps": 400, "eval_interval": 0},
                            checkpoint={"interval": 0, "keep": 1})
     run_dir = base / "locked"
-    first = _start(1, config, run_dir, log_name="first")
+    # the first job only has to hold the run directory while the others start: it sleeps 0.5 s
+    # in each step (debug.slow_rank) instead of taking a core from them
+    first = _start(1, config, run_dir, "debug.slow_rank=0", "debug.slow_rank_s=0.5",
+                   log_name="first")
     try:
         _wait_step(first, run_dir, 1)
         # same run directory: refused at start-up, one line naming the holder, exit 2

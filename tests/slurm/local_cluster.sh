@@ -24,7 +24,12 @@
 # - proctrack/linuxproc + task/none: no cgroup access needed. (With proctrack/cgroup, Slurm
 #   22.05 fails every job step unless a cgroup.conf exists, while `sbatch --wait` still reports
 #   success.) Processes a job leaves running after its batch script ends are not killed.
-# - AuthInfo cred_expire=30: a requeued job may start again 31 s after it ended (default 121 s).
+# - AuthInfo cred_expire=10: a requeued job may start again 11 s after it ended (default 121 s;
+#   Slurm's minimum is 5). It is also how long a job step's launch credential stays valid: 10 s
+#   between its creation and slurmd's check leaves room on a loaded 2-core machine.
+# - SchedulerParameters=sched_interval=1: the main scheduling loop tests pending jobs every
+#   second (default 60 s). A requeued job becoming eligible is no event that runs the scheduler,
+#   so with the default it waited for the next periodic pass, up to a minute after its 11 s.
 # - No slurmdbd: plain `sacct` reports that accounting is disabled; finished jobs are written by
 #   jobcomp/filetxt and `sacct -c` reads them.
 # - The controller starts with a clean state (slurmctld -c): jobs of an earlier run are gone.
@@ -149,7 +154,7 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket=$SOCK,cred_expire=30
+AuthInfo=socket=$SOCK,cred_expire=10
 StateSaveLocation=$DIR/state
 SlurmdSpoolDir=$DIR/spool
 SlurmctldPidFile=$DIR/run/slurmctld.pid
@@ -165,6 +170,7 @@ JobCompLoc=$DIR/log/jobcomp.log
 MpiDefault=none
 MailProg=/bin/true
 SchedulerType=sched/backfill
+SchedulerParameters=sched_interval=1
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 ReturnToService=2
