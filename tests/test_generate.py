@@ -262,6 +262,20 @@ def test_bench_decoding_compares_verify_modes_side_by_side(folder, tmp_path):
             assert float(ahead[8]) == float(every[8]) == 1.0          # same as AR
 
 
+def test_bench_decoding_mask_attention_applies_to_the_drafting_modes(folder, tmp_path):
+    """`--mask-attention bidirectional` with `--verify authors draft_every`: the authors' mode
+    stays causal (it does not take the option), draft_every decodes with bidirectional mask
+    blocks and still equals AR decoding at token thresholds >= 0.5."""
+    r = _bench("bench_decoding.py", "--model", str(folder), "--data", str(tmp_path / "none"),
+               "--prompts", "2", "--gen-length", "8", "--num-blocks", "1", "--repeats", "1",
+               "--verify", "authors", "draft_every", "--mask-attention", "bidirectional")
+    assert r.returncode == 0, r.stderr
+    rows = [ln.split() for ln in r.stdout.splitlines()[2:]]
+    every = [x for x in rows if x[0] == "refusion/draft_every"]
+    assert len(every) == 5 and any(x[0] == "refusion/authors" for x in rows)
+    assert all(float(x[8]) == 1.0 for x in every if float(x[2]) >= 0.5)
+
+
 def test_device_resolution(monkeypatch):
     """--device auto|cpu|cuda[:N]: auto = CUDA when available (local rank modulo the visible
     GPUs), bf16 the default dtype on CUDA, fp32 on the CPU; bad values are UsageErrors."""
