@@ -9,7 +9,8 @@ of prompts whose text equals the AR decode of the same model (docs/METHOD.md "TP
 each, the timed decodes of the modes alternating (A B A B ...) so that all see the same load,
 and a last column gives each mode's tokens/s over the first mode's (the median of the
 per-repeat ratios). draft_ahead and draft_every do not use the slot threshold (one line per
-token threshold).
+token threshold). `--mask-attention bidirectional` decodes draft_ahead and draft_every with
+bidirectional mask blocks (`pipeline.generate --mask-attention`; the other modes stay causal).
 `--device auto` (default) decodes on CUDA when available, else on the CPU; the dtype defaults
 to bfloat16 on CUDA, float32 on the CPU (`--dtype`); wall times are read with the device
 synchronized (`pipeline.inference.decoding`).
@@ -32,7 +33,8 @@ absorbs the compilation); `--hf-compile off` measures it eager.
 
     .venv/bin/python bench/bench_decoding.py [--model outputs/demo/hf] [--data outputs/demo/shards]
         [--prompts 8] [--gen-length 64] [--slot-size 4] [--num-blocks 2] [--batch-size 8]
-        [--verify MODE [MODE ...]] [--repeats 3] [--device auto|cpu|cuda[:N]]
+        [--verify MODE [MODE ...]] [--mask-attention causal|bidirectional] [--repeats 3]
+        [--device auto|cpu|cuda[:N]]
         [--dtype float32|bfloat16|float16]
         [--vs-transformers | --only-vs-transformers [--hf-compile auto|off]]
 """
@@ -50,7 +52,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 import torch  # noqa: E402
 
-from pipeline.inference.decoding import VERIFY_MODES  # noqa: E402
+from pipeline.inference.decoding import MASK_ATTENTIONS, VERIFY_MODES  # noqa: E402
 
 GRID = [(0.9, 0.9), (0.9, 0.5), (0.6, 0.3), (0.6, 0.1), (0.3, 0.3), (0.3, 0.0), (1.5, 0.0)]
 
@@ -174,6 +176,9 @@ def main() -> int:
     ap.add_argument("--verify", nargs="+", choices=VERIFY_MODES, default=["authors"],
                     help="what a rejected draft becomes (pipeline.generate --verify); several "
                          "modes are decoded side by side, their timed decodes alternating")
+    ap.add_argument("--mask-attention", choices=MASK_ATTENTIONS, default="causal",
+                    help="draft_ahead and draft_every: how a drafting block's masks attend to "
+                         "each other (pipeline.generate --mask-attention)")
     ap.add_argument("--exact-cache", action="store_true",
                     help="re-encode slots infilled in parallel (exact KV cache)")
     ap.add_argument("--device", default="auto",
@@ -196,7 +201,8 @@ def main() -> int:
     from pipeline.inference.loading import default_dtype, load_for_inference, resolve_device
     try:  # validate before any decoding
         for v in args.verify:
-            check_decoding_args(argparse.Namespace(**{**vars(args), "verify": v},
+            check_decoding_args(argparse.Namespace(**{**vars(args), "verify": v,
+                                                      "mask_attention": _mask_attention(args, v)},
                                                    temperature=0.0, slot_threshold=0.0,
                                                    token_threshold=0.0))
         if args.prompts < 1 or args.repeats < 1:
@@ -305,7 +311,8 @@ def main() -> int:
             continue
         fns = [(lambda p, v=v: refusion_generate(model, p, args.gen_length, args.slot_size,
                                                  args.num_blocks, st, tt, 0.0, mask_id, eos_id,
-                                                 exact_cache=args.exact_cache, verify=v))
+                                                 exact_cache=args.exact_cache, verify=v,
+                                                 mask_attention=_mask_attention(args, v)))
                for v in modes]
         for v, r in zip(modes, run_side_by_side(fns)):
             line(f"refusion/{v}", "-" if v in left_to_right else st, tt, r,
@@ -313,6 +320,11 @@ def main() -> int:
     if args.vs_transformers:
         return _print_comparison(model, prompts, args)
     return 0
+
+
+def _mask_attention(args, verify: str) -> str:
+    """`--mask-attention` for the modes that take it (draft_ahead, draft_every), else causal."""
+    return args.mask_attention if verify in ("draft_ahead", "draft_every") else "causal"
 
 
 def _print_comparison(model, prompts, args) -> int:

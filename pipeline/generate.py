@@ -3,7 +3,8 @@
     python -m pipeline.generate --model HF_DIR_OR_CHECKPOINT (--prompt TEXT | --prompts FILE.jsonl)
         [--mode refusion|ar] [--gen-length N] [--slot-size K] [--num-blocks B]
         [--slot-threshold X] [--token-threshold Y] [--temperature T] [--batch-size N]
-        [--exact-cache] [--verify authors|correct|draft_ahead|draft_every] [--raw]
+        [--exact-cache] [--verify authors|correct|draft_ahead|draft_every]
+        [--mask-attention causal|bidirectional] [--raw]
         [--tokenizer PATH]
         [--device auto|cpu|cuda[:N]] [--dtype float32|bfloat16|float16|float64]
         [--seed S] [--json] [--output FILE]

@@ -563,3 +563,115 @@ def test_draft_every_at_temperature_above_zero_decodes_every_row(random_model):
                               seed=3, verify="draft_every") for _ in range(2)]
     assert runs[0].tokens == runs[1].tokens
     assert [len(t) for t in runs[0].tokens] == [16, 16, 16]
+
+
+# ------------------------------------------------------------------ mask_attention
+
+
+@pytest.mark.parametrize("verify", ["draft_ahead", "draft_every"])
+def test_bidirectional_mask_blocks_equal_ar_decoding(random_model, trained_model, verify):
+    """mask_attention="bidirectional" changes only how a drafting block's masks see each other:
+    greedy with token threshold >= 0.5 the output is still AR decoding's, token for token (EOS
+    at the end of the trained model's answers), one forward per step."""
+    from pipeline.inference.decoding import ar_generate, refusion_generate
+    rng = np.random.default_rng(5)
+    cases = [(trained_model, [_toy_example(rng)[0] for _ in range(8)], T_MASK, 24, T_EOS),
+             (random_model, _prompts(4, seed=13), MASK, 16, None)]
+    for model, prompts, mask, G, eos in cases:
+        ar = ar_generate(model, prompts, G, 0.0, eos)
+        if eos is not None:                  # the model learned the form
+            assert sum(t[-1] == eos for t in ar.tokens) >= 6
+        for k, thr in ((4, 0.5), (8, 0.9)):
+            out = refusion_generate(model, prompts, G, k, 1, 0.9, thr, 0.0, mask, eos,
+                                    verify=verify, mask_attention="bidirectional")
+            assert out.tokens == ar.tokens, (verify, k, thr)
+            for i in range(len(prompts)):
+                assert out.forwards[i]["plan"] == 1
+                assert set(out.forwards[i]) <= {"plan", "verify"}
+
+
+class _LogitSpy(torch.nn.Module):
+    """The model, recording per forward the fed ids and positions, each row's cache length
+    before it, and the logits it returned."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model, self.cfg, self.tp = model, model.cfg, model.tp
+        self.seen = []
+
+    def forward(self, ids, positions, attention_mask=None, kv_cache=None):
+        n = kv_cache.length.clone()
+        out = self.model(ids, positions, attention_mask=attention_mask, kv_cache=kv_cache)
+        self.seen.append((ids.clone(), positions.clone(), n, out.clone()))
+        return out
+
+
+@pytest.mark.parametrize("verify", ["draft_ahead", "draft_every"])
+@pytest.mark.parametrize("mask_attention", ["bidirectional", "causal"])
+def test_mask_block_logits_equal_a_dense_forward(trained_model, verify, mask_attention):
+    """At every forward of a batch of rows, the logits at each block of masks equal those of a
+    cache-free dense forward of the block's prefix (the row's committed tokens, then the fed
+    carried token and drafts at positions before the block) followed by the block's masks,
+    with a mask built here: causal, except (bidirectional) the block's masks see each other
+    both ways. A block is a run of fed masks with consecutive positions (draft_every's
+    blocks restart at a lower position). The two settings give different mask logits."""
+    from pipeline.inference.decoding import refusion_generate
+    rng = np.random.default_rng(12)
+    prompts = [_toy_example(rng)[0] + [int(rng.integers(10, 58))] * (i % 3)
+               for i in range(4)]
+    spy = _LogitSpy(trained_model)
+    out = refusion_generate(spy, prompts, 24, 4, 1, 0.9, 0.9, 0.0, T_MASK, T_EOS,
+                            verify=verify, mask_attention=mask_attention)
+    assert len(spy.seen) == out.batch_forwards
+    blocks = differ = fed_rows = 0
+    for f, (ids, positions, lengths, logits) in enumerate(spy.seen, start=1):
+        active = [i for i in range(len(prompts)) if out.num_forwards(i) >= f]
+        assert len(active) == ids.shape[0]
+        for r, i in enumerate(active):
+            committed = (prompts[i] + out.tokens[i])[:int(lengths[r])]
+            fed, pos = ids[r].tolist(), positions[r].tolist()
+            if T_MASK not in fed:    # the last slot: drafts only
+                continue
+            fed_rows += 1
+            first = fed.index(T_MASK)
+            known = fed[:first]        # carried token(s) and drafts, natural order
+            assert pos[:first] == list(range(len(committed), len(committed) + first))
+            j = first
+            while j < len(fed) and fed[j] == T_MASK:
+                e = j + 1
+                while e < len(fed) and fed[e] == T_MASK and pos[e] == pos[e - 1] + 1:
+                    e += 1
+                s, m = pos[j], e - j
+                prefix = (committed + known)[:s]
+                assert len(prefix) == s
+                att = torch.ones(s + m, s + m, dtype=torch.bool).tril()
+                bidir = att.clone()
+                bidir[s:, s:] = True
+                seq = torch.tensor([prefix + [T_MASK] * m])
+                p = torch.arange(s + m)[None]
+                with torch.no_grad():
+                    ref = {a: trained_model(seq, p, attention_mask=mk[None, None])[0, s:]
+                           for a, mk in (("causal", att), ("bidirectional", bidir))}
+                torch.testing.assert_close(logits[r, j:e], ref[mask_attention],
+                                           rtol=1e-7, atol=1e-7)
+                blocks += 1
+                gap = float((ref["causal"] - ref["bidirectional"]).abs().max())
+                differ += m > 1 and gap > 1e-3
+                j = e
+    assert fed_rows > len(prompts) and differ > 0
+    if verify == "draft_every":
+        assert blocks > fed_rows             # several blocks in some forwards
+    else:
+        assert blocks == fed_rows
+
+
+def test_mask_attention_is_checked(random_model):
+    from pipeline.inference.decoding import refusion_generate
+    with pytest.raises(ValueError, match="mask_attention must be one of causal, bidirectional"):
+        refusion_generate(random_model, [[1, 2]], 8, 4, 1, 0.9, 0.9, 0.0, MASK, None,
+                          verify="draft_ahead", mask_attention="full")
+    for verify in ("authors", "correct"):
+        with pytest.raises(ValueError, match="bidirectional' needs verify draft_ahead or "
+                                             "draft_every"):
+            refusion_generate(random_model, [[1, 2]], 8, 4, 1, 0.9, 0.9, 0.0, MASK, None,
+                              verify=verify, mask_attention="bidirectional")

@@ -298,24 +298,37 @@ def test_model_without_tokenizer_takes_the_shards_tokenizer(loaded, folder, tmp_
     assert rep["loss"]["val_batches"] == 2 and rep["qa"]["ar"]["examples"] == 2
 
 
-def test_exact_match_eval_with_verify_draft_every_agrees_with_ar(loaded):
+def test_exact_match_eval_with_verify_draft_every_agrees_with_ar(loaded, monkeypatch):
     """The experiment's path for Setting(mode="refusion", slot_size=k, num_blocks=0,
     slot_threshold=0.9, token_threshold=0.9, verify="draft_every"): the options it builds
-    (one slot per block) pass the CLI checks, and greedy decoding equals ar mode's answers."""
+    (one slot per block) pass the CLI checks, and greedy decoding equals ar mode's answers;
+    its mask_attention reaches the decoder."""
     import argparse
+    from pipeline.inference import decoding
     from pipeline.inference.cli import check_decoding_args
     from pipeline.inference.decoding import ar_generate
     from pipeline.inference.evaluation import exact_match_eval
+    seen = []
+    real = decoding.refusion_generate
+
+    def spy(*a, **kw):
+        if kw.get("verify") == "draft_every":     # not the warm-up's decode
+            seen.append(kw.get("mask_attention"))
+        return real(*a, **kw)
+    monkeypatch.setattr(decoding, "refusion_generate", spy)
     prompts = [loaded.tokenizer.prompt_ids(q) for q in ("def f(x):", "import os", "class A:")]
-    for k in (4, 8):
+    for k, mask_attention in ((4, "causal"), (8, "causal"), (4, "bidirectional")):
         g = 16
         args = argparse.Namespace(gen_length=g, slot_size=k, num_blocks=g // k,
                                   slot_threshold=0.9, token_threshold=0.9, verify="draft_every",
-                                  temperature=0.0, exact_cache=False, seed=0, batch_size=2)
+                                  temperature=0.0, exact_cache=False, seed=0, batch_size=2,
+                                  mask_attention=mask_attention)
         check_decoding_args(args, refusion=True)
         ar = ar_generate(loaded.model, prompts, g, 0.0, loaded.eos_id)
         ex = [{"prompt_ids": p_, "reference_ids": list(t)} for p_, t in zip(prompts, ar.tokens)]
+        seen.clear()
         got = exact_match_eval(loaded, ex, args, ["ar", "refusion"])
+        assert seen and set(seen) == {mask_attention}
         assert got["refusion"]["agreement_with_ar"] == 1.0
         assert got["refusion"]["token_accuracy"] == got["ar"]["token_accuracy"] == 1.0
         assert got["refusion"]["tokens"] == sum(map(len, ar.tokens))

@@ -190,13 +190,15 @@ def test_arms_seeds_and_grid_options_and_their_jobs(tmp_path, capsys):
     b = _experiment(tmp_path / "b", seeds=[1235])
     assert b.run_dir("refusion_boundary_seed1235").name == "refusion_boundary_f0.75_seed1235"
     # the default grid: per ReFusion model the paper's setting, draft_ahead and draft_every at
-    # k = 4, 8; AR of every model on test and unseen; batch 1 for AR of ar_continued and the
-    # four lossless settings
+    # k = 4, 8 (the dual arms with bidirectional mask attention); AR of every model on test
+    # and unseen; batch 1 for AR of ar_continued and the four lossless settings
     jobs = e.jobs()
     t = TASKS["math"]
     for m in ("dual_all", "dual_refusion_seed1235"):
         mine = [s for mm, n, s in jobs if mm == m and n == "test" and not s.batch_size]
-        assert mine == [Setting()] + list(t.default_grid)
+        assert mine == [Setting()] + [Setting(**{**s.to_dict(), "mask_attention": (
+            "bidirectional" if s.verify in ("draft_ahead", "draft_every") else "causal")})
+            for s in t.default_grid]
         assert (m, "unseen", Setting()) in jobs
         ones = [s for mm, n, s in jobs if mm == m and s.batch_size == 1]
         assert [s.verify for s in ones] == ["draft_ahead"] * 2 + ["draft_every"] * 2
@@ -212,6 +214,47 @@ def test_arms_seeds_and_grid_options_and_their_jobs(tmp_path, capsys):
     e.examples = lambda set_name: list(range(1000))
     assert len(e.decode_examples("test", Setting(batch_size=1))) == t.latency_examples == 100
     assert len(e.decode_examples("test", Setting())) == 1000
+
+
+def _old_name(s: Setting) -> str:
+    """A setting's file-name form as it was before `mask_attention` existed (the cached result
+    files of causal decodes carry these names)."""
+    bs = f"_bs{s.batch_size}" if s.batch_size else ""
+    if s.mode == "ar":
+        return "ar" + bs
+    b = "1slot" if s.num_blocks == 0 else str(s.num_blocks)
+    return f"refusion_k{s.slot_size}_b{b}_s{s.slot_threshold}_t{s.token_threshold}_{s.verify}{bs}"
+
+
+@pytest.mark.parametrize("grid", ["default", "full"])
+def test_dual_arms_decode_with_bidirectional_mask_blocks(tmp_path, grid):
+    """The arms trained with objective.mode=dual (with or without a seed suffix) decode
+    draft_ahead and draft_every with bidirectional mask attention; their other settings and
+    every other arm's are causal, and the causal settings keep their file names."""
+    e = _experiment(tmp_path, arms=["refusion", "dual_all", "dual_refusion",
+                                    "refusion_boundary"], seeds=[1234, 1235], grid=grid)
+    jobs = e.jobs()
+    dual = {"dual_all", "dual_refusion", "dual_all_seed1235", "dual_refusion_seed1235"}
+    assert dual <= {m for m, _, _ in jobs}
+    n_bidir = 0
+    for m, n, s in jobs:
+        lossless = s.mode == "refusion" and s.verify in ("draft_ahead", "draft_every")
+        want = "bidirectional" if m in dual and lossless else "causal"
+        assert s.mask_attention == want, (m, n, s)
+        if want == "causal":
+            assert s.name() == _old_name(s)
+        else:
+            n_bidir += 1
+            causal = Setting(**{**s.to_dict(), "mask_attention": "causal"})
+            assert s.name() == _old_name(causal).replace(
+                f"_{s.verify}", f"_{s.verify}_bidir") != causal.name()
+            assert e.eval_path(m, n, s) != e.eval_path(m, n, causal)
+            assert e.decode_args(s).mask_attention == "bidirectional"
+            assert "bidirectional" in s.label()
+    # every dual model: the 4 lossless settings at the main batch and 4 at batch 1
+    assert n_bidir >= len(dual) * 8
+    assert all(e.decode_args(s).mask_attention == "causal"
+               for m, _, s in jobs if m not in dual)
 
 
 def test_paired_bootstrap_ratio_against_a_direct_computation():

@@ -95,6 +95,8 @@ def test_ar_cli_equals_transformers_generate(tp1, folder, capsys, tmp_path):
     (["--prompt", "x", "--token-threshold", "1.5"], "--token-threshold 1.5 must be in [0, 1]"),
     (["--prompt", "x", "--slot-threshold", "-0.1"], "--slot-threshold -0.1 must be >= 0"),
     (["--prompt", "x", "--temperature", "nan"], "--temperature must be >= 0"),
+    (["--prompt", "x", "--verify", "correct", "--mask-attention", "bidirectional"],
+     "--mask-attention bidirectional needs --verify draft_ahead or draft_every, not correct"),
 ])
 def test_user_errors_exit_2_with_one_line(tp1, folder, capsys, tmp_path, argv, message):
     bad = tmp_path / "bad.jsonl"
@@ -225,7 +227,7 @@ def test_help_shows_defaults_and_json_records_settings(tp1, folder, capsys):
     assert s == {"model": str(folder), "mode": "refusion", "gen_length": 8, "slot_size": 4,
                  "num_blocks": 1, "slot_threshold": 0.6, "token_threshold": 0.2,
                  "temperature": 0.0, "seed": 5, "exact_cache": True, "verify": "correct",
-                 "batch_size": 8,
+                 "batch_size": 8, "mask_attention": "causal",
                  "device": "cpu", "dtype": "float32", "tokenizer": None}  # fp32: the CPU default
 
 
@@ -258,6 +260,20 @@ def test_bench_decoding_compares_verify_modes_side_by_side(folder, tmp_path):
         assert ahead[9] == "1.00" and float(every[9]) > 0
         if float(ahead[2]) >= 0.5:
             assert float(ahead[8]) == float(every[8]) == 1.0          # same as AR
+
+
+def test_bench_decoding_mask_attention_applies_to_the_drafting_modes(folder, tmp_path):
+    """`--mask-attention bidirectional` with `--verify authors draft_every`: the authors' mode
+    stays causal (it does not take the option), draft_every decodes with bidirectional mask
+    blocks and still equals AR decoding at token thresholds >= 0.5."""
+    r = _bench("bench_decoding.py", "--model", str(folder), "--data", str(tmp_path / "none"),
+               "--prompts", "2", "--gen-length", "8", "--num-blocks", "1", "--repeats", "1",
+               "--verify", "authors", "draft_every", "--mask-attention", "bidirectional")
+    assert r.returncode == 0, r.stderr
+    rows = [ln.split() for ln in r.stdout.splitlines()[2:]]
+    every = [x for x in rows if x[0] == "refusion/draft_every"]
+    assert len(every) == 5 and any(x[0] == "refusion/authors" for x in rows)
+    assert all(float(x[8]) == 1.0 for x in every if float(x[2]) >= 0.5)
 
 
 def test_device_resolution(monkeypatch):
@@ -354,3 +370,10 @@ def test_verify_draft_ahead_from_the_command_line_equals_ar_mode(tp1, folder, ca
     assert da["settings"]["verify"] == verify
     assert [r["token_ids"] for r in da["results"]] == [r["token_ids"] for r in ar["results"]]
     assert all(len(r["token_ids"]) > 0 for r in da["results"])
+    # bidirectional mask blocks (a dual-trained model's): still AR decoding's ids
+    rc, out, err = _run(capsys, base + ["--verify", verify, "--mask-attention", "bidirectional"])
+    assert rc == 0, err
+    bi = json.loads(out)
+    assert bi["settings"]["mask_attention"] == "bidirectional"
+    assert da["settings"]["mask_attention"] == "causal"
+    assert [r["token_ids"] for r in bi["results"]] == [r["token_ids"] for r in ar["results"]]

@@ -31,7 +31,8 @@ the trainer itself resumes from its latest checkpoint):
    in `pipeline.experiment.tasks`, the rest of the run uses it, and `sweep.json` records it.
 3. evaluation: the validation loss of every stage-2 model under the ReFusion objective
    (`pipeline.training.validation.validation_loss`), then every decode of `jobs()` (the task's
-   jobs for `--grid` and the arms, at every seed), each cached as JSON under
+   jobs for `--grid` and the arms, at every seed; the dual arms decode draft_ahead and
+   draft_every with bidirectional mask attention, `tasks.arm_setting`), each cached as JSON under
    `<out>/eval/<set>/<model>__<setting>.json` with every decoded answer and whether it was
    right, and the key of the export decoded.
 3b. diagnosis: `slot_acceptance` (teacher-forced plan + verify profile) of every model on the
@@ -512,6 +513,7 @@ class Experiment:
         return argparse.Namespace(gen_length=g, slot_size=s.slot_size, num_blocks=s.blocks(g),
                                   slot_threshold=s.slot_threshold,
                                   token_threshold=s.token_threshold, verify=s.verify,
+                                  mask_attention=s.mask_attention,
                                   temperature=0.0, exact_cache=False, seed=0,
                                   batch_size=s.batch_size or self.task.decode_batch)
 

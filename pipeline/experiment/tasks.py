@@ -28,7 +28,9 @@ ROOT = Path(__file__).resolve().parents[2]
 class Setting:
     """One decode: AR (`mode="ar"`, the other fields unused) or ReFusion with these options
     (`pipeline.inference.decoding.refusion_generate`). `num_blocks=0` means one slot per block
-    (gen_length / slot_size blocks: slots strictly left to right)."""
+    (gen_length / slot_size blocks: slots strictly left to right). `mask_attention`: how a
+    drafting block's masks attend to each other ("causal" | "bidirectional"; verify
+    draft_ahead and draft_every only; which arm decodes with which: `arm_setting`)."""
 
     mode: str = "ar"
     slot_size: int = 4
@@ -37,6 +39,7 @@ class Setting:
     token_threshold: float = 0.9
     verify: str = "authors"
     batch_size: int = 0          # prompts per decode call; 0 = the task's `decode_batch`
+    mask_attention: str = "causal"
 
     def blocks(self, gen_length: int) -> int:
         """The number of blocks for `gen_length` (resolving 0 = one slot per block)."""
@@ -44,13 +47,15 @@ class Setting:
 
     def name(self) -> str:
         """File-name form, unique per setting: `ar` or `refusion_k4_b2_s0.9_t0.5_authors`
-        (`b1slot`: one slot per block)."""
+        (`b1slot`: one slot per block; `_bidir` after the verify mode for bidirectional mask
+        attention, nothing for causal)."""
         bs = f"_bs{self.batch_size}" if self.batch_size else ""
         if self.mode == "ar":
             return "ar" + bs
         b = "1slot" if self.num_blocks == 0 else str(self.num_blocks)
+        bidir = "_bidir" if self.mask_attention == "bidirectional" else ""
         return (f"refusion_k{self.slot_size}_b{b}_s{self.slot_threshold}_t"
-                f"{self.token_threshold}_{self.verify}{bs}")
+                f"{self.token_threshold}_{self.verify}{bidir}{bs}")
 
     def label(self) -> str:
         """Short human-readable form for tables and legends."""
@@ -58,8 +63,10 @@ class Setting:
         if self.mode == "ar":
             return "AR" + bs
         if self.verify in LEFT_TO_RIGHT:
+            bidir = (", bidirectional masks" if self.mask_attention == "bidirectional"
+                     else "")
             return (f"k={self.slot_size}, token thr {self.token_threshold}, verify "
-                    f"{self.verify}{bs}")
+                    f"{self.verify}{bidir}{bs}")
         order = "left-to-right slots" if self.num_blocks == 0 else f"{self.num_blocks} blocks"
         return (f"k={self.slot_size}, {order}, slot thr {self.slot_threshold}, token thr "
                 f"{self.token_threshold}, verify {self.verify}{bs}")
@@ -95,6 +102,17 @@ ARM_OBJECTIVES = {
 # train_overrides`), so every arm is fed the same tokens per step, padding included.
 ARM_ROW_TOKENS = {"dual_all": 512, "dual_refusion": 512}
 ROW_TOKENS = 256          # the shards' max_length and the other arms' row length
+
+
+def arm_setting(arm: str, s: Setting) -> Setting:
+    """`s` as the model `arm` (an arm name, with or without a `_seed<N>` suffix) decodes it:
+    an arm trained with `objective.mode=dual` (its masked copies attend both ways within the
+    copy) decodes verify draft_ahead / draft_every with bidirectional mask attention, every
+    other arm and setting as given (docs/METHOD.md "Mask attention")."""
+    dual = "objective.mode=dual" in ARM_OBJECTIVES.get(arm.split("_seed")[0], ())
+    if dual and s.mode == "refusion" and s.verify in LEFT_TO_RIGHT:
+        return Setting(**{**s.to_dict(), "mask_attention": "bidirectional"})
+    return s
 
 
 def refusion_arms(arms) -> list[str]:
@@ -161,6 +179,7 @@ class Task(abc.ABC):
         `arm_settings(grid)` for every ReFusion arm, then (full grid) `extra`, AR decoding of
         every arm on `unseen_set`, and at batch 1 AR decoding of `ar_continued` and
         `latency_settings` of every ReFusion arm. Jobs of arms not in `arms` are left out.
+        Each setting is the one its arm decodes with (`arm_setting`).
 
         Args:
             arms: the stage-2 arms (default: the task's); grid: "default" or "full".
@@ -179,7 +198,7 @@ class Task(abc.ABC):
         for j in more:
             if j[0] in arms and j not in out:
                 out.append(j)
-        return out
+        return [(m, n, arm_setting(m, s)) for m, n, s in out]
 
     def sets(self) -> list[str]:
         return list(dict.fromkeys(s for _, s, _ in self.jobs()))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from pipeline.experiment.tasks import Setting
+from pipeline.experiment.tasks import Setting, arm_setting
 
 RUN_TEXT = {"refusion": "2a. ReFusion fine-tuning (the paper's objective)",
             "ar_continued": "2b. AR continued training",
@@ -406,7 +406,8 @@ def samples_markdown(rows: list[dict], task, examples: list[dict] | None, tok,
     pick = [("AR decoding of ar_continued", "ar_continued", Setting())]
     for m in (task.refusion_arms if models is None else models):
         pick += [(f"AR decoding of {m}", m, Setting())]
-        pick += [(f"ReFusion decoding of {m} ({s.label()})", m, s) for s in task.sample_settings
+        pick += [(f"ReFusion decoding of {m} ({s.label()})", m, s)
+                 for s in (arm_setting(m, x) for x in task.sample_settings)
                  if m == "refusion" or s.verify != "authors"]
     found = []
     for title, model, s in pick:

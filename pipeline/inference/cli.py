@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 
 from pipeline.common.cli import DTYPES, UsageError, hidden_alias
-from pipeline.inference.decoding import VERIFY_MODES
+from pipeline.inference.decoding import MASK_ATTENTIONS, VERIFY_MODES
 from pipeline.inference.loading import Loaded, load_for_inference
 
 
@@ -29,7 +29,8 @@ def decode_batch(loaded: Loaded, prompts: list[list[int]], args) -> "object":
                              args.num_blocks, args.slot_threshold, args.token_threshold,
                              args.temperature, loaded.mask_id, loaded.eos_id,
                              exact_cache=args.exact_cache, seed=args.seed,
-                             verify=getattr(args, "verify", "authors"))
+                             verify=getattr(args, "verify", "authors"),
+                             mask_attention=getattr(args, "mask_attention", "causal"))
 
 
 def warm_up(loaded: Loaded, prompt: list[int]) -> None:
@@ -47,7 +48,7 @@ def warm_up(loaded: Loaded, prompt: list[int]) -> None:
 # `--model_args`). k = 4 and the thresholds 0.6 / 0.3 are the reference code's demo settings.
 DECODING_DEFAULTS = {"gen_length": 128, "slot_size": 4, "num_blocks": 2, "slot_threshold": 0.6,
                      "token_threshold": 0.3, "temperature": 0.0, "exact_cache": False,
-                     "verify": "authors", "batch_size": 8, "seed": 0}
+                     "verify": "authors", "mask_attention": "causal", "batch_size": 8, "seed": 0}
 
 
 def add_decoding_args(p: argparse.ArgumentParser) -> None:
@@ -85,6 +86,11 @@ def add_decoding_args(p: argparse.ArgumentParser) -> None:
                         "unused); draft_every: draft_ahead with the next slot drafted for "
                         "every acceptance length (a block of masks each), so a rejection "
                         "costs no re-draft. docs/METHOD.md")
+    p.add_argument("--mask-attention", choices=MASK_ATTENTIONS, default=d["mask_attention"],
+                   help="refusion, --verify draft_ahead or draft_every: how the masks of one "
+                        "drafting block attend to each other. causal: as objective.mode "
+                        "refusion trains them; bidirectional: each sees all, as objective.mode "
+                        "dual trains them (use it for a dual-trained model). docs/METHOD.md")
     p.add_argument("--batch-size", type=int, default=d["batch_size"],
                    help="prompts decoded together")
     hidden_alias(p, "--batch_size", dest="batch_size", type=int)
@@ -119,7 +125,8 @@ def decoding_settings(args, mode) -> dict:
     keys = ("gen_length", "slot_size", "num_blocks", "slot_threshold", "token_threshold",
             "temperature", "seed", "exact_cache", "verify", "batch_size", "device", "dtype",
             "tokenizer")
-    return {"model": str(args.model), "mode": mode, **{k: getattr(args, k) for k in keys}}
+    return {"model": str(args.model), "mode": mode, **{k: getattr(args, k) for k in keys},
+            "mask_attention": getattr(args, "mask_attention", "causal")}
 
 
 def check_decoding_args(args, refusion: bool = True) -> None:
@@ -136,6 +143,14 @@ def check_decoding_args(args, refusion: bool = True) -> None:
         raise UsageError(f"--token-threshold {args.token_threshold} must be in [0, 1]")
     if getattr(args, "verify", "authors") not in VERIFY_MODES:
         raise UsageError(f"--verify {args.verify}: expected one of {', '.join(VERIFY_MODES)}")
+    mask_attention = getattr(args, "mask_attention", "causal")
+    if mask_attention not in MASK_ATTENTIONS:
+        raise UsageError(f"--mask-attention {mask_attention}: expected one of "
+                         f"{', '.join(MASK_ATTENTIONS)}")
+    if (refusion and mask_attention == "bidirectional"
+            and getattr(args, "verify", "authors") not in ("draft_ahead", "draft_every")):
+        raise UsageError(f"--mask-attention bidirectional needs --verify draft_ahead or "
+                         f"draft_every, not {getattr(args, 'verify', 'authors')}")
     if not args.slot_threshold >= 0:  # > 1 is valid: one slot (the best) per step
         raise UsageError(f"--slot-threshold {args.slot_threshold} must be >= 0 (values >= 1 "
                          f"select one slot per step)")

@@ -89,6 +89,14 @@ step of a prompt ("row"):
    no block leaves anything in it. Greedy with token_threshold >= 0.5, the output equals
    `ar_generate`'s (and draft_ahead's). Tokens fed per forward: 1 + k + (k + 1)^2 at most.
 
+`mask_attention` (draft_ahead and draft_every; docs/METHOD.md "Mask attention"): "causal"
+(default) feeds a drafting block's masks causally among themselves, as mode refusion trains
+masked slots; "bidirectional" lets every mask of a block see every other mask of the same
+block, as mode dual trains its masked copies. A block is draft_ahead's masks of one forward
+(the next slot; at the first forward the first two slots) or one of draft_every's blocks of
+k + 1 masks. Nothing else changes (what a block sees before it, the drafts, the walk), so the
+greedy output with token_threshold >= 0.5 is still `ar_generate`'s.
+
 Where this differs from the reference code (ML-GSAI/ReFusion `generate.py`): prompts are batched
 (each row keeps its own state; each model forward serves every row's current phase, so rows at
 different progress share forwards); parallel slots share one batch row with a block-diagonal
@@ -328,6 +336,20 @@ def _block_causal(lengths: Sequence[int]) -> torch.Tensor:
 
 
 VERIFY_MODES = ("authors", "correct", "draft_ahead", "draft_every")
+# How the masks of one drafting block attend to each other (module docstring, "mask_attention").
+MASK_ATTENTIONS = ("causal", "bidirectional")
+
+
+def check_mask_attention(mask_attention: str, verify: str) -> None:
+    """Raise ValueError (one line) unless `mask_attention` is one of MASK_ATTENTIONS and, when
+    "bidirectional", `verify` is "draft_ahead" or "draft_every" (the only decoders whose
+    drafting blocks it defines)."""
+    if mask_attention not in MASK_ATTENTIONS:
+        raise ValueError(f"mask_attention must be one of {', '.join(MASK_ATTENTIONS)}, "
+                         f"got {mask_attention!r}")
+    if mask_attention == "bidirectional" and verify not in ("draft_ahead", "draft_every"):
+        raise ValueError(f"mask_attention 'bidirectional' needs verify draft_ahead or "
+                         f"draft_every, got verify {verify!r}")
 
 
 def _select(score: torch.Tensor, slot_threshold: float) -> list[int]:
@@ -584,10 +606,12 @@ def _walk_and_commit(row: _Row, d_tok: list[int], logits: torch.Tensor, *, p0: i
 
 def _draft_ahead_program(row: _Row, *, gen_length: int, slot_size: int,
                          token_threshold: float, temperature: float, mask_id: int,
-                         eos_id: int | None, generator) -> Generator[_Request, torch.Tensor, None]:
+                         eos_id: int | None, generator, bidirectional: bool = False
+                         ) -> Generator[_Request, torch.Tensor, None]:
     """verify="draft_ahead" (module docstring, step 2''): slots left to right, one forward per
     step. Each forward feeds, after the cache and the carried token, the drafts of the open
-    offsets up to the end of the current slot, then masks up to the end of the next slot."""
+    offsets up to the end of the current slot, then masks up to the end of the next slot
+    (causal among themselves, or every mask seeing every other one when `bidirectional`)."""
     k, p0, g = slot_size, len(row.prompt), gen_length
     cur = 0                              # first offset not committed (all before it are)
     draft: list[int] = []                # drafts of offsets cur, cur + 1, ... (< slot end)
@@ -596,8 +620,13 @@ def _draft_ahead_program(row: _Row, *, gen_length: int, slot_size: int,
         d_tok = draft[:end - cur]
         n_mask = min(end + k, g) - cur - len(d_tok)  # rest of this slot, then the next slot
         positions = [p0 + cur + i for i in range(len(d_tok) + n_mask)]
+        mask = None
+        if bidirectional and n_mask > 1:   # the masks form one block, both ways
+            n = len(d_tok)
+            mask = torch.ones(n + n_mask, n + n_mask, dtype=torch.bool).tril()
+            mask[n:, n:] = True
         logits = yield _Request("verify" if d_tok else "plan", d_tok + [mask_id] * n_mask,
-                                positions)
+                                positions, mask)
         toks, finished = _walk_and_commit(row, d_tok, logits, p0=p0, cur=cur, gen_length=g,
                                           token_threshold=token_threshold,
                                           temperature=temperature, eos_id=eos_id,
@@ -613,7 +642,8 @@ def _draft_ahead_program(row: _Row, *, gen_length: int, slot_size: int,
 
 def _draft_every_program(row: _Row, *, gen_length: int, slot_size: int,
                          token_threshold: float, temperature: float, mask_id: int,
-                         eos_id: int | None, generator) -> Generator[_Request, torch.Tensor, None]:
+                         eos_id: int | None, generator, bidirectional: bool = False
+                         ) -> Generator[_Request, torch.Tensor, None]:
     """verify="draft_every" (module docstring, step 2'''): one forward per step. With `L` the
     committed length (the carried token at position L - 1 included) and `n <= k` drafts of
     positions L .. L + n - 1, each forward feeds, after the cache and the carried token, the
@@ -621,8 +651,9 @@ def _draft_every_program(row: _Row, *, gen_length: int, slot_size: int,
     positions L + a .. L + a + k: the first stands for the AR head's correction or bonus token
     at L + a (not known yet; its prediction is not used), the other k draft the next k
     positions. Block a sees the cache, the carried token and drafts 0 .. a - 1 and is causal
-    within itself (as masked slots are fed in training); blocks do not see each other and
-    drafts do not see blocks. After the walk (`_walk_and_commit`) accepted a drafts, block a's
+    within itself (as masked slots are fed in mode refusion's training), or, when
+    `bidirectional`, every mask of it sees every other one (as mode dual's masked copies);
+    blocks do not see each other and drafts do not see blocks. After the walk (`_walk_and_commit`) accepted a drafts, block a's
     last k predictions are the next step's drafts. Blocks past a drafted EOS (which would end
     the row) and positions past the generation region are not fed."""
     k, p0, g = slot_size, len(row.prompt), gen_length
@@ -644,7 +675,8 @@ def _draft_every_program(row: _Row, *, gen_length: int, slot_size: int,
         for a, (o, sz) in enumerate(zip(starts, sizes)):
             positions += [p0 + cur + a + j for j in range(sz)]
             mask[o:o + sz, :a] = True
-            mask[o:o + sz, o:o + sz] = torch.ones(sz, sz, dtype=torch.bool).tril()
+            block = torch.ones(sz, sz, dtype=torch.bool)
+            mask[o:o + sz, o:o + sz] = block if bidirectional else block.tril()
         logits = yield _Request("verify" if d_tok else "plan", d_tok + [mask_id] * (t - n),
                                 positions, mask if t > n else None)
         toks, finished = _walk_and_commit(row, d_tok, logits, p0=p0, cur=cur, gen_length=g,
@@ -897,7 +929,8 @@ def refusion_generate(model, prompt_ids, gen_length: int, slot_size: int, num_bl
                       slot_threshold: float, token_threshold: float, temperature: float,
                       mask_id: int, eos_id: int | None, exact_cache: bool = False,
                       attention_mask: torch.Tensor | None = None,
-                      seed: int = 0, verify: str = "authors") -> GenerationOutput:
+                      seed: int = 0, verify: str = "authors",
+                      mask_attention: str = "causal") -> GenerationOutput:
     """Plan-and-infill decoding of a batch of prompts with a KV cache (module docstring).
 
     Args:
@@ -926,17 +959,23 @@ def refusion_generate(model, prompt_ids, gen_length: int, slot_size: int, num_bl
             `slot_threshold` and `exact_cache` unused) or "draft_every" (step 2''': as
             draft_ahead, with the next slot drafted for every acceptance length by a block of
             masks each; the same options unused).
+        mask_attention: "causal" (default) or "bidirectional": how the masks of one drafting
+            block attend to each other (module docstring, "mask_attention"); bidirectional
+            matches a model trained with `objective.mode=dual`. Verify draft_ahead and
+            draft_every only.
 
     Returns:
         `GenerationOutput` (generated ids per prompt, forwards by kind, TPF, TPS, the forward
         that committed each token).
 
     Raises:
-        ValueError: inconsistent sizes, an unknown `verify`, or the prompt + generation
-            exceeds the model's `max_position_embeddings`.
+        ValueError: inconsistent sizes, an unknown `verify` or `mask_attention`, a
+            bidirectional `mask_attention` with verify "authors" or "correct", or the prompt +
+            generation exceeds the model's `max_position_embeddings`.
     """
     if verify not in VERIFY_MODES:
         raise ValueError(f"verify must be one of {', '.join(VERIFY_MODES)}, got {verify!r}")
+    check_mask_attention(mask_attention, verify)
     # draft_ahead / draft_every go left to right: num_blocks does not apply
     g = _check(gen_length, slot_size,
                1 if verify in ("draft_ahead", "draft_every") else num_blocks)
@@ -954,7 +993,8 @@ def refusion_generate(model, prompt_ids, gen_length: int, slot_size: int, num_bl
                          else _draft_every_program)
         programs = [left_to_right(r, gen_length=g, slot_size=slot_size,
                                   token_threshold=token_threshold, temperature=temperature,
-                                  mask_id=mask_id, eos_id=eos_id, generator=gen)
+                                  mask_id=mask_id, eos_id=eos_id, generator=gen,
+                                  bidirectional=mask_attention == "bidirectional")
                     for r in rows]
     else:
         programs = [_refusion_program(r, gen_length=g, slot_size=slot_size,
