@@ -186,6 +186,13 @@ def test_arms_seeds_and_grid_options_and_their_jobs(tmp_path, capsys):
     assert ov[-1] == "train.seed=1235"
     assert "objective.dual_masking=all" in e.finetune_overrides("dual_all")
     assert not any(o.startswith("train.seed") for o in e.finetune_overrides("dual_all"))
+    # the AR-weight sweep arms: dual_all's options plus the weight
+    w = _experiment(tmp_path / "w", arms=["dual_all_ar4", "dual_all_ar16"])
+    for arm, weight in (("dual_all_ar4", "4"), ("dual_all_ar16", "16")):
+        ov = w.finetune_overrides(arm)
+        assert ov[2:5] == ["objective.mode=dual", "objective.dual_masking=all",
+                           f"objective.ar_weight={weight}"]
+    assert not any("ar_weight" in o for o in e.finetune_overrides("dual_all"))
     assert e.run_dir("dual_all_seed1235") == e.out / "runs" / "dual_all_seed1235"
     b = _experiment(tmp_path / "b", seeds=[1235])
     assert b.run_dir("refusion_boundary_seed1235").name == "refusion_boundary_f0.75_seed1235"
@@ -231,10 +238,11 @@ def test_dual_arms_decode_with_bidirectional_mask_blocks(tmp_path, grid):
     """The arms trained with objective.mode=dual (with or without a seed suffix) decode
     draft_ahead and draft_every with bidirectional mask attention; their other settings and
     every other arm's are causal, and the causal settings keep their file names."""
-    e = _experiment(tmp_path, arms=["refusion", "dual_all", "dual_refusion",
+    e = _experiment(tmp_path, arms=["refusion", "dual_all", "dual_refusion", "dual_all_ar4",
                                     "refusion_boundary"], seeds=[1234, 1235], grid=grid)
     jobs = e.jobs()
-    dual = {"dual_all", "dual_refusion", "dual_all_seed1235", "dual_refusion_seed1235"}
+    dual = {"dual_all", "dual_refusion", "dual_all_seed1235", "dual_refusion_seed1235",
+            "dual_all_ar4", "dual_all_ar4_seed1235"}
     assert dual <= {m for m, _, _ in jobs}
     n_bidir = 0
     for m, n, s in jobs:
@@ -378,7 +386,7 @@ def test_dual_arms_are_fed_the_same_tokens_per_step_in_longer_rows(tmp_path):
     e = _experiment(tmp_path)
     plain = opts(e, "ar_continued")
     assert plain["train.micro_batch_size"] == "8" and "data.max_length" not in plain
-    for arm in ("dual_all", "dual_refusion_seed7"):
+    for arm in ("dual_all", "dual_refusion_seed7", "dual_all_ar4", "dual_all_ar16_seed7"):
         o = opts(e, arm)
         length = int(o["data.max_length"])
         assert length == ARM_ROW_TOKENS[arm.split("_seed")[0]] == 512

@@ -17,7 +17,11 @@ RUN_TEXT = {"refusion": "2a. ReFusion fine-tuning (the paper's objective)",
             "refusion_boundary": "2c. ReFusion fine-tuning with boundary labels and a "
                                  "natural-order share",
             "dual_all": "2d. the dual objective (`objective.dual_masking=all`)",
-            "dual_refusion": "2e. the dual objective (`objective.dual_masking=refusion`)"}
+            "dual_refusion": "2e. the dual objective (`objective.dual_masking=refusion`)",
+            "dual_all_ar4": "2f. the dual objective (`objective.dual_masking=all`, "
+                            "`objective.ar_weight=4`)",
+            "dual_all_ar16": "2g. the dual objective (`objective.dual_masking=all`, "
+                             "`objective.ar_weight=16`)"}
 COLORS = {4: "tab:blue", 8: "tab:orange", 16: "tab:green", 32: "tab:purple"}
 MARKERS = {"authors": "o", "correct": "^", "draft_ahead": "D"}
 AR_FACE = {"refusion": "white", "ar_continued": "black", "refusion_boundary": "tab:red"}
