@@ -34,9 +34,10 @@ the samples of one window; it does not depend on dp_size, micro_batch_size or nu
 - Reading: each shard's sample index (`<shard>.idx`, `pipeline.data.sample_index`; one read
   of 44 bytes a sample when a process first needs the shard, never a walk of tar headers)
   gives each sample's byte range, read in one request, and its digest, checked on that read
-  (`data.verify_shards`, `pipeline.data.shard_io`: per sample read, no whole-shard hash). Unpacked, a worker reads only the
-  samples of its own rows. Packed, the rows depend on the lengths of the whole window, which
-  every worker takes from the indexes (no read per sample), then it reads only the samples of
+  (`data.verify_shards`, `pipeline.data.shard_io`: per sample read, no whole-shard hash).
+  Unpacked, a worker reads only the samples of its own rows. Packed, the rows depend on the
+  lengths of the whole window, which every worker takes from the indexes (no read per
+  sample), then it reads only the samples of
   its own rows (objective mode "dual" packs by the fed length, clean tokens plus masked copies,
   which needs the samples: each worker reads the whole window). A manifest whose shards have
   no index entry (a folder made before indexes) is
@@ -259,8 +260,8 @@ class _Reader:
             idx = self._read_index(s)
             if sample_index.version_of(idx) == sample_index.VERSION:
                 # per-sample digests: the size now (one stat), each sample when it is read
-                shard_io.check_shard_size(spec.fs, path, size, spec.verify,
-                                          zip((n for n, _ in spec.shards), (m[1] for m in spec.shard_meta)))
+                shard_io.check_shard_size(spec.fs, path, size, spec.verify, zip(
+                    (n for n, _ in spec.shards), (m[1] for m in spec.shard_meta)))
             else:  # a version-1 index: the whole shard, once per process
                 shard_io.verify_shard(spec.fs, path, sha, spec.verify, size,
                                       zip((n for n, _ in spec.shards), (m[0] for m in spec.shard_meta)))
@@ -316,7 +317,7 @@ class _Reader:
         rec = idx[i]
         start = int(rec["start"])
         end = int(sample_index.sample_end(idx[i:i + 1])[0])
-        key = f"#{i}"
+        key, keyed = f"#{i}", False
         try:
             f = self._files.get(s)
             if f is None:
@@ -330,16 +331,17 @@ class _Reader:
                 raise EOFError(f"short read: {len(raw)} of {end - start} bytes at offset {start}")
             jo, to = int(rec["json_offset"]) - start, int(rec["tokens_offset"]) - start
             if self.spec.verify != "off" and "digest" in idx.dtype.names:
+                # the bytes against their digest first: a damage is named as such, not as an
+                # undecodable header or array
                 try:
-                    key = sample_index.key_from_header(raw[jo - 512:jo])
+                    key, keyed = sample_index.key_from_header(raw[jo - 512:jo]), True
                 except (ValueError, UnicodeDecodeError):
                     pass
-                digest = int(rec["digest"])
-                shard_io.check_sample(
-                    self.spec.fs, path, i, key, raw, digest, self.spec.verify,
-                    self.spec.index_meta[s][0],
-                    lambda: self._swapped_with(s, i, f))
-            key = sample_index.key_from_header(raw[jo - 512:jo])
+                shard_io.check_sample(self.spec.fs, path, i, key, raw, int(rec["digest"]),
+                                      self.spec.verify, self.spec.index_meta[s][0],
+                                      lambda: self._swapped_with(s, i, f))
+            if not keyed:
+                key = sample_index.key_from_header(raw[jo - 512:jo])
             tokens = np.load(io.BytesIO(raw[to:to + int(rec["tokens_size"])]), allow_pickle=False)
             meta = json.loads(raw[jo:jo + int(rec["json_size"])].decode("utf-8"))
         except FileNotFoundError:
