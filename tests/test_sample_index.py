@@ -361,3 +361,23 @@ def test_an_epoch_from_a_read_ahead_filesystem_reads_each_sample_once(tmp_path, 
         idx = sample_index.decode((root / sample_index.index_name(tar.name)).read_bytes(), "t")
         ranges = int((sample_index.sample_end(idx) - idx["start"].astype(np.int64)).sum())
         assert fetched[str(tar)] == ranges < tar.stat().st_size
+
+
+@pytest.mark.parametrize("block", [1, 7, 512, 1000, 4096])
+def test_add_digests_equals_hashing_each_range(folder, monkeypatch, block):
+    """`add_digests` reads the shard in blocks; every block size (a sample or the gap before
+    the next one cut by a block's end) gives the digests of the sample ranges themselves, and
+    the shard's sha256 and size."""
+    monkeypatch.setattr(sample_index, "_BLOCK", block)
+    tar = folder / "train-000001.tar"
+    blob = tar.read_bytes()
+    rec = sample_index.decode((folder / "train-000001.tar.idx").read_bytes(), "t")
+    with open(tar, "rb") as f:
+        got, sha, size = sample_index.add_digests(f, rec, "t")
+    ends = sample_index.sample_end(rec)
+    want = [int.from_bytes(hashlib.blake2b(blob[int(a):int(b)], digest_size=8).digest(), "little")
+            for a, b in zip(rec["start"], ends)]
+    assert [int(d) for d in got["digest"]] == want and (rec["digest"] == got["digest"]).all()
+    assert sha == hashlib.sha256(blob).hexdigest() and size == len(blob)
+    with open(tar, "rb") as f, pytest.raises(DataError, match="past the file's end"):
+        sample_index.add_digests(io.BytesIO(f.read(int(ends[-1]) - 1)), rec, "t")

@@ -262,7 +262,9 @@ def add_digests(fileobj, records: np.ndarray, where: str) -> tuple[np.ndarray, s
             with memoryview(buf) as view:
                 out["digest"][j] = sample_digest(view[a:b])
             k += 1
-            keep = int(starts[order[k]]) if k < len(order) else size
+            # drop what no later sample needs; never past what was read (the next sample may
+            # start in a block not read yet: then buf_off must stay the offset of buf[0])
+            keep = min(int(starts[order[k]]), size) if k < len(order) else size
             if keep > buf_off:
                 del buf[:keep - buf_off]
                 buf_off = keep
