@@ -6,9 +6,12 @@ tests' tiny model `tests/shard_fixtures.TINY_MODEL` with the tokenizer's vocabul
 command to the trainer's "step 1/1" log line, on the same samples written by data prep once
 in small shards and once in a few large ones, unpacked and packed (`data.pack`, best fit, the
 default shuffle window of 1,000 samples). Shards are verified as in a real run
-(`data.verify_shards=error`: each loader process hashes each shard it touches, once, before
-its first sample) unless `--verify off`.
-"after" is the loader as it is (each shard's `<shard>.idx`); "before" is the same loader with
+(`data.verify_shards=error`: with version-2 sample indexes, each shard's size when a process
+first needs it and each sample's digest when it is read) unless `--verify off`.
+"after" is the loader as it is (each shard's `<shard>.idx`, version 2); "v1" is the same loader
+on the same tars with version-1 indexes (the records without their digests, in a folder of links
+beside the data, `v1_twin`), which makes each loader process hash each shard it touches whole
+before its first sample, as every folder did before version 2; "before" is the same loader with
 the index read replaced by the walk of the shard's tar headers
 (`pipeline.data.sample_index.build`, the code the loader ran before indexes existed: the loader
 itself no longer has that path, it refuses a folder without indexes), patched into each rank
@@ -28,7 +31,7 @@ SentencePiece tokenizer trained on the first 20,000 of them, `data_prep/shard.py
 seconds data prep took are recorded there (`prep_times.json`) the first time it runs.
 
     .venv/bin/python bench/bench_launch.py [--data /tmp/idx_bench] [--samples 1000000]
-        [--shard-samples 10000,250000] [--sizes 1000000,250000] [--modes after,before]
+        [--shard-samples 10000,250000] [--sizes 1000000,250000] [--modes after,v1,before]
         [--before-up-to 250000] [--pack no,yes] [--verify error|off] [--timeout 1800]
 """
 from __future__ import annotations
@@ -184,6 +187,32 @@ def subset(folder: Path, samples: int) -> Path:
     return out
 
 
+def v1_twin(folder: Path) -> Path:
+    """`folder` with version-1 sample indexes (its version-2 records without their digests):
+    a folder of links to its tars, with its own indexes and manifest (made once, beside it)."""
+    from data_prep.writer import index_entry
+    from pipeline.data import sample_index
+    out = folder.with_name(f"{folder.name}-idxv1")
+    if (out / "manifest.json").exists():
+        return out
+    out.mkdir(exist_ok=True)
+    m = json.loads((folder / "manifest.json").read_text())
+    for e in m["splits"]["train"]:
+        rec = sample_index.decode((folder / e["index"]["name"]).read_bytes(), e["name"])
+        v1 = np.zeros(len(rec), sample_index.DTYPE_V1)
+        for col in sample_index.DTYPE_V1.names:
+            v1[col] = rec[col]
+        data = sample_index.encode(v1)
+        (out / e["index"]["name"]).write_bytes(data)
+        if not (out / e["name"]).exists():
+            (out / e["name"]).symlink_to(folder / e["name"])
+        entry = index_entry(e["index"]["name"], data)
+        entry.pop("version")  # as written before version 2
+        e["index"] = entry
+    (out / "manifest.json").write_text(json.dumps(m, indent=1))
+    return out
+
+
 def m_total(manifest: dict) -> int:
     return sum(e["samples"] for e in manifest["splits"]["train"])
 
@@ -323,7 +352,9 @@ def main() -> None:
     p.add_argument("--sizes", default="",
                    help="comma-separated sample counts to launch on (the first shards of each "
                         "folder; default: --samples)")
-    p.add_argument("--modes", default="after,before", help="after (index), before (tar walk)")
+    p.add_argument("--modes", default="after,before",
+                   help="after (index), v1 (version-1 index: whole-shard hashes), "
+                        "before (tar walk)")
     p.add_argument("--before-up-to", type=int, default=None,
                    help="run `before` only on sizes up to this many samples")
     p.add_argument("--pack", default="no,yes", help="no, yes or both, comma-separated")
@@ -351,6 +382,8 @@ def main() -> None:
                     continue
                 for s in layouts:  # the layouts side by side
                     d = subset(a.data / f"shards-{a.samples}-{s}", n)
+                    if mode == "v1":
+                        d = v1_twin(d)
                     shards = json.loads((d / "manifest.json").read_text())["splits"]["train"]
                     tag = f"{d.name}-{'packed' if pack else 'unpacked'}-{mode}-verify_{a.verify}"
                     cfg = runs / f"{tag}.json"

@@ -12,7 +12,8 @@ any, use the same server); the figure is bytes served during the pass / bytes of
 
 Configurations (`--configs`, comma-separated `mode:verify:workers:pack`): sample index
 ("after") or the tar-header walk it replaced ("before", `bench_shard_index.Mode`),
-`data.verify_shards` off or error (error reads each shard whole once per process to hash it),
+`data.verify_shards` off or error (error checks each sample's digest from its version-2 index
+as it is read; with version-1 indexes it read each shard whole once per process to hash it),
 loader workers, unpacked or packed. moto copies the whole object for every range request, so
 on a small machine keep the shards small (`--samples 3000 --shards 6`: minutes per
 configuration on a loaded 2-core machine).

@@ -2,7 +2,7 @@
 
 Before this index the loader walked every tar header of a shard (one `tarfile.next()` per
 member) the first time a process needed the shard; now it reads the shard's `<shard>.idx`
-(`pipeline.data.sample_index`, 36 bytes a sample) and each sample's byte range. "before" below
+(`pipeline.data.sample_index`, 44 bytes a sample) and each sample's byte range. "before" below
 is the same loader with the index read replaced by that walk (`sample_index.build`, the walk
 `shard.py index` does, the code the loader ran before), so both columns come from one run on
 the same files.
@@ -67,7 +67,10 @@ def write_folder(folder: Path, total: int, per_shard: int, max_length: int, seed
                 w = write_sample(tar, encode_sample(f"s{s0 + i:09d}", ids, seg))
                 rows.append((w["start"], *w["tokens.npy"], *w["json"], int(L)))
                 tokens += int(L)
-        data = sample_index.encode(np.array(rows, dtype=sample_index.DTYPE))
+        with open(folder / name, "rb") as f:  # version 2: with each sample's digest
+            rows = np.array(rows, dtype=sample_index.DTYPE_V1)
+            records = sample_index.add_digests(f, rows, name)[0]
+        data = sample_index.encode(records)
         (folder / sample_index.index_name(name)).write_bytes(data)
         size = (folder / name).stat().st_size
         nbytes += size

@@ -266,23 +266,50 @@ class Output:
 
 
 def index_entry(name: str, data: bytes) -> dict:
-    """The manifest's `index` field of a shard whose sample index `name` holds `data`."""
-    return {"name": name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    """The manifest's `index` field of a shard whose sample index `name` holds `data`:
+    `{"name", "bytes", "sha256", "version"}` (`version`: the layout version, byte 7 of `data`;
+    manifests written before version 2 have no `version`, meaning 1)."""
+    return {"name": name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(),
+            "version": int(data[7])}
 
 
 class _HashingFile:
-    """File wrapper counting bytes and sha256 of what is written."""
+    """File wrapper counting bytes and sha256 of what is written, and the digest
+    (`sample_index.sample_digest`) of each sample range announced with `sample(start, end)`.
+
+    The tar stream buffers what it writes, so a sample's bytes may reach this file before or
+    after `sample` is called for it: the bytes from the end of the last digested sample on are
+    kept (one sample plus the stream's 10 KiB buffer) until its digest can be taken."""
 
     def __init__(self, f):
         self.f, self.sha, self.size = f, hashlib.sha256(), 0
+        self.buf, self.buf_off = bytearray(), 0
+        self.pending: collections.deque = collections.deque()   # (start, end) not digested yet
+        self.digests: list[int] = []
 
     def write(self, data) -> int:
         self.sha.update(data)
         self.size += len(data)
+        self.buf += data
+        self._digest_ready()
         return self.f.write(data)
 
     def tell(self) -> int:
         return self.size
+
+    def sample(self, start: int, end: int) -> None:
+        """Announce the next sample's byte range `[start, end)` (in order, not overlapping)."""
+        self.pending.append((start, end))
+        self._digest_ready()
+
+    def _digest_ready(self) -> None:
+        while self.pending and self.pending[0][1] <= self.size:
+            start, end = self.pending.popleft()
+            with memoryview(self.buf) as view:
+                self.digests.append(sample_index.sample_digest(
+                    view[start - self.buf_off:end - self.buf_off]))
+            del self.buf[:end - self.buf_off]
+            self.buf_off = end
 
 
 class SplitWriter:
@@ -383,6 +410,7 @@ class SplitWriter:
             self._open_shard()
         where = write_sample(self.tar, sample)
         self.cur_index.append((where["start"], *where["tokens.npy"], *where["json"], int(tokens.size)))
+        self.cur_hash.sample(where["start"], max(a + n for a, n in (where["tokens.npy"], where["json"])))
         self.cur_samples += 1
         self.cur_tokens += int(tokens.size)
         self.cur_bytes += sum(512 + -(-len(v) // 512) * 512 for k, v in sample.items() if k != "__key__")
@@ -406,7 +434,12 @@ class SplitWriter:
         self.cur_file.close()
         self.tar = None
         # the sample index first: a shard whose entry is recorded always has its index
-        index = sample_index.encode(np.array(self.cur_index, dtype=sample_index.DTYPE))
+        if len(self.cur_hash.digests) != len(self.cur_index):
+            raise RuntimeError(f"{self.cur_name}: {len(self.cur_hash.digests)} sample digests for "
+                               f"{len(self.cur_index)} samples; report this")
+        index = sample_index.encode(np.array(
+            [(*row, d) for row, d in zip(self.cur_index, self.cur_hash.digests)],
+            dtype=sample_index.DTYPE))
         self.cur_index = []
         index_name = sample_index.index_name(self.cur_name)
         self.out.write_bytes(index_name, index)
@@ -432,26 +465,30 @@ class SplitWriter:
 
 def index_shards(url: str, log=None) -> tuple[int, int]:
     """`shard.py index DIR`: write the missing sample indexes (`<shard>.idx`,
-    `pipeline.data.sample_index`) of a finished shard folder made before indexes existed, and
-    record them in its manifest.json.
+    `pipeline.data.sample_index`) of a finished shard folder, turn version-1 indexes (no
+    per-sample digests) into version 2, and record them in its manifest.json.
 
-    Each shard whose manifest entry lacks a valid index (missing file, other size or sha256, a
-    bad layout or sample count) gets one, built by walking its tar headers once; each index is
-    written atomically, then the manifest (atomically, after every shard, so an interrupted
-    run loses nothing and a rerun skips what is done). Shards whose index is valid are not
-    read: a second run changes nothing. Merged folders (`parts/uNNNNNN/...` names) work the
-    same.
+    Each shard whose manifest entry lacks a valid version-2 index (missing file, other size or
+    sha256, a bad layout or sample count, or layout version 1) gets one: the records of a valid
+    version-1 index are kept, otherwise they are built by walking the tar's headers; then one
+    sequential read of the shard computes each sample's digest and the shard's sha256 and size,
+    which must equal the manifest's (`sha256`, `bytes`, where recorded), so the digests are
+    those of the shard data prep wrote. Each index is written atomically, then the manifest
+    (atomically, after every shard, so an interrupted run loses nothing and a rerun skips what
+    is done). Shards whose version-2 index is valid are not read: a second run changes
+    nothing. Merged folders (`parts/uNNNNNN/...` names) work the same.
 
     Args:
         url: the shard folder (local path or fsspec URL).
         log: called with one line per written index (None: quiet).
 
     Returns:
-        (indexes written, indexes already valid).
+        (indexes written or upgraded, indexes already valid).
 
     Raises:
         OutputError: one line: no or unreadable manifest.json, a shard that is missing or
-            unreadable, or whose sample count differs from the manifest.
+            unreadable, whose sample count differs from the manifest, or whose sha256 or size
+            differs from the manifest (damaged or replaced; its index is not written).
     """
     from pipeline.data.format import DataError, MANIFEST
     from pipeline.data.shard_io import read_manifest
@@ -463,42 +500,56 @@ def index_shards(url: str, log=None) -> tuple[int, int]:
     written = kept = 0
     for split, entries in manifest["splits"].items():
         for e in entries:
-            if _index_valid(out, e):
+            records = _valid_index(out, e)
+            if records is not None and sample_index.version_of(records) == sample_index.VERSION:
                 kept += 1
                 continue
-            name = sample_index.index_name(e["name"])
+            upgrade = records is not None
+            name = e["index"]["name"] if upgrade else sample_index.index_name(e["name"])
+            path = out.path(e["name"])
             try:
-                with out.fs.open(out.path(e["name"]), "rb") as f:
-                    records, _ = sample_index.build(f, out.path(e["name"]))
+                with out.fs.open(path, "rb") as f:
+                    if records is None:
+                        records, _ = sample_index.build(f, path)
+                        f.seek(0)
+                    if len(records) != e.get("samples"):
+                        raise OutputError(f"shard {path}: {len(records)} samples, manifest.json "
+                                          f"says {e.get('samples')} (damaged or replaced)")
+                    records, sha, size = sample_index.add_digests(f, records, path)
             except FileNotFoundError:
-                raise OutputError(f"shard {out.path(e['name'])}: missing") from None
+                raise OutputError(f"shard {path}: missing") from None
             except DataError as ex:
                 raise OutputError(str(ex)) from None
-            if len(records) != e.get("samples"):
-                raise OutputError(f"shard {out.path(e['name'])}: {len(records)} samples, "
-                                  f"manifest.json says {e.get('samples')} (damaged or replaced)")
+            want_sha, want_bytes = e.get("sha256"), e.get("bytes")
+            if (want_sha and sha != want_sha) or (want_bytes is not None and size != want_bytes):
+                raise OutputError(
+                    f"shard {path}: sha256 {sha[:16]}... and {size} bytes, manifest.json says "
+                    f"{(want_sha or 'none')[:16]}... and {want_bytes} bytes: damaged or replaced "
+                    "after data prep; its sample index was not written (re-copy the shard or "
+                    "rerun data prep)")
             data = sample_index.encode(records)
             out.write_bytes(name, data)
             e["index"] = index_entry(name, data)
             out.write_json(MANIFEST, manifest)
             written += 1
             if log:
-                log(f"wrote {out.path(name)} ({len(records)} samples)")
+                log(f"{'upgraded' if upgrade else 'wrote'} {out.path(name)} ({len(records)} "
+                    f"samples{', layout version 1 -> 2: per-sample digests' if upgrade else ''})")
     return written, kept
 
 
-def _index_valid(out: Output, entry: dict) -> bool:
-    """The shard entry's recorded sample index exists with its size, sha256 and layout."""
+def _valid_index(out: Output, entry: dict):
+    """The records of the shard entry's recorded sample index when it exists with its size,
+    sha256 and layout (`sample_index.decode`, either version), else None."""
     from pipeline.data.format import DataError
     ix = entry.get("index")
     if not isinstance(ix, dict) or not isinstance(ix.get("name"), str):
-        return False
+        return None
     try:
         with out.fs.open(out.path(ix["name"]), "rb") as f:
             data = f.read()
         if len(data) != ix.get("bytes") or hashlib.sha256(data).hexdigest() != ix.get("sha256"):
-            return False
-        sample_index.decode(data, ix["name"], entry.get("samples"), entry.get("bytes"))
+            return None
+        return sample_index.decode(data, ix["name"], entry.get("samples"), entry.get("bytes"))
     except (OSError, DataError):
-        return False
-    return True
+        return None

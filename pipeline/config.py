@@ -57,9 +57,11 @@ class DataSection:
     (`best_fit`: best-fit decreasing within each shuffle window, `next_fit`: window order);
     `num_workers`: loader worker processes per rank (may change on resume: it does not change
     the batches); `shuffle_buffer`: window of the shuffle and of packing, in samples.
-    `verify_shards`: "error" (default) stops with one line naming a shard whose sha256 differs
-    from manifest.json, "warn" prints that line and trains on, "off" skips the check (each shard
-    is hashed once per loader process when first read: `pipeline.data.shard_io`).
+    `verify_shards`: "error" (default) stops with one line naming a shard (and sample) that
+    differs from manifest.json, "warn" prints that line and trains on, "off" skips the check
+    (each sample's digest from the shard's sample index is checked when it is read, and the
+    shard's size when first opened; shards with version-1 indexes are hashed whole once per
+    loader process: `pipeline.data.shard_io`).
     `on_shard_change`: what a resumed run does when the training split's shard set differs from
     the one its checkpoint was taken on (shards rebuilt with more input): "refuse" (default:
     one line, exit 2) or "new_pass": keep weights, optimizer, step and lr schedule and start a

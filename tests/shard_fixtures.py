@@ -52,9 +52,10 @@ def random_samples(rng: np.random.Generator, n: int, vocab_size: int = 64, max_l
 
 def write_shards(data_dir: str, splits: dict, samples_per_shard: int = 10,
                  tokenizer: dict | None = None, max_length: int | None = None,
-                 options: dict | None = None, index: bool = True) -> dict:
+                 options: dict | None = None, index: bool = True, index_version: int = 2) -> dict:
     """Write `<data_dir>/manifest.json` and `<split>-NNNNNN.tar` shards, each with its sample
-    index `<shard>.idx` (`index=False`: a folder as written before sample indexes existed).
+    index `<shard>.idx` (`index=False`: a folder as written before sample indexes existed;
+    `index_version=1`: indexes without per-sample digests, as written before those existed).
 
     Args:
         data_dir: local folder or fsspec URL.
@@ -89,7 +90,7 @@ def write_shards(data_dir: str, splits: dict, samples_per_shard: int = 10,
             fs.mv(tmp, f"{root}/{name}")
             entry = {"name": name, "samples": len(chunk), "tokens": int(sum(len(t) for t, _ in chunk))}
             if index:
-                entry["index"] = write_index(fs, root, name)
+                entry["index"] = write_index(fs, root, name, index_version)
             entries.append(entry)
             longest = max([longest, *(len(t) for t, _ in chunk)])
         manifest_splits[split] = entries
@@ -101,20 +102,25 @@ def write_shards(data_dir: str, splits: dict, samples_per_shard: int = 10,
     return manifest
 
 
-def write_index(fs, root: str, name: str) -> dict:
+def write_index(fs, root: str, name: str, version: int = 2) -> dict:
     """Write the sample index of shard `<root>/<name>` (built by walking its tar:
-    `pipeline.data.sample_index.build`, what `shard.py index` does) and return its manifest
-    `index` entry."""
+    `pipeline.data.sample_index.build`, and with `version` 2 its samples' digests from one
+    read of it, `add_digests`: what `shard.py index` does) and return its manifest `index`
+    entry (`version` recorded for version 2 only, as manifests before it had none)."""
     import hashlib
 
     from pipeline.data import sample_index
     with fs.open(f"{root}/{name}", "rb") as f:
         records, _ = sample_index.build(f, name)
+        if version == 2:
+            f.seek(0)
+            records = sample_index.add_digests(f, records, name)[0]
     data = sample_index.encode(records)
     iname = sample_index.index_name(name)
     with fs.open(f"{root}/{iname}", "wb") as f:
         f.write(data)
-    return {"name": iname, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    entry = {"name": iname, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    return {**entry, "version": 2} if version == 2 else entry
 
 
 def write_train_val(data_dir: str, n_train: int, n_val: int, samples_per_shard: int,

@@ -53,12 +53,18 @@ def check_folder(folder: Path) -> int:
             assert ix["name"] == e["name"] + ".idx"
             data = (folder / ix["name"]).read_bytes()
             assert len(data) == ix["bytes"] and hashlib.sha256(data).hexdigest() == ix["sha256"]
-            assert data[:8] == b"RFSIDX\x00\x01"
+            assert data[:8] == b"RFSIDX\x00\x02" and ix["version"] == 2
             assert int.from_bytes(data[8:16], "little") == e["samples"]
+            assert len(data) == 16 + 44 * e["samples"]
             rec = np.frombuffer(data, sample_index.DTYPE, offset=16)
             got = [tuple(int(x) for x in r) for r in rec]
             want = walk_index(folder / e["name"])
-            assert got == [w[:6] for w in want]
+            assert [g[:6] for g in got] == [w[:6] for w in want]
+            blob = (folder / e["name"]).read_bytes()
+            for g in got:  # the digest: BLAKE2b-64 (hashlib) of the sample's bytes, as uint64 LE
+                end = max(g[1] + g[2], g[3] + g[4])
+                h = hashlib.blake2b(blob[g[0]:end], digest_size=8).digest()
+                assert g[6] == int.from_bytes(h, "little")
             assert len(got) == e["samples"] and sum(r[5] for r in got) == e["tokens"]
             n += 1
     return n
@@ -199,6 +205,61 @@ def test_missing_index_is_one_line_and_shard_index_mends_it(tmp_path, capsys):
     assert "\n" not in err and "no manifest.json" in err
 
 
+def _add_shard_digests(folder: Path) -> None:
+    """Record each shard's sha256 and size in manifest.json, as data prep does."""
+    m = json.loads((folder / "manifest.json").read_text())
+    for e in m["splits"]["train"]:
+        blob = (folder / e["name"]).read_bytes()
+        e["sha256"], e["bytes"] = hashlib.sha256(blob).hexdigest(), len(blob)
+    (folder / "manifest.json").write_text(json.dumps(m, indent=1))
+
+
+def test_shard_index_upgrades_version_1_indexes(tmp_path, capsys, monkeypatch):
+    """Version-1 indexes (no per-sample digests) are read as before, each shard hashed whole
+    once per process, with one note naming `shard.py index`; that command upgrades them to
+    version 2 (the bytes data prep writes), resumably, refusing a shard that differs from its
+    manifest entry; then the loader hashes no shard whole and yields the same batches."""
+    from pipeline.data import shard_io
+    samples = random_samples(np.random.default_rng(6), 25, max_length=30)
+    ref, old = tmp_path / "ref", tmp_path / "old"
+    for d, v in ((ref, 2), (old, 1)):
+        write_shards(str(d), {"train": samples}, samples_per_shard=10, index_version=v)
+        _add_shard_digests(d)
+    assert (old / "train-000000.tar.idx").read_bytes()[7] == 1
+    calls = []
+    real = shard_io._file_sha256
+    monkeypatch.setattr(shard_io, "_file_sha256", lambda fs, p: calls.append(p) or real(fs, p))
+    shard_io._VERIFIED.clear()
+    shard_io._NOTED_V1.clear()
+    capsys.readouterr()
+    before = _keys_and_tokens(build_loader(str(old), "train", 2, 30, num_workers=0, infinite=False, seed=1))
+    assert sorted(calls) == [f"{old}/train-00000{i}.tar" for i in range(3)]
+    err = capsys.readouterr().err
+    assert err.count("note: ") == 1 and f"python data_prep/shard.py index {old}" in err
+    assert "3 shard(s) of split 'train' (first: train-000000.tar) have version-1" in err
+    # a shard that differs from its manifest entry is refused, its index left as it was
+    shard2 = old / "train-000002.tar"
+    good = shard2.read_bytes()
+    shard2.write_bytes(good[:600] + bytes([good[600] ^ 1]) + good[601:])
+    assert shard.main(["index", str(old)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 3 and err.count("upgraded") == 2  # shards 0 and 1 were done
+    assert f"error: shard {shard2}: sha256" in err and "damaged or replaced" in err
+    assert (old / "train-000002.tar.idx").read_bytes()[7] == 1
+    shard2.write_bytes(good)
+    assert shard.main(["index", str(old)]) == 0  # resumes: the one left
+    assert "1 sample index(es) written, 2 already valid" in capsys.readouterr().err
+    for p in sorted(ref.glob("*.idx")):  # the same bytes as version-2 indexes written whole
+        assert (old / p.name).read_bytes() == p.read_bytes()
+    assert json.loads((old / "manifest.json").read_text()) == json.loads((ref / "manifest.json").read_text())
+    calls.clear()
+    shard_io._VERIFIED.clear()
+    shard_io._NOTED_V1.clear()
+    after = _keys_and_tokens(build_loader(str(old), "train", 2, 30, num_workers=0, infinite=False, seed=1))
+    assert calls == [] and "note: " not in capsys.readouterr().err  # (in this process: 0 workers)
+    assert [(k, t.tolist()) for k, t, _ in after] == [(k, t.tolist()) for k, t, _ in before]
+
+
 def test_index_entries_are_not_part_of_the_shard_set(tmp_path):
     """A loader state resumes on the same shards whatever their manifest says of the indexes
     (a run started before `shard.py index` added them keeps its shard set)."""
@@ -300,3 +361,23 @@ def test_an_epoch_from_a_read_ahead_filesystem_reads_each_sample_once(tmp_path, 
         idx = sample_index.decode((root / sample_index.index_name(tar.name)).read_bytes(), "t")
         ranges = int((sample_index.sample_end(idx) - idx["start"].astype(np.int64)).sum())
         assert fetched[str(tar)] == ranges < tar.stat().st_size
+
+
+@pytest.mark.parametrize("block", [1, 7, 512, 1000, 4096])
+def test_add_digests_equals_hashing_each_range(folder, monkeypatch, block):
+    """`add_digests` reads the shard in blocks; every block size (a sample or the gap before
+    the next one cut by a block's end) gives the digests of the sample ranges themselves, and
+    the shard's sha256 and size."""
+    monkeypatch.setattr(sample_index, "_BLOCK", block)
+    tar = folder / "train-000001.tar"
+    blob = tar.read_bytes()
+    rec = sample_index.decode((folder / "train-000001.tar.idx").read_bytes(), "t")
+    with open(tar, "rb") as f:
+        got, sha, size = sample_index.add_digests(f, rec, "t")
+    ends = sample_index.sample_end(rec)
+    want = [int.from_bytes(hashlib.blake2b(blob[int(a):int(b)], digest_size=8).digest(), "little")
+            for a, b in zip(rec["start"], ends)]
+    assert [int(d) for d in got["digest"]] == want and (rec["digest"] == got["digest"]).all()
+    assert sha == hashlib.sha256(blob).hexdigest() and size == len(blob)
+    with open(tar, "rb") as f, pytest.raises(DataError, match="past the file's end"):
+        sample_index.add_digests(io.BytesIO(f.read(int(ends[-1]) - 1)), rec, "t")

@@ -98,10 +98,10 @@ def add_digests(folder: Path) -> dict:
     return m
 
 
-def make_folder(folder: Path, n: int = 30, per_shard: int = 10) -> Path:
+def make_folder(folder: Path, n: int = 30, per_shard: int = 10, index_version: int = 2) -> Path:
     rng = np.random.default_rng(0)
     write_shards(str(folder), {"train": random_samples(rng, n, vocab_size=64, max_length=24)},
-                 samples_per_shard=per_shard, max_length=24)
+                 samples_per_shard=per_shard, max_length=24, index_version=index_version)
     add_digests(folder)
     return folder
 
@@ -216,8 +216,9 @@ def test_missing_filesystem_package_is_one_line_everywhere(tmp_path, capsys, spm
 
 # ----------------------------------------------------------------------------- integrity
 
-def test_swapped_shards_stop_with_one_line(tmp_path):
-    d = make_folder(tmp_path / "shards")
+def test_swapped_shards_stop_with_one_line_index_v1(tmp_path):
+    """Version-1 indexes (no per-sample digests): the whole shard's sha256 names the swap."""
+    d = make_folder(tmp_path / "shards", index_version=1)
     a, b = d / "train-000000.tar", d / "train-000001.tar"
     blob_a, blob_b = a.read_bytes(), b.read_bytes()
     a.write_bytes(blob_b)
@@ -245,8 +246,8 @@ def _token_offset(path: Path, sample: int) -> int:
     return m.offset_data + header
 
 
-def test_flipped_bit_error_warn_off(tmp_path, capsys, monkeypatch):
-    d = make_folder(tmp_path / "shards")
+def test_flipped_bit_error_warn_off_index_v1(tmp_path, capsys, monkeypatch):
+    d = make_folder(tmp_path / "shards", index_version=1)
     clean = one_pass(str(d))
     shard = d / "train-000001.tar"
     blob = bytearray(shard.read_bytes())
@@ -262,6 +263,7 @@ def test_flipped_bit_error_warn_off(tmp_path, capsys, monkeypatch):
     warned = one_pass(str(d), verify_shards="warn")
     err = capsys.readouterr().err
     assert err.count("warning: shard") == 1 and str(shard) in err
+    assert "sha256" in err
     assert not same_batches(warned, clean)  # the flipped token is what trains
     diff = [int((x[1] != y[1]).sum()) for x, y in zip(warned, clean)]
     assert sum(diff) == 1
@@ -271,8 +273,8 @@ def test_flipped_bit_error_warn_off(tmp_path, capsys, monkeypatch):
         build_loader(str(d), "train", 1, 24, verify_shards="maybe")
 
 
-def test_each_shard_is_hashed_once_per_process(tmp_path, monkeypatch):
-    d = make_folder(tmp_path / "shards", n=40, per_shard=10)
+def test_each_shard_is_hashed_once_per_process_index_v1(tmp_path, monkeypatch):
+    d = make_folder(tmp_path / "shards", n=40, per_shard=10, index_version=1)
     calls = []
     real = shard_io._file_sha256
     monkeypatch.setattr(shard_io, "_file_sha256", lambda fs, p: calls.append(p) or real(fs, p))
@@ -282,6 +284,111 @@ def test_each_shard_is_hashed_once_per_process(tmp_path, monkeypatch):
     for _ in range(60):  # three epochs of 20 micro-batches
         next(it)
     assert sorted(calls) == sorted(f"{d}/train-00000{i}.tar" for i in range(4))
+
+
+def _count_whole_hashes(monkeypatch) -> list:
+    calls = []
+    real = shard_io._file_sha256
+    monkeypatch.setattr(shard_io, "_file_sha256", lambda fs, p: calls.append(p) or real(fs, p))
+    shard_io._VERIFIED.clear()
+    return calls
+
+
+def test_flipped_byte_is_caught_when_its_sample_is_read(tmp_path, capsys, monkeypatch):
+    """Version-2 indexes: no shard is hashed whole; a flipped token byte stops the pass at the
+    sample that holds it (error), warns once (warn), or trains as is (off)."""
+    d = make_folder(tmp_path / "shards")
+    calls = _count_whole_hashes(monkeypatch)
+    clean = one_pass(str(d))
+    shard = d / "train-000001.tar"
+    blob = bytearray(shard.read_bytes())
+    blob[_token_offset(shard, 3)] ^= 1  # the low bit of one token id of sample 13
+    shard.write_bytes(bytes(blob))
+    with pytest.raises(DataError) as e:
+        one_pass(str(d), num_workers=1)  # from a loader worker: the same one line
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"shard {shard}: sample train0000013 (#3 of the shard) "
+                                              "does not match its digest in train-000001.tar.idx")
+    assert "damaged in place" in msg and "re-copy the shard" in msg
+    capsys.readouterr()
+    warned = one_pass(str(d), verify_shards="warn")
+    err = capsys.readouterr().err
+    assert err.count("warning: shard") == 1 and "sample train0000013" in err
+    diff = [int((x[1] != y[1]).sum()) for x, y in zip(warned, clean)]
+    assert len(warned) == len(clean) and sum(diff) == 1  # the flipped token is what trains
+    assert same_batches(one_pass(str(d), verify_shards="off"), warned)
+    assert capsys.readouterr().err == ""
+    assert calls == []  # never a whole-shard hash
+
+
+def test_damaged_sample_stops_only_its_reader(tmp_path):
+    """Verification is per sample read: a damaged sample another rank reads does not stop this
+    rank (error mode); the rank that reads it stops there, after the samples before it."""
+    d = make_folder(tmp_path / "shards")
+    shard = d / "train-000000.tar"
+    blob = bytearray(shard.read_bytes())
+    blob[_token_offset(shard, 2)] ^= 2  # sample 2: round 0, rows 2-3 are rank 1's
+    shard.write_bytes(bytes(blob))
+
+    def rank(r):
+        return build_loader(str(d), "train", 2, 64, dp_rank=r, dp_size=2, num_workers=0,
+                            shuffle=False, infinite=False, vocab_size=64, seed=1)
+    keys = [k for b in rank(0) for k in b["keys"]]
+    assert keys == [f"train{i:07d}" for i in range(30) if i % 4 in (0, 1)]
+    with pytest.raises(DataError, match=r"train-000000\.tar: sample train0000002 \(#2 of"):
+        for _ in rank(1):
+            pass
+
+
+def test_swapped_shards_of_equal_size_are_caught_by_sample_digests(tmp_path, monkeypatch):
+    d = make_folder(tmp_path / "shards")
+    a, b = d / "train-000000.tar", d / "train-000001.tar"
+    blob_a, blob_b = a.read_bytes(), b.read_bytes()
+    assert len(blob_a) == len(blob_b)  # the size check at open cannot see this swap
+    calls = _count_whole_hashes(monkeypatch)
+    a.write_bytes(blob_b)
+    b.write_bytes(blob_a)
+    with pytest.raises(DataError) as e:
+        one_pass(str(d))
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"shard {a}: sample train0000010 (#0 of the shard) does "
+                                              "not match its digest")
+    assert "its bytes are those of shard train-000001.tar of the manifest" in msg
+    assert calls == []
+    # a file of the same size that is no shard of the manifest: damaged or replaced
+    write_shards(str(tmp_path / "other"), {"train": random_samples(np.random.default_rng(9), 10,
+                                                                   vocab_size=64, max_length=24)})
+    foreign = (tmp_path / "other" / "train-000000.tar").read_bytes()
+    a.write_bytes(foreign[:len(blob_a)].ljust(len(blob_a), b"\0"))
+    b.write_bytes(blob_b)
+    with pytest.raises(DataError) as e:
+        one_pass(str(d))
+    msg = str(e.value)
+    assert msg.startswith(f"shard {a}: sample train0000000 (#0 of the shard) does not match")
+    assert "damaged in place (bit flip, bad copy) or replaced by another file of the same size" in msg
+
+
+def test_truncated_or_resized_shard_is_caught_at_open(tmp_path, capsys, monkeypatch):
+    d = make_folder(tmp_path / "shards")
+    calls = _count_whole_hashes(monkeypatch)
+    shard = d / "train-000002.tar"
+    blob = shard.read_bytes()
+    shard.write_bytes(blob[:len(blob) - 1024])
+    loader = build_loader(str(d), "train", 2, 64, num_workers=0, shuffle=False, infinite=False,
+                          vocab_size=64)
+    with pytest.raises(DataError) as e:
+        for _ in loader:
+            pass
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(
+        f"shard {shard}: truncated: {len(blob) - 1024} of {len(blob)} bytes")
+    assert loader.consumed_samples == 20  # shards 0 and 1 were read; shard 2 stops at open
+    capsys.readouterr()
+    assert len([k for b in build_loader(str(d), "train", 2, 64, num_workers=0, shuffle=False,
+                                        infinite=False, vocab_size=64, verify_shards="warn")
+                for k in b["keys"]]) == 30  # the samples still lie in the shorter file
+    assert capsys.readouterr().err.count("warning: shard") == 1
+    assert calls == []
 
 
 def test_damaged_tar_is_not_called_truncated(tmp_path):

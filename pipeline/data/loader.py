@@ -32,10 +32,12 @@ the samples of one window; it does not depend on dp_size, micro_batch_size or nu
   row left (all-padding rows fill the rest), so all ranks yield the same number of batches
   and every sample is in exactly one of them.
 - Reading: each shard's sample index (`<shard>.idx`, `pipeline.data.sample_index`; one read
-  of 36 bytes a sample when a process first needs the shard, never a walk of tar headers)
-  gives each sample's byte range, read in one request. Unpacked, a worker reads only the
-  samples of its own rows. Packed, the rows depend on the lengths of the whole window, which
-  every worker takes from the indexes (no read per sample), then it reads only the samples of
+  of 44 bytes a sample when a process first needs the shard, never a walk of tar headers)
+  gives each sample's byte range, read in one request, and its digest, checked on that read
+  (`data.verify_shards`, `pipeline.data.shard_io`: per sample read, no whole-shard hash).
+  Unpacked, a worker reads only the samples of its own rows. Packed, the rows depend on the
+  lengths of the whole window, which every worker takes from the indexes (no read per
+  sample), then it reads only the samples of
   its own rows (objective mode "dual" packs by the fed length, clean tokens plus masked copies,
   which needs the samples: each worker reads the whole window). A manifest whose shards have
   no index entry (a folder made before indexes) is
@@ -255,13 +257,53 @@ class _Reader:
         path = f"{spec.root}/{spec.shards[s][0]}"
         if s not in self._indexes:
             sha, size = spec.shard_meta[s] if spec.shard_meta else (None, None)
-            shard_io.verify_shard(spec.fs, path, sha, spec.verify, size,  # whole shard, once
-                                  zip((n for n, _ in spec.shards), (m[0] for m in spec.shard_meta)))
-            name, nbytes, digest = spec.index_meta[s]
-            entry = {"name": spec.shards[s][0], "samples": spec.shards[s][1], "bytes": size,
-                     "index": {"name": name, "bytes": nbytes, "sha256": digest}}
-            self._indexes[s] = shard_io.read_sample_index(spec.fs, spec.root, entry, spec.verify)
+            idx = self._read_index(s)
+            if sample_index.version_of(idx) == sample_index.VERSION:
+                # per-sample digests: the size now (one stat), each sample when it is read
+                shard_io.check_shard_size(spec.fs, path, size, spec.verify, zip(
+                    (n for n, _ in spec.shards), (m[1] for m in spec.shard_meta)))
+            else:  # a version-1 index: the whole shard, once per process
+                shard_io.verify_shard(spec.fs, path, sha, spec.verify, size,
+                                      zip((n for n, _ in spec.shards), (m[0] for m in spec.shard_meta)))
+            self._indexes[s] = idx
         return s, path, self._indexes[s], gid - int(self.order.shard_first[s])
+
+    def _read_index(self, s: int, mode: str | None = None) -> np.ndarray:
+        """The checked sample index of shard s (`shard_io.read_sample_index`)."""
+        spec = self.spec
+        sha, size = spec.shard_meta[s] if spec.shard_meta else (None, None)
+        name, nbytes, digest = spec.index_meta[s]
+        entry = {"name": spec.shards[s][0], "samples": spec.shards[s][1], "bytes": size,
+                 "index": {"name": name, "bytes": nbytes, "sha256": digest}}
+        return shard_io.read_sample_index(spec.fs, spec.root, entry, mode or spec.verify)
+
+    def _swapped_with(self, s: int, i: int, f) -> str | None:
+        """The name of another shard of the split whose sample i is what shard s's file holds
+        at that sample's range (its index's range and digest), else None. Read on a digest
+        mismatch only: the indexes of the other shards of the same size (at most 64) and one
+        sample range of open file `f` for each."""
+        spec = self.spec
+        size = spec.shard_meta[s][1] if spec.shard_meta else None
+        tried = 0
+        for t, (name, _) in enumerate(spec.shards):
+            if t == s or (size is not None and spec.shard_meta[t][1] != size):
+                continue
+            tried += 1
+            if tried > 64:
+                break
+            try:
+                idx = self._indexes.get(t)
+                if idx is None:
+                    idx = self._read_index(t, mode="off")
+                if i >= len(idx) or sample_index.version_of(idx) != sample_index.VERSION:
+                    continue
+                a, b = int(idx["start"][i]), int(sample_index.sample_end(idx[i:i + 1])[0])
+                f.seek(a)
+                if sample_index.sample_digest(f.read(b - a)) == int(idx["digest"][i]):
+                    return name
+            except (DataError, OSError, ValueError):
+                continue
+        return None
 
     def length(self, gid: int) -> int:
         """Tokens of global sample `gid`, from its shard's sample index (no read of the sample)."""
@@ -275,7 +317,7 @@ class _Reader:
         rec = idx[i]
         start = int(rec["start"])
         end = int(sample_index.sample_end(idx[i:i + 1])[0])
-        key = f"#{i}"
+        key, keyed = f"#{i}", False
         try:
             f = self._files.get(s)
             if f is None:
@@ -288,11 +330,24 @@ class _Reader:
             if len(raw) != end - start:
                 raise EOFError(f"short read: {len(raw)} of {end - start} bytes at offset {start}")
             jo, to = int(rec["json_offset"]) - start, int(rec["tokens_offset"]) - start
-            key = sample_index.key_from_header(raw[jo - 512:jo])
+            if self.spec.verify != "off" and "digest" in idx.dtype.names:
+                # the bytes against their digest first: a damage is named as such, not as an
+                # undecodable header or array
+                try:
+                    key, keyed = sample_index.key_from_header(raw[jo - 512:jo]), True
+                except (ValueError, UnicodeDecodeError):
+                    pass
+                shard_io.check_sample(self.spec.fs, path, i, key, raw, int(rec["digest"]),
+                                      self.spec.verify, self.spec.index_meta[s][0],
+                                      lambda: self._swapped_with(s, i, f))
+            if not keyed:
+                key = sample_index.key_from_header(raw[jo - 512:jo])
             tokens = np.load(io.BytesIO(raw[to:to + int(rec["tokens_size"])]), allow_pickle=False)
             meta = json.loads(raw[jo:jo + int(rec["json_size"])].decode("utf-8"))
         except FileNotFoundError:
             raise DataError(f"shard {path}: missing") from None
+        except DataError:  # a digest mismatch (shard_io.check_sample): its own message
+            raise
         except (ValueError, OSError, EOFError, UnicodeDecodeError) as e:
             size = self.spec.shard_meta[s][1] if self.spec.shard_meta else None
             h = shard_io.damage_hint(self.spec.fs, path, size)
@@ -662,8 +717,10 @@ def build_loader(data_dir: str, split: str, micro_batch_size: int, max_length: i
         vocab_size: model embedding rows, checked against the manifest (None = no check).
         tokenizer_hash: if given, must equal manifest tokenizer.hash.
         prefetch_factor: micro-batches each worker prepares ahead.
-        verify_shards: "error" (default) / "warn" / "off": check each shard's sha256 against
-            the manifest when a loader process first reads it (`pipeline.data.shard_io`).
+        verify_shards: "error" (default) / "warn" / "off": check each shard against the
+            manifest (`pipeline.data.shard_io`): its size when a loader process first needs it
+            and each sample's digest when it is read (sample index version 2), or its whole
+            sha256 when a process first needs it (version 1).
 
     Returns:
         A `ShardLoader`.
@@ -694,6 +751,9 @@ def build_loader(data_dir: str, split: str, micro_batch_size: int, max_length: i
         ix = e.get("index")
         if not isinstance(ix, dict) or not isinstance(ix.get("name"), str):
             raise DataError(shard_io.missing_index_message(str(data_dir), e["name"]))
+    if verify_shards != "off":  # indexes without per-sample digests: each process hashes shards whole
+        shard_io.note_version_1_indexes(str(data_dir), split, [
+            e["name"] for e in entries if e["index"].get("version", 1) < sample_index.VERSION])
     total = sum(n for _, n in shards)
     if infinite and total < 1:
         raise DataError(f"{where}: split {split!r} has no samples")

@@ -3,32 +3,47 @@ walk tar headers.
 
 Owns: the index file's layout (below), encoding and decoding it, checking it against its shard's
 manifest entry, building one by walking a tar (for shards written before indexes existed:
-`shard.py index`), and reading a sample's key from the member header inside its byte range.
-Must not touch: shard order, batches (`pipeline.data.loader`), sha256 checks of files
-(`pipeline.data.shard_io`), writing files (callers write atomically). Imports nothing else of
+`shard.py index`), the per-sample digest (its algorithm, computing the digests of a shard),
+and reading a sample's key from the member header inside its byte range.
+Must not touch: shard order, batches (`pipeline.data.loader`), checks of files and samples
+against the manifest and the index, and their modes and messages (`pipeline.data.shard_io`), writing files (callers write atomically). Imports nothing else of
 the package but `pipeline.data.format`.
 
 Layout (little-endian), ARCHITECTURE.md "Shard format":
-    bytes 0..7   magic b"RFSIDX\\x00\\x01" (the last byte is the layout version, 1)
+    bytes 0..7   magic b"RFSIDX\\x00\\x02" (the last byte is the layout version: 2; 1 is read too)
     bytes 8..15  uint64 N, the number of samples
-    then N packed 36-byte records, in the shard's sample order:
+    then N packed 44-byte records (36 bytes in version 1), in the shard's sample order:
       start         uint64  offset of the sample's first tar header (its first member's)
       tokens_offset uint64  offset of the `tokens.npy` member's data
       tokens_size   uint32  its size in bytes
       json_offset   uint64  offset of the `json` member's data
       json_size     uint32  its size in bytes
       num_tokens    uint32  L, the length of the sample's tokens (for packing without reads)
+      digest        uint64  (version 2 only) the sample's bytes' BLAKE2b-64 (`sample_digest`)
 The sample's bytes are `[start, max(tokens_offset + tokens_size, json_offset + json_size))`;
 its key is the name in the member header that precedes the `json` data (512 bytes before
-`json_offset`), read from those bytes, so the index holds no strings. 36 bytes a sample: 4.5 MB
-for 125,000 samples, ~1.8% of a 256 MB shard of 2 KB samples. Why a raw record array and not
+`json_offset`), read from those bytes, so the index holds no strings. 44 bytes a sample: 5.5 MB
+for 125,000 samples, ~2.1% of a 256 MB shard of 2 KB samples. Why a raw record array and not
 `.npy`: the magic, the count and a fixed 16-byte header let a remote reader range-read any
-records (`offset = 16 + 36 * i`) and a local reader `np.memmap` it, and the layout is stated
+records (`offset = 16 + 44 * i`) and a local reader `np.memmap` it, and the layout is stated
 here in full (Megatron's `.idx` beside each `.bin` and Megatron-Energon's `<shard>.tar.idx`
 are the same idea).
+
+Why a digest per sample (version 2): the loader reads a shard by sample ranges in a shuffled
+order, so a whole-shard sha256 would need its own read of the shard by every process that
+touches it (1 + P reads of the data with P processes, and a start-up that grows with the shard
+size). With a digest in each record, a reader checks exactly the bytes it read, when it reads
+them; the index itself is covered by its sha256 in manifest.json, so the digests are as
+trustworthy as the manifest. BLAKE2b (Python's `hashlib`, RFC 7693) with an 8-byte digest: a
+damaged or foreign sample passes with probability 2^-64; it hashes a 2 KB sample in a few
+microseconds, less than the read itself. Data prep computes the digests from the bytes it
+writes (`data_prep/writer.py`); `shard.py index` computes them in one sequential pass that also
+checks the shard's sha256 against the manifest (`add_digests`), and turns version-1 indexes
+into version 2.
 """
 from __future__ import annotations
 
+import hashlib
 import posixpath
 
 import numpy as np
@@ -36,12 +51,32 @@ import numpy as np
 from pipeline.data.format import DataError
 
 SUFFIX = ".idx"
-VERSION = 1
+VERSION = 2              # the layout written; `decode` also reads VERSION_1
+VERSION_1 = 1
 MAGIC = b"RFSIDX\x00" + bytes([VERSION])
 HEADER_BYTES = 16
-DTYPE = np.dtype([("start", "<u8"), ("tokens_offset", "<u8"), ("tokens_size", "<u4"),
-                  ("json_offset", "<u8"), ("json_size", "<u4"), ("num_tokens", "<u4")])
+DTYPE_V1 = np.dtype([("start", "<u8"), ("tokens_offset", "<u8"), ("tokens_size", "<u4"),
+                     ("json_offset", "<u8"), ("json_size", "<u4"), ("num_tokens", "<u4")])
+DTYPE = np.dtype(DTYPE_V1.descr + [("digest", "<u8")])
+DTYPES = {VERSION_1: DTYPE_V1, VERSION: DTYPE}
+DIGEST_BYTES = 8
 MEMBERS = ("tokens.npy", "json")
+_BLOCK = 8 << 20
+
+
+def sample_digest(data) -> int:
+    """The digest of a sample's bytes `[start, end)` as stored in a version-2 record: the
+    8-byte BLAKE2b (`hashlib.blake2b(digest_size=8)`, RFC 7693) read as a little-endian uint64.
+
+    Args:
+        data: the sample's bytes (bytes, bytearray or memoryview).
+    """
+    return int.from_bytes(hashlib.blake2b(data, digest_size=DIGEST_BYTES).digest(), "little")
+
+
+def version_of(records: np.ndarray) -> int:
+    """The layout version of decoded records: 2 when they carry digests, else 1."""
+    return VERSION if "digest" in (records.dtype.names or ()) else VERSION_1
 
 
 def index_name(shard_name: str) -> str:
@@ -50,14 +85,18 @@ def index_name(shard_name: str) -> str:
 
 
 def encode(records: np.ndarray) -> bytes:
-    """The index file's bytes for `records` (a `DTYPE[N]` array, sample order)."""
-    records = np.ascontiguousarray(records, dtype=DTYPE)
-    return MAGIC + np.uint64(len(records)).astype("<u8").tobytes() + records.tobytes()
+    """The index file's bytes for `records`, sample order: a `DTYPE[N]` array (version 2, with
+    digests) or a `DTYPE_V1[N]` one (version 1, kept for tests and benches of old folders)."""
+    version = version_of(records)
+    records = np.ascontiguousarray(records, dtype=DTYPES[version])
+    return (MAGIC[:7] + bytes([version]) + np.uint64(len(records)).astype("<u8").tobytes()
+            + records.tobytes())
 
 
 def decode(data: bytes, where: str, samples: int | None = None,
            shard_bytes: int | None = None) -> np.ndarray:
-    """The `DTYPE[N]` records of an index file's bytes, checked.
+    """The records of an index file's bytes, checked: `DTYPE[N]` (version 2) or `DTYPE_V1[N]`
+    (version 1; `version_of` tells them apart).
 
     Args:
         data: the whole file (bytes or a uint8 memmap).
@@ -67,22 +106,24 @@ def decode(data: bytes, where: str, samples: int | None = None,
 
     Raises:
         DataError: one line starting with `where`: bad magic / version, a length that is not
-            16 + 36 N, N other than `samples`, or offsets that do not fit the shard.
+            16 + R N (R = 44 bytes, 36 in version 1), N other than `samples`, or offsets
+            that do not fit the shard.
     """
     head = bytes(data[:HEADER_BYTES])
     if len(head) < HEADER_BYTES or head[:7] != MAGIC[:7]:
         raise DataError(f"{where}: not a sample index (bad magic); remake it with "
                         "`python data_prep/shard.py index DIR`")
-    if head[7] != VERSION:
+    if head[7] not in DTYPES:
         raise DataError(f"{where}: layout version {head[7]} is not supported "
-                        f"(expected {VERSION})")
+                        f"(expected {VERSION_1} or {VERSION})")
+    dtype = DTYPES[head[7]]
     n = int(np.frombuffer(head, "<u8", 1, 8)[0])
-    if len(data) != HEADER_BYTES + n * DTYPE.itemsize:
+    if len(data) != HEADER_BYTES + n * dtype.itemsize:
         raise DataError(f"{where}: {len(data)} bytes, expected "
-                        f"{HEADER_BYTES + n * DTYPE.itemsize} for {n} samples (truncated or damaged)")
+                        f"{HEADER_BYTES + n * dtype.itemsize} for {n} samples (truncated or damaged)")
     if samples is not None and n != samples:
         raise DataError(f"{where}: {n} samples, manifest.json says {samples}")
-    rec = np.frombuffer(data, DTYPE, n, HEADER_BYTES)
+    rec = np.frombuffer(data, dtype, n, HEADER_BYTES)
     if n:
         ends = np.maximum(rec["tokens_offset"] + rec["tokens_size"], rec["json_offset"] + rec["json_size"])
         bad = (rec["tokens_offset"] < rec["start"] + 512) | (rec["json_offset"] < rec["start"] + 512)
@@ -120,7 +161,8 @@ def key_from_header(block: bytes) -> str:
 
 
 def build(fileobj, where: str) -> tuple[np.ndarray, list[str]]:
-    """Walk a tar's headers (data skipped by seeking) and return its index records and keys.
+    """Walk a tar's headers (data skipped by seeking) and return its index records (without
+    digests: `DTYPE_V1[N]`; `add_digests` adds them) and keys.
 
     For shards written before indexes (`shard.py index`) and for checks; data prep writes the
     index while it writes the tar (`data_prep/writer.py`). The token count comes from each
@@ -178,4 +220,56 @@ def build(fileobj, where: str) -> tuple[np.ndarray, list[str]]:
         raise
     except (tarfile.TarError, OSError, EOFError, ValueError) as e:
         raise DataError(f"shard {where}: unreadable ({e})") from None
-    return np.array(rows, dtype=DTYPE) if rows else np.zeros(0, DTYPE), keys
+    return np.array(rows, dtype=DTYPE_V1) if rows else np.zeros(0, DTYPE_V1), keys
+
+
+def add_digests(fileobj, records: np.ndarray, where: str) -> tuple[np.ndarray, str, int]:
+    """Version-2 records (`DTYPE[N]`, with `digest`) of a shard's records, and the shard's
+    sha256 and size, from one sequential read of the whole file in 8 MiB blocks.
+
+    Args:
+        fileobj: the shard, open for binary reading at its start.
+        records: its records (`DTYPE_V1[N]` or `DTYPE[N]`; digests present are recomputed).
+        where: the shard's name for messages.
+
+    Returns:
+        (records with digests, sha256 hex of the whole file, file size in bytes).
+
+    Raises:
+        DataError: one line naming the shard when a sample's range lies past the file's end.
+    """
+    out = np.zeros(len(records), DTYPE)
+    for name in DTYPE_V1.names:
+        out[name] = records[name]
+    starts = out["start"].astype(np.int64)
+    ends = sample_end(out).astype(np.int64)
+    order = np.argsort(starts, kind="stable")
+    sha, size = hashlib.sha256(), 0
+    buf, buf_off = bytearray(), 0       # bytes of the file from offset buf_off on, still needed
+    k = 0
+    while True:
+        block = fileobj.read(_BLOCK)
+        if block:
+            sha.update(block)
+            size += len(block)
+            buf += block
+        while k < len(order) and (ends[order[k]] <= size or not block):
+            j = order[k]
+            a, b = int(starts[j]) - buf_off, int(ends[j]) - buf_off
+            if int(ends[j]) > size:
+                raise DataError(f"shard {where}: sample {j} ends at byte {int(ends[j])}, past the "
+                                f"file's end ({size} bytes): truncated, or the index of another shard")
+            with memoryview(buf) as view:
+                out["digest"][j] = sample_digest(view[a:b])
+            k += 1
+            # drop what no later sample needs; never past what was read (the next sample may
+            # start in a block not read yet: then buf_off must stay the offset of buf[0])
+            keep = min(int(starts[order[k]]), size) if k < len(order) else size
+            if keep > buf_off:
+                del buf[:keep - buf_off]
+                buf_off = keep
+        if not block:
+            break
+        if k == len(order):
+            buf, buf_off = bytearray(), size
+    return out, sha.hexdigest(), size

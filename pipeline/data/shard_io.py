@@ -3,32 +3,39 @@
 Owns: the fsspec filesystem of a data folder, reading and checking its manifest.json
 (`read_manifest`), with one-line errors for an unknown protocol or
 a missing filesystem package (`s3fs`, `gcsfs`, `aiohttp` for http(s)://) and for an HTTP
-server that does not answer range requests; shard integrity (`verify_shard`: the sha256 of a
-shard against manifest.json, `data.verify_shards = error | warn | off`); the wording of a
-damaged shard (truncated, or changed in place).
+server that does not answer range requests; shard integrity under `data.verify_shards =
+error | warn | off` (the size of a shard and the digest of each sample read, `check_shard_size`
+and `check_sample`; the whole-shard sha256 of a shard whose index has no digests,
+`verify_shard`); the wording of a damaged shard (truncated, swapped, or changed in place).
 Must not touch: shard order, batches, loader state (`pipeline.data.loader`).
 
-Why a shard is verified whole, once, when a loader process first needs it: the loader reads
-shards by random access (a sample index, then byte ranges of the samples of a window), so
-the bytes read are not the file in order and cannot be fed to one running hash; and a stream
-reads only part of the shards at its range's ends. So the first time a process touches a shard
-(before its sample index is read), the whole file is read sequentially
-in 8 MiB blocks and hashed (sha256 runs at about 1-2 GB/s on one core: ~0.2 s for a 256 MB
-shard, next to minutes of training on it), then compared with the manifest. The result is
-remembered per process (path + expected digest), so later windows, epochs and pieces of the same
-shard cost nothing. The digest is checked before any of the shard's samples is used, so a
-swapped or damaged shard never reaches a batch in `error` mode. Cost: each loader process
-hashes each shard it reads from, once in its life. When a process reads only its own part of
-the split (contiguous stream ranges) that is about one extra sequential pass over the data per
-job; when every process reads from every shard (a global sample order), it is one pass per
-process: the processes of a node share the page cache, so the disk or network sees about one
-extra pass per node, and each process spends ~0.2 s of CPU per 256 MB shard. For very large
-sets on slow storage, `data.verify_shards=off` skips it (a shard damaged in its tar structure
-is still reported in one line).
-Manifests without a `sha256` entry (older or hand-written ones) are not checked.
-Sample indexes (`<shard>.idx`, `read_sample_index`) are read whole and their sha256 compared
-with the manifest's `index.sha256` in the same modes (36 bytes a sample: ~10 ms of hashing for
-125,000 samples); their layout and offsets are checked in every mode.
+How shards are verified (a random-access reader: a sample index, then the byte ranges of the
+samples of a window, in a shuffled order):
+- Sample index version 2 (data prep and `shard.py index` write it): each record carries the
+  digest of its sample's bytes (`pipeline.data.sample_index`), and the index file's sha256 is
+  in manifest.json. When a process first needs a shard it reads the index whole and checks its
+  sha256 (`read_sample_index`; 44 bytes a sample, ~10 ms of hashing for 125,000 samples) and
+  the shard's size against the manifest's `bytes` (`check_shard_size`: one stat, which catches
+  truncation and most swaps at once); then every sample it reads is checked against its digest
+  (`check_sample`: BLAKE2b of the bytes it read anyway, a few microseconds a sample). Nothing
+  else of the shard is read: opening a shard costs its index, whatever the shard's size, and a
+  pass reads each sample once. Verification is per sample read: a damaged sample stops the
+  reader (mode `error`) when, and only when, it is read; a process that never reads it (another
+  rank's or worker's rows, a pass cut short) does not see it. So a shard with a flipped byte is
+  reported by the first process to read the damaged sample, and samples read before are
+  known good (each was checked). `warn` prints one `warning:` line per shard and goes on with
+  the damaged sample; `off` checks nothing.
+- Sample index version 1 (folders indexed before digests existed): the shard is hashed whole
+  (sha256, 8 MiB sequential blocks) the first time a process touches it, before its sample
+  index is used, and compared with the manifest (`verify_shard`); the result is remembered per
+  process, so later windows, epochs and pieces of the same shard cost nothing. Each loader
+  process reads each shard it touches once more, whole (1 + P reads of the data with P
+  processes; a start-up that grows with the shard size). The loader notes this once and names
+  `python data_prep/shard.py index DIR`, which upgrades the indexes to version 2.
+- Manifests without a `sha256` / `bytes` entry (older or hand-written ones) are not checked
+  against them; the digests of a version-2 index are checked all the same.
+Sample indexes' layout and offsets are checked in every mode, `off` included. A shard damaged
+in its tar structure is reported in one line in every mode.
 """
 from __future__ import annotations
 
@@ -42,8 +49,9 @@ from pipeline.data.format import FORMAT_VERSION, MANIFEST, DataError
 
 VERIFY_MODES = ("error", "warn", "off")
 _BLOCK = 8 << 20
-_VERIFIED: set = set()   # (protocol, path, expected sha256) checked in this process
+_VERIFIED: set = set()   # (protocol, path, expected sha256 or size) checked in this process
 _WARNED: set = set()
+_SAMPLE_WARNED: set = set()   # (protocol, shard path): warned of a sample digest mismatch
 
 
 def _error(msg: str) -> Exception:
@@ -211,6 +219,117 @@ def verify_shard(fs, path: str, expected: str | None, mode: str,
     print(f"warning: {msg}", file=sys.stderr, flush=True)
 
 
+def check_shard_size(fs, path: str, expected_bytes: int | None, mode: str, others=()) -> None:
+    """Check the size of shard `path` against manifest.json, once per process (one stat): the
+    open-time check of a shard whose sample index has digests (version 2).
+
+    Args:
+        fs, path: the shard's filesystem and path.
+        expected_bytes: its `bytes` in manifest.json; None = not recorded, not checked.
+        mode: "error" (raise), "warn" (one `warning:` line on stderr, once per shard) or "off".
+        others: (shard name, bytes) pairs of the split's shards, read only on a mismatch, to
+            name a swapped shard.
+
+    Raises:
+        DataError: (mode "error") one line naming the shard, both sizes and the likely cause
+            (truncated, another shard's size, changed after data prep); a missing or
+            unreadable shard (any mode but "off").
+    """
+    if mode == "off" or expected_bytes is None:
+        return
+    key = (_protocol(fs), path, ("bytes", expected_bytes))
+    if key in _VERIFIED or key in _WARNED:
+        return
+    try:
+        size = int(fs.size(path))
+    except FileNotFoundError:
+        raise _error(f"shard {path}: missing") from None
+    except Exception as e:  # noqa: BLE001 - fsspec backends raise many types
+        raise _error(no_range_message(path, e) or f"shard {path}: unreadable ({type(e).__name__}: "
+                     f"{(str(e).splitlines() or [''])[0]})") from None
+    if size == expected_bytes:
+        _VERIFIED.add(key)
+        return
+    own = path.rsplit("/", 1)[-1]
+    other = next((name for name, n in others if n == size and not path.endswith("/" + name)
+                  and name != own), None)
+    if size < expected_bytes:
+        why = f"truncated: {size} of {expected_bytes} bytes"
+    else:
+        why = f"{size} bytes, manifest.json says {expected_bytes}: changed after data prep"
+    if other:
+        why += f"; its size is that of shard {other} of the manifest (swapped or renamed shards?)"
+    msg = (f"shard {path}: {why}; re-copy the shard or rerun data_prep/shard.py "
+           "(data.verify_shards=warn|off trains on it anyway)")
+    if mode == "error":
+        raise _error(msg)
+    _WARNED.add(key)
+    print(f"warning: {msg}", file=sys.stderr, flush=True)
+
+
+def check_sample(fs, path: str, sample: int, key: str, data, expected: int, mode: str,
+                 index_name: str = "", swapped_with=None) -> None:
+    """Check the bytes of one sample read from shard `path` against the digest its version-2
+    sample index records (`pipeline.data.sample_index.sample_digest`).
+
+    Args:
+        fs, path: the shard's filesystem and path.
+        sample: the sample's position in the shard (0-based).
+        key: its key as read from its bytes (`#<sample>` when unreadable), for the message.
+        data: the sample's bytes `[start, end)` as read (bytes).
+        expected: the record's `digest` (uint64).
+        mode: "error" (raise), "warn" (one `warning:` line on stderr per shard, then go on) or
+            "off" (nothing is computed).
+        index_name: the sample index's name, for the message.
+        swapped_with: None, or a callable returning the name of another shard of the manifest
+            whose index records these bytes at this position (or None); called only on a
+            mismatch, to name a swapped shard.
+
+    Raises:
+        DataError: (mode "error") on a mismatch: one line naming the shard, the sample's key
+            and position, and the likely cause (another shard's content, or the shard was
+            damaged in place or replaced by one of the same size).
+    """
+    if mode == "off":
+        return
+    if sample_index.sample_digest(data) == expected:
+        return
+    wkey = (_protocol(fs), path)
+    if mode != "error" and wkey in _SAMPLE_WARNED:
+        return
+    other = swapped_with() if swapped_with is not None else None
+    if other:
+        why = f"its bytes are those of shard {other} of the manifest (swapped or renamed shards?)"
+    else:
+        why = ("the shard has the size data prep wrote but other bytes: damaged in place (bit "
+               "flip, bad copy) or replaced by another file of the same size")
+    msg = (f"shard {path}: sample {key} (#{sample} of the shard) does not match its digest in "
+           f"{index_name or 'its sample index'}: {why}; re-copy the shard or rerun "
+           "data_prep/shard.py (data.verify_shards=warn|off trains on it anyway)")
+    if mode == "error":
+        raise _error(msg)
+    _SAMPLE_WARNED.add(wkey)
+    print(f"warning: {msg} (further mismatches in this shard are not reported)", file=sys.stderr,
+          flush=True)
+
+
+_NOTED_V1: list = []
+
+
+def note_version_1_indexes(data_dir: str, split: str, shards: list[str]) -> None:
+    """Print, once per process, the note that `shards` (names) of `split` have version-1 sample
+    indexes (no per-sample digests), so each loader process hashes them whole, and the
+    command that upgrades them."""
+    if _NOTED_V1 or not shards:
+        return
+    _NOTED_V1.append(data_dir)
+    print(f"note: {data_dir}: {len(shards)} shard(s) of split {split!r} (first: {shards[0]}) have "
+          "version-1 sample indexes, without per-sample digests: with data.verify_shards on, each "
+          "loader process reads and hashes those shards whole before their first sample; "
+          f"`python data_prep/shard.py index {data_dir}` upgrades them to per-sample "
+          "verification", file=sys.stderr, flush=True)
+
+
 def missing_index_message(data_dir: str, shard: str) -> str:
     """The one line for a shard whose manifest entry has no sample index."""
     return (f"{data_dir}/manifest.json: shard {shard} has no sample index "
@@ -219,10 +338,11 @@ def missing_index_message(data_dir: str, shard: str) -> str:
 
 
 def read_sample_index(fs, root: str, entry: dict, mode: str):
-    """The checked sample index (`pipeline.data.sample_index.DTYPE[N]`) of manifest shard
-    entry `entry` (`name`, `samples`, `bytes`, `index`: {`name`, `bytes`, `sha256`}).
+    """The checked sample index (`pipeline.data.sample_index.DTYPE[N]`, or `DTYPE_V1[N]` for a
+    version-1 file) of manifest shard entry `entry` (`name`, `samples`, `bytes`, `index`:
+    {`name`, `bytes`, `sha256`}).
 
-    The file is read whole in one request (36 bytes a sample); its sha256 is compared with the
+    The file is read whole in one request (44 bytes a sample); its sha256 is compared with the
     manifest's in modes "error" (raise) and "warn" (one `warning:` line), not in "off". Its
     layout and offsets are always checked (`sample_index.decode`).
 
