@@ -48,7 +48,17 @@ layer, with `r = 4` below fp32 (RMSNorm computes in fp32, `pipeline.model.qwen3.
   `(r + 4 e) (q + k) / t` (fp32 input, normalized, scaled, rotated half, rotated), the
   attention output and its row-major copy `2 e q / t` and log-sum-exp `4 H_q / t`, the
   residual after attention `e h`, SwiGLU `e (2I + I + I) / t` (gate|up output, silu(gate),
-  product);
+  product). Known over-count, kept on purpose for now: the tensors autograd actually saves in
+  one block (`torch.autograd.graph.saved_tensors_hooks`, bf16 and fp32) are `2 e (q + k) / t +
+  e q / t` fewer (RoPE multiplies by cos/sin tables that need no gradient, so neither the q/k
+  norm's output nor the rotated half is kept; the kernels return the attention output in
+  `[B, T, H, D]` layout, so the output projection's input is a view of it, not a copy) and,
+  below fp32, `e h` fewer (the second norm keeps its fp32 copy of the residual, not the
+  residual); that is the 16% by which this "none" figure (262.3 kB per token and layer for
+  Qwen3-8B in bf16) exceeds `bench/bench_activation_memory.py` (225.6 kB; the corrected sum
+  gives 225.4 kB). The same terms make up for memory of the trainer's step that this plan does
+  not itemise yet: with them removed, the plan falls 13-18% below the step peak measured in
+  `tests/test_memory_plan.py` (none and full, fp32 and bf16), with them it is within 10%;
 - selective (`pipeline.model.qwen3.Block` recomputes the norms, the attention core and the
   SwiGLU activation): the two norms' outputs `2 e h` (kept by the next matrix multiply), qkv
   output `e (q + 2k) / t`, attention core output `e q / t`, the residual after attention `e h`,
