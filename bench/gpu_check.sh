@@ -9,7 +9,8 @@
 #     the real Qwen3 tokenizer in $WORK/tokenizer);
 #  (a) decoding: bench/gpu_decode_check.py (per-forward milliseconds of AR and refusion decoding,
 #     the CUDA-graph AR step, AR tokens/s against transformers' `generate` with its static
-#     cache; it prints its own lines and targets);
+#     cache, decode memory (ar, draft_every) against plan_decoding; it prints its own lines and
+#     targets);
 #  (b) bench/bench_levers.py on the 16-layer Qwen3-8B-shaped proxy (configs/model/
 #     qwen3_8b_16layers.yaml, 4.33B parameters) in ONE process: the plain packed step (no
 #     DeepSpeed) with today's settings, then each lever alone (recompute selective / none,
@@ -20,7 +21,9 @@
 #     DP=1, bf16, packed rows, micro-batch 2) on the same proxy for GPU_CHECK_STEPS steps, first
 #     with today's defaults (activation checkpointing full, chunked loss, foreach AdamW, no
 #     compile), then with the settings (b) chose (or, when (b) did not finish, all levers on);
-#     tokens/s, MFU, HFU, peak memory of the steps after GPU_CHECK_WARMUP; then, with 80 s or
+#     tokens/s, MFU, HFU, peak memory of the steps after GPU_CHECK_WARMUP, and memory against
+#     the plan (pipeline.plan_memory): the peak vs the planned total, the model states and the
+#     last step's working memory (max_memory_allocated) vs the plan's split; then, with 80 s or
 #     more left, the chosen settings with ZeRO stage 1 (DP=1: what stage 3's gathering costs);
 #  (d) time permitting (GPU_CHECK_CONTINUITY=1, the default), today's trainer on the 4-layer
 #     proxy, for continuity with the 2026-11-30 figures.
@@ -220,6 +223,10 @@ print(f"    trainer {name:<12} {r['tokens_per_s']:>9.0f} tokens/s | MFU {pct(r['
 print(f"    trainer {name:<12} memory: measured peak {r['peak_memory_gib']:.2f} GiB vs planned "
       f"{r['planned_memory_gib']:.2f} GiB (python -m pipeline.plan_memory; measured / planned "
       f"{r['peak_memory_gib'] / r['planned_memory_gib']:.2f})")
+if r.get("measured_states_gib") is not None:
+    print(f"    trainer {name:<12} memory by part: model states {r['measured_states_gib']:.2f} "
+          f"GiB vs planned {r['planned_states_gib']:.2f} GiB; last step's working memory "
+          f"{r['measured_step_gib']:.2f} GiB vs planned {r['planned_step_gib']:.2f} GiB")
 EOF
 }
 

@@ -18,7 +18,12 @@ copied into ours), bf16, a batch of `--batch` (8) prompts of 64-127 random ids. 
    with transformers' default on CUDA (its forward auto-compiled; the warm-up call absorbs the
    compilation);
 4. the targets "AR decode forward <= 10 ms at batch 8 on the 4-layer model" and "AR tokens/s >=
-   transformers' generate", each MET or NOT MET.
+   transformers' generate", each MET or NOT MET;
+5. decode memory against the plan (`pipeline.training.memory_plan.plan_decoding`): for ar and
+   draft_every, `torch.cuda.max_memory_allocated()` during one decode above the allocation
+   before it (the weights) vs the plan without its weights, and the KV cache's bytes vs the
+   planned cache (no target: a ratio far from 1 is a finding; the CPU measurement is
+   tests/test_memory_plan_decode.py; `--smoke` prints the planned figures only).
 `--smoke` runs the same parts on the CPU with the tiny preset (configs/model/tiny.yaml), fp32, 3
 prompts and a few tokens (seconds); its figures only show that the parts run, and the targets
 are not judged. `bench/gpu_check.sh` runs this script.
@@ -223,6 +228,57 @@ def main() -> int:
     finally:
         timer.close()   # tokens/s are timed without the per-forward synchronization
     part("transformers comparison", versus_transformers)
+
+    def decode_memory():
+        from pipeline.model import KVCache
+        from pipeline.training.memory_plan import plan_decoding
+        made = KVCache.for_model.__func__
+        caches = []
+
+        def for_model(cls, *a, **kw):     # keep the decode's cache to count its bytes
+            caches.append(made(cls, *a, **kw))
+            return caches[-1]
+
+        res["decode_memory"] = {}
+        for mode in ("ar", "draft_every"):
+            plan = plan_decoding(cfg, tp=1, batch=batch, prompt=max(res["prompt_lengths"]),
+                                 gen_length=gen, verify=mode, slot_size=4,
+                                 precision="bf16" if dtype == torch.bfloat16 else "fp32",
+                                 device=device.type)
+            planned = plan.total - plan.components["weights (decode dtype)"]
+            rec = {"planned_bytes": planned,
+                   "planned_cache_bytes": plan.components["decoding KV cache"]}
+            measured = ""
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                before = torch.cuda.memory_allocated()
+                KVCache.for_model = classmethod(for_model)
+                try:
+                    if mode == "ar":
+                        ar_generate(model, prompts, gen, 0.0, None)
+                    else:
+                        refusion_generate(model, prompts, gen, 4, 1, 0.5, 0.5, 0.0,
+                                          cfg.vocab_size - 1, None, verify=mode)
+                finally:
+                    KVCache.for_model = classmethod(made)
+                torch.cuda.synchronize()
+                cache = caches.pop()
+                rec["measured_bytes"] = torch.cuda.max_memory_allocated() - before
+                rec["cache_bytes_per_row_x_batch"] = (
+                    sum(t.numel() * t.element_size() for t in (*cache.keys, *cache.values))
+                    // cache.batch_size * batch)
+                measured = (f"measured {rec['measured_bytes'] / 2 ** 20:.1f} MiB (measured / "
+                            f"planned {rec['measured_bytes'] / planned:.2f}); KV cache "
+                            f"{rec['cache_bytes_per_row_x_batch'] / 2 ** 20:.1f} MiB vs planned "
+                            f"{rec['planned_cache_bytes'] / 2 ** 20:.1f} MiB; ")
+            res["decode_memory"][mode] = rec
+            how = ("max_memory_allocated" if device.type == "cuda"
+                   else "not measured on the CPU")
+            print(f"decode memory ({mode}, batch {batch}, {gen} new tokens) above the weights: "
+                  f"{measured}planned {planned / 2 ** 20:.1f} MiB ({how})")
+
+    part("decode memory", decode_memory)
 
     # Targets
     targets = {}

@@ -4,8 +4,10 @@ Builds `pipeline.train.Trainer` from a run config exactly as `python -m pipeline
 (config validation, process groups, DeepSpeed engine, loader, metrics.jsonl), runs
 `--steps` optimizer steps through `Trainer.train_step`, and prints one JSON line: tokens/s
 (real tokens over the wall time of the steps after `--warmup`), mean MFU and HFU of those steps,
-peak memory and the memory plan's total (`pipeline.training.memory_plan`, same config), the
-last loss, and the run's settings. The trainer's own loop (`Trainer.run`) is
+peak memory and the memory plan's total (`pipeline.training.memory_plan`, same config), on CUDA
+the model states (`torch.cuda.memory_allocated()` before the last step) and that step's working
+memory (`max_memory_allocated()` above it) against the plan's split, the last loss, and the
+run's settings. The trainer's own loop (`Trainer.run`) is
 not used because it always saves a final checkpoint; a GPU check has no time for a 28+ GB save.
 
     python bench/trainer_steps.py --config RUN.yaml [--steps 6] [--warmup 2] [--json OUT]
@@ -51,7 +53,13 @@ def main() -> int:
     try:
         trainer.setup()
         setup_s = time.perf_counter() - t_setup
-        for _ in range(args.steps):
+        import torch
+        cuda = torch.cuda.is_available()
+        for i in range(args.steps):
+            if cuda and i == args.steps - 1:   # the last step: its own peak above the states
+                torch.cuda.synchronize()
+                states = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
             metrics, nonfinite, _ = trainer.train_step()
             if nonfinite:
                 print(f"trainer_steps.py: error: non-finite loss at step {metrics['step']}",
@@ -59,6 +67,9 @@ def main() -> int:
                 return 3
             trainer._record(metrics)
             records.append(metrics)
+        if cuda:
+            torch.cuda.synchronize()
+            step_peak = torch.cuda.max_memory_allocated() - states
     finally:
         it = getattr(trainer, "_train_iter", None)
         if it is not None:
@@ -74,13 +85,19 @@ def main() -> int:
     mean = lambda k: (sum(m[k] for m in timed) / len(timed)  # noqa: E731
                       if all(m.get(k) is not None for m in timed) else None)
     t = cfg.train
-    import torch
-
-    from pipeline.training.memory_plan import plan_for_run
+    from pipeline.training.memory_plan import STATE_COMPONENTS, plan_for_run
     mem_plan = plan_for_run(cfg, tp=plan.tp_size, dp=plan.dp_size, model_fields=plan.model_fields,
                             row_length=plan.row_length,
                             device="cuda" if torch.cuda.is_available() else "cpu")
-    out = {"planned_memory_gib": mem_plan.total / 2 ** 30, "steps": len(timed), "tokens_per_s": sum(m["tokens_per_s"] * m["step_time_s"]
+    planned_states = sum(v for k, v in mem_plan.components.items() if k in STATE_COMPONENTS)
+    out = {"planned_memory_gib": mem_plan.total / 2 ** 30,
+           # per component on CUDA: the model states (allocated between two steps) and the
+           # last step's working memory (its peak above them), against the plan's split
+           "planned_states_gib": planned_states / 2 ** 30,
+           "planned_step_gib": (mem_plan.total - planned_states) / 2 ** 30,
+           "measured_states_gib": states / 2 ** 30 if cuda else None,
+           "measured_step_gib": step_peak / 2 ** 30 if cuda else None,
+           "steps": len(timed), "tokens_per_s": sum(m["tokens_per_s"] * m["step_time_s"]
                                                    for m in timed) / secs,
            "step_s": secs / len(timed), "mfu": mean("mfu"), "hfu": mean("hfu"),
            "peak_memory_gib": max(m["peak_memory_bytes"] for m in records) / 2 ** 30,

@@ -1,5 +1,7 @@
 """Will it fit: `python -m pipeline.plan_memory --config RUN.yaml [key=value ...] [--nodes N]
-[--gpus-per-node G | --world-size W] [--gpu-memory GiB] [--device cuda|cpu]`.
+[--gpus-per-node G | --world-size W] [--gpu-memory GiB] [--device cuda|cpu]
+[--decode-batch B --decode-prompt P --decode-gen G [--decode-verify MODE] [--slot-size K]
+[--num-blocks N] [--exact-cache]]`.
 
 Prints the per-GPU memory plan of a run config (`pipeline.training.memory_plan`: weights,
 fp32 master weights, AdamW moments, gradients, ZeRO-3 gathered parameters and buckets,
@@ -10,7 +12,14 @@ like `pipeline.train` reads it (same overrides, same one-line errors, exit 2). T
 `--world-size`, else `--nodes x --gpus-per-node` (default 8 GPUs per node), else
 WORLD_SIZE / SLURM_NTASKS, else 1. The fed row length is `data.max_length` (or the shards'
 `max_length` when `data.dir` is readable). `--gpu-memory` defaults to `train.gpu_memory_gib`.
-Exit codes: 0 fits (or no memory size given), 1 does not fit, 2 bad input.
+Training never decodes (validation is a loss); with `--decode-batch` it also prints the plan of
+decoding with the config's model and TP size (`plan_decoding`: weights in the decode dtype, bf16
+on cuda and fp32 on cpu as `pipeline.inference.loading.default_dtype`; the KV cache; the largest
+forward's attention bias, RoPE tables, MLP or logits, the previous forward's logits), for
+`--decode-batch` rows (`pipeline.generate` / `pipeline.evaluate --batch-size`), prompts of at
+most `--decode-prompt` tokens and `--decode-gen` generated tokens (`--gen-length`), decoded with
+`--decode-verify` ar (`ar_generate`, the default) or a `--verify` mode of `refusion_generate`.
+Exit codes: 0 fits (or no memory size given), 1 a plan does not fit, 2 bad input.
 """
 from __future__ import annotations
 
@@ -50,9 +59,22 @@ def main(argv: list[str] | None = None) -> int:
                     help="memory of one GPU in GiB (default train.gpu_memory_gib)")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                     help="where the run trains (picks the attention kernel; default cuda)")
+    from pipeline.inference.cli import DECODING_DEFAULTS
+    dec = ap.add_argument_group("decoding (module docstring)")
+    dec.add_argument("--decode-batch", type=int, default=None, metavar="B",
+                     help="also plan decoding B prompts at a time")
+    dec.add_argument("--decode-prompt", type=int, default=None, metavar="TOKENS",
+                     help="tokens of the longest prompt")
+    dec.add_argument("--decode-gen", type=int, default=None, metavar="TOKENS",
+                     help="tokens generated (--gen-length)")
+    dec.add_argument("--decode-verify", default="ar",
+                     choices=("ar", "authors", "correct", "draft_ahead", "draft_every"))
+    dec.add_argument("--slot-size", type=int, default=DECODING_DEFAULTS["slot_size"])
+    dec.add_argument("--num-blocks", type=int, default=DECODING_DEFAULTS["num_blocks"])
+    dec.add_argument("--exact-cache", action="store_true")
     args = ap.parse_args(argv)
     from pipeline.config import ConfigError, _world_size_from_env, load_config, model_fields
-    from pipeline.training.memory_plan import format_plan, plan_for_run
+    from pipeline.training.memory_plan import format_plan, plan_decoding, plan_for_run
     try:
         cfg = load_config(args.config, args.overrides)
         if args.world_size is not None:
@@ -76,12 +98,25 @@ def main(argv: list[str] | None = None) -> int:
         plan = plan_for_run(cfg, tp=tp, dp=ws // tp, model_fields=fields, row_length=row,
                             device=args.device,
                             gpu_bytes=None if gib is None else int(gib * GIB))
+        plans = [plan]
+        if args.decode_batch is not None:
+            if args.decode_prompt is None or args.decode_gen is None:
+                raise ConfigError("--decode-batch needs --decode-prompt and --decode-gen")
+            if min(args.decode_batch, args.decode_prompt, args.decode_gen) < 1:
+                raise ConfigError("--decode-batch, --decode-prompt and --decode-gen must be >= 1")
+            from pipeline.model import ModelConfig
+            plans.append(plan_decoding(
+                ModelConfig.from_dict(dict(fields), source="model"), tp=tp,
+                batch=args.decode_batch, prompt=args.decode_prompt, gen_length=args.decode_gen,
+                verify=args.decode_verify, slot_size=args.slot_size, num_blocks=args.num_blocks,
+                exact_cache=args.exact_cache, precision="bf16" if args.device == "cuda" else "fp32",
+                device=args.device, gpu_bytes=None if gib is None else int(gib * GIB)))
     except (ConfigError, ValueError) as e:
         print(f"pipeline.plan_memory: config error: {str(e).strip().splitlines()[0]}",
               file=sys.stderr)
         return EXIT_USAGE
-    print("\n".join(format_plan(plan)))
-    return EXIT_FAILED if plan.fits() is False else EXIT_OK
+    print("\n".join(line for p in plans for line in format_plan(p)))
+    return EXIT_FAILED if any(p.fits() is False for p in plans) else EXIT_OK
 
 
 if __name__ == "__main__":

@@ -34,9 +34,13 @@ def test_smoke_mode_runs_every_part(tmp_path):
     assert res["refusion_forward_ms"]["forwards"] > 0
     lines = r.stdout.splitlines()
     for start in ("AR decode forward (", "refusion decode forward", "ar vs transformers generate",
-                  "target: AR decode forward <= 10 ms", "target: AR tokens/s >= transformers"):
+                  "target: AR decode forward <= 10 ms", "target: AR tokens/s >= transformers",
+                  "decode memory (ar, batch 3", "decode memory (draft_every, batch 3"):
         assert any(x.startswith(start) for x in lines), (start, r.stdout)
     assert "not judged (smoke mode)" in r.stdout
+    # the decode memory plan runs in smoke mode (planned only; measured on CUDA)
+    assert res["decode_memory"]["ar"]["planned_cache_bytes"] > 0
+    assert "measured_bytes" not in res["decode_memory"]["ar"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")

@@ -15,43 +15,15 @@ import gc
 import json
 import subprocess
 import sys
-import weakref
 
 import numpy as np
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
+from live_storage import LiveStorage
 from shard_fixtures import TINY_MODEL, random_samples, write_shards
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
-
-
-class LiveStorage(TorchDispatchMode):
-    """Bytes of the storages created by ops inside the mode and still alive: `live`, and the
-    maximum it reached: `peak`."""
-
-    def __init__(self):
-        super().__init__()
-        self.live = self.peak = 0
-        self._seen: dict[int, int] = {}
-
-    def _drop(self, key: int) -> None:
-        self.live -= self._seen.pop(key, 0)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
-                st = t.untyped_storage()
-                key = st.data_ptr()
-                if key and key not in self._seen:
-                    self._seen[key] = st.nbytes()
-                    self.live += st.nbytes()
-                    self.peak = max(self.peak, self.live)
-                    weakref.finalize(st, self._drop, key)
-        return out
 
 
 def _tensor_bytes() -> int:

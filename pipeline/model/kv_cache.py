@@ -274,8 +274,9 @@ class KVCache:
         """Keep (and reorder) batch rows: `rows: LongTensor[B']` (e.g. drop finished requests)."""
         host = rows.cpu()
         rows = host_to_device(host, self.device)
-        self.keys = [k[rows] for k in self.keys]
-        self.values = [v[rows] for v in self.values]
+        for store in (self.keys, self.values):   # one layer at a time: at most one extra tensor
+            for i, old in enumerate(store):
+                store[i] = old[rows]
         self.length = self.length[rows]
         self._host_length = self._host_length[host]
         self.width = int(self._host_length.max()) if len(host) else 0

@@ -1,7 +1,9 @@
 """Per-GPU memory plan of a training run: will the config fit, before any process is queued.
 
 Owns: `plan_memory` (bytes per component on one rank, a total, the largest micro-batch that
-fits a given memory), `activation_bytes_per_token_layer`, `kv_cache_bytes`, `format_plan`.
+fits a given memory), `plan_decoding` (the same for a decode: weights, KV cache, one forward,
+the largest decode batch that fits), `activation_bytes_per_token_layer`, `kv_cache_bytes`,
+`decode_feed`, `format_plan`.
 Must not touch: the network, the engine (it reads the same ZeRO sizes as
 `pipeline.training.engine.zero_sizes` and the parameter shapes of `pipeline.model.tp` /
 `pipeline.model.flops`), config validation (`pipeline.config`). The CLI is
@@ -46,7 +48,17 @@ layer, with `r = 4` below fp32 (RMSNorm computes in fp32, `pipeline.model.qwen3.
   `(r + 4 e) (q + k) / t` (fp32 input, normalized, scaled, rotated half, rotated), the
   attention output and its row-major copy `2 e q / t` and log-sum-exp `4 H_q / t`, the
   residual after attention `e h`, SwiGLU `e (2I + I + I) / t` (gate|up output, silu(gate),
-  product);
+  product). Known over-count, kept on purpose for now: the tensors autograd actually saves in
+  one block (`torch.autograd.graph.saved_tensors_hooks`, bf16 and fp32) are `2 e (q + k) / t +
+  e q / t` fewer (RoPE multiplies by cos/sin tables that need no gradient, so neither the q/k
+  norm's output nor the rotated half is kept; the kernels return the attention output in
+  `[B, T, H, D]` layout, so the output projection's input is a view of it, not a copy) and,
+  below fp32, `e h` fewer (the second norm keeps its fp32 copy of the residual, not the
+  residual); that is the 16% by which this "none" figure (262.3 kB per token and layer for
+  Qwen3-8B in bf16) exceeds `bench/bench_activation_memory.py` (225.6 kB; the corrected sum
+  gives 225.4 kB). The same terms make up for memory of the trainer's step that this plan does
+  not itemise yet: with them removed, the plan falls 13-18% below the step peak measured in
+  `tests/test_memory_plan.py` (none and full, fp32 and bf16), with them it is within 10%;
 - selective (`pipeline.model.qwen3.Block` recomputes the norms, the attention core and the
   SwiGLU activation): the two norms' outputs `2 e h` (kept by the next matrix multiply), qkv
   output `e (q + 2k) / t`, attention core output `e q / t`, the residual after attention `e h`,
@@ -69,11 +81,62 @@ positions' hidden states `e h` per labelled position (at most every fed token) a
 column block (`min(c V / t, 2^25)` elements) and, from the forward to the backward, the weight
 gradient buffer `e V h / t` and `grad_h` (`4 h` per labelled position).
 
-Decoding KV cache (`pipeline.model.kv_cache.KVCache`): `2 L b_dec (H_kv / t) C D e` bytes for
-`b_dec` rows of capacity `C`.
-
 Peak = model states + ZeRO-3 working set + activations + max(output-layer chunk, one block's
 backward). Measured against the trainer's step on the CPU in `tests/test_memory_plan.py`.
+
+Decoding (`plan_decoding`; training never decodes: validation is a loss, decoding runs in
+`pipeline.generate` / `pipeline.evaluate` / `pipeline.lm_eval`, `--batch-size` prompts at a time):
+`B` rows, prompts of at most `P` tokens, `g` generated tokens (`--gen-length`; plan-and-infill
+rounds it up to a multiple of the slot size `k`), the model whole on each TP rank in `e` bytes
+(bf16 on CUDA, fp32 on the CPU, `pipeline.inference.loading.default_dtype`), no gradients:
+- weights `e P_r`;
+- the KV cache (`pipeline.model.kv_cache.KVCache`, one keys and one values tensor
+  `[B, H_kv / t, C, D]` per layer): `2 L B (H_kv / t) C D e` bytes (`kv_cache_bytes`), with `C`
+  the storage columns: the capacity `P + g` (`decoding._run`) rounded up to the bucket (64 on
+  CUDA, 1 on the CPU), grown by `KVCache.reserve` when a forward needs more columns (`width +
+  T`) than it has, to `max(need, 1.5 C)`. A forward reads `width` = the longest row's cache plus
+  the longest row's feed, so with `B > 1` rows at different progress (plan-and-infill) need up
+  to `P + g - 1 + T_later` (`T_later` below), a bound the plan takes. Alone, a row needs more
+  than `P + g` only in draft_every, which feeds past the generation region's columns: after the
+  cache (`P + c - 1` committed entries at offset `c`) the carried token, `n =
+  min(k, g - c)` drafts and, per acceptance length `a = 0..n`, a block of `1 + min(k, g - c - a
+  - 1)` masks (none when that is 0), so `need = P + c + n + sum_a blocks`, at most `P + c + k +
+  (k + 1)^2`; when the largest need exceeds `P + g` the plan takes one growth to
+  `max(need, 1.5 (P + g))` (and `1.5 (need - 1)`, an upper bound, in the rare case that a need
+  exceeds `1.5 (P + g)`, where two growths are possible);
+- one forward's working set, for the forward whose set is largest of the first one (the prompt
+  and the first request: ar `P`; authors / correct `P + g / num_blocks`, the block's masks;
+  draft_ahead `P + min(2 k, g)`, the first two slots' masks; draft_every `P + min(k + 1, g)`,
+  over `S = T` columns) and the largest later one (ar 1; authors / correct `g / num_blocks + 1`,
+  the selected slots (at most the block) and correct's carried token, or with `exact_cache`
+  `2 g / num_blocks`, the slots re-encoded ahead of them too, an upper bound; draft_ahead
+  `1 + 2 k`; draft_every `1 + k + (k + 1)^2` cut at the region's end as above), taken as the
+  second forward (over `S` = first + later columns, the first's logits alive) and as a forward
+  over the whole storage (`S = C`, a later forward's logits alive): the additive attention bias
+  `pipeline.model.attention.plan_decode_attention` keeps for the whole forward, `e B G T S`
+  with `G = H_q / H_kv` query heads folded onto a key/value head (`e B T S` when `G` = 1); RoPE's
+  cos and sin `2 e B T D`; and the larger of one block's MLP (`e B T (3 h + 4 I / t)`: the block
+  input, the residual after attention, the norm's output, gate|up, silu(gate) and the product;
+  the attention core's tensors are smaller for Qwen3's shapes, and SDPA with a bias runs a
+  fused kernel on CUDA (memory-efficient) and on the CPU (flash), no `[T, S]` scores per head)
+  and the output layer (`e B T (h + V / t)`: the final norm's output and the logits; with
+  `t > 1` plus the gathered logits `e B T V`). A later forward also has the previous forward's
+  (gathered) logits alive, `e B T' V` with `T'` that forward's feed: each row program keeps a
+  view of the logits it was sent until it is sent the next ones (`decoding._run`), so two
+  forwards' logits coexist. After the forward, while the row programs read its logits (the
+  previous ones are then freed), authors / correct add one row's fp32 copy `4 T V` (below
+  fp32) and logsumexp's temporary `4 T V` (`decoding._token_probs` over the whole request, `T`
+  its tokens: the first forward's without the prompt);
+  the plan adds what this exceeds the forward's set by. authors / correct are planned with
+  every slot of a block selected (slot_threshold 0; fewer selected slots feed fewer tokens);
+  for authors in bf16 the measured peak was 12% above this plan (an unplanned transient of the
+  slot programs, not found yet), the other modes within 3%. draft_ahead / draft_every and ar judge
+  one token at a time. Greedy decoding: temperature > 0 adds float64 Gumbel buffers `16 T V`
+  per row, not planned.
+Transients not planned (each smaller than the forward's set in the shapes above): the bool mask
+and un-expanded bias while the bias is built, one layer's old tensor while the cache grows or
+drops finished rows (`KVCache.select_rows`, one layer at a time). Measured against real decodes
+of a tiny Qwen3 on the CPU in `tests/test_memory_plan_decode.py`.
 """
 from __future__ import annotations
 
@@ -82,6 +145,9 @@ from dataclasses import dataclass, field
 
 GIB = 1 << 30
 FP32_NORM_BYTES = 4
+# the components of `plan_memory` that persist between steps (the model states)
+STATE_COMPONENTS = ("weights (run dtype)", "fp32 master weights", "AdamW moments (fp32)",
+                    "gradients")
 
 
 def _dtype_bytes(precision: str) -> int:
@@ -112,23 +178,161 @@ def activation_bytes_per_token_layer(mcfg, tp: int, mode: str, elem: int) -> flo
     return norms + attn + elem * h + elem * 4 * inter
 
 
-def kv_cache_bytes(mcfg, tp: int, rows: int, capacity: int, elem: int) -> int:
-    """Bytes of a decoding `KVCache`: `2 L rows (H_kv / tp) capacity D elem`."""
-    return (2 * mcfg.num_layers * rows * (mcfg.num_key_value_heads // tp) * capacity
+def kv_cache_bytes(mcfg, tp: int, rows: int, columns: int, elem: int) -> int:
+    """Bytes of a decoding `KVCache` of `rows` rows and `columns` storage columns:
+    `2 L rows (H_kv / tp) columns D elem` (one keys and one values tensor
+    `[rows, H_kv / tp, columns, D]` per layer)."""
+    return (2 * mcfg.num_layers * rows * (mcfg.num_key_value_heads // tp) * columns
             * mcfg.head_dim * elem)
+
+
+DECODE_MODES = ("ar", "authors", "correct", "draft_ahead", "draft_every")
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def decode_feed(verify: str, prompt: int, gen_length: int, slot_size: int = 4,
+                num_blocks: int = 1, bucket: int = 1, exact_cache: bool = False,
+                batch: int = 1) -> dict:
+    """Fed tokens and cache columns of one decode (module docstring, "Decoding").
+
+    Args:
+        verify: "ar" (`ar_generate`) or a `refusion_generate` verify mode.
+        prompt: tokens of the longest prompt. gen_length: `--gen-length` (tokens).
+        slot_size, num_blocks: plan-and-infill's k and blocks (unused by "ar").
+        bucket: the cache's column granularity (64 on CUDA, 1 on the CPU).
+        exact_cache: authors' `exact_cache` (slots re-encoded ahead of a later forward).
+        batch: rows decoded together (> 1: rows at different progress share a forward).
+    Returns:
+        {"first": tokens fed by the first forward, "later": most tokens fed by a later one,
+        "capacity": the cache's capacity (tokens), "need": most columns a forward needs,
+        "columns": storage columns after any growth}.
+    Raises:
+        ValueError: an unknown mode or sizes < 1.
+    """
+    if verify not in DECODE_MODES:
+        raise ValueError(f"verify must be one of {', '.join(DECODE_MODES)}, got {verify!r}")
+    if min(prompt, gen_length, slot_size, num_blocks, bucket) < 1:
+        raise ValueError("prompt, gen_length, slot_size, num_blocks and bucket must be >= 1")
+    k = slot_size
+    g = gen_length if verify == "ar" else _round_up(gen_length, k)
+    need = prompt + g
+    if verify == "ar":
+        first, later = prompt, 1
+    elif verify in ("authors", "correct"):
+        block = g // num_blocks
+        first, later = prompt + block, block + (block if exact_cache else 1)
+    elif verify == "draft_ahead":
+        first, later = prompt + min(2 * k, g), 1 + min(2 * k, g)
+    else:
+        first, later = prompt + min(k + 1, g), 1
+        for c in range(1, g):
+            n = min(k, g - c)
+            blocks = sum(1 + min(k, g - c - a - 1) for a in range(n + 1) if g - c - a - 1 > 0)
+            later = max(later, 1 + n + blocks)
+            need = max(need, prompt + c + n + blocks)
+    if batch > 1 and verify != "ar":   # the widest row's cache + another row's largest feed
+        need = max(need, prompt + g - 1 + later)
+    cap = prompt + g
+    cols = max(_round_up(cap, bucket), bucket)
+    if need > cols:
+        grown = max(need, cols + cols // 2)
+        if need > cols + cols // 2:
+            grown = max(grown, (need - 1) + (need - 1) // 2)
+        cols = _round_up(grown, bucket)
+    return {"first": first, "later": later, "capacity": cap, "need": need, "columns": cols}
+
+
+def plan_decoding(mcfg, *, tp: int, batch: int, prompt: int, gen_length: int,
+                  verify: str = "ar", slot_size: int = 4, num_blocks: int = 1,
+                  exact_cache: bool = False, precision: str = "bf16", device: str = "cuda",
+                  gpu_bytes: int | None = None, search: bool = True) -> MemoryPlan:
+    """The memory plan of one rank decoding `batch` prompts (module docstring, "Decoding").
+
+    Args:
+        mcfg: `ModelConfig`. tp: tensor-parallel size. batch: rows decoded together
+            (`--batch-size`). prompt: tokens of the longest prompt. gen_length: `--gen-length`.
+        verify: "ar" or a `refusion_generate` verify mode. slot_size, num_blocks, exact_cache:
+            `refusion_generate`'s k, blocks and `exact_cache`.
+        precision: the model's dtype, "bf16" | "fp32". device: "cuda" | "cpu" (the bucket).
+        gpu_bytes: one device's memory in bytes, for `max_micro_batch` (here: the largest
+            decode batch that fits).
+    Returns:
+        `MemoryPlan` (components in bytes).
+    Raises:
+        ValueError: as `decode_feed`.
+    """
+    e = _dtype_bytes(precision)
+    feed = decode_feed(verify, prompt, gen_length, slot_size, num_blocks,
+                       bucket=64 if device == "cuda" else 1, exact_cache=exact_cache,
+                       batch=batch)
+    part, persist, _ = _rank_params(mcfg, tp, 0)
+    h, d = mcfg.hidden_size, mcfg.head_dim
+    inter, vr = mcfg.intermediate_size / tp, mcfg.vocab_size / tp
+    group = mcfg.num_attention_heads // mcfg.num_key_value_heads
+    refusion = verify != "ar"
+
+    def working(t: int, s: int, prev: int, req: int) -> dict:
+        out = e * (h + vr) * batch * t
+        if tp > 1:
+            out += e * mcfg.vocab_size * batch * t
+        during = {"bias": e * batch * group * t * s, "rope": 2 * e * batch * t * d,
+                  "previous logits": e * batch * prev * mcfg.vocab_size,
+                  "peak": max(e * (3 * h + 4 * inter) * batch * t, out)}
+        after = 0   # the row programs reading this forward's logits (the previous ones freed)
+        if verify in ("authors", "correct"):   # one row's fp32 copy, logsumexp's temporary
+            after = (e * batch * t * mcfg.vocab_size
+                     + ((4 if e < 4 else 0) + 4) * req * mcfg.vocab_size)
+        during["probabilities"] = max(0, after - sum(during.values()))
+        return during
+
+    later = feed["later"]
+    forwards = {"first": working(feed["first"], feed["first"], 0, feed["first"] - prompt),
+                "second": working(later, feed["first"] + later, feed["first"], later),
+                "later": working(later, feed["columns"], later, later)}
+    which = max(forwards, key=lambda n: sum(forwards[n].values()))
+    w = forwards[which]
+    c: dict[str, int] = {}
+    c["weights (decode dtype)"] = e * (part + persist)
+    c["decoding KV cache"] = kv_cache_bytes(mcfg, tp, batch, feed["columns"], e)
+    c["decode forward: attention bias"] = int(w["bias"])
+    c["decode forward: RoPE cos/sin"] = int(w["rope"])
+    c["previous forward's logits"] = int(w["previous logits"])
+    if w["probabilities"]:
+        c["after the forward: logits + probability buffers (beyond)"] = int(w["probabilities"])
+    c["decode forward: max(one block's MLP, logits)"] = int(w["peak"])
+    total = int(sum(c.values()))
+    layout = (f"decoding, TP {tp}, {precision}, batch {batch}, prompt {prompt} + {gen_length} "
+              f"tokens, {verify}" + (f" (k {slot_size})" if refusion else "")
+              + f"; cache {feed['columns']} columns; largest forward: the {which} "
+              f"({feed['first' if which == 'first' else 'later']} tokens fed)")
+    plan = MemoryPlan(components=c, total=total, layout=layout, gpu_bytes=gpu_bytes,
+                      batch_name="decode batch")
+    if gpu_bytes is not None and search:
+        plan.max_micro_batch = _largest_fitting(
+            lambda b: plan_decoding(mcfg, tp=tp, batch=b, prompt=prompt, gen_length=gen_length,
+                                    verify=verify, slot_size=slot_size, num_blocks=num_blocks,
+                                    exact_cache=exact_cache, precision=precision,
+                                    device=device, search=False).total,
+            gpu_bytes)
+    return plan
 
 
 @dataclass
 class MemoryPlan:
     """Bytes per component on one rank (`components`, insertion-ordered), `total` bytes, the
     layout they assume (`layout`: text), and `max_micro_batch` (largest micro-batch whose total
-    fits `gpu_bytes`; None when no memory was given, 0 when not even 1 fits)."""
+    fits `gpu_bytes`; None when no memory was given, 0 when not even 1 fits; for a decoding
+    plan the largest decode batch, `batch_name` "decode batch")."""
     components: dict = field(default_factory=dict)
     total: int = 0
     layout: str = ""
     gpu_bytes: int | None = None
     max_micro_batch: int | None = None
     groups: dict = field(default_factory=dict)
+    batch_name: str = "micro-batch"
 
     def fits(self) -> bool | None:
         """Whether `total <= gpu_bytes` (None without a memory size)."""
@@ -157,7 +361,7 @@ def plan_memory(mcfg, *, tp: int, dp: int, micro_batch: int, seq_len: int, preci
                 zero_stage: int, zero: dict, fp32_grad_accum: bool = True,
                 loss_impl: str = "chunked", chunk_tokens: int = 2048, device: str = "cuda",
                 attention: str = "auto", offload_optimizer: bool = False,
-                offload_params: bool = False, decode_rows: int = 0, decode_capacity: int = 0,
+                offload_params: bool = False,
                 gpu_bytes: int | None = None, search: bool = True) -> MemoryPlan:
     """The memory plan of one rank (module docstring: formulas and sources).
 
@@ -168,7 +372,6 @@ def plan_memory(mcfg, *, tp: int, dp: int, micro_batch: int, seq_len: int, preci
         zero_stage: 0..3. zero: `pipeline.training.engine.zero_sizes` (elements).
         loss_impl, chunk_tokens: `train.loss_impl`, `train.loss_chunk_tokens`.
         device: "cuda" | "cpu" (picks the attention kernel for "auto"). attention: model.attention.
-        decode_rows, decode_capacity: a decoding KV cache to add (0: none).
         gpu_bytes: memory of one device in bytes, for `max_micro_batch`.
     Returns:
         `MemoryPlan`.
@@ -222,8 +425,6 @@ def plan_memory(mcfg, *, tp: int, dp: int, micro_batch: int, seq_len: int, preci
     else:
         backward_block = 0.0
     c["peak transient: max(output layer + CE, one block's backward)"] = int(max(head, backward_block))
-    if decode_rows and decode_capacity:
-        c["decoding KV cache"] = kv_cache_bytes(mcfg, tp, decode_rows, decode_capacity, e)
     total = int(sum(c.values()))
     layout = (f"TP {tp} x DP {dp}, ZeRO-{zero_stage}, {precision}, micro-batch {micro_batch} x "
               f"{seq_len} tokens, recompute {mode}, loss {loss_impl} (chunk {chunk_tokens}), "
@@ -236,8 +437,7 @@ def plan_memory(mcfg, *, tp: int, dp: int, micro_batch: int, seq_len: int, preci
                                   fp32_grad_accum=fp32_grad_accum, loss_impl=loss_impl,
                                   chunk_tokens=chunk_tokens, device=device, attention=attention,
                                   offload_optimizer=offload_optimizer,
-                                  offload_params=offload_params, decode_rows=decode_rows,
-                                  decode_capacity=decode_capacity, search=False).total,
+                                  offload_params=offload_params, search=False).total,
             gpu_bytes)
     return plan
 
@@ -283,13 +483,14 @@ def plan_for_run(cfg, *, tp: int, dp: int, model_fields: dict, row_length: int,
 
 def format_plan(plan: MemoryPlan) -> list[str]:
     """The plan as console lines (GiB, one component a line, then the total and the fit)."""
-    lines = [f"memory plan per GPU ({plan.layout}):"]
+    lines = [f"{'decoding ' if plan.batch_name == 'decode batch' else ''}memory plan per GPU "
+             f"({plan.layout}):"]
     width = max(len(k) for k in plan.components)
     for k, v in plan.components.items():
         lines.append(f"  {k:<{width}}  {v / GIB:9.2f} GiB")
     lines.append(f"  {'total':<{width}}  {plan.total / GIB:9.2f} GiB")
     if plan.gpu_bytes is not None:
         verdict = "fits" if plan.fits() else "does NOT fit"
-        lines.append(f"  {verdict} in {plan.gpu_bytes / GIB:.1f} GiB; largest micro-batch that "
-                     f"fits: {plan.max_micro_batch}")
+        lines.append(f"  {verdict} in {plan.gpu_bytes / GIB:.1f} GiB; largest "
+                     f"{plan.batch_name} that fits: {plan.max_micro_batch}")
     return lines
