@@ -187,10 +187,13 @@ def test_arms_seeds_and_grid_options_and_their_jobs(tmp_path, capsys):
     assert "objective.dual_masking=all" in e.finetune_overrides("dual_all")
     assert not any(o.startswith("train.seed") for o in e.finetune_overrides("dual_all"))
     # the AR-weight sweep arms: dual_all's options plus the weight
-    w = _experiment(tmp_path / "w", arms=["dual_all_ar4", "dual_all_ar16"])
-    for arm, weight in (("dual_all_ar4", "4"), ("dual_all_ar16", "16")):
+    w = _experiment(tmp_path / "w", arms=["dual_all_ar4", "dual_all_ar16", "dual_all_ar64",
+                                          "dual_refusion_ar16"])
+    for arm, masking, weight in (("dual_all_ar4", "all", "4"), ("dual_all_ar16", "all", "16"),
+                                 ("dual_all_ar64", "all", "64"),
+                                 ("dual_refusion_ar16", "refusion", "16")):
         ov = w.finetune_overrides(arm)
-        assert ov[2:5] == ["objective.mode=dual", "objective.dual_masking=all",
+        assert ov[2:5] == ["objective.mode=dual", f"objective.dual_masking={masking}",
                            f"objective.ar_weight={weight}"]
     assert not any("ar_weight" in o for o in e.finetune_overrides("dual_all"))
     assert e.run_dir("dual_all_seed1235") == e.out / "runs" / "dual_all_seed1235"
@@ -386,7 +389,8 @@ def test_dual_arms_are_fed_the_same_tokens_per_step_in_longer_rows(tmp_path):
     e = _experiment(tmp_path)
     plain = opts(e, "ar_continued")
     assert plain["train.micro_batch_size"] == "8" and "data.max_length" not in plain
-    for arm in ("dual_all", "dual_refusion_seed7", "dual_all_ar4", "dual_all_ar16_seed7"):
+    for arm in ("dual_all", "dual_refusion_seed7", "dual_all_ar4", "dual_all_ar16_seed7",
+                "dual_all_ar64", "dual_refusion_ar16_seed7"):
         o = opts(e, arm)
         length = int(o["data.max_length"])
         assert length == ARM_ROW_TOKENS[arm.split("_seed")[0]] == 512

@@ -24,7 +24,8 @@ the trainer itself resumes from its latest checkpoint):
    `tasks.ARM_OBJECTIVES`): `refusion`, `ar_continued` (always), for the math task
    `refusion_boundary` (`objective.boundary_labels=true`, `objective.natural_order_fraction=F`;
    its run folder is `runs/refusion_boundary_f<F>`), `dual_all`, `dual_refusion`,
-   `dual_all_ar4`, `dual_all_ar16` (`dual_all` with `objective.ar_weight` 4 / 16); each once per
+   `dual_all_ar4`, `dual_all_ar16`, `dual_all_ar64` (`dual_all` with `objective.ar_weight`
+   4 / 16 / 64), `dual_refusion_ar16` (`dual_refusion` with weight 16); each once per
    seed of `--seeds` (`runs/<arm>_seed<N>` for a seed other than the config's); export each.
    With `--sweep`, one `refusion_boundary` run per share of `task.sweep_fractions`.
 2b. only with `--sweep`: AR decoding and `task.sweep_setting` of every swept share (and AR
@@ -82,7 +83,9 @@ RUN_LABELS = {"pretrain_ar": "1. AR pretraining (from scratch)",
               "dual_all": "2d. dual objective, dual_masking=all",
               "dual_refusion": "2e. dual objective, dual_masking=refusion",
               "dual_all_ar4": "2f. dual objective, dual_masking=all, ar_weight=4",
-              "dual_all_ar16": "2g. dual objective, dual_masking=all, ar_weight=16"}
+              "dual_all_ar16": "2g. dual objective, dual_masking=all, ar_weight=16",
+              "dual_all_ar64": "2h. dual objective, dual_masking=all, ar_weight=64",
+              "dual_refusion_ar16": "2i. dual objective, dual_masking=refusion, ar_weight=16"}
 
 
 def boundary_run(fraction: float) -> str:

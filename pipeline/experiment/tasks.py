@@ -98,6 +98,14 @@ ARM_OBJECTIVES = {
     "dual_all_ar4": ("objective.mode=dual", "objective.dual_masking=all", "objective.ar_weight=4"),
     "dual_all_ar16": ("objective.mode=dual", "objective.dual_masking=all",
                       "objective.ar_weight=16"),
+    # run 5 leg 3: exact match rose 0.697 -> 0.765 -> 0.786 with the weight 1 -> 4 -> 16, not
+    # flat yet; the next point of the grid, and the weight 16 with the copies subsampled
+    # (`dual_masking=refusion`: about half the slots copied, so a step holds about a third more
+    # clean problems for the AR term at the same tokens fed)
+    "dual_all_ar64": ("objective.mode=dual", "objective.dual_masking=all",
+                      "objective.ar_weight=64"),
+    "dual_refusion_ar16": ("objective.mode=dual", "objective.dual_masking=refusion",
+                           "objective.ar_weight=16"),
 }
 
 
