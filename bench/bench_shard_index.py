@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import multiprocessing
 import os
 import resource
 import sys
@@ -147,48 +148,60 @@ def time_launch(folder: Path, max_length: int) -> dict:
     return out
 
 
-def bytes_per_epoch(folder: Path, max_length: int, shard_bytes: int) -> dict:
-    from fsspec.implementations.local import LocalFileSystem
+# Bytes read through the fsspec protocol "countfile" (`register_counting_fs`), forked loader
+# workers included (a shared counter; reset it before each measured read).
+BYTES_READ = multiprocessing.Value("q", 0)
+
+
+class _Counted(io.RawIOBase):
+    """A file of the local filesystem whose reads add their length to `BYTES_READ`."""
+
+    def __init__(self, f):
+        self.f = f
+
+    def readable(self):
+        return True
+
+    def read(self, n=-1):
+        data = self.f.read(n)
+        with BYTES_READ.get_lock():
+            BYTES_READ.value += len(data)
+        return data
+
+    def seek(self, *a):
+        return self.f.seek(*a)
+
+    def tell(self):
+        return self.f.tell()
+
+    def close(self):
+        self.f.close()
+        super().close()
+
+
+def register_counting_fs() -> None:
+    """Register fsspec protocol "countfile": the local filesystem, every byte read through it
+    counted in `BYTES_READ` (bytes, int64). Folder paths are given as `countfile://<path>`."""
     import fsspec
-
-    counter = {"bytes": 0}
-
-    class Counted(io.RawIOBase):
-        def __init__(self, f):
-            self.f = f
-
-        def read(self, n=-1):
-            data = self.f.read(n)
-            counter["bytes"] += len(data)
-            return data
-
-        def seek(self, *a):
-            return self.f.seek(*a)
-
-        def tell(self):
-            return self.f.tell()
-
-        def close(self):
-            self.f.close()
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *a):
-            self.close()
+    from fsspec.implementations.local import LocalFileSystem
 
     class CountingFS(LocalFileSystem):
         protocol = "countfile"
 
         def _open(self, path, mode="rb", **kw):
-            return Counted(super()._open(path, mode, **kw))
+            return _Counted(super()._open(path, mode, **kw))
 
     fsspec.register_implementation("countfile", CountingFS, clobber=True)
+
+
+def bytes_per_epoch(folder: Path, max_length: int, shard_bytes: int) -> dict:
+    register_counting_fs()
+    BYTES_READ.value = 0
     t = time.perf_counter()
     loader = build_loader(f"countfile://{folder}", "train", 8, max_length, num_workers=0,
                           verify_shards="off", infinite=False, shuffle_buffer=1000)
     n = sum(len(b["keys"]) for b in loader)
-    return {"samples": n, "bytes_read": counter["bytes"], "ratio": counter["bytes"] / shard_bytes,
+    return {"samples": n, "bytes_read": BYTES_READ.value, "ratio": BYTES_READ.value / shard_bytes,
             "seconds": time.perf_counter() - t,
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 

@@ -26,9 +26,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import io
 import json
-import multiprocessing
 import os
 import statistics
 import sys
@@ -43,10 +41,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_launch import v1_twin  # noqa: E402
-from bench_shard_index import write_folder  # noqa: E402
+from bench_shard_index import BYTES_READ, register_counting_fs, write_folder  # noqa: E402
 from pipeline.data import build_loader, loader as loader_mod, sample_index, shard_io  # noqa: E402
 
-_COUNT = multiprocessing.Value("q", 0)   # bytes read through CountingFS, forked workers included
 
 
 def add_sha256(folder: Path) -> None:
@@ -119,45 +116,14 @@ def time_digests(folder: Path, n: int) -> float:
 
 
 def epoch_bytes(folder: Path, max_length: int, workers: int) -> int:
-    import fsspec
-    from fsspec.implementations.local import LocalFileSystem
-
-    class Counted(io.RawIOBase):
-        def __init__(self, f):
-            self.f = f
-
-        def readable(self):
-            return True
-
-        def read(self, n=-1):
-            data = self.f.read(n)
-            with _COUNT.get_lock():
-                _COUNT.value += len(data)
-            return data
-
-        def seek(self, *a):
-            return self.f.seek(*a)
-
-        def tell(self):
-            return self.f.tell()
-
-        def close(self):
-            self.f.close()
-
-    class CountingFS(LocalFileSystem):
-        protocol = "countfile"
-
-        def _open(self, path, mode="rb", **kw):
-            return Counted(super()._open(path, mode, **kw))
-
-    fsspec.register_implementation("countfile", CountingFS, clobber=True)
+    register_counting_fs()
     fresh_process_state()
-    _COUNT.value = 0
+    BYTES_READ.value = 0
     loader = build_loader(f"countfile://{folder}", "train", 8, max_length, num_workers=workers,
                           verify_shards="error", infinite=False, shuffle_buffer=1000)
     n = sum(len(b["keys"]) for b in loader)
     assert n == sum(e["samples"] for e in json.loads((folder / "manifest.json").read_text())["splits"]["train"])
-    return int(_COUNT.value)
+    return int(BYTES_READ.value)
 
 
 def main() -> None:
