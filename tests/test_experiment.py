@@ -212,15 +212,16 @@ def test_the_boundary_arm_its_runs_and_the_sweep_rule(tmp_path):
     assert Setting(batch_size=1).name() == "ar_bs1"
     e = Experiment("math", str(tmp_path), natural_order_fraction=0.25)
     assert e.run_dir("refusion_boundary") == tmp_path / "runs" / "refusion_boundary_f0.25"
-    assert e.stage2_runs() == ["refusion", "ar_continued", "refusion_boundary_f0.25"]
+    assert e.stage2_runs() == ["refusion", "ar_continued", "refusion_boundary_f0.25",
+                               "dual_refusion_ar16"]
     ov = e.finetune_overrides(boundary_run(0.25))
     assert "objective.boundary_labels=true" in ov and "objective.natural_order_fraction=0.25" in ov
     assert "objective.mode=refusion" in e.finetune_overrides("refusion")
     assert not any(o.startswith("objective.boundary") for o in e.finetune_overrides("refusion"))
     sw = Experiment("math", str(tmp_path / "s"), sweep=True)
     runs = sw.stage2_runs()
-    assert runs[:2] == ["refusion", "ar_continued"] and len(runs) == len(set(runs)) == 6
-    assert set(runs[2:]) == {boundary_run(f) for f in t.sweep_fractions}
+    assert runs[:2] == ["refusion", "ar_continued"] and len(runs) == len(set(runs)) == 7
+    assert set(runs[2:]) == {boundary_run(f) for f in t.sweep_fractions} | {"dual_refusion_ar16"}
     em = {0.0: 0.5, 0.25: 0.8, 0.5: 0.85, 0.75: 0.7}
     tpf = {0.0: 2.4, 0.25: 2.2, 0.5: 2.0, 0.75: 1.9}
     assert choose_fraction(em, tpf, 0.88) == 0.25      # 0.0 is fast but below 0.792

@@ -334,7 +334,9 @@ class MathTask(Task):
     # before any result of the arm. The sweep's rule (`recipe.choose_fraction`): on `dev`, the
     # largest TPF of draft_ahead k=8 among the shares whose AR decoding reaches 90% of
     # ar_continued's exact match; if none does, the largest exact match.
-    arms = ("refusion", "ar_continued", "refusion_boundary")
+    # Issue 34 (docs/EXPERIMENTS.md, run 5): the dual-stream arm that met its target at both
+    # seeds, `dual_refusion_ar16`, is the fourth arm of a plain run.
+    arms = ("refusion", "ar_continued", "refusion_boundary", "dual_refusion_ar16")
     arm_grid = tuple(Setting("refusion", k, 0, 0.9, 0.9, "draft_ahead") for k in (4, 8, 16))
     # The share `--sweep` chose on 1 December (docs/EXPERIMENTS.md, run 2: dev AR exact match
     # 0.425 / 0.565 / 0.670 / 0.755 at 0 / 0.25 / 0.5 / 0.75, none at 90% of ar_continued's
