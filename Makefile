@@ -1,8 +1,8 @@
 # Two set-up commands (see README): `make demo` runs the main job, `make test` runs the tests.
 # Each creates and fills its own virtual environment on first use. `make experiment` runs the
 # scaled-down ReFusion-vs-AR recipe (docs/EXPERIMENTS.md; not part of `make test`) on
-# TASK=math (GSM8K-form word problems, the default; three arms, 1-3.5 hours on 2 CPU cores
-# depending on the machine: docs/EXPERIMENTS.md, run 4) or
+# TASK=math (GSM8K-form word problems, the default; four arms, about 1.6 hours on the
+# 2-core VM of run 5, 2.5 times that on run 4's: docs/EXPERIMENTS.md) or
 # TASK=code (stdlib functions, 47 minutes); EXPERIMENT_ARGS passes options, e.g. "--pretrain-steps 400"
 # or "--arms dual_all --seeds 1234,1235" (stages whose inputs are unchanged are reused).
 PYTHON ?= python3
