@@ -170,6 +170,24 @@ def _file_sha256(fs, path: str) -> tuple[str, int]:
     return h.hexdigest(), n
 
 
+def _unreadable(path: str, e: Exception) -> Exception:
+    """The one-line error of shard `path` that could not be opened or read (`e`, any type an
+    fsspec backend raises): missing, a server without range requests, or unreadable."""
+    if isinstance(e, FileNotFoundError):
+        return _error(f"shard {path}: missing")
+    return _error(no_range_message(path, e) or f"shard {path}: unreadable ({type(e).__name__}: "
+                  f"{(str(e).splitlines() or [''])[0]})")
+
+
+def _report(msg: str, mode: str, seen: set, key, note: str = "") -> None:
+    """A failed check of a shard: raise `msg` (mode "error"), else print it as one `warning:`
+    line (with `note` appended) and remember `key` in `seen`, so the caller warns once."""
+    if mode == "error":
+        raise _error(msg)
+    seen.add(key)
+    print(f"warning: {msg}{note}", file=sys.stderr, flush=True)
+
+
 def verify_shard(fs, path: str, expected: str | None, mode: str,
                  expected_bytes: int | None = None, others=()) -> None:
     """Check the sha256 of shard `path` against `expected` (manifest.json), once per process.
@@ -193,12 +211,8 @@ def verify_shard(fs, path: str, expected: str | None, mode: str,
         return
     try:
         got, size = _file_sha256(fs, path)
-    except FileNotFoundError:
-        raise _error(f"shard {path}: missing") from None
     except Exception as e:  # noqa: BLE001 - fsspec backends raise many types
-        msg = no_range_message(path, e)
-        raise _error(msg or f"shard {path}: unreadable ({type(e).__name__}: "
-                     f"{(str(e).splitlines() or [''])[0]})") from None
+        raise _unreadable(path, e) from None
     if got == expected:
         _VERIFIED.add(key)
         return
@@ -213,10 +227,7 @@ def verify_shard(fs, path: str, expected: str | None, mode: str,
     msg = (f"shard {path}: sha256 {got[:16]}... does not match manifest.json ({expected[:16]}...): "
            f"{why}; re-copy the shard or rerun data_prep/shard.py (data.verify_shards=warn|off "
            "trains on it anyway)")
-    if mode == "error":
-        raise _error(msg)
-    _WARNED.add(key)
-    print(f"warning: {msg}", file=sys.stderr, flush=True)
+    _report(msg, mode, _WARNED, key)
 
 
 def check_shard_size(fs, path: str, expected_bytes: int | None, mode: str, others=()) -> None:
@@ -242,11 +253,8 @@ def check_shard_size(fs, path: str, expected_bytes: int | None, mode: str, other
         return
     try:
         size = int(fs.size(path))
-    except FileNotFoundError:
-        raise _error(f"shard {path}: missing") from None
     except Exception as e:  # noqa: BLE001 - fsspec backends raise many types
-        raise _error(no_range_message(path, e) or f"shard {path}: unreadable ({type(e).__name__}: "
-                     f"{(str(e).splitlines() or [''])[0]})") from None
+        raise _unreadable(path, e) from None
     if size == expected_bytes:
         _VERIFIED.add(key)
         return
@@ -261,10 +269,7 @@ def check_shard_size(fs, path: str, expected_bytes: int | None, mode: str, other
         why += f"; its size is that of shard {other} of the manifest (swapped or renamed shards?)"
     msg = (f"shard {path}: {why}; re-copy the shard or rerun data_prep/shard.py "
            "(data.verify_shards=warn|off trains on it anyway)")
-    if mode == "error":
-        raise _error(msg)
-    _WARNED.add(key)
-    print(f"warning: {msg}", file=sys.stderr, flush=True)
+    _report(msg, mode, _WARNED, key)
 
 
 def check_sample(fs, path: str, sample: int, key: str, data, expected: int, mode: str,
@@ -306,11 +311,7 @@ def check_sample(fs, path: str, sample: int, key: str, data, expected: int, mode
     msg = (f"shard {path}: sample {key} (#{sample} of the shard) does not match its digest in "
            f"{index_name or 'its sample index'}: {why}; re-copy the shard or rerun "
            "data_prep/shard.py (data.verify_shards=warn|off trains on it anyway)")
-    if mode == "error":
-        raise _error(msg)
-    _SAMPLE_WARNED.add(wkey)
-    print(f"warning: {msg} (further mismatches in this shard are not reported)", file=sys.stderr,
-          flush=True)
+    _report(msg, mode, _SAMPLE_WARNED, wkey, " (further mismatches in this shard are not reported)")
 
 
 _NOTED_V1: list = []
