@@ -20,7 +20,7 @@ One optimizer step (all ranks):
   for each of the `grad_accum_steps` micro-batches: forward -> `hybrid_loss` -> backward
   (DeepSpeed scales by 1/GA and reduces gradients over the data-parallel group only, `mpu=`);
   one all-reduce of [loss sums, token counts, non-finite flag, signal flag] over the world;
-  NaN policy; lr = `pipeline.training.engine.lr_at(step)`; DeepSpeed step (clip, AdamW). The
+  NaN policy; lr = `pipeline.training.schedule.lr_at(step)`; DeepSpeed step (clip, AdamW). The
   loss of a step is the mean of its micro-batch losses over data-parallel ranks and accumulation steps, which is what its
   gradient descends.
 
@@ -394,7 +394,7 @@ class Trainer:
         from pipeline.model import segment_lengths
         from pipeline.model.flops import step_flops
         from pipeline.objective import hybrid_loss
-        from pipeline.training.engine import lr_at
+        from pipeline.training.schedule import lr_at
         from pipeline.training.metrics import peak_memory_bytes
 
         cfg, plan, eng = self.cfg, self.plan, self.engine

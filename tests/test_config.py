@@ -163,7 +163,7 @@ def test_cli_config_error_is_one_line_and_exit_2(tmp_path, data_dir):
 @pytest.mark.parametrize("warmup, max_steps, min_lr", [(5, 40, 1e-5), (0, 10, 0.0), (10, 10, 0.0)])
 def test_lr_schedule_matches_torch_schedulers(warmup, max_steps, min_lr):
     """Linear warmup + cosine, against torch.optim.lr_scheduler.LinearLR/CosineAnnealingLR."""
-    from pipeline.training.engine import lr_at
+    from pipeline.training.schedule import lr_at
     lr = 3e-4
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr)
     cos = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, max_steps - warmup),

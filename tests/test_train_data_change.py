@@ -67,7 +67,7 @@ def test_resume_on_a_grown_shard_set_keeps_weights_optimizer_and_step(tmp_path):
     from pipeline.config import load_config
     from pipeline.inference.loading import load_model
     from pipeline.objective import ObjectiveConfig
-    from pipeline.training.engine import lr_at
+    from pipeline.training.schedule import lr_at
 
     data = tmp_path / "data"
     first = random_samples(np.random.default_rng(0), 24, vocab_size=64, max_length=24, min_length=8)

@@ -1,34 +1,20 @@
 """Building the DeepSpeed engine of a run: the DeepSpeed config, ZeRO communication sizes,
-the model under `zero.Init`, its initial weights, the optimizer and its parameter groups, and
-the learning-rate schedule the trainer applies each step.
+the model under `zero.Init`, its initial weights, the optimizer and its parameter groups (the
+learning-rate schedule the trainer applies each step is `pipeline.training.schedule`).
 
-Owns: `deepspeed_config`, `zero_sizes`, `lr_at`, `param_groups`, `make_torch_adamw`,
+Owns: `deepspeed_config`, `zero_sizes`, `param_groups`, `make_torch_adamw`,
 `initial_weights`, `build_engine` (which also applies the model-side levers that must precede
 `deepspeed.initialize`: regional `torch.compile`). Must not touch: the loop, checkpoints, data, logging.
 """
 from __future__ import annotations
 
 import logging
-import math
 import time
 from typing import Any, Iterable, Iterator
 
 import torch
 
 log = logging.getLogger("pipeline.train")
-
-
-def lr_at(step: int, lr: float, min_lr: float, warmup_steps: int, max_steps: int) -> float:
-    """Learning rate of optimizer step `step` (0-based): linear warmup, then cosine to `min_lr`.
-
-    Warmup: `lr * (step + 1) / warmup_steps` for `step < warmup_steps`. Then with
-    `q = (step - warmup_steps) / max(1, max_steps - warmup_steps)` (clamped to [0, 1]):
-    `min_lr + (lr - min_lr) * 0.5 * (1 + cos(pi * q))` (Loshchilov & Hutter 2017, SGDR, one cycle).
-    """
-    if step < warmup_steps:
-        return lr * (step + 1) / warmup_steps
-    q = min(1.0, max(0.0, (step - warmup_steps) / max(1, max_steps - warmup_steps)))
-    return min_lr + (lr - min_lr) * 0.5 * (1.0 + math.cos(math.pi * q))
 
 
 def zero_sizes(ds_cfg, hidden_size: int) -> dict[str, int]:
@@ -48,8 +34,8 @@ def deepspeed_config(cfg, plan) -> dict:
     """The DeepSpeed config dict for a validated run config.
 
     `train_batch_size = micro-batch x GA x data-parallel size` (DeepSpeed checks it against the
-    `mpu`'s data-parallel size). The lr is set by the trainer every step (`lr_at`), so no
-    DeepSpeed scheduler. With `optim.impl=torch` the client `torch.optim.AdamW` is used
+    `mpu`'s data-parallel size). The lr is set by the trainer every step
+    (`pipeline.training.schedule`), so no DeepSpeed scheduler. With `optim.impl=torch` the client `torch.optim.AdamW` is used
     (`zero_allow_untested_optimizer`, `zero_force_ds_cpu_optimizer: false` so offload accepts it).
     bf16 with `deepspeed.fp32_grad_accum` (the default): `data_types.grad_accum_dtype` and
     `communication_data_type` are fp32. ZeRO bucket sizes: `zero_sizes`.
