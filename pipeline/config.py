@@ -81,7 +81,16 @@ class DataSection:
 
 @dataclass
 class OptimSection:
-    """AdamW with linear warmup then cosine decay to `min_lr` at `train.max_steps`.
+    """AdamW with a learning-rate schedule (`pipeline.training.schedule.lr_at`): linear warmup
+    over `warmup_steps`, then `schedule` "cosine" (to `min_lr` at `train.max_steps`) or "wsd"
+    (warmup-stable-decay: `lr` until the last `decay_steps` steps, or the last
+    `decay_fraction` of `train.max_steps` when `decay_steps` is null, which decay to `min_lr`
+    with `decay_shape` "linear", "1-sqrt" or "cosine"). Checkpoints record the schedule; a
+    resume whose schedule would change the lr of a step already taken or of the next one
+    (e.g. a larger `train.max_steps` under cosine, another `lr`) is refused in one line unless
+    `override_schedule: true` (the new schedule applies from the resumed step) or the run starts
+    a new pass on changed shards (`data.on_shard_change=new_pass`). A wsd run extended before
+    its decay began keeps every lr it applied.
     `grad_clip`: max global gradient L2 norm (0 disables). `impl`: "torch" uses
     torch.optim.AdamW (no C++ build; ZeRO's `zero_allow_untested_optimizer`), "deepspeed" lets
     DeepSpeed build its own AdamW (FusedAdam on GPU, DeepSpeedCPUAdam with optimizer offload).
@@ -92,6 +101,11 @@ class OptimSection:
     lr: float = 2e-5
     min_lr: float = 0.0
     warmup_steps: int = 0
+    schedule: str = "cosine"
+    decay_fraction: float = 0.1
+    decay_steps: Optional[int] = None
+    decay_shape: str = "linear"
+    override_schedule: bool = False
     weight_decay: float = 0.0
     beta1: float = 0.9
     beta2: float = 0.95
@@ -524,6 +538,7 @@ def _validate(cfg: DictConfig, world_size: int | None) -> Plan:
          "Adam on GPUs)")
     from pipeline.model.config import recompute_mode
     from pipeline.model.linear_ce import LOSS_IMPLS, torch_linear_ce_available
+    from pipeline.training.schedule import DECAY_SHAPES, LR_SCHEDULES, wsd_decay_steps
     try:
         recompute_mode(t.activation_checkpointing)
     except ValueError as e:
@@ -544,6 +559,18 @@ def _validate(cfg: DictConfig, world_size: int | None) -> Plan:
     need(0 <= o.min_lr <= o.lr, f"optim.min_lr must be in [0, optim.lr], got {o.min_lr}")
     need(0 <= o.warmup_steps <= t.max_steps,
          f"optim.warmup_steps must be in [0, train.max_steps={t.max_steps}], got {o.warmup_steps}")
+    need(o.schedule in LR_SCHEDULES,
+         f"optim.schedule must be one of {'|'.join(LR_SCHEDULES)}, got {o.schedule!r}")
+    need(o.decay_shape in DECAY_SHAPES,
+         f"optim.decay_shape must be one of {'|'.join(DECAY_SHAPES)}, got {o.decay_shape!r}")
+    need(0 < o.decay_fraction <= 1, f"optim.decay_fraction must be in (0, 1], got {o.decay_fraction}")
+    need(o.decay_steps is None or 1 <= o.decay_steps <= t.max_steps,
+         f"optim.decay_steps must be in [1, train.max_steps={t.max_steps}], got {o.decay_steps}")
+    if o.schedule == "wsd":
+        decay = wsd_decay_steps(o.decay_steps, o.decay_fraction, t.max_steps)
+        need(o.warmup_steps <= t.max_steps - decay,
+             f"optim.warmup_steps={o.warmup_steps} overlaps the wsd decay (the last {decay} of "
+             f"train.max_steps={t.max_steps} steps): lower optim.warmup_steps or the decay")
     need(o.grad_clip >= 0, f"optim.grad_clip must be >= 0 (0 disables), got {o.grad_clip}")
     need(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, "optim.beta1 and optim.beta2 must be in [0, 1)")
     need(t.log_interval >= 1, f"train.log_interval must be >= 1, got {t.log_interval}")

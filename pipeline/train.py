@@ -20,7 +20,7 @@ One optimizer step (all ranks):
   for each of the `grad_accum_steps` micro-batches: forward -> `hybrid_loss` -> backward
   (DeepSpeed scales by 1/GA and reduces gradients over the data-parallel group only, `mpu=`);
   one all-reduce of [loss sums, token counts, non-finite flag, signal flag] over the world;
-  NaN policy; lr = `pipeline.training.schedule.lr_at(step)`; DeepSpeed step (clip, AdamW). The
+  NaN policy; lr = `pipeline.training.schedule.record_lr(step)`; DeepSpeed step (clip, AdamW). The
   loss of a step is the mean of its micro-batch losses over data-parallel ranks and accumulation steps, which is what its
   gradient descends.
 
@@ -62,7 +62,8 @@ line; training goes on (`pipeline.monitor`).
 
 Continuing on more data: after the shards are rebuilt with more input, a resume is refused
 (the loader state's shard set differs) unless `data.on_shard_change=new_pass`: then weights,
-optimizer, step and lr schedule continue and the loader starts a new epoch over the new set;
+optimizer and step continue (the lr schedule follows the run's settings from the resumed step,
+`Trainer._check_schedule`) and the loader starts a new epoch over the new set;
 the checkpoint's `shard_sets` records each set and the step it began at.
 
 metrics.jsonl (rank 0, appended; a resumed run appends again from its checkpoint step, so a
@@ -84,6 +85,7 @@ import time
 
 from pipeline.common.cli import (EXIT_DISK_FULL, EXIT_INTERRUPTED, EXIT_NONFINITE,
                                  EXIT_PEER_LOST, EXIT_USAGE)
+from pipeline.training.schedule import schedule_change, schedule_record
 from pipeline.training.state import TrainError, TrainState
 
 log = logging.getLogger("pipeline.train")
@@ -223,18 +225,47 @@ class Trainer:
                          "(epoch %d) over the new set", self.step, change["from"],
                          change["from_dir"] or "an unrecorded folder", change["to"], cfg.data.dir,
                          change["samples_per_epoch"], change["epoch"])
+            self._check_schedule(state, new_pass=change is not None)
             # a validation a stop signal deferred at this step, if this run still validates there
             self.state.eval_pending = self.state.eval_pending and should_evaluate(
                 self.step, cfg.train.eval_interval, False)
             log.info("resumed from %s at step %d", state["checkpoint_dir"], self.step)
         else:
             change = None
+            self.state.lr_schedule = schedule_record(cfg.optim, cfg.train.max_steps)
         ld = self.train_loader
         self.state.track_shard_set({"fingerprint": ld.fingerprint, "data_dir": str(cfg.data.dir),
                                     "epoch": ld.epoch, "samples_per_epoch": ld.samples_per_epoch},
                                    change)
         self._init_wandb()
         self.peak_flops = peak_flops_per_device(cfg)
+
+    def _check_schedule(self, state: dict, new_pass: bool) -> None:
+        """The resumed run's learning-rate schedule against the checkpoint's
+        (`pipeline.training.schedule.schedule_change`; a checkpoint that predates the record
+        gives its saved run config's). A change that would move an lr is refused unless
+        `optim.override_schedule` or a new data pass makes it explicit; then the new schedule
+        applies from this step, said in one line.
+
+        Raises:
+            TrainError: the schedule changed without either (one line naming the keys).
+        """
+        cfg = self.cfg
+        saved = self.state.lr_schedule or schedule_record(state["config"]["optim"],
+                                                          state["config"]["train"]["max_steps"])
+        now = schedule_record(cfg.optim, cfg.train.max_steps, from_step=saved.get("from_step", 0))
+        why = schedule_change(saved, now, self.step)
+        if why is None:
+            self.state.lr_schedule = now
+            return
+        if not (cfg.optim.override_schedule or new_pass):
+            raise TrainError(f"optim: the learning-rate schedule differs from the checkpoint's "
+                             f"({why}); set optim.override_schedule=true to apply the new schedule "
+                             f"from step {self.step + 1}, or resume with the saved settings")
+        self.state.lr_schedule = {**now, "from_step": self.step}
+        log.info("learning-rate schedule changed from step %d (%s; %s)", self.step + 1, why,
+                 "optim.override_schedule" if cfg.optim.override_schedule
+                 else "data.on_shard_change=new_pass")
 
     def _start_watchdog(self) -> None:
         """The hang watchdog (`pipeline.training.watchdog`; collective): a token agreed through
@@ -394,7 +425,7 @@ class Trainer:
         from pipeline.model import segment_lengths
         from pipeline.model.flops import step_flops
         from pipeline.objective import hybrid_loss
-        from pipeline.training.schedule import lr_at
+        from pipeline.training.schedule import record_lr
         from pipeline.training.metrics import peak_memory_bytes
 
         cfg, plan, eng = self.cfg, self.plan, self.engine
@@ -475,8 +506,7 @@ class Trainer:
         if nonfinite and cfg.train.nan_policy == "stop":
             return {"step": step_no}, True, sig
 
-        lr = lr_at(self.step, cfg.optim.lr, cfg.optim.min_lr, cfg.optim.warmup_steps,
-                   cfg.train.max_steps)
+        lr = record_lr(self.step, self.state.lr_schedule)
         for g in eng.optimizer.param_groups:
             g["lr"] = lr
         eng.step()

@@ -45,6 +45,9 @@ class TrainState:
             it began at, "samples_per_epoch": its samples}` (a new one is appended when a run
             resumes on rebuilt shards with `data.on_shard_change=new_pass`). Empty until the
             trainer fills it (and in checkpoints written before it existed).
+        lr_schedule: the learning-rate schedule in force (`pipeline.training.schedule.
+            schedule_record`), or None until the trainer sets it (and in checkpoints written
+            before it was recorded: the trainer then derives it from the saved run config).
     """
 
     step: int = 0
@@ -53,6 +56,7 @@ class TrainState:
     wandb_run_id: str | None = None
     eval_pending: bool = False
     shard_sets: list = dataclasses.field(default_factory=list)
+    lr_schedule: dict | None = None
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-able dict of the fields (the keys a checkpoint's client_state holds)."""
@@ -60,8 +64,8 @@ class TrainState:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore from a checkpoint's client_state (other keys are ignored; `wandb_run_id`,
-        `eval_pending` and `shard_sets` default to None / False / [] for checkpoints that lack
-        them).
+        `eval_pending`, `shard_sets` and `lr_schedule` default to None / False / [] / None for
+        checkpoints that lack them).
 
         Raises:
             KeyError: `step`, `consumed_samples` or `consumed_tokens` missing.
@@ -72,6 +76,7 @@ class TrainState:
         self.wandb_run_id = state.get("wandb_run_id")
         self.eval_pending = bool(state.get("eval_pending", False))
         self.shard_sets = [dict(s) for s in state.get("shard_sets", [])]
+        self.lr_schedule = dict(state["lr_schedule"]) if state.get("lr_schedule") else None
 
 
     def track_shard_set(self, current: dict[str, Any], change: dict[str, Any] | None) -> None:
@@ -98,7 +103,7 @@ def checkpoint_client_state(state: TrainState, loader_state: dict, config: dict,
                             global_batch_size: int) -> dict[str, Any]:
     """The `client_state` the trainer saves with a checkpoint (`pipeline.checkpoint.store`):
     the TrainState fields (step, consumed_samples, consumed_tokens, wandb_run_id, eval_pending,
-    shard_sets) plus `loader` (the loader's `state_dict()`), `config` (the resolved
+    shard_sets, lr_schedule) plus `loader` (the loader's `state_dict()`), `config` (the resolved
     run config, read back by export and evaluation) and `global_batch_size` (kept when resuming
     on another layout)."""
     return {**state.state_dict(), "loader": loader_state, "config": config,
