@@ -18,10 +18,10 @@ from typing import Any
 
 import torch
 
+from pipeline.checkpoint.errors import CheckpointError
 from pipeline.checkpoint.safe_load import (UnsafeCheckpointError, check_checkpoint_files,
                                            load_checkpoint_file)
-from pipeline.checkpoint.store import (LAYOUT, META, MODEL_CONFIG, CheckpointError,
-                                       resolve_checkpoint_dir)
+from pipeline.checkpoint.store import LAYOUT, META, MODEL_CONFIG, resolve_checkpoint_dir
 
 log = logging.getLogger(__name__)
 

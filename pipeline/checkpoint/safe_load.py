@@ -31,7 +31,7 @@ from typing import Any, Iterable
 
 import torch
 
-from pipeline.checkpoint.store import CheckpointError
+from pipeline.checkpoint.errors import CheckpointError
 
 __all__ = ["allowed_globals", "UnsafeCheckpointError", "load_checkpoint_file",
            "check_checkpoint_files"]

@@ -48,6 +48,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from pipeline.checkpoint.errors import CheckpointError, CheckpointWriteError
 from pipeline.common import atomic_io
 
 log = logging.getLogger(__name__)
@@ -60,20 +61,6 @@ PARTIAL = ".partial"
 OLD = ".old"
 _TAG_RE = re.compile(r"^step_(\d+)$")
 FORMAT_VERSION = 1
-
-
-class CheckpointError(ValueError):
-    """A checkpoint folder is missing, incomplete or does not match the running job (a user
-    input error for CLIs: one line, exit code 2)."""
-
-
-class CheckpointWriteError(OSError):
-    """A checkpoint could not be written (read-only filesystem, permission denied, disk full,
-    quota exceeded, or another write error) on at least one rank. Raised on every rank with the
-    same one-line message naming the folder, the failing rank(s), the cause (with the free space
-    seen for a full disk or quota, `pipeline.common.diskspace`) and a remedy that fits it; the
-    `.partial` folder has been removed and the previous complete checkpoint is still the
-    latest."""
 
 
 def tag_for_step(step: int) -> str:
