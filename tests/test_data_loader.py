@@ -183,6 +183,14 @@ def test_dp_size_change_and_other_settings_are_refused():
     with pytest.raises(DataError, match="objective"):
         build_loader(url, "train", 2, 48, dp_size=2, num_workers=0,
                      objective_cfg=ObjectiveConfig(eps=0.1)).load_state_dict(state)
+    # only the option that differs is named, not both whole objective dicts
+    with pytest.raises(DataError) as err:
+        build_loader(url, "train", 2, 48, dp_size=2, num_workers=0, objective_cfg=ObjectiveConfig(
+            eps=0.1, ar_weight=2.0)).load_state_dict(state)
+    assert str(err.value) == (f"loader state: the objective changed since the checkpoint "
+                              f"(objective.ar_weight {ObjectiveConfig().ar_weight!r} -> 2.0, "
+                              f"objective.eps {ObjectiveConfig().eps!r} -> 0.1); resume with the "
+                              f"same data settings")
     # a state saved before an objective option existed resumes at the option's default (the
     # old behaviour), and only there
     before = dict(state, config=dict(state["config"], objective={

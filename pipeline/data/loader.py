@@ -668,6 +668,12 @@ class ShardLoader:
             saved = {**saved, "objective": {**vars(ObjectiveConfig()), **saved["objective"]}}
         for k in keys:  # (the tokenizer is part of `data`; compared alone for a new pass only)
             if saved.get(k) != now[k]:
+                if k == "objective" and isinstance(saved.get(k), dict):  # name the options only
+                    old, new = saved[k], now[k]
+                    diff = ", ".join(f"objective.{o} {old.get(o)!r} -> {new.get(o)!r}"
+                                     for o in sorted(set(old) | set(new)) if old.get(o) != new.get(o))
+                    raise DataError(f"loader state: the objective changed since the checkpoint "
+                                    f"({diff}); resume with the same data settings")
                 where = ""
                 if k == "data":  # the shard set: name the folders (states before data_dir: unknown)
                     where = (f" (shards of {state.get('data_dir') or 'an unrecorded folder'} when "
