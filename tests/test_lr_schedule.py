@@ -55,6 +55,12 @@ def test_schedule_change_names_only_what_moves_an_lr():
     assert schedule_change(cos10, cos10, 10) is None
     # during warmup an extension moves no lr yet (steps 1-2 are the ramp in both)
     assert schedule_change(cos10, cos20, 1) is None
+    # a finished run extended: only the steps it took count (its step 4 was never planned);
+    # 3 steps of warmup 2 end at q = 0 (lr 1e-3) under either length
+    cos3 = schedule_record({"lr": 1e-3, "min_lr": 0.0, "warmup_steps": 2}, 3)
+    cos6 = schedule_record({"lr": 1e-3, "min_lr": 0.0, "warmup_steps": 2}, 6)
+    assert schedule_change(cos3, cos6, 3) is None
+    assert schedule_change(cos6, cos3, 3) is not None   # a stopped 6-step run's step 4 was planned
     lr5 = schedule_record({"lr": 5e-4, "min_lr": 0.0, "warmup_steps": 2}, 10)
     assert schedule_change(cos10, lr5, 3).startswith("optim.lr 0.001 -> 0.0005: the lr of step 1 ")
 

@@ -104,7 +104,8 @@ def test_preemption_with_wandb_checkpoints_and_keeps_history(data):
     assert f"checkpointing at step {reached}" in text
     assert "Traceback" not in text, text[-4000:]
     # the next leg: same wandb run, every step of both legs in its history
-    proc = _start(2, config, run_dir, f"train.max_steps={reached + 2}", log_name="leg2")
+    proc = _start(2, config, run_dir, f"train.max_steps={reached + 2}",
+                  "optim.override_schedule=true", log_name="leg2")
     assert _finish(proc, run_dir) == 0, _log(run_dir)
     ids, hist = _wandb_history(run_dir)
     assert len(ids) == 2 and len(set(ids)) == 1, ids
@@ -307,7 +308,7 @@ def test_checkpoint_on_a_full_disk_exits_4_on_every_rank_and_resumes(data, tiny_
     for step, folder in list_complete(ck)[:-1]:
         subprocess.run(["rm", "-rf", str(folder)], check=True)
     proc = _start(2, config, run_dir, f"train.max_steps={n + 1}", "checkpoint.interval=0",
-                  log_name="resume")
+                  "optim.override_schedule=true", log_name="resume")
     assert _finish(proc, run_dir) == 0, _log(run_dir)
     assert f"resumed from {latest}" in (run_dir / "resume.txt").read_text()
     assert find_latest(ck).name == f"step_{n + 1:09d}"

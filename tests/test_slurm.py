@@ -39,7 +39,7 @@ run_dir: {run}
 model:
   inline: """ + tiny_model_yaml() + """
 data: {{dir: {data}, num_workers: 1, shuffle_buffer: 8}}
-optim: {{lr: 1.0e-3, warmup_steps: 1}}
+optim: {{lr: 1.0e-3, warmup_steps: 1, override_schedule: true}}   # legs end at another max_steps
 train: {{max_steps: {max_steps}, micro_batch_size: 2, precision: fp32, zero_stage: 3,
         tensor_parallel_size: 1, eval_interval: 1, eval_batches: 1}}
 checkpoint: {{interval: 0, keep: 2}}

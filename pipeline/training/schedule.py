@@ -88,8 +88,9 @@ def schedule_change(saved: Mapping[str, Any], now: Mapping[str, Any], step: int)
     """Why resuming at `step` (optimizer steps done) with schedule `now` would move the lr, or None.
 
     The lr may not change at any step the saved schedule applied to (`saved["from_step"]` ..
-    `step - 1`) nor at the next one (`step`): extending a wsd run before its decay began passes,
-    extending a cosine run or changing `optim.lr` does not.
+    `step - 1`) nor at the next one (`step`) when the saved schedule planned it (`step <
+    saved["max_steps"]`): extending a wsd run before its decay began passes, extending a
+    cosine run past its warmup or changing `optim.lr` does not.
 
     Returns:
         None, or one phrase naming only the keys that differ and the first step (1-based, as
@@ -98,7 +99,7 @@ def schedule_change(saved: Mapping[str, Any], now: Mapping[str, Any], step: int)
     """
     if all(saved.get(k) == now[k] for k in _RECORD_KEYS):
         return None
-    for s in range(int(saved.get("from_step", 0)), step + 1):
+    for s in range(int(saved.get("from_step", 0)), min(step + 1, int(saved["max_steps"]))):
         old, new = record_lr(s, saved), record_lr(s, now)
         if not math.isclose(old, new, rel_tol=1e-12, abs_tol=0.0):
             keys = ", ".join(f"{_KEY_NAMES.get(k, 'optim.' + k)} {saved.get(k)} -> {now[k]}"
