@@ -270,8 +270,10 @@ class DebugSection:
     slowed so, within its allowances): `slow_first_step_s` sleeps in the first step of each
     start (data phase), `slow_save_s` in each checkpoint save after DeepSpeed's files are
     written (the `.partial` folder exists), `slow_eval_s` in each validation micro-batch;
-    `slow_rank` (-1 = none) sleeps `slow_rank_s` in every step before the step's all-reduce (a
-    straggler: named in metrics.jsonl and the straggler warning). `hang_rank` (-1 = none) stops
+    `slow_rank` (-1 = none) sleeps `slow_rank_s` plus `slow_rank_factor` times its own time in
+    the step so far (`slow_first_step_s` not counted), in every step before the step's all-reduce (a straggler: named in
+    metrics.jsonl and the straggler warning; the factor keeps its skew above a threshold however
+    loaded the machine is). `hang_rank` (-1 = none) stops
     making progress forever at step `hang_at_step` (1-based; its process stays alive and its
     main thread sleeps, as on a GPU hang): the hang watchdog must name it, and it writes its
     stacks."""
@@ -281,6 +283,7 @@ class DebugSection:
     slow_eval_s: float = 0.0
     slow_rank: int = -1
     slow_rank_s: float = 0.0
+    slow_rank_factor: float = 0.0
     hang_rank: int = -1
     hang_at_step: int = 0
 
@@ -598,6 +601,8 @@ def _validate(cfg: DictConfig, world_size: int | None) -> Plan:
     dbg = cfg.debug
     for k in ("slow_first_step_s", "slow_save_s", "slow_eval_s", "slow_rank_s"):
         need(dbg[k] >= 0, f"debug.{k} must be >= 0 seconds, got {dbg[k]}")
+    need(dbg.slow_rank_factor >= 0,
+         f"debug.slow_rank_factor must be >= 0, got {dbg.slow_rank_factor}")
     need(c.interval >= 0, f"checkpoint.interval must be >= 0, got {c.interval}")
     need(c.keep >= 1, f"checkpoint.keep must be >= 1, got {c.keep}")
     need(not t.offload_params or t.zero_stage == 3, "train.offload_params needs train.zero_stage=3")

@@ -430,7 +430,7 @@ class Trainer:
 
         cfg, plan, eng = self.cfg, self.plan, self.engine
         step_no = self.step + 1
-        t0 = time.perf_counter()
+        t0 = t_work = time.perf_counter()   # t_work: after debug.slow_first_step_s's sleep
         per_micro: list = []          # detached [loss, ar, mdm] per micro-batch (on device)
         keys_of: list[list[str]] = []
         tokens = rows = 0
@@ -446,6 +446,7 @@ class Trainer:
             self._progress("data", self.step)
             if micro == 0 and self._steps_here == 0 and cfg.debug.slow_first_step_s:
                 time.sleep(cfg.debug.slow_first_step_s)   # fault injection (debug section)
+                t_work = time.perf_counter()
             if cfg.debug.hang_rank == self.info.rank and step_no == cfg.debug.hang_at_step:
                 while True:   # fault injection: alive, stuck for good (debug.hang_rank)
                     time.sleep(3600)
@@ -488,8 +489,9 @@ class Trainer:
                           vals.new_tensor([tokens, rows, float((~finite).sum()),
                                            1.0 if self.signal_received else 0.0,
                                            model_flops, hw_flops, copy_tokens, dropped_copies])])
-        if cfg.debug.slow_rank == self.info.rank and cfg.debug.slow_rank_s:
-            time.sleep(cfg.debug.slow_rank_s)   # fault injection: a straggler (debug section)
+        if cfg.debug.slow_rank == self.info.rank:   # fault injection: a straggler (debug section)
+            time.sleep(cfg.debug.slow_rank_s
+                       + cfg.debug.slow_rank_factor * (time.perf_counter() - t_work))
         self._progress("collective")
         t_wait = time.perf_counter()
         dist.all_reduce(sums)

@@ -9,11 +9,13 @@ What is compared against what:
   line), and rank 1 must be named as the straggler in metrics.jsonl and in one warning line.
 - A hung rank is a stopped process (SIGSTOP: alive, silent, holding its peer in the next
   collective, as a hung GPU process does). Mid-run: the job ends with exit 6 within the hang
-  timeout plus a few seconds (the detection time is measured from the SIGSTOP to the
-  launcher's exit), one line names rank 1, no traceback; the same command then resumes and
-  every step's losses equal the reference's.
-- During a checkpoint save (the `.partial` folder with DeepSpeed's files exists): detected
-  with the save allowance; with `--max-restarts 1` the launcher restarts the workers, which
+  timeout (in a step) or the lost-heartbeat allowance (in a longer phase) plus a few seconds
+  (the detection time is measured from the SIGSTOP to the launcher's exit), one line names
+  rank 1, no traceback; the same command then resumes and every step's losses equal the
+  reference's.
+- During a checkpoint save (the `.partial` folder with DeepSpeed's files exists): detected by
+  its lost heartbeat, not after the longer save allowance; with `--max-restarts 1` the
+  launcher restarts the workers, which
   resume from the previous complete checkpoint (the partial one is never loaded) and finish
   with the reference's losses.
 - The decision itself (`find_stuck`, `HangPolicy`): pure functions over progress records.
@@ -37,6 +39,8 @@ from shard_fixtures import write_train_val
 from test_run_safety import _start, _trainer_pid
 from test_train import ROOT, _env, _finish, _log, _metrics, _wait_step, _write_config
 
+from pipeline.training.watchdog import HEARTBEAT_LOST_S
+
 HANG_S = 4.0
 STEPS = 12
 TRAIN = {"max_steps": STEPS, "eval_interval": 6, "eval_batches": 1, "log_interval": 1,
@@ -58,11 +62,11 @@ def healthy(data):
     base, d = data
     run_dir = base / "healthy"
     config = _write_config(base / "healthy.yaml", d, train=dict(TRAIN, straggler_intervals=3,
-                                                                   straggler_factor=1.25),
+                                                                   straggler_factor=1.1),
                            checkpoint={"interval": 6, "keep": 2},
                            debug={"slow_first_step_s": 1.5 * HANG_S, "slow_save_s": 2 * HANG_S,
                                   "slow_eval_s": 1.5 * HANG_S, "slow_rank": 1,
-                                  "slow_rank_s": 1.2})
+                                  "slow_rank_s": 0.8, "slow_rank_factor": 1.0})
     t0 = time.time()
     proc = _start(2, config, run_dir, log_name="log")
     code = _finish(proc, run_dir, timeout=600)
@@ -105,14 +109,16 @@ def test_slowed_rank_is_named_in_metrics_and_one_warning(healthy):
     for step in range(2, STEPS + 1):   # step 1: both ranks slept in their first step
         r = m[("train", step)]
         assert r["straggler_rank"] == 1 and r["straggler_host"] == host, (step, r)
-        # 2 ranks: the median is their mean, so skew = 2 s / (s + f) < 2; here 1.5-1.7
-        assert r["straggler_skew"] > 1.25, (step, r)
-        assert r["straggler_compute_s"] >= 1.2
+        # 2 ranks: the median is their mean, so skew = 2 s / (s + f) < 2, with rank 1's
+        # s = 0.8 + 2 c1 and rank 0's f = c0 (c: a rank's own compute): above 4/3 when c0 = c1
+        # however loaded the machine, above 1.14 even if load makes c0 = 1.5 c1
+        assert r["straggler_skew"] > 1.1, (step, r)
+        assert r["straggler_compute_s"] >= 0.8
     text = (run_dir / "log.txt").read_text()
     warn = [ln for ln in text.splitlines() if "straggler: rank" in ln]
     assert len(warn) == 1, warn
     assert f"straggler: rank 1 (host {host}) computed " in warn[0]
-    assert "for 3 log intervals in a row (up to step 4; train.straggler_factor=1.25)" in warn[0]
+    assert "for 3 log intervals in a row (up to step 4; train.straggler_factor=1.1)" in warn[0]
 
 
 def _wait_for(what, cond, timeout_s: float, proc):
@@ -151,14 +157,13 @@ def test_sigstop_mid_run_exits_6_naming_the_rank_and_resumes_exactly(data, healt
     assert report["ranks"] == [1] and report["frozen"] == [1]
     rec = report["records"]["1"]
     assert rec["pid"] == victim and rec["host"] == socket.gethostname()
-    # the allowance of the phase it stopped in: 4 s in a step, 3 x that in validation; a save's
-    # is min(60 s, 3 x 4 s) + this rank's bytes at 10 MB/s, at least 3 x the last save (both
-    # checked exactly in test_hang_policy_derives_allowances_from_measured_steps): a floor, a bound
-    if rec["phase"] == "checkpoint":
-        assert 3 * HANG_S <= report["allowance_s"] <= 3 * HANG_S + 30, rec
+    # in a step's phase its 4 s allowance comes first; validation (3 x 4 s) and a save (at least
+    # 3 x 4 s) last longer than the lost-heartbeat allowance, which ends the job then
+    if rec["phase"] in ("validation", "checkpoint"):
+        assert (report["cause"], report["allowance_s"]) == ("heartbeat", HEARTBEAT_LOST_S), rec
     else:
-        assert report["allowance_s"] == {"validation": 3 * HANG_S}.get(rec["phase"], HANG_S), rec
-    # measured: ends within the allowance + the 0.5 s check period + the exit (generous)
+        assert (report["cause"], report["allowance_s"]) == ("progress", HANG_S), rec
+    # measured: ends within the allowance + the 0.5 s check periods + the exit (generous)
     assert report["allowance_s"] <= took <= report["allowance_s"] + 10, took
     lines = _lines(text)
     assert len(lines) == 1, text[-4000:]
@@ -203,8 +208,8 @@ def _rank_1_stopped_in_save(proc, run_dir: Path, step: int):
 
 def test_sigstop_during_a_save_restarts_from_the_previous_checkpoint(data, healthy):
     """SIGSTOP of rank 1 while it is inside the save of step 6 (its DeepSpeed files are in
-    step_000000006.partial, `debug.slow_save_s` holds it there): detected with the save
-    allowance; `pipeline.launch --max-restarts 1` starts the workers again, they resume from
+    step_000000006.partial, `debug.slow_save_s` holds it there): detected by its lost heartbeat
+    (the save allowance, at least 3 x 8 s, is longer); `pipeline.launch --max-restarts 1` starts the workers again, they resume from
     step 3 (the partial folder is not a checkpoint) and finish equal to the reference."""
     from pipeline.checkpoint import find_latest
     base, d = data
@@ -228,8 +233,9 @@ def test_sigstop_during_a_save_restarts_from_the_previous_checkpoint(data, healt
     text = (run_dir / "log.txt").read_text()
     assert code == 0, text[-6000:]
     assert report["ranks"] == [1] and report["records"]["1"]["phase"] == "checkpoint"
-    # max(3 x the step-3 save (8 s asleep + the write), min(60, 3 x 4 s) + tiny bytes)
-    assert 3 * 2 * HANG_S <= report["allowance_s"] <= 3 * (2 * HANG_S + 3), report
+    # its save allowance, max(3 x the step-3 save (8 s asleep + the write), min(60, 3 x 4 s) +
+    # tiny bytes) = 24 s or more, was not waited for
+    assert (report["cause"], report["allowance_s"]) == ("heartbeat", HEARTBEAT_LOST_S), report
     assert took <= report["allowance_s"] + 10, took
     print(f"\nSIGSTOP in a save: reported after {took:.1f} s (allowance "
           f"{report['allowance_s']:.1f} s)")
@@ -273,6 +279,27 @@ def test_find_stuck_names_the_laggard_not_the_rank_waiting_for_it():
     # a rank that finished is not waited for
     assert find_stuck({0: _rec(30, 10.0, phase="done", allowance=1e18), 1: _rec(40, 99.0)},
                       now, 2.0) is None
+
+
+def test_a_lost_heartbeat_ends_the_job_in_any_phase():
+    """A rank whose heartbeat stopped is a stopped or dead process: no phase allowance applies,
+    set-up's and a save's included; a live rank without progress keeps its allowance."""
+    from pipeline.training.watchdog import find_stuck, lost_heartbeats
+    now = 100.0
+    for phase, allowance in (("setup", 900.0), ("validation", 900.0), ("checkpoint", 60.0),
+                             ("forward_backward", 120.0)):
+        recs = {0: _rec(12, 99.0, beat=99.9),
+                1: _rec(10, 80.0, beat=85.0, phase=phase, allowance=allowance)}
+        assert find_stuck(recs, now, 2.0) is None                 # within the phase allowance
+        lost = lost_heartbeats(recs, now, lost_after_s=10.0)
+        assert lost == {1: 85.0}
+        found = find_stuck(recs, now, 2.0, lost, lost_after_s=10.0)
+        assert (found["ranks"], found["frozen"], found["cause"]) == ([1], [1], "heartbeat")
+        assert (found["silent_s"], found["allowance_s"]) == (20.0, 10.0)
+        assert found["records"][1]["phase"] == phase
+    # a fresh heartbeat, a finished rank and a rank without a record are not lost
+    recs = {0: _rec(12, 50.0, beat=95.0), 1: _rec(3, 1.0, beat=1.0, phase="done"), 2: None}
+    assert lost_heartbeats(recs, now, lost_after_s=10.0) == {}
 
 
 def test_hang_policy_derives_allowances_from_measured_steps():
@@ -377,7 +404,9 @@ def test_a_live_rank_stuck_in_a_phase_dumps_its_stacks_and_both_exit_6(data):
     assert report["ranks"] == [1] and report["frozen"] == [], report
     rec = report["records"]["1"]
     assert (rec["step"], rec["phase"]) == (4, "data")
-    assert HANG_S <= report["silent_s"] <= HANG_S + 2, report   # one 0.5 s check period late
+    # never before the allowance; how late after it (one 0.5 s check period on a quiet machine)
+    # depends on the load, so it is printed below, not asserted
+    assert HANG_S <= report["silent_s"], report
     lines = _lines(text)
     assert len(lines) == 2 and "Traceback" not in text, text[-4000:]
     assert {ln.split(":")[1].strip() for ln in lines} == {"rank 0", "rank 1"}
@@ -395,9 +424,9 @@ def test_a_live_rank_stuck_in_a_phase_dumps_its_stacks_and_both_exit_6(data):
 def test_sigstop_in_a_save_of_the_tiny_run_with_default_allowances(data):
     """configs/tiny_cpu.yaml as shipped (2 ranks, no `train.hang_timeout_s`: derived allowances)
     with rank 1 stopped inside the save of step 5 (its first; `debug.slow_save_s` holds it in
-    the `.partial` folder): exit 6 with the one line naming rank 1, within the save allowance the
-    policy reports (60 s + a 1.1 MB share at 10 MB/s, not 3 x the 120 s step floor) plus one 5 s
-    check period and the exit."""
+    the `.partial` folder): exit 6 with the one line naming rank 1 and its phase, found by its
+    lost heartbeat (3 x the 5 s beat, confirmed at the next check) instead of the save
+    allowance (60 s + a 1.1 MB share at 10 MB/s), well within 60 s of the stop."""
     base, d = data
     run_dir = base / "tiny_default"
     proc = _start(2, ROOT / "configs" / "tiny_cpu.yaml", run_dir, f"data.dir={d}",
@@ -410,11 +439,9 @@ def test_sigstop_in_a_save_of_the_tiny_run_with_default_allowances(data):
     report = json.loads((run_dir / "hang.json").read_text())
     rec = report["records"]["1"]
     assert report["ranks"] == [1] and (rec["phase"], rec["step"]) == ("checkpoint", 5), report
-    # the policy's save allowance: min(60 s, 3 x 120 s) + rank 1's bytes (16 per parameter of the
-    # tiny model over 2 ranks, about 1.1 MB) / 10 MB/s; nothing measured yet (the first save)
-    assert 60.0 < report["allowance_s"] < 61.0, report
-    assert report["allowance_s"] <= report["silent_s"], report
-    assert took <= report["allowance_s"] + 15, took   # + one 5 s check period, the exit
+    # the lost-heartbeat allowance at the default 5 s beat: max(10 s, 3 x 5 s)
+    assert (report["cause"], report["allowance_s"]) == ("heartbeat", 15.0), report
+    assert took <= 60, took   # the watchdog's promise for a stopped rank, in any phase
     lines = _lines(text)
     assert len(lines) == 1 and lines[0].startswith(
         f"pipeline.train: rank 0: hang: rank 1 (host {rec['host']}, pid {victim}) after step 5 "

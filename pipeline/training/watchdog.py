@@ -21,7 +21,9 @@ rank waiting in a collective for a slower peer stops progressing too, but it is 
 level with) the peer: the job waits for the ranks with the lowest `seq` (the laggards). The job
 is hung when the laggards made no progress for longer than their phase's allowance (which each
 rank publishes with its record). The report names the laggards whose own heartbeat also stopped
-(a stopped or frozen process) when there are any, else all laggards.
+(a stopped or frozen process) when there are any, else all laggards. Independently of phases,
+a rank whose heartbeat stopped (`HEARTBEAT_LOST_S`) hangs the job at once: a stopped or dead
+process is not slow, so no allowance of its phase applies.
 
 What happens then, on every rank that can still act: one line on stderr
 (`pipeline.train: rank R: hang: ...`), `<run_dir>/hang.json` (written by the rank that found it),
@@ -66,6 +68,12 @@ STEP_WINDOW = 50            # step times the median is taken over
 SAVE_FACTOR = 3.0
 SAVE_FLOOR_S = 60.0
 SAVE_MIN_BYTES_PER_S = 10e6
+# A rank whose heartbeat (written by its watchdog thread every `beat_s`, whatever the main
+# thread does) is older than max(HEARTBEAT_LOST_S, 3 x beat_s) at two checks in a row is
+# stopped or dead: the job is hung at once, in any phase, set-up and warm-up included (found
+# within about 20 s at the default 5 s beat; a live rank without progress keeps the phase
+# allowances below).
+HEARTBEAT_LOST_S = 10.0
 # A validation micro-batch (forward only): VALIDATION_FACTOR x the step allowance before its
 # floor, at least DERIVED_FLOOR_S when derived.
 VALIDATION_FACTOR = 3.0
@@ -194,7 +202,17 @@ def _process_stopped(pid: int) -> bool:
         return False
 
 
-def find_stuck(records: dict[int, dict | None], now: float, frozen_after_s: float
+def lost_heartbeats(records: dict[int, dict | None], now: float, lost_after_s: float
+                    ) -> dict[int, float]:
+    """{rank: its last heartbeat (Unix seconds)} of the running ranks (a record of this run,
+    phase not "done") whose heartbeat is older than `lost_after_s` seconds."""
+    return {r: rec["beat_unix_s"] for r, rec in records.items()
+            if rec is not None and rec.get("phase") != DONE
+            and now - rec["beat_unix_s"] > lost_after_s}
+
+
+def find_stuck(records: dict[int, dict | None], now: float, frozen_after_s: float,
+               lost: dict[int, float] | None = None, lost_after_s: float = math.inf
                ) -> dict | None:
     """Decide from the ranks' progress records whether the job is hung.
 
@@ -203,16 +221,24 @@ def find_stuck(records: dict[int, dict | None], now: float, frozen_after_s: floa
             "step", "phase", "host", "pid", "progress_unix_s", "beat_unix_s", "allowance_s".
         now: the checker's wall clock (Unix seconds).
         frozen_after_s: a heartbeat older than this (seconds) means the process is not running.
+        lost: ranks whose heartbeat stopped, confirmed by two checks (`lost_heartbeats`): the
+            job is hung now, in any phase, whatever that phase's allowance (`lost_after_s`
+            seconds, reported as the allowance).
 
     Returns:
         None when the job progresses (or waits within the laggards' allowance); else
-        {"ranks": [named rank, ...], "silent_s", "allowance_s", "records": {rank: record}}.
-        A rank without a record counts as a laggard at the start (seq -1) whose silence is
-        measured from the oldest heartbeat of the others.
+        {"ranks": [named rank, ...], "silent_s", "allowance_s", "frozen", "cause" ("heartbeat"
+        or "progress"), "records": {rank: record}}. A rank without a record counts as a laggard
+        at the start (seq -1) whose silence is measured from the oldest heartbeat of the others.
     """
     live = {r: rec for r, rec in records.items() if rec is None or rec.get("phase") != DONE}
     if not live:
         return None
+    lost = sorted(r for r in (lost or {}) if live.get(r) is not None)
+    if lost:
+        silent = now - min(live[r]["progress_unix_s"] for r in lost)
+        return {"ranks": lost, "silent_s": silent, "allowance_s": lost_after_s,
+                "frozen": lost, "cause": "heartbeat", "records": {r: live[r] for r in lost}}
     have = [rec for rec in live.values() if rec is not None]
     if not have:
         return None
@@ -229,7 +255,7 @@ def find_stuck(records: dict[int, dict | None], now: float, frozen_after_s: floa
     frozen = [r for r in laggards if live[r] is None
               or now - live[r]["beat_unix_s"] > frozen_after_s]
     return {"ranks": frozen or laggards, "silent_s": silent, "allowance_s": allowance,
-            "frozen": frozen, "records": {r: live[r] for r in laggards}}
+            "frozen": frozen, "cause": "progress", "records": {r: live[r] for r in laggards}}
 
 
 def describe(found: dict, now: float, frozen_after_s: float) -> str:
@@ -246,7 +272,8 @@ def describe(found: dict, now: float, frozen_after_s: float) -> str:
         parts.append(f"rank {r} (host {rec['host']}, pid {rec['pid']}) after step {rec['step']} "
                      f"in phase {rec['phase']}{state}")
     who = "; ".join(parts)
-    return (f"{who}: no progress for {found['silent_s']:.1f} s (allowance "
+    kind = "heartbeat allowance" if found.get("cause") == "heartbeat" else "allowance"
+    return (f"{who}: no progress for {found['silent_s']:.1f} s ({kind} "
             f"{found['allowance_s']:.0f} s)")
 
 
@@ -273,6 +300,8 @@ class Watchdog:
         base = policy.hang_timeout_s if policy.hang_timeout_s else DERIVED_FLOOR_S
         self.beat_s = beat_s if beat_s is not None else min(5.0, max(0.5, base / 10.0))
         self.frozen_after_s = max(2.0, 3.0 * self.beat_s)
+        self.lost_after_s = max(HEARTBEAT_LOST_S, 3.0 * self.beat_s)
+        self._lost_seen: dict[int, float] = {}   # heartbeats found lost at the last check
         self.checker = rank in (0, world_size - 1)
         self.host, self.pid = socket.gethostname(), os.getpid()
         self._state = (0, 0, "setup", time.time())   # (seq, step, phase, progress time)
@@ -385,11 +414,18 @@ class Watchdog:
                     self._act(report)
                 if self.checker:
                     now = time.time()
-                    found = find_stuck(self._records(), now, self.frozen_after_s)
+                    records = self._records()
+                    # a heartbeat counts as lost when two checks saw the same old beat: one
+                    # late check of this thread (a loaded host, a stalled filesystem) is not it
+                    lost = lost_heartbeats(records, now, self.lost_after_s)
+                    confirmed = {r: b for r, b in lost.items() if self._lost_seen.get(r) == b}
+                    self._lost_seen = lost
+                    found = find_stuck(records, now, self.frozen_after_s, confirmed,
+                                       self.lost_after_s)
                     if found is not None:
                         report = {"token": self.token, "found_by_rank": self.rank,
                                   "time_unix_s": now, "ranks": found["ranks"],
-                                  "frozen": found["frozen"],
+                                  "frozen": found["frozen"], "cause": found["cause"],
                                   "silent_s": round(found["silent_s"], 1),
                                   "allowance_s": found["allowance_s"],
                                   "line": describe(found, now, self.frozen_after_s),
