@@ -17,12 +17,8 @@ read a device value back.
 from __future__ import annotations
 
 from functools import partial
-from typing import TYPE_CHECKING
 
 import torch
-
-if TYPE_CHECKING:
-    from pipeline.model.qwen3 import Qwen3
 
 
 def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -106,9 +102,10 @@ class KVCache:
         self._columns = 0
 
     @classmethod
-    def for_model(cls, model: "Qwen3", batch_size: int, capacity: int,
+    def for_model(cls, model: torch.nn.Module, batch_size: int, capacity: int,
                   bucket: int | None = None) -> "KVCache":
-        """A cache shaped for `model` on this TP rank, in the model's dtype and device.
+        """A cache shaped for `model` (a `Qwen3`: its `cfg`, `tp` and parameters are read; this
+        module does not import the model) on this TP rank, in the model's dtype and device.
 
         `bucket` defaults to 64 columns on CUDA (few distinct attention shapes, and a key length
         aligned for the memory-efficient kernel) and 1 elsewhere (the CPU reads exactly
