@@ -10,7 +10,8 @@
 # apt-get when missing, without starting the distribution's services). Tested with Debian 12's
 # Slurm 22.05 without systemd.
 #
-# Everything lives in a private folder (REFUSION_SLURM_DIR, default /var/tmp/refusion-slurm):
+# Everything lives in a private folder (REFUSION_SLURM_DIR, default
+# /var/tmp/refusion-slurm-KEY, KEY the first 8 hex digits of this script's sha256):
 # slurm.conf, the munge key and socket, spool, state, logs and the pid files of the daemons
 # this script started. Nothing under /etc is written, the ports are not Slurm's defaults and
 # munged gets its own socket, so a system Slurm or munge on the same machine is left alone.
@@ -39,14 +40,19 @@
 # it (not root, no apt-get/dpkg, the packages cannot be installed); 1 it should have worked
 # but did not (a daemon or the test job failed; the logs are in $REFUSION_SLURM_DIR/log).
 #
+# The cluster is keyed by this script's content: two checkouts whose copies differ (another
+# slurm.conf, another version under test) get their own folder and ports, so neither restarts
+# the other's daemons under its running tests; checkouts with the same script share one.
+#
 # Knobs: REFUSION_SLURM_DIR, REFUSION_SLURM_NODE, REFUSION_SLURM_PORT (controller port,
-# default 6917; slurmd uses the next one), REFUSION_SLURM_WAIT (seconds for the node to become
-# idle, default 60).
+# default 6917 + 2 x (KEY mod 1000); slurmd uses the next one), REFUSION_SLURM_WAIT (seconds
+# for the node to become idle, default 60).
 set -euo pipefail
 
-DIR=${REFUSION_SLURM_DIR:-/var/tmp/refusion-slurm}
+KEY=$(sha256sum "${BASH_SOURCE[0]}" | cut -c1-8)
+DIR=${REFUSION_SLURM_DIR:-/var/tmp/refusion-slurm-$KEY}
 NODE=${REFUSION_SLURM_NODE:-refusion-node}
-PORT=${REFUSION_SLURM_PORT:-6917}
+PORT=${REFUSION_SLURM_PORT:-$((6917 + 2 * (16#$KEY % 1000)))}
 WAIT=${REFUSION_SLURM_WAIT:-60}
 CONF=$DIR/etc/slurm.conf
 SOCK=$DIR/run/munge.sock
