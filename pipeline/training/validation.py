@@ -93,10 +93,9 @@ def validation_loss(model, data_dir: str, split: str = "val", micro_batch_size: 
     for batch in loader:
         if max_batches and n >= max_batches:
             break
-        mask = batch.get("attention_mask")   # objective mode "dual" only
+        dual = {k: batch[k].to(dev) for k in ("copy_id", "clean_limit") if k in batch}
         logits = model(batch["input_ids"].to(dev), batch["position_ids"].to(dev),
-                       segment_ids=batch["segment_ids"].to(dev),
-                       attention_mask=None if mask is None else mask.to(dev))
+                       segment_ids=batch["segment_ids"].to(dev), **dual)   # dual: mode "dual"
         _, stats = hybrid_loss(logits.float(), batch, objective_cfg)
         sums += loss_sums(stats)
         n += 1
@@ -148,7 +147,8 @@ def run_validation(engine, make_loader: Callable, micro_batch_size: int, row_len
         b = {k: (v.to(device, non_blocking=True) if hasattr(v, "to") else v)
              for k, v in batch.items()}
         hidden = engine(b["input_ids"], b["position_ids"], segment_ids=b["segment_ids"],
-                        attention_mask=b.get("attention_mask"), return_hidden=True)
+                        copy_id=b.get("copy_id"), clean_limit=b.get("clean_limit"),
+                        return_hidden=True)
         _, stats = hybrid_loss(hidden, b, objective_cfg, head=engine.module.head_logits)
         sums += loss_sums(stats)
         n += 1
