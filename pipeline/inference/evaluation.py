@@ -33,20 +33,30 @@ def run_settings(model_path) -> tuple[int | None, dict | None]:
         UsageError: rank 0's `refusion_rank_00000.pt` names a type outside the checkpoint
             allow-list (`pipeline.checkpoint.safe_load`).
     """
+    state = _client_state(model_path)
+    try:
+        cfg = state["config"]
+        return int(cfg["train"]["seed"]), dict(cfg.get("objective") or {}) or None
+    except Exception:  # noqa: BLE001 - not a checkpoint, or an old one: no recorded settings
+        return None, None
+
+
+def _client_state(model_path) -> dict | None:
+    """Rank 0's `client_state` of a training checkpoint (folder or step folder), or None for a
+    Hugging Face folder or what cannot be read as a checkpoint. Raises UsageError as
+    `run_settings`."""
     from pipeline import checkpoint
     from pipeline.checkpoint.safe_load import UnsafeCheckpointError, load_checkpoint_file
     path = Path(model_path)
     if (path / "config.json").is_file():
-        return None, None
+        return None
     try:
         step = checkpoint.resolve_checkpoint_dir(path)
-        ours = load_checkpoint_file(Path(step) / "refusion_rank_00000.pt")
-        cfg = ours["client_state"]["config"]
-        return int(cfg["train"]["seed"]), dict(cfg.get("objective") or {}) or None
+        return load_checkpoint_file(Path(step) / "refusion_rank_00000.pt")["client_state"]
     except UnsafeCheckpointError as e:
         raise UsageError(f"--model {model_path}: {e}") from None
     except Exception:  # noqa: BLE001 - not a checkpoint, or an old one: no recorded settings
-        return None, None
+        return None
 
 
 def shard_qa_examples(data_dir: str, split: str, limit: int) -> list[dict]:
