@@ -195,15 +195,18 @@ def dual_mask(segment_ids: torch.Tensor, position_ids: torch.Tensor, copy_id: to
     Returns:
         BoolTensor[B, 1, T, T], True = may attend.
     """
+    # The per-key and per-query conditions are folded into the vectors first (O(B T)), so that
+    # only three [B, T, T] comparisons remain: padding queries get clean limit 0 (positions are
+    # >= 0) and no copy (-1 matches no key), copy tokens get a position no limit exceeds.
     seg, cid = segment_ids, copy_id
-    mask = seg[:, :, None] == seg[:, None, :]
-    mask &= (seg != 0)[:, :, None]
-    see = (cid == 0)[:, None, :] & (position_ids[:, None, :] < clean_limit[:, :, None])
-    see |= (cid[:, :, None] == cid[:, None, :]) & (cid != 0)[:, :, None]
-    mask &= see
-    del see
-    t = seg.shape[1]
-    mask |= torch.eye(t, dtype=torch.bool, device=seg.device)[None] & (seg == 0)[:, :, None]
+    real = seg != 0
+    limit = torch.where(real, clean_limit, torch.zeros_like(clean_limit))
+    key_pos = torch.where(cid == 0, position_ids, torch.iinfo(position_ids.dtype).max)
+    q_copy = torch.where(real & (cid != 0), cid, torch.full_like(cid, -1))
+    mask = key_pos[:, None, :] < limit[:, :, None]        # clean keys before the limit
+    mask |= q_copy[:, :, None] == cid[:, None, :]         # the query's own copy
+    mask &= seg[:, :, None] == seg[:, None, :]            # same segment
+    mask.diagonal(dim1=1, dim2=2).logical_or_(~real)      # padding sees itself
     return mask[:, None]
 
 
