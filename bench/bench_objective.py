@@ -12,8 +12,9 @@ Figures:
   `copy_id` / `clean_limit` the model turns into the mask on the device ("after"), in one
   process, alternating: host bytes per micro-batch (sum of the batch tensors' nbytes), the
   collate's peak of Python-heap allocations (tracemalloc: numpy temporaries included), collate
-  milliseconds, and the training micro-batch's milliseconds (a small Qwen3, fp32, SDPA:
-  forward, chunked `hybrid_loss`, backward), as medians and after / before ratios.
+  milliseconds, and the training micro-batch's milliseconds, wall and CPU time of this thread
+  (a small Qwen3, fp32, SDPA: forward, chunked `hybrid_loss`, backward), as medians and
+  after / before ratios.
 
     .venv/bin/python bench/bench_objective.py [--length 4096] [--samples 200] [--vocab 32768]
     .venv/bin/python bench/bench_objective.py --dual 1024,4096 [--batch 4] [--reps 5]
@@ -152,7 +153,8 @@ def dual_mask_ab(lengths, B, reps) -> int:
             model.zero_grad(set_to_none=True)
             return float(loss.detach())
 
-        fig = {s: {"bytes": 0, "peak": 0, "collate": [], "step": []} for s in ("before", "after")}
+        fig = {s: {"bytes": 0, "peak": 0, "collate": [], "step": [], "step_cpu": []}
+               for s in ("before", "after")}
         losses = {}
         for i in range(reps):
             for side in (("before", "after") if i % 2 == 0 else ("after", "before")):
@@ -166,9 +168,10 @@ def dual_mask_ab(lengths, B, reps) -> int:
                 fig[side]["collate"].append(dt)
                 fig[side]["bytes"] = sum(v.nbytes for v in batch.values()
                                          if isinstance(v, torch.Tensor))
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.thread_time()
                 losses[side] = step(batch)
                 fig[side]["step"].append(time.perf_counter() - t0)
+                fig[side]["step_cpu"].append(time.thread_time() - c0)
         bf, af = fig["before"], fig["after"]
         med = lambda xs: statistics.median(xs) * 1e3  # noqa: E731
         print(f"T={T}: real tokens {int(batch['real_tokens'])} of {B * T}, copy tokens "
@@ -180,9 +183,10 @@ def dual_mask_ab(lengths, B, reps) -> int:
               f"{af['peak'] / 2**20:.1f} MiB")
         print(f"  collate: before {med(bf['collate']):.1f} ms, after {med(af['collate']):.1f} ms "
               f"(after / before = {med(af['collate']) / med(bf['collate']):.3f})")
-        print(f"  training micro-batch (fwd + chunked loss + bwd): before {med(bf['step']):.0f} ms, "
-              f"after {med(af['step']):.0f} ms (after / before = "
-              f"{med(af['step']) / med(bf['step']):.3f})")
+        for k, what in (("step", "wall"), ("step_cpu", "CPU time of this thread")):
+            print(f"  training micro-batch (fwd + chunked loss + bwd), {what}: before "
+                  f"{med(bf[k]):.0f} ms, after {med(af[k]):.0f} ms (after / before = "
+                  f"{med(af[k]) / med(bf[k]):.3f})")
     return 0
 
 
