@@ -393,6 +393,31 @@ def test_training_step_through_the_model_mask_equals_the_dense_mask_path(tiny, m
     assert (out - ref).abs().max().item() <= 1e-5
 
 
+def test_worker_batches_reach_the_model_with_the_vectors(shards):
+    """The loader's worker processes ship `copy_id` / `clean_limit` (no dense mask) and the
+    trainer's transfer to the device (`Trainer._batch_to_device`) carries them unchanged; the
+    model's mask from them equals the dense numpy mask."""
+    from pipeline.data import build_loader
+    from pipeline.train import Trainer
+    data_dir, _ = shards
+    cfg = ObjectiveConfig(mode="dual", dual_masking="refusion")
+    loader = build_loader(str(data_dir), "train", 2, 48, seed=3, num_workers=1, objective_cfg=cfg,
+                          pack=True, shuffle_buffer=20, infinite=False)
+    trainer = Trainer.__new__(Trainer)
+    trainer.device = torch.device("cpu")
+    n = 0
+    for batch in loader:
+        b = trainer._batch_to_device(batch)
+        assert "attention_mask" not in b
+        for k in ("copy_id", "clean_limit", "segment_ids", "position_ids"):
+            assert torch.equal(b[k], batch[k]), k
+        want = dense_dual_mask(*(batch[k].numpy() for k in ("segment_ids", "position_ids",
+                                                             "copy_id", "clean_limit")))
+        np.testing.assert_array_equal(model_mask(b), want)
+        n += 1
+    assert n > 3
+
+
 def test_dual_vectors_without_their_partner_are_refused(tiny):
     batch, _ = _dual_batch(0, "all", T=32, n=3, max_sample=20)
     with pytest.raises(ValueError, match="copy_id and clean_limit go together"):
