@@ -190,8 +190,8 @@ def dual_mask(segment_ids: torch.Tensor, position_ids: torch.Tensor, copy_id: to
     token its own copy).
 
     Args:
-        segment_ids, position_ids, copy_id, clean_limit: LongTensor[B, T] (any integer dtype) as
-            `pipeline.objective.collate` lays them out (0 at padding).
+        segment_ids, position_ids, copy_id, clean_limit: LongTensor[B, T] (any signed integer
+            dtype) as `pipeline.objective.collate` lays them out (0 at padding).
     Returns:
         BoolTensor[B, 1, T, T], True = may attend.
     """
