@@ -14,8 +14,9 @@ evaluations themselves are `pipeline.inference.evaluation`'s (decoded answers, H
 - Shard folder: validation loss of the split (`pipeline.data` loader in manifest order, one
   pass, `pipeline.objective.hybrid_loss`: loss, AR and MDM terms weighted by tokens and
   segments over the whole split, as the trainer's validation does; independent of
-  `--micro-batch-size`; for a training checkpoint the run's seed and objective are the
-  defaults, so the figure equals the trainer's validation at that step), then for up to
+  `--micro-batch-size`; for a training checkpoint the run's seed, objective and rows (row
+  length `data.max_length`, packing) are used, so the figure equals the trainer's validation
+  at that step; otherwise rows of the manifest's max_length), then for up to
   `--limit` query/response segments of that split (prompt_length > 0): decode the prompt in
   each mode and compare with the reference response.
 - JSONL: records with "query" (or "prompt") and "response" (or "answer"); the prompt is wrapped
@@ -52,7 +53,8 @@ from pipeline.common.cli import EXIT_USAGE, UsageError, hidden_alias
 from pipeline.inference.cli import (add_decoding_args, check_decoding_args, check_json_out,
                                     decoding_settings, load_model_from_args, read_prompts_jsonl)
 from pipeline.inference.evaluation import (METRICS, check_humaneval_installed, exact_match_eval,
-                                           humaneval_eval, run_settings, shard_qa_examples)
+                                           humaneval_eval, run_rows, run_settings,
+                                           shard_qa_examples)
 from pipeline.inference.loading import load_for_inference
 from pipeline.training.validation import validation_loss
 
@@ -164,7 +166,8 @@ def main(argv=None) -> int:
                     objective_cfg = ObjectiveConfig(**run_objective)
                 report["loss"] = validation_loss(loaded.model, args.data, args.split,
                                                  args.micro_batch_size, args.max_batches,
-                                                 args.seed, objective_cfg)
+                                                 args.seed, objective_cfg,
+                                                 **(run_rows(args.model) or {}))
                 ex = shard_qa_examples(args.data, args.split, limit)
             except DataError as e:
                 raise UsageError(str(e))

@@ -53,7 +53,9 @@ order. A copy's tokens are all the mask id, keep the slot's original position id
 labelled with the clean tokens (MDM). A clean token attends causally to the clean tokens of its
 segment; a copy token attends to the clean tokens of its segment before the slot's start and to
 every token of its own copy (bidirectionally), nothing else. That pattern is not causal over
-the fed order, so `collate` also builds a dense boolean mask (`attention_mask`) for the model.
+the fed order, so `collate` also ships each token's copy number and clean limit (`copy_id`,
+`clean_limit`), from which the model builds the pattern on the device
+(`pipeline.model.attention.dual_mask`).
 Which slots get a copy (`ObjectiveConfig.dual_masking`), and the draws:
   - "all": every slot; p = 1 for every segment; no draw beyond draw 1 above (slot sizes, only
     with `slot_sizes`);
@@ -83,7 +85,7 @@ DUAL_MASKINGS = ("all", "refusion")
 
 __all__ = ["IGNORE_INDEX", "MODES", "DUAL_MASKINGS", "ObjectiveConfig", "Reorganized", "sample_rng", "slot_layout",
            "reorganize_sample", "collate", "token_cross_entropy", "labelled_cross_entropy",
-           "hybrid_loss", "LOSS_CHUNK_TOKENS", "dual_attention_mask"]
+           "hybrid_loss", "LOSS_CHUNK_TOKENS"]
 
 
 @dataclass
@@ -440,31 +442,6 @@ def _dual_sample(x: np.ndarray, key: str, rng: np.random.Generator, cfg: Objecti
         dropped_copies=int(dropped.sum()), dropped_copy_tokens=int(size[dropped].sum()))
 
 
-def dual_attention_mask(segment_ids: np.ndarray, position_ids: np.ndarray, copy_id: np.ndarray,
-                        clean_limit: np.ndarray) -> np.ndarray:
-    """The attention pattern of mode "dual" rows (module docstring, "Dual-stream layout").
-
-    Query q may see key k of the same row iff both are in the same (non-padding) segment and
-    either k is clean with `position_ids[k] < clean_limit[q]`, or q is a copy's token and k
-    belongs to the same copy. Padding (segment 0) sees only itself, as in
-    `pipeline.model.attention.build_attention_mask`.
-
-    Args:
-        segment_ids, position_ids, copy_id, clean_limit: int64[B, T] as `collate` lays them
-            out (`Reorganized.copy_id` / `clean_limit`; 0 at padding).
-    Returns:
-        bool[B, 1, T, T], True = may attend.
-    """
-    seg, pos = segment_ids, position_ids
-    same = (seg[:, :, None] == seg[:, None, :]) & (seg[:, :, None] != 0)
-    clean_key = (copy_id[:, None, :] == 0) & (pos[:, None, :] < clean_limit[:, :, None])
-    own_copy = (copy_id[:, :, None] != 0) & (copy_id[:, :, None] == copy_id[:, None, :])
-    mask = same & (clean_key | own_copy)
-    T = seg.shape[1]
-    mask |= np.eye(T, dtype=bool)[None] & (seg == 0)[:, :, None]
-    return mask[:, None]
-
-
 def collate(rows: Sequence[Sequence[Reorganized]], max_length: int, pad_id: int) -> dict:
     """Lay reorganized samples into a fixed-shape micro-batch.
 
@@ -492,9 +469,10 @@ def collate(rows: Sequence[Sequence[Reorganized]], max_length: int, pad_id: int)
         segment_ids)`: every padding token a segment of its own), `segment_lengths:
         LongTensor[S]` (tokens of each real segment, row-major; for FLOPs).
         When the samples come from mode "dual" (`Reorganized.copy_id` set), also
-        `attention_mask: BoolTensor[B, 1, T, T]` (`dual_attention_mask`; the model attends with
-        it instead of the document-causal pattern of `segment_ids`), `copy_tokens,
-        dropped_copies: LongTensor[]` (masked-copy tokens fed, copies left out to fit).
+        `copy_id, clean_limit: LongTensor[B, T]` (0 at padding; the model builds the attention
+        pattern from them, `segment_ids` and `position_ids` on the device:
+        `pipeline.model.attention.dual_mask`), `copy_tokens, dropped_copies: LongTensor[]`
+        (masked-copy tokens fed, copies left out to fit).
 
     Raises:
         ValueError: a row's samples are longer than `max_length`.
@@ -555,8 +533,8 @@ def collate(rows: Sequence[Sequence[Reorganized]], max_length: int, pad_id: int)
     seg_len = np.diff(cu)[real_start[cu[:-1]]]
     extra = {}
     if dual:
-        extra = {"attention_mask": torch.from_numpy(
-                     dual_attention_mask(segment_ids, position_ids, copy_id, clean_limit)),
+        extra = {"copy_id": torch.from_numpy(copy_id),
+                 "clean_limit": torch.from_numpy(clean_limit),
                  "copy_tokens": torch.tensor(copy_tokens, dtype=torch.long),
                  "dropped_copies": torch.tensor(dropped_copies, dtype=torch.long)}
     return {

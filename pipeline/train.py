@@ -180,9 +180,10 @@ class Trainer:
         _seed_everything(cfg.train.seed)
         self.objective_cfg = ObjectiveConfig(**OmegaConf.to_container(cfg.objective, resolve=True))
         if self.objective_cfg.mode == "dual":
-            log.info("objective.mode=dual: training and validation forwards attend with SDPA and "
-                     "the loader's dense [B, 1, T, T] mask (model.attention=%s is not used for "
-                     "them)", self.plan.model_fields.get("attention") or "auto")
+            log.info("objective.mode=dual: training and validation forwards attend with the "
+                     "dual pattern built on the device (flex with model.attention=flex, else a "
+                     "dense [B, 1, T, T] mask and SDPA; model.attention=%s)",
+                     self.plan.model_fields.get("attention") or "auto")
         self.mcfg = ModelConfig.from_dict(dict(self.plan.model_fields), source="model")
         self.ckdir = self.plan.checkpoint_dir
         self.console = ConsoleLog(cfg.train.max_steps, cfg.train.log_interval)
@@ -469,7 +470,7 @@ class Trainer:
             hw_flops += hf
             self._progress("forward_backward")
             hidden = eng(b["input_ids"], b["position_ids"], segment_ids=b["segment_ids"],
-                         attention_mask=b.get("attention_mask"),   # objective mode "dual" only
+                         copy_id=b.get("copy_id"), clean_limit=b.get("clean_limit"),  # "dual"
                          return_hidden=True, cu_seqlens=b.get("cu_seqlens"),
                          max_seqlen=b.get("max_seqlen"))
             loss, stats = hybrid_loss(hidden, b, self.objective_cfg, **loss_kw)

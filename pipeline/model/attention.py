@@ -1,8 +1,9 @@
 """Attention of one layer: masks, the packed-sequence kernels, one `attention` function.
 
-Owns: the dense boolean masks (`build_attention_mask`), the per-forward `AttentionPlan`
-(`plan_attention`: dense mask for "sdpa", FlexAttention block mask for "flex", `cu_seqlens`
-for "varlen"; `plan_decode_attention`: the KV-cache forward's mask, built on the device), the
+Owns: the dense boolean masks (`build_attention_mask`; objective mode "dual"'s `dual_mask`,
+built on the device from per-token vectors, and its flex `dual_mask_mod`), the per-forward
+`AttentionPlan` (`plan_attention`: dense mask for "sdpa", FlexAttention block mask for "flex",
+`cu_seqlens` for "varlen"; `plan_decode_attention`: the KV-cache forward's mask, built on the device), the
 kernel choice and its fallbacks (`resolve_attention`), and `attention(q, k, v, plan)`. Must not
 touch: projections, RoPE, the KV cache's storage (`pipeline.model.kv_cache`).
 """
@@ -176,6 +177,50 @@ def document_causal_mask_mod(segment_ids: torch.Tensor):
     return mask_mod
 
 
+def dual_mask(segment_ids: torch.Tensor, position_ids: torch.Tensor, copy_id: torch.Tensor,
+              clean_limit: torch.Tensor) -> torch.Tensor:
+    """The attention pattern of objective mode "dual" rows (`pipeline.objective` module
+    docstring, "Dual-stream layout"), built where the vectors are (the device): no `[B, T, T]`
+    tensor crosses from the loader.
+
+    Query q may see key k of the same row iff both are in the same non-padding segment and
+    either k is clean (`copy_id[k] == 0`) with `position_ids[k] < clean_limit[q]`, or q is a
+    copy's token (`copy_id[q] > 0`) and k belongs to the same copy. Padding (segment 0) sees
+    only itself, as in `build_attention_mask`. No row is empty (a clean token sees itself, a copy
+    token its own copy).
+
+    Args:
+        segment_ids, position_ids, copy_id, clean_limit: LongTensor[B, T] (any signed integer
+            dtype) as `pipeline.objective.collate` lays them out (0 at padding).
+    Returns:
+        BoolTensor[B, 1, T, T], True = may attend.
+    """
+    # The per-key and per-query conditions are folded into the vectors first (O(B T)), so that
+    # only three [B, T, T] comparisons remain: padding queries get clean limit 0 (positions are
+    # >= 0) and no copy (-1 matches no key), copy tokens get a position no limit exceeds.
+    seg, cid = segment_ids, copy_id
+    real = seg != 0
+    limit = torch.where(real, clean_limit, torch.zeros_like(clean_limit))
+    key_pos = torch.where(cid == 0, position_ids, torch.iinfo(position_ids.dtype).max)
+    q_copy = torch.where(real & (cid != 0), cid, torch.full_like(cid, -1))
+    mask = key_pos[:, None, :] < limit[:, :, None]        # clean keys before the limit
+    mask |= q_copy[:, :, None] == cid[:, None, :]         # the query's own copy
+    mask &= seg[:, :, None] == seg[:, None, :]            # same segment
+    mask.diagonal(dim1=1, dim2=2).logical_or_(~real)      # padding sees itself
+    return mask[:, None]
+
+
+def dual_mask_mod(segment_ids: torch.Tensor, position_ids: torch.Tensor, copy_id: torch.Tensor,
+                  clean_limit: torch.Tensor):
+    """FlexAttention `mask_mod` of the pattern of `dual_mask` (same arguments), never
+    materialized by us."""
+    def mask_mod(b, h, q, kv):
+        sq, cq, ck = segment_ids[b, q], copy_id[b, q], copy_id[b, kv]
+        see = ((ck == 0) & (position_ids[b, kv] < clean_limit[b, q])) | ((cq != 0) & (cq == ck))
+        return ((sq == segment_ids[b, kv]) & (sq != 0) & see) | ((sq == 0) & (q == kv))
+    return mask_mod
+
+
 def varlen_boundaries(segment_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
     """`cu_seqlens` of packed rows for the varlen kernel, with the rows flattened to `[B * T]`.
 
@@ -200,8 +245,9 @@ def varlen_boundaries(segment_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 def plan_attention(kind: str, segment_ids: torch.Tensor, needs_grad: bool,
                    dtype: torch.dtype = torch.bfloat16, cu_seqlens: torch.Tensor | None = None,
-                   max_seqlen: int | None = None) -> AttentionPlan:
-    """Prepare the packed (document-causal) attention of one forward for `kind`.
+                   max_seqlen: int | None = None, dual: tuple | None = None) -> AttentionPlan:
+    """Prepare the packed attention of one forward for `kind`: document-causal, or objective
+    mode "dual"'s pattern with `dual`.
 
     Args:
         kind: `ModelConfig.attention`; resolved with `resolve_attention`.
@@ -211,17 +257,25 @@ def plan_attention(kind: str, segment_ids: torch.Tensor, needs_grad: bool,
         cu_seqlens, max_seqlen: `varlen_boundaries(segment_ids)` computed beforehand (the
             loader's collate does, in its worker processes); with both given, "varlen" takes
             them as they are (no host sync in the step). Other kinds ignore them.
+        dual: None, or `(position_ids, copy_id, clean_limit)`, LongTensor[B, T] each on
+            `segment_ids`' device: attend with `dual_mask`'s pattern ("flex": `dual_mask_mod`;
+            "varlen" and "auto" cannot express it and use "sdpa").
     Returns:
-        AttentionPlan. Only "sdpa" builds our dense `[B, 1, T, T]` mask; "flex" builds a
-        BlockMask from `document_causal_mask_mod` (`_block_mask_builder`: compiled on CUDA;
-        the eager builder used on CPU evaluates the mask densely inside torch); "varlen" uses
-        the given `cu_seqlens` or builds them (one host sync for the longest segment).
+        AttentionPlan. Only "sdpa" builds a dense `[B, 1, T, T]` mask (`build_attention_mask`
+        or `dual_mask`, on the device); "flex" builds a BlockMask from the `mask_mod`
+        (`_block_mask_builder`: compiled on CUDA; the eager builder used on CPU evaluates the
+        mask densely inside torch); "varlen" uses the given `cu_seqlens` or builds them (one
+        host sync for the longest segment).
     """
     b, t = segment_ids.shape
+    if dual is not None and kind != "flex":
+        kind = "sdpa"
     kind = resolve_attention(kind, segment_ids.device, needs_grad, dtype)
     if kind == "flex":
-        block_mask = _block_mask_builder(segment_ids.device)(
-            document_causal_mask_mod(segment_ids), b, None, t, t, device=segment_ids.device)
+        mod = (document_causal_mask_mod(segment_ids) if dual is None
+               else dual_mask_mod(segment_ids, *dual))
+        block_mask = _block_mask_builder(segment_ids.device)(mod, b, None, t, t,
+                                                             device=segment_ids.device)
         return AttentionPlan("flex", block_mask=block_mask)
     if kind == "varlen":
         if cu_seqlens is not None and max_seqlen is not None:
@@ -230,6 +284,8 @@ def plan_attention(kind: str, segment_ids: torch.Tensor, needs_grad: bool,
                                  max_seqlen=int(max_seqlen))
         cu, longest = varlen_boundaries(segment_ids)
         return AttentionPlan("varlen", cu_seqlens=cu, max_seqlen=longest)
+    if dual is not None:
+        return AttentionPlan("sdpa", mask=dual_mask(segment_ids, *dual))
     return AttentionPlan("sdpa", mask=build_attention_mask(segment_ids, b, t,
                                                            device=segment_ids.device))
 

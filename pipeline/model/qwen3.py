@@ -377,7 +377,8 @@ class Qwen3(nn.Module):
                 attention_mask: torch.Tensor | None = None,
                 kv_cache: KVCache | None = None, return_hidden: bool = False,
                 cu_seqlens: torch.Tensor | None = None,
-                max_seqlen: int | None = None) -> torch.Tensor:
+                max_seqlen: int | None = None, copy_id: torch.Tensor | None = None,
+                clean_limit: torch.Tensor | None = None) -> torch.Tensor:
         """Vocab-parallel logits of the fed tokens (or the final hidden states).
 
         Args:
@@ -405,14 +406,28 @@ class Qwen3(nn.Module):
                 (IntTensor[N + 1] on the model's device, int), as `objective.collate` computes
                 them; None computes them here (`attention.varlen_boundaries`, one host sync).
                 Used by packed forwards with the "varlen" kernel only.
+            copy_id, clean_limit: LongTensor[B, T] or None (both or neither, with `segment_ids`,
+                no mask, no cache): objective mode "dual" rows (`objective.collate`); the model
+                attends with their pattern, built on the device (`attention.dual_mask`; a
+                `mask_mod` with `cfg.attention` "flex", SDPA otherwise).
         Packed forwards (`segment_ids`, no mask, no cache) attend with the kernel of
         `cfg.attention` (see `plan_attention`); the others use SDPA.
+        Raises:
+            ValueError: a mask of the wrong shape; `copy_id` / `clean_limit` without the other,
+                without `segment_ids`, or with a mask or cache.
         Returns:
             FloatTensor[B, T, V / tp] in the parameter dtype: this rank's vocab slice of the
             logits (`gather_logits` for all of them); with `return_hidden`,
             FloatTensor[B, T, hidden].
         """
         b, t = input_ids.shape
+        dual = None
+        if copy_id is not None or clean_limit is not None:
+            if (copy_id is None or clean_limit is None or segment_ids is None
+                    or attention_mask is not None or kv_cache is not None):
+                raise ValueError("copy_id and clean_limit go together, with segment_ids and "
+                                 "without attention_mask or kv_cache")
+            dual = (position_ids, copy_id, clean_limit)
         x = self.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
         plan = AttentionPlan("causal")
@@ -444,7 +459,7 @@ class Qwen3(nn.Module):
         elif segment_ids is not None:
             plan = plan_attention(self.cfg.attention, segment_ids,
                                   needs_grad=torch.is_grad_enabled(), dtype=x.dtype,
-                                  cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+                                  cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, dual=dual)
         mode = "none"
         if self.training and kv_cache is None and torch.is_grad_enabled():
             mode = recompute_mode(self.cfg.recompute)

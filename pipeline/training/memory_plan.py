@@ -16,8 +16,9 @@ per row, `h` hidden size, `I` intermediate size, `q = H_q * D`, `k = H_kv * D` (
 2, fp32 4). Fed tokens: `pipeline.objective.reorganize_sample` reorders a sample and never
 lengthens it (objective mode "dual" adds masked copies, but never past `data.max_length`), and
 `pipeline.objective.collate` pads every row to `data.max_length` (`Plan.row_length`), so the
-model is always fed `b x s` tokens with `s = data.max_length`. Mode "dual" always attends with
-the dense-mask SDPA kernel (its mask is counted below, whatever `model.attention` says).
+model is always fed `b x s` tokens with `s = data.max_length`. Mode "dual" attends with the
+dense-mask SDPA kernel unless `model.attention` is flex; its mask is counted below in both cases
+(with flex an overestimate of `b s^2` bytes).
 
 Model states (ZeRO, Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training
 Trillion Parameter Models", section 5.1, in the form of DeepSpeed's

@@ -59,44 +59,54 @@ def loss_figures(sums, cfg=None, prefix: str = "val_") -> dict:
 
 @torch.no_grad()
 def validation_loss(model, data_dir: str, split: str = "val", micro_batch_size: int = 4,
-                    max_batches: int = 0, seed: int = 0, objective_cfg=None) -> dict:
+                    max_batches: int = 0, seed: int = 0, objective_cfg=None,
+                    row_length: int | None = None, pack: bool = False,
+                    packing: str = "best_fit", shuffle_buffer: int = 1000) -> dict:
     """Hybrid loss of the split (manifest order, one pass), weighted by tokens and segments
     (`loss_figures`), so the figure does not depend on `micro_batch_size` (up to float
-    summation order) and equals the trainer's validation of the same weights, seed and
-    objective on any data-parallel size.
+    summation order) and equals the trainer's validation of the same weights, seed, objective
+    and row length on any data-parallel size.
 
     Args:
         model: `pipeline.model.Qwen3` (eval mode).
         data_dir: shard folder (ARCHITECTURE.md "Shard format").
         split: manifest split name.
-        micro_batch_size: rows per micro-batch; rows are padded to the manifest's max_length.
+        micro_batch_size: rows per micro-batch.
         max_batches: stop after this many micro-batches (0 = the whole split).
         seed: objective seed (which slots are masked: a pure function of seed and sample key).
         objective_cfg: `ObjectiveConfig` of the run (default: the paper's).
+        row_length: tokens per row, the run's (`data.max_length`, `Plan.row_length`); None =
+            the manifest's max_length. Objective mode "dual" drops the masked copies a sample
+            cannot fit in a row, so its figures depend on it.
+        pack, packing, shuffle_buffer: the run's `data.pack`, `data.packing`,
+            `data.shuffle_buffer` (which samples share a row; with `max_batches`, which ones
+            are seen).
 
     Returns:
         {"val_loss", "val_ar_loss", "val_mdm_loss", "val_batches", "val_tokens"} (losses in
         nats; tokens = real tokens seen).
 
     Raises:
-        pipeline.data.DataError: unreadable folder or split.
+        pipeline.data.DataError: unreadable folder or split, `row_length` shorter than the
+            manifest's max_length.
     """
     from pipeline.data import build_loader, read_manifest
     from pipeline.objective import hybrid_loss
-    manifest = read_manifest(data_dir)
-    loader = build_loader(data_dir, split, micro_batch_size, int(manifest["max_length"]),
-                          seed=seed, num_workers=0, shuffle=False, infinite=False,
-                          vocab_size=model.cfg.vocab_size, objective_cfg=objective_cfg)
+    if row_length is None:
+        row_length = int(read_manifest(data_dir)["max_length"])
+    loader = build_loader(data_dir, split, micro_batch_size, int(row_length), seed=seed,
+                          num_workers=0, objective_cfg=objective_cfg, pack=pack, packing=packing,
+                          shuffle_buffer=shuffle_buffer, shuffle=False, infinite=False,
+                          vocab_size=model.cfg.vocab_size)
     dev = next(model.parameters()).device
     sums = torch.zeros(5, dtype=torch.float64, device=dev)
     n = 0
     for batch in loader:
         if max_batches and n >= max_batches:
             break
-        mask = batch.get("attention_mask")   # objective mode "dual" only
+        dual = {k: batch[k].to(dev) for k in ("copy_id", "clean_limit") if k in batch}
         logits = model(batch["input_ids"].to(dev), batch["position_ids"].to(dev),
-                       segment_ids=batch["segment_ids"].to(dev),
-                       attention_mask=None if mask is None else mask.to(dev))
+                       segment_ids=batch["segment_ids"].to(dev), **dual)   # dual: mode "dual"
         _, stats = hybrid_loss(logits.float(), batch, objective_cfg)
         sums += loss_sums(stats)
         n += 1
@@ -148,7 +158,8 @@ def run_validation(engine, make_loader: Callable, micro_batch_size: int, row_len
         b = {k: (v.to(device, non_blocking=True) if hasattr(v, "to") else v)
              for k, v in batch.items()}
         hidden = engine(b["input_ids"], b["position_ids"], segment_ids=b["segment_ids"],
-                        attention_mask=b.get("attention_mask"), return_hidden=True)
+                        copy_id=b.get("copy_id"), clean_limit=b.get("clean_limit"),
+                        return_hidden=True)
         _, stats = hybrid_loss(hidden, b, objective_cfg, head=engine.module.head_logits)
         sums += loss_sums(stats)
         n += 1
