@@ -53,13 +53,33 @@ def check_folder(folder: Path) -> int:
             assert ix["name"] == e["name"] + ".idx"
             data = (folder / ix["name"]).read_bytes()
             assert len(data) == ix["bytes"] and hashlib.sha256(data).hexdigest() == ix["sha256"]
-            assert data[:8] == b"RFSIDX\x00\x02" and ix["version"] == 2
-            assert int.from_bytes(data[8:16], "little") == e["samples"]
-            assert len(data) == 16 + 44 * e["samples"]
-            rec = np.frombuffer(data, sample_index.DTYPE, offset=16)
+            assert data[:8] == b"RFSIDX\x00\x03" and ix["version"] == 3
+            N = int.from_bytes(data[8:16], "little")
+            assert N == e["samples"]
+            rec = np.frombuffer(data, sample_index.DTYPE, N, offset=16)
             got = [tuple(int(x) for x in r) for r in rec]
             want = walk_index(folder / e["name"])
             assert [g[:6] for g in got] == [w[:6] for w in want]
+            # the slot layouts (version 3): key hash, runs of equal slot sizes per segment
+            at = 16 + 44 * N
+            hashes = [data[at + 16 * i:at + 16 * (i + 1)] for i in range(N)]
+            counts = np.frombuffer(data, "<u4", N, at + 16 * N)
+            runs = np.frombuffer(data, "<u4", 2 * int(counts.sum()), at + 20 * N).reshape(-1, 2)
+            assert len(data) == at + 20 * N + 8 * int(counts.sum())
+            r0 = 0
+            for i, (w, js) in enumerate(zip(want, _jsons(folder / e["name"]))):
+                assert hashes[i] == hashlib.blake2b(w[6].encode(), digest_size=16).digest()
+                sizes = []   # (segment, slot size) per slot, from the json
+                for j, seg in enumerate(json.loads(js)["segments"]):
+                    b = seg["slot_starts"] + [seg["end"]]
+                    sizes += [(j, y - x) for x, y in zip(b[:-1], b[1:])]
+                mine, j = [], -1
+                for size, packed in runs[r0:r0 + counts[i]]:
+                    count, flags = int(packed) & 0xFFFF, int(packed) >> 16
+                    j += flags & 1
+                    mine += [(j, int(size))] * int(count)
+                assert mine == sizes
+                r0 += int(counts[i])
             blob = (folder / e["name"]).read_bytes()
             for g in got:  # the digest: BLAKE2b-64 (hashlib) of the sample's bytes, as uint64 LE
                 end = max(g[1] + g[2], g[3] + g[4])
@@ -217,12 +237,12 @@ def _add_shard_digests(folder: Path) -> None:
 def test_shard_index_upgrades_version_1_indexes(tmp_path, capsys, monkeypatch):
     """Version-1 indexes (no per-sample digests) are read as before, each shard hashed whole
     once per process, with one note naming `shard.py index`; that command upgrades them to
-    version 2 (the bytes data prep writes), resumably, refusing a shard that differs from its
+    version 3 (the bytes data prep writes), resumably, refusing a shard that differs from its
     manifest entry; then the loader hashes no shard whole and yields the same batches."""
     from pipeline.data import shard_io
     samples = random_samples(np.random.default_rng(6), 25, max_length=30)
     ref, old = tmp_path / "ref", tmp_path / "old"
-    for d, v in ((ref, 2), (old, 1)):
+    for d, v in ((ref, 3), (old, 1)):
         write_shards(str(d), {"train": samples}, samples_per_shard=10, index_version=v)
         _add_shard_digests(d)
     assert (old / "train-000000.tar.idx").read_bytes()[7] == 1
@@ -249,7 +269,7 @@ def test_shard_index_upgrades_version_1_indexes(tmp_path, capsys, monkeypatch):
     shard2.write_bytes(good)
     assert shard.main(["index", str(old)]) == 0  # resumes: the one left
     assert "1 sample index(es) written, 2 already valid" in capsys.readouterr().err
-    for p in sorted(ref.glob("*.idx")):  # the same bytes as version-2 indexes written whole
+    for p in sorted(ref.glob("*.idx")):  # the same bytes as version-3 indexes written whole
         assert (old / p.name).read_bytes() == p.read_bytes()
     assert json.loads((old / "manifest.json").read_text()) == json.loads((ref / "manifest.json").read_text())
     calls.clear()
@@ -381,3 +401,4 @@ def test_add_digests_equals_hashing_each_range(folder, monkeypatch, block):
     assert sha == hashlib.sha256(blob).hexdigest() and size == len(blob)
     with open(tar, "rb") as f, pytest.raises(DataError, match="past the file's end"):
         sample_index.add_digests(io.BytesIO(f.read(int(ends[-1]) - 1)), rec, "t")
+

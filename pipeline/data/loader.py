@@ -258,7 +258,7 @@ class _Reader:
         if s not in self._indexes:
             sha, size = spec.shard_meta[s] if spec.shard_meta else (None, None)
             idx = self._read_index(s)
-            if sample_index.version_of(idx) == sample_index.VERSION:
+            if sample_index.version_of(idx) == sample_index.VERSION_2:
                 # per-sample digests: the size now (one stat), each sample when it is read
                 shard_io.check_shard_size(spec.fs, path, size, spec.verify, zip(
                     (n for n, _ in spec.shards), (m[1] for m in spec.shard_meta)))
@@ -295,7 +295,7 @@ class _Reader:
                 idx = self._indexes.get(t)
                 if idx is None:
                     idx = self._read_index(t, mode="off")
-                if i >= len(idx) or sample_index.version_of(idx) != sample_index.VERSION:
+                if i >= len(idx) or sample_index.version_of(idx) != sample_index.VERSION_2:
                     continue
                 a, b = int(idx["start"][i]), int(sample_index.sample_end(idx[i:i + 1])[0])
                 f.seek(a)
@@ -759,7 +759,7 @@ def build_loader(data_dir: str, split: str, micro_batch_size: int, max_length: i
             raise DataError(shard_io.missing_index_message(str(data_dir), e["name"]))
     if verify_shards != "off":  # indexes without per-sample digests: each process hashes shards whole
         shard_io.note_version_1_indexes(str(data_dir), split, [
-            e["name"] for e in entries if e["index"].get("version", 1) < sample_index.VERSION])
+            e["name"] for e in entries if e["index"].get("version", 1) < sample_index.VERSION_2])
     total = sum(n for _, n in shards)
     if infinite and total < 1:
         raise DataError(f"{where}: split {split!r} has no samples")

@@ -338,10 +338,11 @@ def missing_index_message(data_dir: str, shard: str) -> str:
             f"them with `python data_prep/shard.py index {data_dir}`")
 
 
-def read_sample_index(fs, root: str, entry: dict, mode: str):
+def read_sample_index(fs, root: str, entry: dict, mode: str, with_layout: bool = False):
     """The checked sample index (`pipeline.data.sample_index.DTYPE[N]`, or `DTYPE_V1[N]` for a
     version-1 file) of manifest shard entry `entry` (`name`, `samples`, `bytes`, `index`:
-    {`name`, `bytes`, `sha256`}).
+    {`name`, `bytes`, `sha256`}); with `with_layout`, (records, `SlotLayout` or None before
+    version 3).
 
     The file is read whole in one request (44 bytes a sample); its sha256 is compared with the
     manifest's in modes "error" (raise) and "warn" (one `warning:` line), not in "off". Its
@@ -376,7 +377,7 @@ def read_sample_index(fs, root: str, entry: dict, mode: str):
                 _WARNED.add(key)
                 print(f"warning: {msg}", file=sys.stderr, flush=True)
     return sample_index.decode(data, f"shard {root}/{entry['name']}: sample index {ix['name']}",
-                               entry.get("samples"), entry.get("bytes"))
+                               entry.get("samples"), entry.get("bytes"), with_layout=with_layout)
 
 
 class _HashingReader:
