@@ -331,6 +331,23 @@ def note_version_1_indexes(data_dir: str, split: str, shards: list[str]) -> None
           "verification", file=sys.stderr, flush=True)
 
 
+_NOTED_NO_LAYOUT: list = []
+
+
+def note_indexes_without_layouts(data_dir: str, split: str, shards: list[str]) -> None:
+    """Print, once per process, the note that `shards` (names) of `split` have sample indexes
+    without slot layouts (before version 3), so in objective mode "dual" packing reads every
+    sample of a shuffle window in each loader process, and the command that adds them."""
+    if _NOTED_NO_LAYOUT or not shards:
+        return
+    _NOTED_NO_LAYOUT.append(data_dir)
+    print(f"note: {data_dir}: {len(shards)} shard(s) of split {split!r} (first: {shards[0]}) have "
+          "sample indexes without slot layouts (before version 3): packing in objective mode dual "
+          "reads every sample of each shuffle window in every loader process to learn its fed "
+          f"length; `python data_prep/shard.py index {data_dir}` adds them",
+          file=sys.stderr, flush=True)
+
+
 def missing_index_message(data_dir: str, shard: str) -> str:
     """The one line for a shard whose manifest entry has no sample index."""
     return (f"{data_dir}/manifest.json: shard {shard} has no sample index "
