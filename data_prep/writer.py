@@ -477,7 +477,11 @@ def index_shards(url: str, log=None) -> tuple[int, int]:
     sequential read of the shard computes each sample's digest and slot layout (key and
     segments, from its header and json) and the shard's sha256 and size, which must equal the
     manifest's (`sha256`, `bytes`, where recorded), so the digests are those of the shard data
-    prep wrote. Each index is written atomically, then the manifest
+    prep wrote. An index that upgrades a valid older one is written under another name
+    (`<shard>.idx`, or `<shard>.v3.idx` when the manifest names that one), and the old file
+    is left in place: a loader that read the manifest before, or reads it during the upgrade,
+    finds the index its manifest names with the bytes its sha256 says (delete the old files
+    once no such loader runs). Each index is written atomically, then the manifest
     (atomically, after every shard, so an interrupted run loses nothing and a rerun skips what
     is done). Shards whose version-3 index is valid are not read: a second run changes
     nothing. Merged folders (`parts/uNNNNNN/...` names) work the same.
@@ -510,7 +514,10 @@ def index_shards(url: str, log=None) -> tuple[int, int]:
                 kept += 1
                 continue
             upgrade = records is not None
-            name = e["index"]["name"] if upgrade else sample_index.index_name(e["name"])
+            name = sample_index.index_name(e["name"])
+            old = e["index"]["name"] if upgrade else None
+            if name == old:  # never rewrite a valid index the manifest names (loaders read it)
+                name = f"{e['name']}.v{sample_index.VERSION}{sample_index.SUFFIX}"
             path = out.path(e["name"])
             try:
                 with out.fs.open(path, "rb") as f:
@@ -544,7 +551,8 @@ def index_shards(url: str, log=None) -> tuple[int, int]:
             written += 1
             if log:
                 log(f"{'upgraded' if upgrade else 'wrote'} {out.path(name)} ({len(records)} "
-                    f"samples{f', layout version {version} -> {sample_index.VERSION}' if upgrade else ''})")
+                    f"samples{f', layout version {version} -> {sample_index.VERSION}' if upgrade else ''}"
+                    f"{f'; {old} left for loaders that read the manifest before' if upgrade else ''})")
     return written, kept
 
 

@@ -237,7 +237,8 @@ def _add_shard_digests(folder: Path) -> None:
 def test_shard_index_upgrades_version_1_indexes(tmp_path, capsys, monkeypatch):
     """Version-1 indexes (no per-sample digests) are read as before, each shard hashed whole
     once per process, with one note naming `shard.py index`; that command upgrades them to
-    version 3 (the bytes data prep writes), resumably, refusing a shard that differs from its
+    version 3 (the bytes data prep writes, under `<shard>.v3.idx`: the version-1 files stay for
+    loaders that read the manifest before), resumably, refusing a shard that differs from its
     manifest entry; then the loader hashes no shard whole and yields the same batches."""
     from pipeline.data import shard_io
     samples = random_samples(np.random.default_rng(6), 25, max_length=30)
@@ -270,8 +271,12 @@ def test_shard_index_upgrades_version_1_indexes(tmp_path, capsys, monkeypatch):
     assert shard.main(["index", str(old)]) == 0  # resumes: the one left
     assert "1 sample index(es) written, 2 already valid" in capsys.readouterr().err
     for p in sorted(ref.glob("*.idx")):  # the same bytes as version-3 indexes written whole
-        assert (old / p.name).read_bytes() == p.read_bytes()
-    assert json.loads((old / "manifest.json").read_text()) == json.loads((ref / "manifest.json").read_text())
+        assert (old / p.name.replace(".idx", ".v3.idx")).read_bytes() == p.read_bytes()
+        assert (old / p.name).read_bytes()[7] == 1  # the version-1 file, left in place
+    want = json.loads((ref / "manifest.json").read_text())
+    for e in want["splits"]["train"]:
+        e["index"]["name"] = e["index"]["name"].replace(".idx", ".v3.idx")
+    assert json.loads((old / "manifest.json").read_text()) == want
     calls.clear()
     shard_io._VERIFIED.clear()
     shard_io._NOTED_V1.clear()
@@ -402,3 +407,59 @@ def test_add_digests_equals_hashing_each_range(folder, monkeypatch, block):
     with open(tar, "rb") as f, pytest.raises(DataError, match="past the file's end"):
         sample_index.add_digests(io.BytesIO(f.read(int(ends[-1]) - 1)), rec, "t")
 
+
+class _Stop(Exception):
+    pass
+
+
+@pytest.mark.parametrize("stop", ["index_written", "first_shard_done"])
+def test_a_loader_opening_the_folder_while_shard_index_upgrades_it_works(tmp_path, monkeypatch,
+                                                                          stop):
+    """`shard.py index` (version 2 -> 3) stopped after writing the first shard's new index but
+    before the manifest names it, or after its first shard: a loader opened then and a loader
+    opened before the upgrade and read after it (its manifest names the old files) both yield
+    the batches of the folder indexed whole, with verification on, in modes dual (packed) and
+    refusion."""
+    from data_prep import writer
+    samples = random_samples(np.random.default_rng(8), 30, max_length=30)
+    ref, d = tmp_path / "ref", tmp_path / "d"
+    for f, v in ((ref, 3), (d, 2)):
+        write_shards(str(f), {"train": samples}, samples_per_shard=10, index_version=v)
+        _add_shard_digests(f)
+    kws = [dict(objective_cfg=ObjectiveConfig(mode="dual", dual_masking="refusion"), pack=True),
+           dict(objective_cfg=ObjectiveConfig(), pack=True)]
+
+    def batches(folder, loader=None, kw=None):
+        loader = loader or build_loader(str(folder), "train", 2, 40, num_workers=0, seed=2,
+                                        infinite=False, shuffle_buffer=12, **kw)
+        return [(b["keys"], b["input_ids"].tolist()) for b in loader]
+
+    want = [batches(ref, kw=kw) for kw in kws]
+    early = [build_loader(str(d), "train", 2, 40, num_workers=0, seed=2, infinite=False,
+                          shuffle_buffer=12, **kw) for kw in kws]
+    name, real = ("write_json", writer.Output.write_json) if stop == "index_written" else \
+        ("add_digests", sample_index.add_digests)
+    calls = []
+
+    def stop_at_second_call(*a, **k):   # write_json: the first call; add_digests: the second
+        calls.append(1)
+        if len(calls) > (name == "add_digests"):
+            raise _Stop()
+        return real(*a, **k)
+
+    monkeypatch.setattr(writer.Output if name == "write_json" else sample_index, name,
+                        stop_at_second_call)
+    with pytest.raises(_Stop):
+        writer.index_shards(str(d))
+    m = json.loads((d / "manifest.json").read_text())
+    assert [e["index"]["version"] for e in m["splits"]["train"]] == \
+        ([2, 2, 2] if stop == "index_written" else [3, 2, 2])
+    assert (d / "train-000000.tar.v3.idx").exists()
+    for kw, w in zip(kws, want):
+        assert batches(d, kw=kw) == w
+    monkeypatch.undo()
+    writer.index_shards(str(d))
+    for loader, w in zip(early, want):
+        assert batches(d, loader) == w
+    for kw, w in zip(kws, want):
+        assert batches(d, kw=kw) == w
