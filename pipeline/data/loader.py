@@ -37,9 +37,14 @@ the samples of one window; it does not depend on dp_size, micro_batch_size or nu
   (`data.verify_shards`, `pipeline.data.shard_io`: per sample read, no whole-shard hash).
   Unpacked, a worker reads only the samples of its own rows. Packed, the rows depend on the
   lengths of the whole window, which every worker takes from the indexes (no read per
-  sample), then it reads only the samples of
-  its own rows (objective mode "dual" packs by the fed length, clean tokens plus masked copies,
-  which needs the samples: each worker reads the whole window). A manifest whose shards have
+  sample), then it reads only the samples of its own rows. Objective mode "dual" packs by the
+  fed length, clean tokens plus masked copies, which depends on each sample's slots and its
+  (seed, key, epoch) draws: `objective.dual_fed_length` computes it from the slot layout a
+  version-3 index holds (key hash, slot sizes), so there too a worker reads only its own rows'
+  samples; for a shard whose index has no layouts (version 1 or 2) each worker reads and
+  reorganizes every sample of the window (one note per process names `shard.py index`, which
+  adds them). TP ranks of a DP rank each build the loader and read the same samples
+  (ARCHITECTURE.md "Loader" says why they do not share them). A manifest whose shards have
   no index entry (a folder made before indexes) is
   refused at start-up in one line naming `python data_prep/shard.py index DIR`, which writes
   them: a DataError (exit 2) rather than a fallback to the tar walk, so no job silently pays
@@ -745,7 +750,8 @@ def build_loader(data_dir: str, split: str, micro_batch_size: int, max_length: i
         packing: with `pack`: "best_fit" (best-fit decreasing within each shuffle window) or
             "next_fit" (window order, a sample that does not fit starts the next row).
         shuffle_buffer: window size of the shuffle and of packing, in samples (memory: that
-            many samples per worker when packing).
+            many sample lengths per worker when packing; in objective mode "dual" on indexes
+            without slot layouts, before version 3, that many samples).
         shuffle: False = manifest order (eval).
         infinite: True = loop over epochs forever (training); False = one pass, rows of the
             last round filled with all-padding rows (every rank gets the same batch count).

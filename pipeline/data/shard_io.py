@@ -11,7 +11,7 @@ Must not touch: shard order, batches, loader state (`pipeline.data.loader`).
 
 How shards are verified (a random-access reader: a sample index, then the byte ranges of the
 samples of a window, in a shuffled order):
-- Sample index version 2 (data prep and `shard.py index` write it): each record carries the
+- Sample index versions 2 and 3 (data prep and `shard.py index` write 3): each record carries the
   digest of its sample's bytes (`pipeline.data.sample_index`), and the index file's sha256 is
   in manifest.json. When a process first needs a shard it reads the index whole and checks its
   sha256 (`read_sample_index`; 44 bytes a sample, ~10 ms of hashing for 125,000 samples) and
