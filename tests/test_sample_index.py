@@ -463,3 +463,26 @@ def test_a_loader_opening_the_folder_while_shard_index_upgrades_it_works(tmp_pat
         assert batches(d, loader) == w
     for kw, w in zip(kws, want):
         assert batches(d, kw=kw) == w
+
+
+def test_overwrite_removes_upgraded_indexes(tmp_path, spm_model, corpus_dir):
+    """A folder whose version-2 indexes `shard.py index` upgraded (to `<shard>.v3.idx`, the old
+    files left) and that data prep then rebuilds with --overwrite holds what a run into an
+    empty folder holds: no index of the old folder is left."""
+    src = ["--input", corpus_dir, "--tokenizer", spm_model, "--max-length", 64,
+           "--shard-samples", 50, "--no-progress"]
+    out = tmp_path / "out"
+    assert shard.main([str(a) for a in [*src, "--output", out]]) == 0
+    m = json.loads((out / "manifest.json").read_text())
+    for entries in m["splits"].values():   # as a folder indexed before slot layouts
+        for e in entries:
+            rec = sample_index.decode((out / e["index"]["name"]).read_bytes(), "x")
+            data = sample_index.encode(rec)
+            (out / e["index"]["name"]).write_bytes(data)
+            e["index"].update(bytes=len(data), sha256=hashlib.sha256(data).hexdigest(), version=2)
+    (out / "manifest.json").write_text(json.dumps(m))
+    assert shard.main(["index", str(out)]) == 0
+    assert sorted(out.glob("*.v3.idx")) and len(list(out.glob("*.idx"))) == 2 * len(list(out.glob("*.tar")))
+    assert shard.main([str(a) for a in [*src, "--output", out, "--seed", 5, "--overwrite"]]) == 0
+    assert shard.main([str(a) for a in [*src, "--output", tmp_path / "fresh", "--seed", 5]]) == 0
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in (tmp_path / "fresh").iterdir())
