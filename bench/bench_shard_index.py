@@ -95,10 +95,11 @@ def write_folder(folder: Path, total: int, per_shard: int, max_length: int, seed
     return nbytes
 
 
-def tar_walk(fs, root, entry, mode):
+def tar_walk(fs, root, entry, mode, with_layout=False):
     """The index as the loader found it before: walking the shard's tar headers."""
     with fs.open(f"{root}/{entry['name']}", "rb") as f:
-        return sample_index.build(f, entry["name"])[0]
+        records = sample_index.build(f, entry["name"])[0]
+    return (records, None) if with_layout else records
 
 
 class Mode:
