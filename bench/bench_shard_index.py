@@ -25,7 +25,8 @@ Figures (printed):
   `--windows`, with the largest peak RSS of a loader worker (`RUSAGE_CHILDREN` of each rank
   after its workers exited), and the bytes of the batches as built (their tensors: what a
   broadcast of each micro-batch to the other TP ranks would move); `--index-version 2`: indexes without slot layouts (the loader
-  reads every sample of each window in each process, as it did for every folder before them).
+  reads every sample of each window in each process, as it did for every folder before them);
+  `--objective refusion` (or ar): the same epoch in another objective mode.
 
     .venv/bin/python bench/bench_shard_index.py [--samples 125000] [--total 50000]
         [--epoch-samples 20000] [--max-length 320]
@@ -219,12 +220,12 @@ def bytes_per_epoch(folder: Path, max_length: int, shard_bytes: int) -> dict:
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
-def _dual_rank(rank: int, folder: str, max_length: int, window: int, out) -> None:
+def _dual_rank(rank: int, folder: str, max_length: int, window: int, mode: str, out) -> None:
     from pipeline.objective import ObjectiveConfig
     loader = build_loader(f"countfile://{folder}", "train", 4, 2 * max_length, dp_rank=rank,
                           dp_size=2, num_workers=2, pack=True, infinite=False,
                           shuffle_buffer=window, objective_cfg=ObjectiveConfig(
-                              mode="dual", dual_masking="refusion"))
+                              mode=mode, dual_masking="refusion"))
     n = built = 0
     for b in loader:
         n += len(b["keys"])
@@ -232,7 +233,8 @@ def _dual_rank(rank: int, folder: str, max_length: int, window: int, out) -> Non
     out.put((rank, n, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024, built))
 
 
-def dual_bytes_per_epoch(folder: Path, max_length: int, shard_bytes: int, window: int) -> dict:
+def dual_bytes_per_epoch(folder: Path, max_length: int, shard_bytes: int, window: int,
+                         mode: str = "dual") -> dict:
     """Bytes read by 2 DP ranks x 2 workers over one shuffled dual-mode epoch (see the module
     docstring), and the largest worker peak RSS in MB."""
     register_counting_fs()
@@ -240,7 +242,7 @@ def dual_bytes_per_epoch(folder: Path, max_length: int, shard_bytes: int, window
     ctx = multiprocessing.get_context("fork")
     q = ctx.Queue()
     t = time.perf_counter()
-    procs = [ctx.Process(target=_dual_rank, args=(r, str(folder), max_length, window, q))
+    procs = [ctx.Process(target=_dual_rank, args=(r, str(folder), max_length, window, mode, q))
              for r in range(2)]
     for p in procs:
         p.start()
@@ -258,11 +260,11 @@ def main_dual(a) -> None:
         ep_bytes = write_folder(ep, a.epoch_samples, -(-a.epoch_samples // 10), a.max_length, seed=2,
                                 index_version=a.index_version)
         idx = sum(p.stat().st_size for p in ep.glob("*.idx"))
-        print(f"dual: {a.epoch_samples} samples in 10 shards, index version {a.index_version} "
+        print(f"{a.epoch_samples} samples in 10 shards, index version {a.index_version} "
               f"({idx / ep_bytes * 100:.2f} % of the shards' bytes)")
         for window in (int(w) for w in a.windows.split(",")):
-            b = dual_bytes_per_epoch(ep, a.max_length, ep_bytes, window)
-            print(f"dual epoch, 2 ranks x 2 workers, window {window}: {b['samples']} samples, "
+            b = dual_bytes_per_epoch(ep, a.max_length, ep_bytes, window, a.objective)
+            print(f"{a.objective} epoch, 2 ranks x 2 workers, window {window}: {b['samples']} samples, "
                   f"{b['bytes_read'] / 1e6:.1f} MB read = {b['ratio']:.3f} x the shard bytes "
                   f"({ep_bytes / 1e6:.1f} MB, indexes included), {b['seconds']:.1f} s, largest "
                   f"worker peak RSS {b['worker_rss_mb']:.0f} MB; the batches as built (tensors, "
@@ -279,6 +281,9 @@ def main() -> None:
     p.add_argument("--max-length", type=int, default=320, help="tokens per sample at most")
     p.add_argument("--dual", action="store_true", help="only the dual-mode bytes figure")
     p.add_argument("--windows", default="1000,10000", help="shuffle windows of --dual")
+    p.add_argument("--objective", choices=("dual", "refusion", "ar"), default="dual",
+                   help="--dual: the objective mode of that epoch (the others: to compare the "
+                   "bytes of their batches)")
     p.add_argument("--index-version", type=int, choices=(2, 3), default=3,
                    help="--dual: the indexes' layout version (2: no slot layouts, the loader "
                    "reads each window whole)")
