@@ -486,3 +486,30 @@ def test_overwrite_removes_upgraded_indexes(tmp_path, spm_model, corpus_dir):
     assert shard.main([str(a) for a in [*src, "--output", out, "--seed", 5, "--overwrite"]]) == 0
     assert shard.main([str(a) for a in [*src, "--output", tmp_path / "fresh", "--seed", 5]]) == 0
     assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in (tmp_path / "fresh").iterdir())
+
+
+@pytest.mark.parametrize("damage", ["size", "count", "flags"])
+def test_damaged_slot_layout_is_one_line_naming_it(folder, damage):
+    """A version-3 index whose slot layout cannot be its samples' (runs covering more tokens
+    than the sample has, an empty run, a sample's first run not starting a segment) is refused
+    in one line naming the file and record, with verification off too (the sha256 is not
+    checked then)."""
+    victim = folder / "train-000001.tar.idx"
+    data = bytearray(victim.read_bytes())
+    n = int.from_bytes(data[8:16], "little")
+    first_run = 16 + 44 * n + 20 * n        # sample 0's first run: size u32, count u16, flags u16
+    if damage == "size":
+        data[first_run:first_run + 4] = (10_000).to_bytes(4, "little")
+    elif damage == "count":
+        data[first_run + 4:first_run + 6] = (0).to_bytes(2, "little")
+    else:
+        data[first_run + 6:first_run + 8] = (0).to_bytes(2, "little")
+    victim.write_bytes(bytes(data))
+    loader = build_loader(str(folder), "train", 2, 40, num_workers=0, shuffle=False,
+                          infinite=False, verify_shards="off")
+    with pytest.raises(DataError) as e:
+        for _ in loader:
+            pass
+    msg = str(e.value)
+    assert "\n" not in msg and "train-000001.tar.idx" in msg
+    assert "the slot layout of record 0 does not fit" in msg
