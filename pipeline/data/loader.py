@@ -458,7 +458,7 @@ def _rank_batches(spec: _Spec, cursor: tuple, worker: int, num_workers: int) -> 
             rows.append([_reorganize(spec, loaded.get(g) or reader.read(g), e) for g in row])
             for g, r in zip(row, rows[-1]):
                 if g in planned and planned[g] != r.length:
-                    raise DataError(f"shard {reader.read(g)[0]}: sample {r.key}: its sample index's "
+                    raise DataError(f"shard {reader._index(g)[1]}: sample {r.key}: its sample index's "
                                     f"slot layout gives {planned[g]} fed tokens, the sample "
                                     f"{r.length} (index of another shard version?)")
         rows += [[] for _ in range(B - len(rows))]
