@@ -1,7 +1,8 @@
 """Packing in objective mode "dual" by fed lengths taken from the sample indexes' slot layouts
 (version 3): the same batches as packing by the fed lengths of the samples read and
 reorganized (what a folder whose indexes have no layouts still gets, version 2), each process
-reading only the samples of its own rows; bit-identical resume with another worker count; a
+reading only the samples of its own rows; bit-identical resume with another worker count;
+elastic resume on another DP layout (every remaining sample once); a
 layout that disagrees with its sample is one line; a loader opening a folder while
 `shard.py index` upgrades it works.
 
@@ -125,3 +126,25 @@ def test_a_layout_that_disagrees_with_its_sample_is_one_line(folders, tmp_path):
                           shuffle=False, infinite=False, shuffle_buffer=16))
     msg = str(err.value)
     assert "\n" not in msg and "train-000000.tar" in msg and "slot layout gives" in msg
+
+
+def test_elastic_resume_sees_every_remaining_sample_once(folders):
+    """A state of 2 DP ranks x micro-batch 2 continued on 1 rank x micro-batch 3
+    (`allow_reshard`): the samples of the epoch's remaining rows, each exactly once, and with
+    the samples the two ranks yielded before, the whole epoch."""
+    v3, _ = folders
+    cfg = ObjectiveConfig(mode="dual", dual_masking="refusion")
+    kw = dict(seed=6, objective_cfg=cfg, pack=True, shuffle_buffer=20, infinite=False,
+              num_workers=0)
+    before, states = [], []
+    for rank in range(2):
+        ld = build_loader(str(v3), "train", 2, T, dp_rank=rank, dp_size=2, **kw)
+        before += [k for b in _take(ld, 4) for k in b["keys"]]
+        states.append(ld.state_dict())
+    assert states[0]["cursor"] == states[1]["cursor"]
+    after = build_loader(str(v3), "train", 3, T, dp_rank=0, dp_size=1, **kw)
+    after.load_state_dict(states[1], allow_reshard=True)
+    rest = [k for b in after for k in b["keys"]]
+    assert len(set(before)) == len(before) and len(set(rest)) == len(rest)
+    assert not set(before) & set(rest)
+    assert sorted(before + rest) == [f"train{i:07d}" for i in range(70)]
