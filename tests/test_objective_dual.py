@@ -465,9 +465,11 @@ def test_fed_length_from_the_slot_layout_equals_reorganize_sample(masking, slot_
     for i, ((x, seg), key) in enumerate(zip(samples, keys)):
         h, size, slot_seg = layout.sample(i)
         assert h == int.from_bytes(hashlib.blake2b(key.encode(), digest_size=16).digest(), "little")
-        for seed, epoch in ((0, 0), (3, 1), (12345, 7)):
+        long = i == len(samples) - 1   # (its reorganization is slow: two seeds, two caps)
+        for seed, epoch in ((0, 0), (3, 1)) if long else ((0, 0), (3, 1), (12345, 7)):
             n = len(x)
-            for cap in (None, n, n + 5, 2 * n, n + int(rng.integers(0, n + 1))):
+            for cap in (None, n + 5000) if long else (None, n, n + 5, 2 * n,
+                                                       n + int(rng.integers(0, n + 1))):
                 ref = reorganize_sample(x, seg, key, seed=seed, epoch=epoch, mask_id=MASK_ID,
                                         cfg=cfg, max_length=cap)
                 got = dual_fed_length(n, h, size, slot_seg, seed=seed, epoch=epoch, cfg=cfg,
@@ -475,6 +477,6 @@ def test_fed_length_from_the_slot_layout_equals_reorganize_sample(masking, slot_
                 assert got == ref.length, (i, seed, epoch, cap)
                 checked += 1
                 dropped += ref.dropped_copies > 0
-    assert checked == len(samples) * 15 and dropped > len(samples)
+    assert checked == (len(samples) - 1) * 15 + 4 and dropped > len(samples)
     with pytest.raises(ValueError, match="max_length"):
         dual_fed_length(10, 0, np.array([10]), np.array([0]), seed=0, epoch=0, cfg=cfg, max_length=9)
