@@ -323,9 +323,10 @@ def trainer(argv: list[str]) -> int:
     if os.environ.get("REFUSION_BENCH_LOCATE") == "tar_walk":
         from pipeline.data import sample_index, shard_io
 
-        def tar_walk(fs, root, entry, mode):
+        def tar_walk(fs, root, entry, mode, with_layout=False):
             with fs.open(f"{root}/{entry['name']}", "rb") as f:
-                return sample_index.build(f, entry["name"])[0]
+                records = sample_index.build(f, entry["name"])[0]
+            return (records, None) if with_layout else records
         shard_io.read_sample_index = tar_walk
     plain_iter, first = loader_mod.ShardLoader.__iter__, []
 

@@ -18,10 +18,19 @@ Figures (printed):
 - bytes: bytes read from a folder of `--epoch-samples` samples in 10 shards in one shuffled,
   unpacked epoch (one process) through a counting local
   fsspec filesystem, as a multiple of the shards' bytes (target <= 1.02), with the process's
-  peak RSS (`ru_maxrss`).
+  peak RSS (`ru_maxrss`);
+- dual bytes (`--dual`, only this figure): the same count for one shuffled epoch in objective
+  mode "dual" (`dual_masking=refusion`, best-fit packing into rows of 2 x `--max-length`) on
+  2 DP ranks x 2 loader workers, each rank a forked process, at each shuffle window of
+  `--windows`, with the largest peak RSS of a loader worker (`RUSAGE_CHILDREN` of each rank
+  after its workers exited), and the bytes of the batches as built (their tensors: what a
+  broadcast of each micro-batch to the other TP ranks would move); `--index-version 2`: indexes without slot layouts (the loader
+  reads every sample of each window in each process, as it did for every folder before them);
+  `--objective refusion` (or ar): the same epoch in another objective mode.
 
     .venv/bin/python bench/bench_shard_index.py [--samples 125000] [--total 50000]
         [--epoch-samples 20000] [--max-length 320]
+    .venv/bin/python bench/bench_shard_index.py --dual [--epoch-samples 20000] [--windows 1000,10000]
 """
 from __future__ import annotations
 
@@ -49,8 +58,10 @@ TOKENIZER = {"kind": "hf", "name": "bench", "hash": "bench-0", "vocab_size": 100
              "eos_id": 1, "pad_id": 0, "mask_id": 2, "bos_id": None}
 
 
-def write_folder(folder: Path, total: int, per_shard: int, max_length: int, seed: int = 0) -> int:
-    """A shard folder (data prep's tar layout and index) of `total` samples; returns its bytes."""
+def write_folder(folder: Path, total: int, per_shard: int, max_length: int, seed: int = 0,
+                 index_version: int = 3) -> int:
+    """A shard folder (data prep's tar layout and index; `index_version` 2: indexes without
+    slot layouts) of `total` samples; returns its bytes."""
     rng = np.random.default_rng(seed)
     folder.mkdir(parents=True)
     entries, nbytes = [], 0
@@ -58,7 +69,7 @@ def write_folder(folder: Path, total: int, per_shard: int, max_length: int, seed
         name = f"train-{s0 // per_shard:06d}.tar"
         n = min(per_shard, total - s0)
         lengths = rng.integers(max_length // 4, max_length + 1, size=n)
-        rows, tokens = [], 0
+        rows, layouts, tokens = [], [], 0
         with open(folder / name, "wb") as f, tarfile.open(fileobj=f, mode="w|",
                                                           format=tarfile.USTAR_FORMAT) as tar:
             for i, L in enumerate(lengths):
@@ -66,12 +77,14 @@ def write_folder(folder: Path, total: int, per_shard: int, max_length: int, seed
                 seg = [{"start": 0, "end": int(L), "prompt_length": 0,
                         "slot_starts": list(range(0, int(L), 8))}]
                 w = write_sample(tar, encode_sample(f"s{s0 + i:09d}", ids, seg))
+                layouts.append((sample_index.key_hash(f"s{s0 + i:09d}"), sample_index.slot_runs(seg)))
                 rows.append((w["start"], *w["tokens.npy"], *w["json"], int(L)))
                 tokens += int(L)
-        with open(folder / name, "rb") as f:  # version 2: with each sample's digest
+        with open(folder / name, "rb") as f:  # with each sample's digest
             rows = np.array(rows, dtype=sample_index.DTYPE_V1)
             records = sample_index.add_digests(f, rows, name)[0]
-        data = sample_index.encode(records)
+        data = sample_index.encode(records, sample_index.SlotLayout.of_samples(layouts)
+                                   if index_version == 3 else None)
         (folder / sample_index.index_name(name)).write_bytes(data)
         size = (folder / name).stat().st_size
         nbytes += size
@@ -83,10 +96,11 @@ def write_folder(folder: Path, total: int, per_shard: int, max_length: int, seed
     return nbytes
 
 
-def tar_walk(fs, root, entry, mode):
+def tar_walk(fs, root, entry, mode, with_layout=False):
     """The index as the loader found it before: walking the shard's tar headers."""
     with fs.open(f"{root}/{entry['name']}", "rb") as f:
-        return sample_index.build(f, entry["name"])[0]
+        records = sample_index.build(f, entry["name"])[0]
+    return (records, None) if with_layout else records
 
 
 class Mode:
@@ -206,6 +220,58 @@ def bytes_per_epoch(folder: Path, max_length: int, shard_bytes: int) -> dict:
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
+def _dual_rank(rank: int, folder: str, max_length: int, window: int, mode: str, out) -> None:
+    from pipeline.objective import ObjectiveConfig
+    loader = build_loader(f"countfile://{folder}", "train", 4, 2 * max_length, dp_rank=rank,
+                          dp_size=2, num_workers=2, pack=True, infinite=False,
+                          shuffle_buffer=window, objective_cfg=ObjectiveConfig(
+                              mode=mode, dual_masking="refusion"))
+    n = built = 0
+    for b in loader:
+        n += len(b["keys"])
+        built += sum(v.numel() * v.element_size() for v in b.values() if hasattr(v, "numel"))
+    out.put((rank, n, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024, built))
+
+
+def dual_bytes_per_epoch(folder: Path, max_length: int, shard_bytes: int, window: int,
+                         mode: str = "dual") -> dict:
+    """Bytes read by 2 DP ranks x 2 workers over one shuffled dual-mode epoch (see the module
+    docstring), and the largest worker peak RSS in MB."""
+    register_counting_fs()
+    BYTES_READ.value = 0
+    ctx = multiprocessing.get_context("fork")
+    q = ctx.Queue()
+    t = time.perf_counter()
+    procs = [ctx.Process(target=_dual_rank, args=(r, str(folder), max_length, window, mode, q))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    res = [q.get() for _ in procs]
+    for p in procs:
+        p.join()
+    return {"samples": sum(r[1] for r in res), "bytes_read": BYTES_READ.value,
+            "ratio": BYTES_READ.value / shard_bytes, "seconds": time.perf_counter() - t,
+            "worker_rss_mb": max(r[2] for r in res), "batch_bytes": sum(r[3] for r in res)}
+
+
+def main_dual(a) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        ep = Path(tmp) / "epoch"
+        ep_bytes = write_folder(ep, a.epoch_samples, -(-a.epoch_samples // 10), a.max_length, seed=2,
+                                index_version=a.index_version)
+        idx = sum(p.stat().st_size for p in ep.glob("*.idx"))
+        print(f"{a.epoch_samples} samples in 10 shards, index version {a.index_version} "
+              f"({idx / ep_bytes * 100:.2f} % of the shards' bytes)")
+        for window in (int(w) for w in a.windows.split(",")):
+            b = dual_bytes_per_epoch(ep, a.max_length, ep_bytes, window, a.objective)
+            print(f"{a.objective} epoch, 2 ranks x 2 workers, window {window}: {b['samples']} samples, "
+                  f"{b['bytes_read'] / 1e6:.1f} MB read = {b['ratio']:.3f} x the shard bytes "
+                  f"({ep_bytes / 1e6:.1f} MB, indexes included), {b['seconds']:.1f} s, largest "
+                  f"worker peak RSS {b['worker_rss_mb']:.0f} MB; the batches as built (tensors, "
+                  f"what a TP broadcast of them would move): {b['batch_bytes'] / 1e6:.0f} MB = "
+                  f"{b['batch_bytes'] / b['bytes_read']:.0f} x the bytes read")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--samples", type=int, default=125_000, help="samples of the one-shard figures")
@@ -213,9 +279,20 @@ def main() -> None:
     p.add_argument("--epoch-samples", type=int, default=20_000,
                    help="samples of the bytes-per-epoch figure (10 shards)")
     p.add_argument("--max-length", type=int, default=320, help="tokens per sample at most")
+    p.add_argument("--dual", action="store_true", help="only the dual-mode bytes figure")
+    p.add_argument("--windows", default="1000,10000", help="shuffle windows of --dual")
+    p.add_argument("--objective", choices=("dual", "refusion", "ar"), default="dual",
+                   help="--dual: the objective mode of that epoch (the others: to compare the "
+                   "bytes of their batches)")
+    p.add_argument("--index-version", type=int, choices=(2, 3), default=3,
+                   help="--dual: the indexes' layout version (2: no slot layouts, the loader "
+                   "reads each window whole)")
     a = p.parse_args()
     print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {os.cpu_count()} CPUs "
           f"(load average {os.getloadavg()[0]:.1f})")
+    if a.dual:
+        main_dual(a)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         big = Path(tmp) / "big"
         t = time.perf_counter()

@@ -63,8 +63,8 @@ def differences(m: dict, opts: dict, tok_json: dict) -> str:
 
 def clear(out: Output) -> None:
     """Remove what an earlier run wrote: manifests, `<split>-NNNNNN.tar` shards and their
-    `.idx` sample indexes, tokenizer/."""
-    pattern = re.compile(r"^(%s)-\d{6}\.tar(\.idx)?$" % "|".join(SPLITS))  # shards, sample indexes
+    `.idx` sample indexes (`.v3.idx` too, `shard.py index`'s upgrades), tokenizer/."""
+    pattern = re.compile(r"^(%s)-\d{6}\.tar(\.(v\d+\.)?idx)?$" % "|".join(SPLITS))  # shards, indexes
     for p in out.fs.ls(out.root, detail=False):
         name = p.rstrip("/").rsplit("/", 1)[-1]
         if name in (MANIFEST, PARTIAL, TOKENIZER_DIR) or pattern.match(name):

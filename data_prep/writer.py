@@ -410,6 +410,7 @@ class SplitWriter:
             self._open_shard()
         where = write_sample(self.tar, sample)
         self.cur_index.append((where["start"], *where["tokens.npy"], *where["json"], int(tokens.size)))
+        self.cur_layout.append((sample_index.key_hash(key), sample_index.slot_runs(segments)))
         self.cur_hash.sample(where["start"], max(a + n for a, n in (where["tokens.npy"], where["json"])))
         self.cur_samples += 1
         self.cur_tokens += int(tokens.size)
@@ -428,6 +429,7 @@ class SplitWriter:
         self.tar = tarfile.open(fileobj=self.cur_hash, mode="w|", format=tarfile.USTAR_FORMAT)
         self.cur_samples = self.cur_tokens = self.cur_bytes = 0
         self.cur_index = []
+        self.cur_layout = []   # (key hash, slot runs) per sample: the index's slot layouts
 
     def _close_shard(self) -> None:
         self.tar.close()
@@ -439,8 +441,8 @@ class SplitWriter:
                                f"{len(self.cur_index)} samples; report this")
         index = sample_index.encode(np.array(
             [(*row, d) for row, d in zip(self.cur_index, self.cur_hash.digests)],
-            dtype=sample_index.DTYPE))
-        self.cur_index = []
+            dtype=sample_index.DTYPE), sample_index.SlotLayout.of_samples(self.cur_layout))
+        self.cur_index, self.cur_layout = [], []
         index_name = sample_index.index_name(self.cur_name)
         self.out.write_bytes(index_name, index)
         self.out.current = self.cur_name
@@ -465,17 +467,23 @@ class SplitWriter:
 
 def index_shards(url: str, log=None) -> tuple[int, int]:
     """`shard.py index DIR`: write the missing sample indexes (`<shard>.idx`,
-    `pipeline.data.sample_index`) of a finished shard folder, turn version-1 indexes (no
-    per-sample digests) into version 2, and record them in its manifest.json.
+    `pipeline.data.sample_index`) of a finished shard folder, turn older indexes (version 1:
+    no per-sample digests; version 2: no slot layouts) into version 3, and record them in its
+    manifest.json.
 
-    Each shard whose manifest entry lacks a valid version-2 index (missing file, other size or
-    sha256, a bad layout or sample count, or layout version 1) gets one: the records of a valid
-    version-1 index are kept, otherwise they are built by walking the tar's headers; then one
-    sequential read of the shard computes each sample's digest and the shard's sha256 and size,
-    which must equal the manifest's (`sha256`, `bytes`, where recorded), so the digests are
-    those of the shard data prep wrote. Each index is written atomically, then the manifest
+    Each shard whose manifest entry lacks a valid version-3 index (missing file, other size or
+    sha256, a bad layout or sample count, or layout version 1 or 2) gets one: the records of a
+    valid older index are kept, otherwise they are built by walking the tar's headers; then one
+    sequential read of the shard computes each sample's digest and slot layout (key and
+    segments, from its header and json) and the shard's sha256 and size, which must equal the
+    manifest's (`sha256`, `bytes`, where recorded), so the digests are those of the shard data
+    prep wrote. An index that upgrades a valid older one is written under another name
+    (`<shard>.idx`, or `<shard>.v3.idx` when the manifest names that one), and the old file
+    is left in place: a loader that read the manifest before, or reads it during the upgrade,
+    finds the index its manifest names with the bytes its sha256 says (delete the old files
+    once no such loader runs). Each index is written atomically, then the manifest
     (atomically, after every shard, so an interrupted run loses nothing and a rerun skips what
-    is done). Shards whose version-2 index is valid are not read: a second run changes
+    is done). Shards whose version-3 index is valid are not read: a second run changes
     nothing. Merged folders (`parts/uNNNNNN/...` names) work the same.
 
     Args:
@@ -487,8 +495,9 @@ def index_shards(url: str, log=None) -> tuple[int, int]:
 
     Raises:
         OutputError: one line: no or unreadable manifest.json, a shard that is missing or
-            unreadable, whose sample count differs from the manifest, or whose sha256 or size
-            differs from the manifest (damaged or replaced; its index is not written).
+            unreadable, whose sample count differs from the manifest, whose sha256 or size
+            differs from the manifest (damaged or replaced; its index is not written), or a
+            sample without a key header or valid segments.
     """
     from pipeline.data.format import DataError, MANIFEST
     from pipeline.data.shard_io import read_manifest
@@ -500,12 +509,15 @@ def index_shards(url: str, log=None) -> tuple[int, int]:
     written = kept = 0
     for split, entries in manifest["splits"].items():
         for e in entries:
-            records = _valid_index(out, e)
-            if records is not None and sample_index.version_of(records) == sample_index.VERSION:
+            records, version = _valid_index(out, e)
+            if version == sample_index.VERSION:
                 kept += 1
                 continue
             upgrade = records is not None
-            name = e["index"]["name"] if upgrade else sample_index.index_name(e["name"])
+            name = sample_index.index_name(e["name"])
+            old = e["index"]["name"] if upgrade else None
+            if name == old:  # never rewrite a valid index the manifest names (loaders read it)
+                name = f"{e['name']}.v{sample_index.VERSION}{sample_index.SUFFIX}"
             path = out.path(e["name"])
             try:
                 with out.fs.open(path, "rb") as f:
@@ -515,7 +527,12 @@ def index_shards(url: str, log=None) -> tuple[int, int]:
                     if len(records) != e.get("samples"):
                         raise OutputError(f"shard {path}: {len(records)} samples, manifest.json "
                                           f"says {e.get('samples')} (damaged or replaced)")
-                    records, sha, size = sample_index.add_digests(f, records, path)
+                    layouts = [None] * len(records)
+
+                    def on_sample(i, data, records=records, layouts=layouts):
+                        layouts[i] = sample_index.layout_of_sample(records[i], data, path)
+
+                    records, sha, size = sample_index.add_digests(f, records, path, on_sample)
             except FileNotFoundError:
                 raise OutputError(f"shard {path}: missing") from None
             except DataError as ex:
@@ -527,29 +544,31 @@ def index_shards(url: str, log=None) -> tuple[int, int]:
                     f"{(want_sha or 'none')[:16]}... and {want_bytes} bytes: damaged or replaced "
                     "after data prep; its sample index was not written (re-copy the shard or "
                     "rerun data prep)")
-            data = sample_index.encode(records)
+            data = sample_index.encode(records, sample_index.SlotLayout.of_samples(layouts))
             out.write_bytes(name, data)
             e["index"] = index_entry(name, data)
             out.write_json(MANIFEST, manifest)
             written += 1
             if log:
                 log(f"{'upgraded' if upgrade else 'wrote'} {out.path(name)} ({len(records)} "
-                    f"samples{', layout version 1 -> 2: per-sample digests' if upgrade else ''})")
+                    f"samples{f', layout version {version} -> {sample_index.VERSION}' if upgrade else ''}"
+                    f"{f'; {old} left for loaders that read the manifest before' if upgrade else ''})")
     return written, kept
 
 
 def _valid_index(out: Output, entry: dict):
-    """The records of the shard entry's recorded sample index when it exists with its size,
-    sha256 and layout (`sample_index.decode`, either version), else None."""
+    """(records, layout version) of the shard entry's recorded sample index when it exists
+    with its size, sha256 and layout (`sample_index.decode`, any version), else (None, None)."""
     from pipeline.data.format import DataError
     ix = entry.get("index")
     if not isinstance(ix, dict) or not isinstance(ix.get("name"), str):
-        return None
+        return None, None
     try:
         with out.fs.open(out.path(ix["name"]), "rb") as f:
             data = f.read()
         if len(data) != ix.get("bytes") or hashlib.sha256(data).hexdigest() != ix.get("sha256"):
-            return None
-        return sample_index.decode(data, ix["name"], entry.get("samples"), entry.get("bytes"))
+            return None, None
+        records = sample_index.decode(data, ix["name"], entry.get("samples"), entry.get("bytes"))
+        return records, int(data[7])
     except (OSError, DataError):
-        return None
+        return None, None

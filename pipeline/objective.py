@@ -204,6 +204,60 @@ def slot_layout(segments: Sequence[dict], rng: np.random.Generator | None,
     return starts[slot_seg] + within * k[slot_seg], slot_seg
 
 
+def dual_fed_length(num_tokens: int, key_hash: int, slot_size: np.ndarray,
+                    slot_segment: np.ndarray, *, seed: int, epoch: int, cfg: ObjectiveConfig,
+                    max_length: int | None = None) -> int:
+    """The fed length of a sample in mode "dual" (clean tokens + kept masked copies), equal to
+    `reorganize_sample(...).length`, computed from the sample's slot layout alone (no tokens),
+    so a packer need not read the sample (the slot layout of a version-3 sample index,
+    `pipeline.data.sample_index.SlotLayout`).
+
+    Makes the draws of `_dual_sample` from `sample_rng`'s generator (draw 1 with
+    `cfg.slot_sizes`; draws 2 and 3 with `dual_masking="refusion"`) and applies the same
+    `max_length` rule (the longest prefix of copies, in natural slot order, that fits).
+
+    Args:
+        num_tokens: L, the sample's tokens.
+        key_hash: blake2b-128 of the sample key, little-endian (`sample_rng`'s seed part).
+        slot_size: int64[N] tokens of each stored slot (`slot_starts`), natural order.
+        slot_segment: int64[N] the 0-based segment of each slot (non-decreasing, every
+            segment present).
+        seed, epoch, cfg, max_length: as `reorganize_sample` (cfg.mode must be "dual").
+
+    Raises:
+        ValueError: cfg.mode is not "dual", or L > max_length.
+    """
+    if cfg.mode != "dual":
+        raise ValueError(f"dual_fed_length: objective mode is {cfg.mode!r}, not 'dual'")
+    L = int(num_tokens)
+    if max_length is not None and L > max_length:
+        raise ValueError(f"{L} tokens > max_length {max_length}")
+    if seed < 0 or epoch < 0:
+        raise ValueError(f"seed and epoch must be >= 0, got seed={seed} epoch={epoch}")
+    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, epoch, int(key_hash)])))
+    size = np.asarray(slot_size, dtype=np.int64)
+    seg = np.asarray(slot_segment, dtype=np.int64)
+    n_seg = int(seg[-1]) + 1
+    if cfg.slot_sizes is not None:  # draw 1: re-slice each response (as `slot_layout`)
+        resp = np.bincount(seg, weights=size, minlength=n_seg).astype(np.int64)
+        sizes = np.asarray(cfg.slot_sizes, dtype=np.int64)
+        k = sizes[rng.integers(len(sizes), size=n_seg)]
+        counts = -(-resp // k)
+        seg = np.repeat(np.arange(n_seg, dtype=np.int64), counts)
+        size = np.repeat(k, counts)
+        last = np.cumsum(counts) - 1
+        size[last] = resp - (counts - 1) * k
+    if cfg.dual_masking == "refusion":
+        t = rng.random(n_seg)
+        p = (1.0 - cfg.eps) * t + cfg.eps
+        copy = np.where(rng.random(size.shape[0]) < p[seg], size, 0)
+    else:
+        copy = size
+    if max_length is not None:
+        copy = copy[L + np.cumsum(copy) <= max_length]
+    return L + int(copy.sum())
+
+
 @dataclass
 class Reorganized:
     """One shard sample after reorganization; arrays are in *fed* order, length L.

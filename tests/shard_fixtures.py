@@ -52,10 +52,11 @@ def random_samples(rng: np.random.Generator, n: int, vocab_size: int = 64, max_l
 
 def write_shards(data_dir: str, splits: dict, samples_per_shard: int = 10,
                  tokenizer: dict | None = None, max_length: int | None = None,
-                 options: dict | None = None, index: bool = True, index_version: int = 2) -> dict:
+                 options: dict | None = None, index: bool = True, index_version: int = 3) -> dict:
     """Write `<data_dir>/manifest.json` and `<split>-NNNNNN.tar` shards, each with its sample
     index `<shard>.idx` (`index=False`: a folder as written before sample indexes existed;
-    `index_version=1`: indexes without per-sample digests, as written before those existed).
+    `index_version=1`: indexes without per-sample digests, 2: without slot layouts, as
+    written before those existed).
 
     Args:
         data_dir: local folder or fsspec URL.
@@ -102,25 +103,30 @@ def write_shards(data_dir: str, splits: dict, samples_per_shard: int = 10,
     return manifest
 
 
-def write_index(fs, root: str, name: str, version: int = 2) -> dict:
+def write_index(fs, root: str, name: str, version: int = 3) -> dict:
     """Write the sample index of shard `<root>/<name>` (built by walking its tar:
-    `pipeline.data.sample_index.build`, and with `version` 2 its samples' digests from one
-    read of it, `add_digests`: what `shard.py index` does) and return its manifest `index`
-    entry (`version` recorded for version 2 only, as manifests before it had none)."""
+    `pipeline.data.sample_index.build`, and with `version` >= 2 its samples' digests from one
+    read of it, `add_digests`, with version 3 also each sample's slot layout from its bytes:
+    what `shard.py index` does) and return its manifest `index` entry (`version` recorded from
+    version 2 on, as manifests before it had none)."""
     import hashlib
 
     from pipeline.data import sample_index
+    layouts = {}
     with fs.open(f"{root}/{name}", "rb") as f:
         records, _ = sample_index.build(f, name)
-        if version == 2:
+        if version >= 2:
             f.seek(0)
-            records = sample_index.add_digests(f, records, name)[0]
-    data = sample_index.encode(records)
+            records = sample_index.add_digests(f, records, name, lambda i, b: layouts.__setitem__(
+                i, sample_index.layout_of_sample(records[i], b, name)))[0]
+    layout = (sample_index.SlotLayout.of_samples([layouts[i] for i in range(len(records))])
+              if version == 3 else None)
+    data = sample_index.encode(records, layout)
     iname = sample_index.index_name(name)
     with fs.open(f"{root}/{iname}", "wb") as f:
         f.write(data)
     entry = {"name": iname, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    return {**entry, "version": 2} if version == 2 else entry
+    return {**entry, "version": version} if version >= 2 else entry
 
 
 def write_train_val(data_dir: str, n_train: int, n_val: int, samples_per_shard: int,

@@ -566,3 +566,49 @@ def test_stop_and_resume_equals_the_uninterrupted_run(tmp_path):
                for s in range(1, 7)) == want[("train", 6)]["consumed_tokens"]
     for s in (3, 6):
         assert got[("val", s)]["val_loss"] == want[("val", s)]["val_loss"]
+
+
+# -- the fed length from a slot layout (what the loader packs by) ------------------------------
+
+@pytest.mark.parametrize("masking", ["all", "refusion"])
+@pytest.mark.parametrize("slot_sizes", [None, [1, 3, 8]])
+def test_fed_length_from_the_slot_layout_equals_reorganize_sample(masking, slot_sizes):
+    """`dual_fed_length` from a sample's layout as a version-3 sample index stores it (key hash,
+    run-length coded slot sizes, decoded back) equals `reorganize_sample(...).length` for every
+    sample of random layouts (1-5 segments, slots of 1-70,000 tokens), seed, epoch and row
+    length, the caps chosen so that copies are dropped."""
+    from pipeline.data import sample_index
+    from pipeline.objective import dual_fed_length
+    rng = np.random.default_rng(11)
+    samples = random_samples(rng, 120, max_length=90, min_length=2, max_segments=5,
+                             slot_sizes=(1, 2, 3, 5, 7, 16, 40), max_prompt=8)
+    # long runs of 1-token slots (a run of more than 65535 slots is cut in two) and a long slot
+    L = 140_000
+    samples.append((np.full(L, 5, np.uint32), [
+        {"start": 0, "end": 70_000, "prompt_length": 3, "slot_starts": list(range(3, 70_000))},
+        {"start": 70_000, "end": L, "prompt_length": 0, "slot_starts": [70_000, 70_001]}]))
+    keys = [f"k{i:05d}" if i % 3 else f"p{hashlib.sha256(str(i).encode()).hexdigest()[:20]}"
+            for i in range(len(samples))]
+    layout = sample_index.SlotLayout.of_samples(
+        [(sample_index.key_hash(k), sample_index.slot_runs(seg)) for k, (_, seg) in zip(keys, samples)])
+    assert len(layout.runs[layout.run_first[-2]:layout.run_first[-1]]) == 4  # 65535 + 1 slots, 2
+    cfg = ObjectiveConfig(mode="dual", dual_masking=masking, slot_sizes=slot_sizes)
+    checked = dropped = 0
+    for i, ((x, seg), key) in enumerate(zip(samples, keys)):
+        h, size, slot_seg = layout.sample(i)
+        assert h == int.from_bytes(hashlib.blake2b(key.encode(), digest_size=16).digest(), "little")
+        long = i == len(samples) - 1   # (its reorganization is slow: two seeds, two caps)
+        for seed, epoch in ((0, 0), (3, 1)) if long else ((0, 0), (3, 1), (12345, 7)):
+            n = len(x)
+            for cap in (None, n + 5000) if long else (None, n, n + 5, 2 * n,
+                                                       n + int(rng.integers(0, n + 1))):
+                ref = reorganize_sample(x, seg, key, seed=seed, epoch=epoch, mask_id=MASK_ID,
+                                        cfg=cfg, max_length=cap)
+                got = dual_fed_length(n, h, size, slot_seg, seed=seed, epoch=epoch, cfg=cfg,
+                                      max_length=cap)
+                assert got == ref.length, (i, seed, epoch, cap)
+                checked += 1
+                dropped += ref.dropped_copies > 0
+    assert checked == (len(samples) - 1) * 15 + 4 and dropped > len(samples)
+    with pytest.raises(ValueError, match="max_length"):
+        dual_fed_length(10, 0, np.array([10]), np.array([0]), seed=0, epoch=0, cfg=cfg, max_length=9)

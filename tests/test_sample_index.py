@@ -53,13 +53,33 @@ def check_folder(folder: Path) -> int:
             assert ix["name"] == e["name"] + ".idx"
             data = (folder / ix["name"]).read_bytes()
             assert len(data) == ix["bytes"] and hashlib.sha256(data).hexdigest() == ix["sha256"]
-            assert data[:8] == b"RFSIDX\x00\x02" and ix["version"] == 2
-            assert int.from_bytes(data[8:16], "little") == e["samples"]
-            assert len(data) == 16 + 44 * e["samples"]
-            rec = np.frombuffer(data, sample_index.DTYPE, offset=16)
+            assert data[:8] == b"RFSIDX\x00\x03" and ix["version"] == 3
+            N = int.from_bytes(data[8:16], "little")
+            assert N == e["samples"]
+            rec = np.frombuffer(data, sample_index.DTYPE, N, offset=16)
             got = [tuple(int(x) for x in r) for r in rec]
             want = walk_index(folder / e["name"])
             assert [g[:6] for g in got] == [w[:6] for w in want]
+            # the slot layouts (version 3): key hash, runs of equal slot sizes per segment
+            at = 16 + 44 * N
+            hashes = [data[at + 16 * i:at + 16 * (i + 1)] for i in range(N)]
+            counts = np.frombuffer(data, "<u4", N, at + 16 * N)
+            runs = np.frombuffer(data, "<u4", 2 * int(counts.sum()), at + 20 * N).reshape(-1, 2)
+            assert len(data) == at + 20 * N + 8 * int(counts.sum())
+            r0 = 0
+            for i, (w, js) in enumerate(zip(want, _jsons(folder / e["name"]))):
+                assert hashes[i] == hashlib.blake2b(w[6].encode(), digest_size=16).digest()
+                sizes = []   # (segment, slot size) per slot, from the json
+                for j, seg in enumerate(json.loads(js)["segments"]):
+                    b = seg["slot_starts"] + [seg["end"]]
+                    sizes += [(j, y - x) for x, y in zip(b[:-1], b[1:])]
+                mine, j = [], -1
+                for size, packed in runs[r0:r0 + counts[i]]:
+                    count, flags = int(packed) & 0xFFFF, int(packed) >> 16
+                    j += flags & 1
+                    mine += [(j, int(size))] * int(count)
+                assert mine == sizes
+                r0 += int(counts[i])
             blob = (folder / e["name"]).read_bytes()
             for g in got:  # the digest: BLAKE2b-64 (hashlib) of the sample's bytes, as uint64 LE
                 end = max(g[1] + g[2], g[3] + g[4])
@@ -217,12 +237,13 @@ def _add_shard_digests(folder: Path) -> None:
 def test_shard_index_upgrades_version_1_indexes(tmp_path, capsys, monkeypatch):
     """Version-1 indexes (no per-sample digests) are read as before, each shard hashed whole
     once per process, with one note naming `shard.py index`; that command upgrades them to
-    version 2 (the bytes data prep writes), resumably, refusing a shard that differs from its
+    version 3 (the bytes data prep writes, under `<shard>.v3.idx`: the version-1 files stay for
+    loaders that read the manifest before), resumably, refusing a shard that differs from its
     manifest entry; then the loader hashes no shard whole and yields the same batches."""
     from pipeline.data import shard_io
     samples = random_samples(np.random.default_rng(6), 25, max_length=30)
     ref, old = tmp_path / "ref", tmp_path / "old"
-    for d, v in ((ref, 2), (old, 1)):
+    for d, v in ((ref, 3), (old, 1)):
         write_shards(str(d), {"train": samples}, samples_per_shard=10, index_version=v)
         _add_shard_digests(d)
     assert (old / "train-000000.tar.idx").read_bytes()[7] == 1
@@ -249,9 +270,13 @@ def test_shard_index_upgrades_version_1_indexes(tmp_path, capsys, monkeypatch):
     shard2.write_bytes(good)
     assert shard.main(["index", str(old)]) == 0  # resumes: the one left
     assert "1 sample index(es) written, 2 already valid" in capsys.readouterr().err
-    for p in sorted(ref.glob("*.idx")):  # the same bytes as version-2 indexes written whole
-        assert (old / p.name).read_bytes() == p.read_bytes()
-    assert json.loads((old / "manifest.json").read_text()) == json.loads((ref / "manifest.json").read_text())
+    for p in sorted(ref.glob("*.idx")):  # the same bytes as version-3 indexes written whole
+        assert (old / p.name.replace(".idx", ".v3.idx")).read_bytes() == p.read_bytes()
+        assert (old / p.name).read_bytes()[7] == 1  # the version-1 file, left in place
+    want = json.loads((ref / "manifest.json").read_text())
+    for e in want["splits"]["train"]:
+        e["index"]["name"] = e["index"]["name"].replace(".idx", ".v3.idx")
+    assert json.loads((old / "manifest.json").read_text()) == want
     calls.clear()
     shard_io._VERIFIED.clear()
     shard_io._NOTED_V1.clear()
@@ -381,3 +406,110 @@ def test_add_digests_equals_hashing_each_range(folder, monkeypatch, block):
     assert sha == hashlib.sha256(blob).hexdigest() and size == len(blob)
     with open(tar, "rb") as f, pytest.raises(DataError, match="past the file's end"):
         sample_index.add_digests(io.BytesIO(f.read(int(ends[-1]) - 1)), rec, "t")
+
+
+class _Stop(Exception):
+    pass
+
+
+@pytest.mark.parametrize("stop", ["index_written", "first_shard_done"])
+def test_a_loader_opening_the_folder_while_shard_index_upgrades_it_works(tmp_path, monkeypatch,
+                                                                          stop):
+    """`shard.py index` (version 2 -> 3) stopped after writing the first shard's new index but
+    before the manifest names it, or after its first shard: a loader opened then and a loader
+    opened before the upgrade and read after it (its manifest names the old files) both yield
+    the batches of the folder indexed whole, with verification on, in modes dual (packed) and
+    refusion."""
+    from data_prep import writer
+    samples = random_samples(np.random.default_rng(8), 30, max_length=30)
+    ref, d = tmp_path / "ref", tmp_path / "d"
+    for f, v in ((ref, 3), (d, 2)):
+        write_shards(str(f), {"train": samples}, samples_per_shard=10, index_version=v)
+        _add_shard_digests(f)
+    kws = [dict(objective_cfg=ObjectiveConfig(mode="dual", dual_masking="refusion"), pack=True),
+           dict(objective_cfg=ObjectiveConfig(), pack=True)]
+
+    def batches(folder, loader=None, kw=None):
+        loader = loader or build_loader(str(folder), "train", 2, 40, num_workers=0, seed=2,
+                                        infinite=False, shuffle_buffer=12, **kw)
+        return [(b["keys"], b["input_ids"].tolist()) for b in loader]
+
+    want = [batches(ref, kw=kw) for kw in kws]
+    early = [build_loader(str(d), "train", 2, 40, num_workers=0, seed=2, infinite=False,
+                          shuffle_buffer=12, **kw) for kw in kws]
+    name, real = ("write_json", writer.Output.write_json) if stop == "index_written" else \
+        ("add_digests", sample_index.add_digests)
+    calls = []
+
+    def stop_at_second_call(*a, **k):   # write_json: the first call; add_digests: the second
+        calls.append(1)
+        if len(calls) > (name == "add_digests"):
+            raise _Stop()
+        return real(*a, **k)
+
+    monkeypatch.setattr(writer.Output if name == "write_json" else sample_index, name,
+                        stop_at_second_call)
+    with pytest.raises(_Stop):
+        writer.index_shards(str(d))
+    m = json.loads((d / "manifest.json").read_text())
+    assert [e["index"]["version"] for e in m["splits"]["train"]] == \
+        ([2, 2, 2] if stop == "index_written" else [3, 2, 2])
+    assert (d / "train-000000.tar.v3.idx").exists()
+    for kw, w in zip(kws, want):
+        assert batches(d, kw=kw) == w
+    monkeypatch.undo()
+    writer.index_shards(str(d))
+    for loader, w in zip(early, want):
+        assert batches(d, loader) == w
+    for kw, w in zip(kws, want):
+        assert batches(d, kw=kw) == w
+
+
+def test_overwrite_removes_upgraded_indexes(tmp_path, spm_model, corpus_dir):
+    """A folder whose version-2 indexes `shard.py index` upgraded (to `<shard>.v3.idx`, the old
+    files left) and that data prep then rebuilds with --overwrite holds what a run into an
+    empty folder holds: no index of the old folder is left."""
+    src = ["--input", corpus_dir, "--tokenizer", spm_model, "--max-length", 64,
+           "--shard-samples", 50, "--no-progress"]
+    out = tmp_path / "out"
+    assert shard.main([str(a) for a in [*src, "--output", out]]) == 0
+    m = json.loads((out / "manifest.json").read_text())
+    for entries in m["splits"].values():   # as a folder indexed before slot layouts
+        for e in entries:
+            rec = sample_index.decode((out / e["index"]["name"]).read_bytes(), "x")
+            data = sample_index.encode(rec)
+            (out / e["index"]["name"]).write_bytes(data)
+            e["index"].update(bytes=len(data), sha256=hashlib.sha256(data).hexdigest(), version=2)
+    (out / "manifest.json").write_text(json.dumps(m))
+    assert shard.main(["index", str(out)]) == 0
+    assert sorted(out.glob("*.v3.idx")) and len(list(out.glob("*.idx"))) == 2 * len(list(out.glob("*.tar")))
+    assert shard.main([str(a) for a in [*src, "--output", out, "--seed", 5, "--overwrite"]]) == 0
+    assert shard.main([str(a) for a in [*src, "--output", tmp_path / "fresh", "--seed", 5]]) == 0
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in (tmp_path / "fresh").iterdir())
+
+
+@pytest.mark.parametrize("damage", ["size", "count", "flags"])
+def test_damaged_slot_layout_is_one_line_naming_it(folder, damage):
+    """A version-3 index whose slot layout cannot be its samples' (runs covering more tokens
+    than the sample has, an empty run, a sample's first run not starting a segment) is refused
+    in one line naming the file and record, with verification off too (the sha256 is not
+    checked then)."""
+    victim = folder / "train-000001.tar.idx"
+    data = bytearray(victim.read_bytes())
+    n = int.from_bytes(data[8:16], "little")
+    first_run = 16 + 44 * n + 20 * n        # sample 0's first run: size u32, count u16, flags u16
+    if damage == "size":
+        data[first_run:first_run + 4] = (10_000).to_bytes(4, "little")
+    elif damage == "count":
+        data[first_run + 4:first_run + 6] = (0).to_bytes(2, "little")
+    else:
+        data[first_run + 6:first_run + 8] = (0).to_bytes(2, "little")
+    victim.write_bytes(bytes(data))
+    loader = build_loader(str(folder), "train", 2, 40, num_workers=0, shuffle=False,
+                          infinite=False, verify_shards="off")
+    with pytest.raises(DataError) as e:
+        for _ in loader:
+            pass
+    msg = str(e.value)
+    assert "\n" not in msg and "train-000001.tar.idx" in msg
+    assert "the slot layout of record 0 does not fit" in msg

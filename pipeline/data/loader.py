@@ -37,9 +37,14 @@ the samples of one window; it does not depend on dp_size, micro_batch_size or nu
   (`data.verify_shards`, `pipeline.data.shard_io`: per sample read, no whole-shard hash).
   Unpacked, a worker reads only the samples of its own rows. Packed, the rows depend on the
   lengths of the whole window, which every worker takes from the indexes (no read per
-  sample), then it reads only the samples of
-  its own rows (objective mode "dual" packs by the fed length, clean tokens plus masked copies,
-  which needs the samples: each worker reads the whole window). A manifest whose shards have
+  sample), then it reads only the samples of its own rows. Objective mode "dual" packs by the
+  fed length, clean tokens plus masked copies, which depends on each sample's slots and its
+  (seed, key, epoch) draws: `objective.dual_fed_length` computes it from the slot layout a
+  version-3 index holds (key hash, slot sizes), so there too a worker reads only its own rows'
+  samples; for a shard whose index has no layouts (version 1 or 2) each worker reads and
+  reorganizes every sample of the window (one note per process names `shard.py index`, which
+  adds them). TP ranks of a DP rank each build the loader and read the same samples
+  (ARCHITECTURE.md "Loader" says why they do not share them). A manifest whose shards have
   no index entry (a folder made before indexes) is
   refused at start-up in one line naming `python data_prep/shard.py index DIR`, which writes
   them: a DataError (exit 2) rather than a fallback to the tar walk, so no job silently pays
@@ -88,7 +93,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from pipeline.data import sample_index, shard_io
 from pipeline.data.format import DataError, check_tokenizer
 from pipeline.data.shard_io import read_manifest
-from pipeline.objective import ObjectiveConfig, collate, reorganize_sample
+from pipeline.objective import ObjectiveConfig, collate, dual_fed_length, reorganize_sample
 
 log = logging.getLogger("pipeline.data")
 
@@ -248,6 +253,7 @@ class _Reader:
     def __init__(self, spec: _Spec, order: _Order):
         self.spec, self.order = spec, order
         self._indexes: dict[int, np.ndarray] = {}
+        self._layouts: dict[int, object] = {}    # shard -> SlotLayout, or None (before version 3)
         self._files: dict[int, object] = {}
 
     def _index(self, gid: int):
@@ -257,8 +263,8 @@ class _Reader:
         path = f"{spec.root}/{spec.shards[s][0]}"
         if s not in self._indexes:
             sha, size = spec.shard_meta[s] if spec.shard_meta else (None, None)
-            idx = self._read_index(s)
-            if sample_index.version_of(idx) == sample_index.VERSION:
+            idx, self._layouts[s] = self._read_index(s)
+            if sample_index.version_of(idx) == sample_index.VERSION_2:
                 # per-sample digests: the size now (one stat), each sample when it is read
                 shard_io.check_shard_size(spec.fs, path, size, spec.verify, zip(
                     (n for n, _ in spec.shards), (m[1] for m in spec.shard_meta)))
@@ -268,14 +274,16 @@ class _Reader:
             self._indexes[s] = idx
         return s, path, self._indexes[s], gid - int(self.order.shard_first[s])
 
-    def _read_index(self, s: int, mode: str | None = None) -> np.ndarray:
-        """The checked sample index of shard s (`shard_io.read_sample_index`)."""
+    def _read_index(self, s: int, mode: str | None = None):
+        """(records, slot layout or None) of shard s's checked sample index
+        (`shard_io.read_sample_index`)."""
         spec = self.spec
         sha, size = spec.shard_meta[s] if spec.shard_meta else (None, None)
         name, nbytes, digest = spec.index_meta[s]
         entry = {"name": spec.shards[s][0], "samples": spec.shards[s][1], "bytes": size,
                  "index": {"name": name, "bytes": nbytes, "sha256": digest}}
-        return shard_io.read_sample_index(spec.fs, spec.root, entry, mode or spec.verify)
+        return shard_io.read_sample_index(spec.fs, spec.root, entry, mode or spec.verify,
+                                          with_layout=True)
 
     def _swapped_with(self, s: int, i: int, f) -> str | None:
         """The name of another shard of the split whose sample i is what shard s's file holds
@@ -294,8 +302,8 @@ class _Reader:
             try:
                 idx = self._indexes.get(t)
                 if idx is None:
-                    idx = self._read_index(t, mode="off")
-                if i >= len(idx) or sample_index.version_of(idx) != sample_index.VERSION:
+                    idx = self._read_index(t, mode="off")[0]
+                if i >= len(idx) or sample_index.version_of(idx) != sample_index.VERSION_2:
                     continue
                 a, b = int(idx["start"][i]), int(sample_index.sample_end(idx[i:i + 1])[0])
                 f.seek(a)
@@ -309,6 +317,19 @@ class _Reader:
         """Tokens of global sample `gid`, from its shard's sample index (no read of the sample)."""
         _, _, idx, i = self._index(gid)
         return int(idx["num_tokens"][i])
+
+    def dual_length(self, gid: int, epoch: int) -> int | None:
+        """The fed length in objective mode "dual" of global sample `gid` in `epoch`, from its
+        shard's slot layout (`objective.dual_fed_length`; no read of the sample), or None when
+        its index has no layouts (before version 3)."""
+        s, _, idx, i = self._index(gid)
+        layout = self._layouts[s]
+        if layout is None:
+            return None
+        h, size, seg = layout.sample(i)
+        spec = self.spec
+        return dual_fed_length(int(idx["num_tokens"][i]), h, size, seg, seed=spec.seed,
+                               epoch=epoch, cfg=spec.objective, max_length=spec.max_length)
 
     def read(self, gid: int):
         """(shard path, key, tokens: int ndarray[L], segments) of global sample `gid`: one read
@@ -370,23 +391,31 @@ class _Reader:
 
 def _window_rows(spec: _Spec, order: _Order, reader: _Reader, epoch: int, w: int):
     """Rows of window w: (list of rows, each a list of global ids; {gid: read sample} of
-    samples already read, empty: packing takes the lengths from the shards' sample indexes,
-    and each worker reads its own rows' samples; in objective mode "dual", packing goes by the
-    fed length, clean tokens + masked copies, so every sample of the window is read)."""
+    samples already read; {gid: planned fed length} in objective mode "dual"). Packing takes
+    the lengths from the shards' sample indexes, and each worker reads only its own rows'
+    samples; in mode "dual" it packs by the fed length, clean tokens + masked copies, computed
+    from the index's slot layouts (version 3), or, for a shard whose index has none, from the
+    sample read and reorganized here (every such sample of the window, in every worker)."""
     ids = order.window(epoch, w)
     if spec.packing == "none":
-        return [[int(i)] for i in ids], {}
+        return [[int(i)] for i in ids], {}, {}
     lengths = [reader.length(int(i)) for i in ids]  # from the sample indexes: no sample read
     for i, L in zip(ids, lengths):
         if L > spec.max_length:
             path, key = reader.read(int(i))[:2]
             raise DataError(f"shard {path}: sample {key} has {L} tokens > max_length {spec.max_length}")
-    loaded = {}
+    loaded, planned = {}, {}
     if spec.objective.mode == "dual":
-        # the fed length (clean tokens + masked copies) depends on the sample's slots and
-        # draws: read the window's samples and pack by it
-        loaded = {int(i): reader.read(int(i)) for i in ids}
-        lengths = [_reorganize(spec, loaded[int(i)], epoch).length for i in ids]
+        # the fed length (clean tokens + masked copies) depends on the sample's slots and draws
+        for n, i in enumerate(ids):
+            g = int(i)
+            fed = reader.dual_length(g, epoch)
+            if fed is None:  # an index without slot layouts: read the sample
+                loaded[g] = reader.read(g)
+                fed = _reorganize(spec, loaded[g], epoch).length
+            else:
+                planned[g] = fed
+            lengths[n] = fed
     if spec.packing == "next_fit":
         rows = next_fit(lengths, spec.max_length)
     else:
@@ -394,7 +423,7 @@ def _window_rows(spec: _Spec, order: _Order, reader: _Reader, epoch: int, w: int
         if spec.shuffle:  # BFD creates rows longest-first: do not feed them in that trend
             rng = np.random.default_rng([spec.seed, epoch, w, _SALT_ROWS])
             rows = [rows[int(r)] for r in rng.permutation(len(rows))]
-    return [[int(ids[i]) for i in row] for row in rows], loaded
+    return [[int(ids[i]) for i in row] for row in rows], loaded, planned
 
 
 def _reorganize(spec: _Spec, item, epoch: int):
@@ -425,8 +454,13 @@ def _rank_batches(spec: _Spec, cursor: tuple, worker: int, num_workers: int) -> 
 
     def batch(pos):
         rows = []
-        for e, row, loaded in mine:
+        for e, row, loaded, planned in mine:
             rows.append([_reorganize(spec, loaded.get(g) or reader.read(g), e) for g in row])
+            for g, r in zip(row, rows[-1]):
+                if g in planned and planned[g] != r.length:
+                    raise DataError(f"shard {reader._index(g)[1]}: sample {r.key}: its sample index's "
+                                    f"slot layout gives {planned[g]} fed tokens, the sample "
+                                    f"{r.length} (index of another shard version?)")
         rows += [[] for _ in range(B - len(rows))]
         out = collate(rows, spec.max_length, spec.pad_id)
         out["_pos"] = pos
@@ -438,11 +472,11 @@ def _rank_batches(spec: _Spec, cursor: tuple, worker: int, num_workers: int) -> 
                 if not spec.infinite:
                     break
                 epoch, w, r = epoch + 1, 0, 0
-            rows, loaded = _window_rows(spec, order, reader, epoch, w)
+            rows, loaded, planned = _window_rows(spec, order, reader, epoch, w)
             for ri in range(r, len(rows)):
                 k, slot = divmod(j, R)
                 if k % num_workers == worker and slot // B == d:
-                    mine.append((epoch, rows[ri], loaded))
+                    mine.append((epoch, rows[ri], loaded, planned))
                 j += 1
                 if j % R == 0:
                     if k % num_workers == worker:
@@ -716,7 +750,8 @@ def build_loader(data_dir: str, split: str, micro_batch_size: int, max_length: i
         packing: with `pack`: "best_fit" (best-fit decreasing within each shuffle window) or
             "next_fit" (window order, a sample that does not fit starts the next row).
         shuffle_buffer: window size of the shuffle and of packing, in samples (memory: that
-            many samples per worker when packing).
+            many sample lengths per worker when packing; in objective mode "dual" on indexes
+            without slot layouts, before version 3, that many samples).
         shuffle: False = manifest order (eval).
         infinite: True = loop over epochs forever (training); False = one pass, rows of the
             last round filled with all-padding rows (every rank gets the same batch count).
@@ -759,6 +794,9 @@ def build_loader(data_dir: str, split: str, micro_batch_size: int, max_length: i
             raise DataError(shard_io.missing_index_message(str(data_dir), e["name"]))
     if verify_shards != "off":  # indexes without per-sample digests: each process hashes shards whole
         shard_io.note_version_1_indexes(str(data_dir), split, [
+            e["name"] for e in entries if e["index"].get("version", 1) < sample_index.VERSION_2])
+    if pack and (objective_cfg or ObjectiveConfig()).mode == "dual":  # fed lengths need layouts
+        shard_io.note_indexes_without_layouts(str(data_dir), split, [
             e["name"] for e in entries if e["index"].get("version", 1) < sample_index.VERSION])
     total = sum(n for _, n in shards)
     if infinite and total < 1:

@@ -11,7 +11,7 @@ Must not touch: shard order, batches, loader state (`pipeline.data.loader`).
 
 How shards are verified (a random-access reader: a sample index, then the byte ranges of the
 samples of a window, in a shuffled order):
-- Sample index version 2 (data prep and `shard.py index` write it): each record carries the
+- Sample index versions 2 and 3 (data prep and `shard.py index` write 3): each record carries the
   digest of its sample's bytes (`pipeline.data.sample_index`), and the index file's sha256 is
   in manifest.json. When a process first needs a shard it reads the index whole and checks its
   sha256 (`read_sample_index`; 44 bytes a sample, ~10 ms of hashing for 125,000 samples) and
@@ -331,6 +331,23 @@ def note_version_1_indexes(data_dir: str, split: str, shards: list[str]) -> None
           "verification", file=sys.stderr, flush=True)
 
 
+_NOTED_NO_LAYOUT: list = []
+
+
+def note_indexes_without_layouts(data_dir: str, split: str, shards: list[str]) -> None:
+    """Print, once per process, the note that `shards` (names) of `split` have sample indexes
+    without slot layouts (before version 3), so in objective mode "dual" packing reads every
+    sample of a shuffle window in each loader process, and the command that adds them."""
+    if _NOTED_NO_LAYOUT or not shards:
+        return
+    _NOTED_NO_LAYOUT.append(data_dir)
+    print(f"note: {data_dir}: {len(shards)} shard(s) of split {split!r} (first: {shards[0]}) have "
+          "sample indexes without slot layouts (before version 3): packing in objective mode dual "
+          "reads every sample of each shuffle window in every loader process to learn its fed "
+          f"length; `python data_prep/shard.py index {data_dir}` adds them",
+          file=sys.stderr, flush=True)
+
+
 def missing_index_message(data_dir: str, shard: str) -> str:
     """The one line for a shard whose manifest entry has no sample index."""
     return (f"{data_dir}/manifest.json: shard {shard} has no sample index "
@@ -338,10 +355,11 @@ def missing_index_message(data_dir: str, shard: str) -> str:
             f"them with `python data_prep/shard.py index {data_dir}`")
 
 
-def read_sample_index(fs, root: str, entry: dict, mode: str):
+def read_sample_index(fs, root: str, entry: dict, mode: str, with_layout: bool = False):
     """The checked sample index (`pipeline.data.sample_index.DTYPE[N]`, or `DTYPE_V1[N]` for a
     version-1 file) of manifest shard entry `entry` (`name`, `samples`, `bytes`, `index`:
-    {`name`, `bytes`, `sha256`}).
+    {`name`, `bytes`, `sha256`}); with `with_layout`, (records, `SlotLayout` or None before
+    version 3).
 
     The file is read whole in one request (44 bytes a sample); its sha256 is compared with the
     manifest's in modes "error" (raise) and "warn" (one `warning:` line), not in "off". Its
@@ -376,7 +394,7 @@ def read_sample_index(fs, root: str, entry: dict, mode: str):
                 _WARNED.add(key)
                 print(f"warning: {msg}", file=sys.stderr, flush=True)
     return sample_index.decode(data, f"shard {root}/{entry['name']}: sample index {ix['name']}",
-                               entry.get("samples"), entry.get("bytes"))
+                               entry.get("samples"), entry.get("bytes"), with_layout=with_layout)
 
 
 class _HashingReader:
