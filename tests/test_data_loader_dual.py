@@ -30,14 +30,14 @@ def _batches_equal(a, b):
     assert len(a) == len(b)
     for x, y in zip(a, b):
         assert x["keys"] == y["keys"]
-        for k in (*TENSORS, "attention_mask", "copy_tokens", "dropped_copies"):
+        for k in (*TENSORS, "copy_id", "clean_limit", "copy_tokens", "dropped_copies"):
             assert torch.equal(x[k], y[k]), k
 
 
 def _all(loader):
     out = []
     for b in loader:
-        out.append({k: b[k] for k in (*TENSORS, "keys", "attention_mask", "copy_tokens",
+        out.append({k: b[k] for k in (*TENSORS, "keys", "copy_id", "clean_limit", "copy_tokens",
                                        "dropped_copies")})
     return out
 
