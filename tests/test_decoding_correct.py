@@ -554,6 +554,42 @@ def test_draft_every_cache_holds_exactly_the_committed_tokens(trained_model, k, 
     assert left > 0          # some forwards ran after a row had finished
 
 
+@pytest.mark.parametrize("verify", ["draft_ahead", "draft_every"])
+def test_left_to_right_modes_equal_ar_at_every_length(random_model, trained_model, verify):
+    """Issue 43 item 4: greedy with token threshold 0.5, draft_ahead and draft_every return
+    exactly `ar_generate`'s ids at every gen_length 1 .. 2k + 1, not only at multiples of k
+    (they used to round it up: 12 tokens for 10 at k = 4): a batch of prompts of different
+    lengths without an EOS and with one AR produced mid-way; the trained model (drafts mostly
+    accepted, so a forward commits several tokens and may reach past the end) at lengths
+    around its answers' EOS too."""
+    from pipeline.inference.decoding import ar_generate, refusion_generate
+
+    def check(model, prompts, k, G, eos, mask):
+        ar = ar_generate(model, prompts, G, 0.0, eos)
+        out = refusion_generate(model, prompts, G, k, 1, 0.9, 0.5, 0.0, mask, eos,
+                                verify=verify)
+        assert out.tokens == ar.tokens, (k, G, eos)
+        return ar.tokens
+
+    prompts = _prompts(4, seed=17)          # 5, 9, 2 and 7 tokens
+    for k in (2, 3, 4):
+        for G in range(1, 2 * k + 2):
+            tokens = check(random_model, prompts, k, G, None, MASK)
+            assert [len(t) for t in tokens] == [G] * 4
+            eos = tokens[1][G // 2]       # row 1 stops there, others where it occurs
+            tokens = check(random_model, prompts, k, G, eos, MASK)
+            assert tokens[1][-1] == eos and len(tokens[1]) == G // 2 + 1
+    rng = np.random.default_rng(6)
+    toy = [_toy_example(rng)[0] for _ in range(6)]
+    ended = 0
+    for k in (4, 8):
+        for G in [*range(1, 2 * k + 2), *range(ANSWER - 2, ANSWER + 3)]:
+            tokens = check(trained_model, toy, k, G, T_EOS, T_MASK)
+            assert max(len(t) for t in tokens) == min(G, ANSWER + 1)
+            ended += sum(t[-1] == T_EOS for t in tokens)
+    assert ended > 0                        # some rows stopped at their EOS
+
+
 def test_draft_every_at_temperature_above_zero_decodes_every_row(random_model):
     """Sampling (temperature > 0): every row gets a contiguous output of the requested length
     (no EOS), and the same seed gives the same tokens."""

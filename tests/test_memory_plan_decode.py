@@ -127,6 +127,10 @@ def test_decode_feed_sizes():
     # two rows: one row's longest cache (163) + another's largest feed (9) > 164 -> 1.5 x 164
     f = decode_feed("draft_ahead", 100, 64, slot_size=4, batch=2)
     assert (f["need"], f["columns"]) == (172, 246)
+    # only authors and correct round the generation up to whole slots (issue 43 item 4)
+    assert [decode_feed(m, 100, 10, slot_size=4)["capacity"]
+            for m in ("ar", "draft_ahead", "draft_every", "authors", "correct")] == [
+        110, 110, 110, 112, 112]
     f = decode_feed("authors", 10, 32, slot_size=4, num_blocks=2, exact_cache=True)
     assert (f["first"], f["later"]) == (26, 32)
     with pytest.raises(ValueError, match="verify must be one of"):

@@ -56,8 +56,8 @@ def add_decoding_args(p: argparse.ArgumentParser) -> None:
     `pipeline.lm_eval` (defaults: `DECODING_DEFAULTS`)."""
     d = DECODING_DEFAULTS
     p.add_argument("--gen-length", type=int, default=d["gen_length"],
-                   help="tokens to generate at most; in refusion mode rounded up to a multiple "
-                        "of --slot-size (the generation region is whole slots)")
+                   help="tokens to generate at most; --verify authors and correct round it up to "
+                        "a multiple of --slot-size (their generation region is whole slots)")
     p.add_argument("--slot-size", type=int, default=d["slot_size"],
                    help="tokens per slot (k; refusion mode)")
     p.add_argument("--num-blocks", type=int, default=d["num_blocks"],

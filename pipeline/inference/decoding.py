@@ -937,7 +937,9 @@ def refusion_generate(model, prompt_ids, gen_length: int, slot_size: int, num_bl
         model: `pipeline.model.Qwen3` in eval mode (any TP size; every TP rank calls this).
         prompt_ids: `LongTensor[B, T]` (left or right padded; give `attention_mask`) or a list
             of 1-D `LongTensor[P_b]` / `list[int]`.
-        gen_length: tokens to generate at most; rounded up to a multiple of `slot_size`.
+        gen_length: tokens to generate at most; "authors" and "correct" round it up to a
+            multiple of `slot_size` (their plan grid is whole slots), "draft_ahead" and
+            "draft_every" do not (their output equals `ar_generate`'s at every length).
         slot_size: k, tokens per slot.
         num_blocks: the generation region is decoded in this many left-to-right blocks; the
             number of slots must be a multiple of it.
@@ -976,9 +978,9 @@ def refusion_generate(model, prompt_ids, gen_length: int, slot_size: int, num_bl
     if verify not in VERIFY_MODES:
         raise ValueError(f"verify must be one of {', '.join(VERIFY_MODES)}, got {verify!r}")
     check_mask_attention(mask_attention, verify)
-    # draft_ahead / draft_every go left to right: num_blocks does not apply
-    g = _check(gen_length, slot_size,
-               1 if verify in ("draft_ahead", "draft_every") else num_blocks)
+    left_to_right = verify in ("draft_ahead", "draft_every")   # num_blocks does not apply,
+    g = _check(gen_length, slot_size, 1 if left_to_right else num_blocks)
+    g = gen_length if left_to_right else g   # nor the slot grid: gen_length tokens at most
     prompts = split_prompts(prompt_ids, attention_mask)
     _check_positions(model, prompts, g)
     gen = torch.Generator(device=_model_device(model)).manual_seed(seed)
@@ -988,14 +990,12 @@ def refusion_generate(model, prompt_ids, gen_length: int, slot_size: int, num_bl
     for r in rows:
         r.tokens.extend(r.prompt)
         r.positions.extend(range(len(r.prompt)))
-    if verify in ("draft_ahead", "draft_every"):
-        left_to_right = (_draft_ahead_program if verify == "draft_ahead"
-                         else _draft_every_program)
-        programs = [left_to_right(r, gen_length=g, slot_size=slot_size,
-                                  token_threshold=token_threshold, temperature=temperature,
-                                  mask_id=mask_id, eos_id=eos_id, generator=gen,
-                                  bidirectional=mask_attention == "bidirectional")
-                    for r in rows]
+    if left_to_right:
+        program = _draft_ahead_program if verify == "draft_ahead" else _draft_every_program
+        programs = [program(r, gen_length=g, slot_size=slot_size,
+                            token_threshold=token_threshold, temperature=temperature,
+                            mask_id=mask_id, eos_id=eos_id, generator=gen,
+                            bidirectional=mask_attention == "bidirectional") for r in rows]
     else:
         programs = [_refusion_program(r, gen_length=g, slot_size=slot_size,
                                       num_blocks=num_blocks, slot_threshold=slot_threshold,

@@ -86,8 +86,8 @@ backward). Measured against the trainer's step on the CPU in `tests/test_memory_
 
 Decoding (`plan_decoding`; training never decodes: validation is a loss, decoding runs in
 `pipeline.generate` / `pipeline.evaluate` / `pipeline.lm_eval`, `--batch-size` prompts at a time):
-`B` rows, prompts of at most `P` tokens, `g` generated tokens (`--gen-length`; plan-and-infill
-rounds it up to a multiple of the slot size `k`), the model whole on each TP rank in `e` bytes
+`B` rows, prompts of at most `P` tokens, `g` generated tokens (`--gen-length`; verify authors
+and correct round it up to a multiple of the slot size `k`), the model whole on each TP rank in `e` bytes
 (bf16 on CUDA, fp32 on the CPU, `pipeline.inference.loading.default_dtype`), no gradients:
 - weights `e P_r`;
 - the KV cache (`pipeline.model.kv_cache.KVCache`, one keys and one values tensor
@@ -217,7 +217,7 @@ def decode_feed(verify: str, prompt: int, gen_length: int, slot_size: int = 4,
     if min(prompt, gen_length, slot_size, num_blocks, bucket) < 1:
         raise ValueError("prompt, gen_length, slot_size, num_blocks and bucket must be >= 1")
     k = slot_size
-    g = gen_length if verify == "ar" else _round_up(gen_length, k)
+    g = gen_length if verify not in ("authors", "correct") else _round_up(gen_length, k)
     need = prompt + g
     if verify == "ar":
         first, later = prompt, 1
