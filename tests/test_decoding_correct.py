@@ -590,6 +590,89 @@ def test_left_to_right_modes_equal_ar_at_every_length(random_model, trained_mode
     assert ended > 0                        # some rows stopped at their EOS
 
 
+class _ReadBacks(torch.overrides.TorchFunctionMode):
+    """Counts the reads back to the host of values computed from a forward's logits: a tensor
+    is tainted when `taint` marks it (the logits) or an op made it from a tainted one; reading
+    one (`.cpu()`, `.item()`, `.tolist()`, `int()`, `float()`, `bool()`, ...) counts; `.cpu()`'s
+    result is on the host, so reads of it do not."""
+    READS = {torch.Tensor.cpu, torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.numpy,
+             torch.Tensor.__int__, torch.Tensor.__float__, torch.Tensor.__bool__,
+             torch.Tensor.__index__}
+
+    def __init__(self):
+        super().__init__()
+        self.reads, self._tainted = 0, {}
+
+    def taint(self, t):
+        self._tainted[id(t)] = __import__("weakref").ref(t)
+
+    def _is_tainted(self, t):
+        r = self._tainted.get(id(t))
+        return r is not None and r() is t
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        from torch.utils._pytree import tree_flatten
+        kwargs = kwargs or {}
+        src = any(isinstance(t, torch.Tensor) and self._is_tainted(t)
+                  for t in tree_flatten((args, kwargs))[0])
+        out = func(*args, **kwargs)
+        if src and func in self.READS:
+            self.reads += 1
+            if func is torch.Tensor.cpu:
+                self._tainted.pop(id(out), None)
+        elif src:
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor):
+                    self.taint(t)
+        return out
+
+
+@pytest.mark.parametrize("mode", ["ar", "authors", "correct", "draft_ahead", "draft_every"])
+def test_one_read_back_per_forward_and_logits_freed_before_the_next(random_model, trained_model,
+                                                                    monkeypatch, mode):
+    """Issue 43 item 6: per batched forward, the rows' decisions reach the host in one
+    transfer (`decisions.device_to_host`), and nothing else computed from the logits is read
+    back (counted with a torch function mode over everything derived from the logits); each
+    forward's logits are freed before the next forward starts. A batch of prompts of different
+    lengths, greedy and at temperature > 0, with an EOS; the outputs are unchanged by the
+    counting (equal to an uncounted decode)."""
+    import weakref
+    from pipeline.inference import decisions, decoding
+    copies, alive = [], []
+    real_forward, real_copy = decoding._forward, decisions.device_to_host
+    counter = _ReadBacks()
+
+    def forward(*args):
+        alive[:] = [r for r in alive if r() is not None]
+        assert not alive, "the previous forward's logits are still alive"
+        out = real_forward(*args)
+        counter.taint(out)
+        alive.append(weakref.ref(out))
+        return out
+
+    monkeypatch.setattr(decoding, "_forward", forward)
+    monkeypatch.setattr(decisions, "device_to_host", lambda t: copies.append(1) or real_copy(t))
+
+    def decode(model, prompts, eos, mask, temperature):
+        if mode == "ar":
+            return decoding.ar_generate(model, prompts, 12, temperature, eos, seed=1)
+        return decoding.refusion_generate(model, prompts, 12, 4, 1, 0.3, 0.5, temperature, mask,
+                                          eos, seed=1, verify=mode)
+
+    rng = np.random.default_rng(7)
+    cases = [(random_model, _prompts(3, seed=19), None, MASK),
+             (trained_model, [_toy_example(rng)[0] for _ in range(4)] + [[1, 30, 7]], T_EOS,
+              T_MASK)]
+    for model, prompts, eos, mask in cases:
+        for temperature in (0.0, 0.7):
+            copies.clear()
+            counter.reads = 0
+            with counter:
+                out = decode(model, prompts, eos, mask, temperature)
+            assert len(copies) == counter.reads == out.batch_forwards, (temperature, eos)
+            assert out.tokens == decode(model, prompts, eos, mask, temperature).tokens
+
+
 def test_draft_every_at_temperature_above_zero_decodes_every_row(random_model):
     """Sampling (temperature > 0): every row gets a contiguous output of the requested length
     (no EOS), and the same seed gives the same tokens."""
