@@ -214,7 +214,7 @@ def main() -> int:
             check_decoding_args(argparse.Namespace(**{**vars(args), "verify": v,
                                                       "mask_attention": _mask_attention(args, v)},
                                                    temperature=0.0, slot_threshold=0.0,
-                                                   token_threshold=0.0))
+                                                   token_threshold=0.5))
         if args.prompts < 1 or args.repeats < 1:
             raise UsageError("--prompts and --repeats must be >= 1")
         base = _load_baseline(args.baseline) if args.baseline else None

@@ -76,7 +76,7 @@ from lm_eval.api.registry import register_model
 
 from pipeline.common.cli import DTYPES, UsageError, hidden_alias
 from pipeline.inference.cli import (DECODING_DEFAULTS, add_decoding_args, check_decoding_args,
-                                    decode_batch, warm_up)
+                                    decode_batch, lossless_note, warm_up)
 from pipeline.inference.loading import load_for_inference
 
 HARNESS_COMMANDS = ("run", "ls", "validate")
@@ -160,7 +160,8 @@ class RefusionLM(TemplateLM):
             s = SimpleNamespace(
                 model=str(pretrained), mode=mode, gen_length=int(gen_length),
                 slot_size=int(slot_size), num_blocks=int(num_blocks),
-                slot_threshold=float(slot_threshold), token_threshold=float(token_threshold),
+                slot_threshold=float(slot_threshold),
+                token_threshold=None if token_threshold is None else float(token_threshold),
                 temperature=float(temperature), exact_cache=_as_bool(exact_cache),
                 seed=int(seed), batch_size=bs, dtype=None if dtype is None else str(dtype),
                 verify=str(verify),
@@ -168,6 +169,8 @@ class RefusionLM(TemplateLM):
         except ValueError as e:
             raise UsageError(f"--model_args: {e}")
         check_decoding_args(s, refusion=mode == "refusion")
+        if mode == "refusion" and lossless_note(s):   # here: both lm_eval entry points
+            print(lossless_note(s), file=sys.stderr)
         # The harness CLI passes cuda:0 by default, also on a CPU machine.
         device = pick_device(device, cuda_fallback=True)
         if s.dtype is None:
