@@ -142,7 +142,8 @@ def main(argv=None) -> int:
         if args.task == "humaneval":
             check_humaneval_installed()
             print(HUMANEVAL_WARNING, file=sys.stderr)
-        if "refusion" in modes:  # same (rounded-up) length for every mode: a fair comparison
+        if "refusion" in modes and args.verify in ("authors", "correct"):
+            # the same length (rounded up to whole slots) for every mode: a fair comparison
             args.gen_length = -(-args.gen_length // args.slot_size) * args.slot_size
         stack = contextlib.ExitStack()
         if args.tokenizer is None and args.data and (Path(args.data).is_dir() or "://" in args.data):
