@@ -173,7 +173,8 @@ def main() -> int:
                     help="shard folder whose val prompts are used (when the model is real)")
     ap.add_argument("--prompts", type=int, default=8, help="number of prompts")
     ap.add_argument("--gen-length", type=int, default=64,
-                    help="tokens to generate (rounded up to a multiple of --slot-size)")
+                    help="tokens to generate (authors / correct: rounded up to a multiple of "
+                         "--slot-size)")
     ap.add_argument("--slot-size", type=int, default=4, help="tokens per slot (k)")
     ap.add_argument("--num-blocks", type=int, default=2,
                     help="blocks of the generation region (must divide the number of slots)")
