@@ -52,12 +52,14 @@ class Decision:
     def vector(self, i: int) -> torch.Tensor:
         """`FloatTensor[V]` on the device: a copy of the logits at request index `i` (-1: the
         carried token before the request). Only while the program handles this decision (the
-        forward's logits are freed before the next forward)."""
+        forward's logits are freed before the next forward). Raises AssertionError after
+        `release`."""
         if self._logits is None:
             raise AssertionError("Decision.vector after the forward's logits were freed")
         return self._logits[self._offset + i].clone()
 
     def release(self) -> None:
+        """Drop the reference to the forward's logits (the driver, once the program has run)."""
         self._logits = None
 
 
