@@ -27,7 +27,7 @@ def decode_batch(loaded: Loaded, prompts: list[list[int]], args) -> "object":
         return ar_generate(loaded.model, prompts, args.gen_length, args.temperature,
                            loaded.eos_id, seed=args.seed)
     return refusion_generate(loaded.model, prompts, args.gen_length, args.slot_size,
-                             args.num_blocks, args.slot_threshold, args.token_threshold,
+                             args.num_blocks, args.slot_threshold, token_threshold(args),
                              args.temperature, loaded.mask_id, loaded.eos_id,
                              exact_cache=args.exact_cache, seed=args.seed,
                              verify=getattr(args, "verify", "authors"),
@@ -148,8 +148,7 @@ def check_decoding_args(args, refusion: bool = True) -> None:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1")
     if not args.temperature >= 0:
         raise UsageError("--temperature must be >= 0")
-    if args.token_threshold is None:   # the default of the --verify mode (TOKEN_THRESHOLDS)
-        args.token_threshold = TOKEN_THRESHOLDS.get(getattr(args, "verify", "authors"), 0.3)
+    args.token_threshold = token_threshold(args)
     if not 0 <= args.token_threshold <= 1:  # 1: never accept a drafted token by probability
         raise UsageError(f"--token-threshold {args.token_threshold} must be in [0, 1]")
     if getattr(args, "verify", "authors") not in VERIFY_MODES:
@@ -173,15 +172,22 @@ def check_decoding_args(args, refusion: bool = True) -> None:
                          f"(--gen-length rounded up to a multiple of --slot-size)")
 
 
+def token_threshold(args) -> float:
+    """`args.token_threshold`, or when None (the default) the --verify mode's default
+    (`TOKEN_THRESHOLDS`)."""
+    if args.token_threshold is not None:
+        return args.token_threshold
+    return TOKEN_THRESHOLDS.get(getattr(args, "verify", "authors"), 0.3)
+
+
 def lossless_note(args) -> str | None:
     """The one-line statement for a lossless mode (`LOSSLESS_MODES`) run with settings that
     can make its output differ from --mode ar (temperature > 0 or token threshold < 0.5), else
-    None; each decoding CLI prints it on stderr and decodes on. `args`: decoding options
-    resolved by `check_decoding_args`."""
+    None; each decoding CLI prints it on stderr and decodes on. `args`: decoding options."""
     verify = getattr(args, "verify", "authors")
     why = [f"--temperature {args.temperature:g}"] if args.temperature > 0 else []
-    if args.token_threshold < LOSSLESS_TOKEN_THRESHOLD:
-        why.append(f"--token-threshold {args.token_threshold:g}")
+    if token_threshold(args) < LOSSLESS_TOKEN_THRESHOLD:
+        why.append(f"--token-threshold {token_threshold(args):g}")
     if verify not in LOSSLESS_MODES or not why:
         return None
     return (f"note: --verify {verify} with {' and '.join(why)} is not lossless: its output may "
