@@ -22,8 +22,9 @@ The harness (lm-eval 0.4.x) asks a model for three things:
   `pipeline.generate.decode_batch` (the same call as `python -m pipeline.generate`: refusion
   plan-and-infill or ar), the text cut at the first occurrence of any `until` string. The
   generation length is `--gen-length` (verify authors / correct: rounded up to whole slots),
-  not the task's `max_gen_toks`, and the sampling options are ours, not the task's `temperature`/`do_sample`
-  (the authors' harness class does the same: a fixed generation region per run).
+  not the task's `max_gen_toks`, and the sampling options are ours, not the task's
+  `temperature`/`do_sample` (the authors' harness class does the same: a fixed generation
+  region per run).
 - `loglikelihood(context, continuation)` -> `(sum of log p(continuation token | prefix),
   is_greedy)`: AR scoring with the causal forward (ReFusion trains clean tokens on next-token
   prediction), contexts and continuations split as the harness's `TemplateLM` does, batched

@@ -297,6 +297,28 @@ def test_bench_decoding_reports_the_median_of_repeats(folder, tmp_path):
     assert all(x[9] == "-" for x in rows)     # one mode: no ratio column
 
 
+def test_bench_decoding_baseline_gives_a_before_line_and_a_ratio(folder, tmp_path):
+    """`--baseline FILE` (here: this tree's decoding.py, a copy): each setting is decoded with
+    both, a "before/..." line then ours with its tokens/s ratio; the same tokens (the same
+    algorithm); a missing file is one line, exit 2."""
+    import shutil
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    base = tmp_path / "decoding_before.py"
+    shutil.copy(os.path.join(root, "pipeline", "inference", "decoding.py"), base)
+    r = _bench("bench_decoding.py", "--model", str(folder), "--data", str(tmp_path / "none"),
+               "--prompts", "2", "--gen-length", "4", "--repeats", "1", "--verify",
+               "draft_ahead", "--baseline", str(base))
+    assert r.returncode == 0, r.stderr
+    rows = [ln.split() for ln in r.stdout.splitlines()[2:]]
+    assert [x[0] for x in rows] == ["before/ar", "ar"] + ["before/draft_ahead",
+                                                           "refusion/draft_ahead"] * 5
+    for before, ours in zip(rows[::2], rows[1::2]):
+        assert before[3:6] == ours[3:6] and before[9] == "-" and float(ours[9]) > 0
+    r = _bench("bench_decoding.py", "--model", str(folder), "--baseline", str(tmp_path / "no"))
+    assert r.returncode == 2
+    assert r.stderr.strip() == f"error: --baseline {tmp_path / 'no'}: no such file"
+
+
 def test_bench_decoding_compares_verify_modes_side_by_side(folder, tmp_path):
     """`--verify draft_ahead draft_every`: per token threshold of the grid (the slot threshold
     is unused by both), one line per mode, the same tokens (both equal AR decoding at

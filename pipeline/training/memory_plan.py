@@ -87,8 +87,8 @@ backward). Measured against the trainer's step on the CPU in `tests/test_memory_
 Decoding (`plan_decoding`; training never decodes: validation is a loss, decoding runs in
 `pipeline.generate` / `pipeline.evaluate` / `pipeline.lm_eval`, `--batch-size` prompts at a time):
 `B` rows, prompts of at most `P` tokens, `g` generated tokens (`--gen-length`; verify authors
-and correct round it up to a multiple of the slot size `k`), the model whole on each TP rank in `e` bytes
-(bf16 on CUDA, fp32 on the CPU, `pipeline.inference.loading.default_dtype`), no gradients:
+and correct round it up to a multiple of the slot size `k`), the model whole on each TP rank in
+`e` bytes (bf16 on CUDA, fp32 on the CPU, `pipeline.inference.loading.default_dtype`), no gradients:
 - weights `e P_r`;
 - the KV cache (`pipeline.model.kv_cache.KVCache`, one keys and one values tensor
   `[B, H_kv / t, C, D]` per layer): `2 L B (H_kv / t) C D e` bytes (`kv_cache_bytes`), with `C`
