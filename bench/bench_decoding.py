@@ -21,6 +21,12 @@ with random prompts; a random model's distributions are
 flat, so its figures only show the mechanics. Prompts: the query/response prompts of the demo
 shards' val split when `--data` exists and the model has a tokenizer, else random ids.
 
+With `--baseline FILE` (a `pipeline/inference/decoding.py` of another version, e.g. `git show
+REF:pipeline/inference/decoding.py > /tmp/decoding_before.py`, loaded beside ours as a module),
+every setting is also decoded with it, the timed decodes alternating (before, ours, before, ...),
+and the last column of our line is ours' tokens/s over the baseline's (median of the per-repeat
+ratios): a before/after speed figure from one run.
+
 With `--vs-transformers`, a last line compares our AR decoding with transformers'
 `Qwen3ForCausalLM.generate` using its static KV cache (`cache_implementation="static"`), on the same weights (copied from our model)
 and the same prompts (left-padded for transformers), greedy, without EOS, so both produce
@@ -34,6 +40,7 @@ absorbs the compilation); `--hf-compile off` measures it eager.
     .venv/bin/python bench/bench_decoding.py [--model outputs/demo/hf] [--data outputs/demo/shards]
         [--prompts 8] [--gen-length 64] [--slot-size 4] [--num-blocks 2] [--batch-size 8]
         [--verify MODE [MODE ...]] [--mask-attention causal|bidirectional] [--repeats 3]
+        [--baseline FILE]
         [--device auto|cpu|cuda[:N]]
         [--dtype float32|bfloat16|float16]
         [--vs-transformers | --only-vs-transformers [--hf-compile auto|off]]
@@ -166,7 +173,8 @@ def main() -> int:
                     help="shard folder whose val prompts are used (when the model is real)")
     ap.add_argument("--prompts", type=int, default=8, help="number of prompts")
     ap.add_argument("--gen-length", type=int, default=64,
-                    help="tokens to generate (rounded up to a multiple of --slot-size)")
+                    help="tokens to generate (authors / correct: rounded up to a multiple of "
+                         "--slot-size)")
     ap.add_argument("--slot-size", type=int, default=4, help="tokens per slot (k)")
     ap.add_argument("--num-blocks", type=int, default=2,
                     help="blocks of the generation region (must divide the number of slots)")
@@ -192,6 +200,9 @@ def main() -> int:
                     help="add AR tokens/s against transformers' generate (static cache)")
     ap.add_argument("--only-vs-transformers", action="store_true",
                     help="only the comparison with transformers' generate (no refusion grid)")
+    ap.add_argument("--baseline", default=None, metavar="FILE",
+                    help="decoding.py of another version: each setting also decoded with it, "
+                         "alternating; the ratio column is ours over it")
     args = ap.parse_args()
     from pipeline.inference.decoding import ar_generate, refusion_generate
     from pipeline.common.cli import DTYPES, UsageError
@@ -204,9 +215,10 @@ def main() -> int:
             check_decoding_args(argparse.Namespace(**{**vars(args), "verify": v,
                                                       "mask_attention": _mask_attention(args, v)},
                                                    temperature=0.0, slot_threshold=0.0,
-                                                   token_threshold=0.0))
+                                                   token_threshold=0.5))
         if args.prompts < 1 or args.repeats < 1:
             raise UsageError("--prompts and --repeats must be >= 1")
+        base = _load_baseline(args.baseline) if args.baseline else None
         device = resolve_device(args.device)
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -289,7 +301,14 @@ def main() -> int:
     if args.only_vs_transformers:
         return _print_comparison(model, prompts, args)
     run_once(lambda p: ar_generate(model, p, 4, 0.0, eos_id))  # warm-up
-    ar = run(lambda p: ar_generate(model, p, args.gen_length, 0.0, eos_id))
+
+    def ar_fn(gen=ar_generate):
+        return lambda p: gen(model, p, args.gen_length, 0.0, eos_id)
+
+    if base is not None:   # ar against the baseline's
+        ar_before, ar = run_side_by_side([ar_fn(base.ar_generate), ar_fn()])
+    else:
+        ar = run(ar_fn())
     print(f"{'mode':<22}{'slot_thr':>9}{'tok_thr':>8}{'tokens':>8}{'forwards':>9}{'TPF':>7}"
           f"{'tokens/s':>10}{'ref-TPF':>8}{'same as AR':>11}{'tok/s ratio':>12}")
 
@@ -301,7 +320,9 @@ def main() -> int:
               f"{(f'{rt:.2f}' if rt is not None else '-'):>8}{same:>11.2f}"
               f"{(f'{ratio:.2f}' if ratio is not None else '-'):>12}")
 
-    line("ar", "-", "-", ar)
+    if base is not None:
+        line("before/ar", "-", "-", ar_before)
+    line("ar", "-", "-", ar, ar[4] if base is not None else None)
     left_to_right = ("draft_ahead", "draft_every")
     done = set()
     for st, tt in GRID:
@@ -309,17 +330,42 @@ def main() -> int:
         done |= {(v, tt if v in left_to_right else (st, tt)) for v in modes}
         if not modes:
             continue
-        fns = [(lambda p, v=v: refusion_generate(model, p, args.gen_length, args.slot_size,
-                                                 args.num_blocks, st, tt, 0.0, mask_id, eos_id,
-                                                 exact_cache=args.exact_cache, verify=v,
-                                                 mask_attention=_mask_attention(args, v)))
-               for v in modes]
-        for v, r in zip(modes, run_side_by_side(fns)):
+        def fn(v, gen=refusion_generate):
+            return lambda p: gen(model, p, args.gen_length, args.slot_size, args.num_blocks, st,
+                                 tt, 0.0, mask_id, eos_id, exact_cache=args.exact_cache,
+                                 verify=v, mask_attention=_mask_attention(args, v))
+
+        if base is not None:   # each mode against the baseline's
+            for v in modes:
+                before, r = run_side_by_side([fn(v, base.refusion_generate), fn(v)])
+                line(f"before/{v}", "-" if v in left_to_right else st, tt, before)
+                line(f"refusion/{v}", "-" if v in left_to_right else st, tt, r, r[4])
+            continue
+        for v, r in zip(modes, run_side_by_side([fn(v) for v in modes])):
             line(f"refusion/{v}", "-" if v in left_to_right else st, tt, r,
                  r[4] if len(args.verify) > 1 else None)
     if args.vs_transformers:
         return _print_comparison(model, prompts, args)
     return 0
+
+
+def _load_baseline(path: str):
+    """The module of another version's decoding.py at `path` (`--baseline`). Raises UsageError
+    when it cannot be loaded or lacks `ar_generate` / `refusion_generate`."""
+    import importlib.util
+    from pipeline.common.cli import UsageError
+    if not Path(path).is_file():
+        raise UsageError(f"--baseline {path}: no such file")
+    spec = importlib.util.spec_from_file_location("decoding_baseline", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod   # dataclasses look their module up there
+    try:
+        spec.loader.exec_module(mod)
+    except Exception as e:
+        raise UsageError(f"--baseline {path}: cannot be loaded ({type(e).__name__}: {e})")
+    if not all(hasattr(mod, f) for f in ("ar_generate", "refusion_generate")):
+        raise UsageError(f"--baseline {path}: no ar_generate / refusion_generate")
+    return mod
 
 
 def _mask_attention(args, verify: str) -> str:

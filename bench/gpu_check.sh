@@ -9,7 +9,8 @@
 #     the real Qwen3 tokenizer in $WORK/tokenizer);
 #  (a) decoding: bench/gpu_decode_check.py (per-forward milliseconds of AR and refusion decoding,
 #     the CUDA-graph AR step, AR tokens/s against transformers' `generate` with its static
-#     cache, decode memory (ar, draft_every) against plan_decoding; it prints its own lines and
+#     cache, decode memory (ar, draft_every) against plan_decoding, the share of prompts whose
+#     draft_ahead / draft_every ids equal bf16 AR decoding's; it prints its own lines and
 #     targets);
 #  (b) bench/bench_levers.py on the 16-layer Qwen3-8B-shaped proxy (configs/model/
 #     qwen3_8b_16layers.yaml, 4.33B parameters) in ONE process: the plain packed step (no
@@ -38,7 +39,7 @@
 # Knobs (environment): PYTHON (default .venv/bin/python), GPU_CHECK_STEPS (6),
 # GPU_CHECK_WARMUP (2), GPU_CHECK_MICRO_BATCH (2), GPU_CHECK_LIMIT_S (470: every part is given
 # only the time left until then, at most its own cap below, and a part with less than 30 s left
-# is skipped with one line, so the whole check ends within 8 minutes), GPU_CHECK_DECODE_S (80,
+# is skipped with one line, so the whole check ends within 8 minutes), GPU_CHECK_DECODE_S (95,
 # cap of part a), GPU_CHECK_LEVERS_S (130, cap of part b), GPU_CHECK_TRAIN_S (100, cap of each
 # trainer run), GPU_CHECK_CONTINUITY (1), GPU_CHECK_WORKDIR (default: a fresh folder under
 # /dev/shm when it has 8 GB free, else under $TMPDIR; removed at the end unless GPU_CHECK_KEEP=1).
@@ -61,7 +62,7 @@ export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 WANDB_MO
        HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$ROOT/.cache/torch_extensions}
 STEPS=${GPU_CHECK_STEPS:-6}; WARMUP=${GPU_CHECK_WARMUP:-2}; MBS=${GPU_CHECK_MICRO_BATCH:-2}
-DECODE_S=${GPU_CHECK_DECODE_S:-80}; LEVERS_S=${GPU_CHECK_LEVERS_S:-130}
+DECODE_S=${GPU_CHECK_DECODE_S:-95}; LEVERS_S=${GPU_CHECK_LEVERS_S:-130}
 TRAIN_S=${GPU_CHECK_TRAIN_S:-100}; CONTINUITY=${GPU_CHECK_CONTINUITY:-1}
 
 if [ "$SMOKE" = 1 ]; then

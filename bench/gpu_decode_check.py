@@ -23,7 +23,14 @@ copied into ours), bf16, a batch of `--batch` (8) prompts of 64-127 random ids. 
    draft_every, `torch.cuda.max_memory_allocated()` during one decode above the allocation
    before it (the weights) vs the plan without its weights, and the KV cache's bytes vs the
    planned cache (no target: a ratio far from 1 is a finding; the CPU measurement is
-   tests/test_memory_plan_decode.py; `--smoke` prints the planned figures only).
+   tests/test_memory_plan_decode.py; `--smoke` prints the planned figures only);
+6. (run before 5, when `--lossless-min-left-s` (15) of the budget are left) lossless decoding
+   in bf16: the share of `--lossless-prompts` (32) prompts whose ids from
+   `verify=draft_ahead` and `draft_every` (greedy, token threshold 0.5, slot size 4, no EOS,
+   `--gen-length` tokens, batches of `--batch`) equal bf16 AR decoding's, and the mean number
+   of leading tokens equal (exact arithmetic would make every prompt equal: docs/METHOD.md
+   "Lossless in bf16"); on the CPU (`--smoke`) a bf16 copy of the model. `--lossless-only`
+   runs this part alone (with `--smoke`: at `--gen-length` and `--batch`, not the smoke sizes).
 `--smoke` runs the same parts on the CPU with the tiny preset (configs/model/tiny.yaml), fp32, 3
 prompts and a few tokens (seconds); its figures only show that the parts run, and the targets
 are not judged. `bench/gpu_check.sh` runs this script.
@@ -115,6 +122,12 @@ def main() -> int:
     ap.add_argument("--compile-min-left-s", type=float, default=60.0,
                     help="run the auto-compiled transformers comparison only with this many "
                          "seconds of the budget left")
+    ap.add_argument("--lossless-prompts", type=int, default=32,
+                    help="prompts of the bf16 lossless comparison (part 6)")
+    ap.add_argument("--lossless-min-left-s", type=float, default=15.0,
+                    help="run part 6 only with this many seconds of the budget left")
+    ap.add_argument("--lossless-only", action="store_true",
+                    help="run part 6 alone (with --smoke: at --gen-length and --batch)")
     ap.add_argument("--json", default=None, help="also write the figures to this JSON file")
     args = ap.parse_args()
     t_start = time.perf_counter()
@@ -135,6 +148,8 @@ def main() -> int:
         device, dtype = torch.device("cpu"), torch.float32
         cfg = ModelConfig.from_yaml(ROOT / "configs/model/tiny.yaml")
         batch, gen, ref_gen, repeats = 3, 6, 8, 1
+        if args.lossless_only:
+            batch, gen = args.batch, args.gen_length
         lengths = (4, 10)
         name = "CPU (smoke mode)"
     else:
@@ -223,11 +238,13 @@ def main() -> int:
                   f"({time.perf_counter() - t0:.0f} s)")
 
     try:
-        part("AR forwards", ar_forwards)
-        part("refusion forwards", refusion_forwards)
+        if not args.lossless_only:
+            part("AR forwards", ar_forwards)
+            part("refusion forwards", refusion_forwards)
     finally:
         timer.close()   # tokens/s are timed without the per-forward synchronization
-    part("transformers comparison", versus_transformers)
+    if not args.lossless_only:
+        part("transformers comparison", versus_transformers)
 
     def decode_memory():
         from pipeline.model import KVCache
@@ -278,7 +295,26 @@ def main() -> int:
             print(f"decode memory ({mode}, batch {batch}, {gen} new tokens) above the weights: "
                   f"{measured}planned {planned / 2 ** 20:.1f} MiB ({how})")
 
-    part("decode memory", decode_memory)
+    def lossless_bf16():
+        if left() < args.lossless_min_left_s and not args.lossless_only:
+            print(f"lossless in bf16: skipped ({left():.0f} s of the {args.budget_s:.0f} s "
+                  f"budget left, --lossless-min-left-s {args.lossless_min_left_s:.0f})")
+            return
+        bf16 = model if dtype == torch.bfloat16 else build_models(cfg, torch.bfloat16, device)[0]
+        n = args.lossless_prompts
+        g = torch.Generator().manual_seed(1)
+        more = [torch.randint(0, min(cfg.vocab_size, 151000), (int(m),), generator=g).tolist()
+                for m in torch.randint(lengths[0], lengths[1], (n,), generator=g)]
+        res["lossless_bf16"] = lossless_share(bf16, more, gen, batch, cfg.vocab_size - 1)
+        for v, r in res["lossless_bf16"].items():
+            print(f"lossless in bf16 ({v}, greedy, token threshold 0.5, k 4, {gen} tokens, "
+                  f"batch {batch}): ids equal to bf16 AR decoding for {r['equal']}/{r['prompts']}"
+                  f" prompts ({r['share']:.2f}); mean leading tokens equal {r['mean_prefix']:.1f}"
+                  f" of {gen}")
+
+    part("lossless in bf16", lossless_bf16)
+    if not args.lossless_only:
+        part("decode memory", decode_memory)
 
     # Targets
     targets = {}
@@ -307,6 +343,27 @@ def main() -> int:
         from pipeline.common.atomic_io import write_json
         write_json(args.json, res, indent=1)
     return 1 if res["failed"] else 0
+
+
+def lossless_share(model, prompts: list[list[int]], gen: int, batch: int, mask_id: int,
+                   modes=("draft_ahead", "draft_every")) -> dict:
+    """Per lossless mode: how many of `prompts` get exactly the ids of AR decoding with the same
+    `model` (greedy, token threshold 0.5, slot size 4, no EOS, `gen` tokens, `batch` prompts per
+    call). Returns `{mode: {"equal", "prompts", "share", "mean_prefix"}}` (`mean_prefix`: mean
+    count of leading tokens equal to AR's)."""
+    from pipeline.inference.decoding import ar_generate, refusion_generate
+    chunks = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
+    ar = [t for c in chunks for t in ar_generate(model, c, gen, 0.0, None).tokens]
+    out = {}
+    for v in modes:
+        ids = [t for c in chunks for t in refusion_generate(model, c, gen, 4, 1, 0.9, 0.5, 0.0,
+                                                            mask_id, None, verify=v).tokens]
+        prefix = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), len(y)))
+                  for x, y in zip(ids, ar)]
+        equal = sum(x == y for x, y in zip(ids, ar))
+        out[v] = {"equal": equal, "prompts": len(prompts), "share": equal / len(prompts),
+                  "mean_prefix": sum(prefix) / len(prefix)}
+    return out
 
 
 def _verdict(ok: bool, smoke: bool) -> str:

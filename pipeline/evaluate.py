@@ -51,7 +51,8 @@ from pathlib import Path
 
 from pipeline.common.cli import EXIT_USAGE, UsageError, hidden_alias
 from pipeline.inference.cli import (add_decoding_args, check_decoding_args, check_json_out,
-                                    decoding_settings, load_model_from_args, read_prompts_jsonl)
+                                    decoding_settings, load_model_from_args, lossless_note,
+                                    read_prompts_jsonl)
 from pipeline.inference.evaluation import (METRICS, check_humaneval_installed, exact_match_eval,
                                            humaneval_eval, run_rows, run_settings,
                                            shard_qa_examples)
@@ -137,11 +138,14 @@ def main(argv=None) -> int:
         if args.limit < 0 or args.max_batches < 0 or args.micro_batch_size < 1:
             raise UsageError("--limit and --max-batches must be >= 0, --micro-batch-size >= 1")
         check_decoding_args(args, refusion="refusion" in modes)
+        if "refusion" in modes and lossless_note(args):
+            print(lossless_note(args), file=sys.stderr)
         check_json_out(args.json_out)
         if args.task == "humaneval":
             check_humaneval_installed()
             print(HUMANEVAL_WARNING, file=sys.stderr)
-        if "refusion" in modes:  # same (rounded-up) length for every mode: a fair comparison
+        if "refusion" in modes and args.verify in ("authors", "correct"):
+            # the same length (rounded up to whole slots) for every mode: a fair comparison
             args.gen_length = -(-args.gen_length // args.slot_size) * args.slot_size
         stack = contextlib.ExitStack()
         if args.tokenizer is None and args.data and (Path(args.data).is_dir() or "://" in args.data):

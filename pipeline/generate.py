@@ -48,7 +48,7 @@ import sys
 from pipeline.common.cli import EXIT_USAGE, UsageError, hidden_alias
 from pipeline.inference.cli import (add_decoding_args, check_decoding_args, check_json_out,
                                     decode_batch, decoding_settings, load_model_from_args,
-                                    read_prompts_jsonl, warm_up)
+                                    lossless_note, read_prompts_jsonl, warm_up)
 from pipeline.inference.loading import prompt_ids
 
 
@@ -71,6 +71,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     try:
         check_decoding_args(args, refusion=args.mode == "refusion")
+        if args.mode == "refusion" and lossless_note(args):
+            print(lossless_note(args), file=sys.stderr)
         check_json_out(args.json_out)
         if args.prompt is not None:
             texts = [args.prompt]

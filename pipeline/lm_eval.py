@@ -21,9 +21,10 @@ The harness (lm-eval 0.4.x) asks a model for three things:
   left-truncated to `max_length - gen_length` tokens, decoded in batches of `--batch-size` with
   `pipeline.generate.decode_batch` (the same call as `python -m pipeline.generate`: refusion
   plan-and-infill or ar), the text cut at the first occurrence of any `until` string. The
-  generation length is `--gen-length` (refusion: rounded up to whole slots), not the task's
-  `max_gen_toks`, and the sampling options are ours, not the task's `temperature`/`do_sample`
-  (the authors' harness class does the same: a fixed generation region per run).
+  generation length is `--gen-length` (verify authors / correct: rounded up to whole slots),
+  not the task's `max_gen_toks`, and the sampling options are ours, not the task's
+  `temperature`/`do_sample` (the authors' harness class does the same: a fixed generation
+  region per run).
 - `loglikelihood(context, continuation)` -> `(sum of log p(continuation token | prefix),
   is_greedy)`: AR scoring with the causal forward (ReFusion trains clean tokens on next-token
   prediction), contexts and continuations split as the harness's `TemplateLM` does, batched
@@ -76,7 +77,7 @@ from lm_eval.api.registry import register_model
 
 from pipeline.common.cli import DTYPES, UsageError, hidden_alias
 from pipeline.inference.cli import (DECODING_DEFAULTS, add_decoding_args, check_decoding_args,
-                                    decode_batch, warm_up)
+                                    decode_batch, lossless_note, warm_up)
 from pipeline.inference.loading import load_for_inference
 
 HARNESS_COMMANDS = ("run", "ls", "validate")
@@ -160,7 +161,8 @@ class RefusionLM(TemplateLM):
             s = SimpleNamespace(
                 model=str(pretrained), mode=mode, gen_length=int(gen_length),
                 slot_size=int(slot_size), num_blocks=int(num_blocks),
-                slot_threshold=float(slot_threshold), token_threshold=float(token_threshold),
+                slot_threshold=float(slot_threshold),
+                token_threshold=None if token_threshold is None else float(token_threshold),
                 temperature=float(temperature), exact_cache=_as_bool(exact_cache),
                 seed=int(seed), batch_size=bs, dtype=None if dtype is None else str(dtype),
                 verify=str(verify),
@@ -168,6 +170,8 @@ class RefusionLM(TemplateLM):
         except ValueError as e:
             raise UsageError(f"--model_args: {e}")
         check_decoding_args(s, refusion=mode == "refusion")
+        if mode == "refusion" and lossless_note(s):   # here: both lm_eval entry points
+            print(lossless_note(s), file=sys.stderr)
         # The harness CLI passes cuda:0 by default, also on a CPU machine.
         device = pick_device(device, cuda_fallback=True)
         if s.dtype is None:

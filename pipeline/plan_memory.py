@@ -15,7 +15,7 @@ WORLD_SIZE / SLURM_NTASKS, else 1. The fed row length is `data.max_length` (or t
 Training never decodes (validation is a loss); with `--decode-batch` it also prints the plan of
 decoding with the config's model and TP size (`plan_decoding`: weights in the decode dtype, bf16
 on cuda and fp32 on cpu as `pipeline.inference.loading.default_dtype`; the KV cache; the largest
-forward's attention bias, RoPE tables, MLP or logits, the previous forward's logits), for
+forward's attention bias, RoPE tables, MLP or logits, the decisions read from the logits), for
 `--decode-batch` rows (`pipeline.generate` / `pipeline.evaluate --batch-size`), prompts of at
 most `--decode-prompt` tokens and `--decode-gen` generated tokens (`--gen-length`), decoded with
 `--decode-verify` ar (`ar_generate`, the default) or a `--verify` mode of `refusion_generate`.

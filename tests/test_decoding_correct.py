@@ -554,6 +554,125 @@ def test_draft_every_cache_holds_exactly_the_committed_tokens(trained_model, k, 
     assert left > 0          # some forwards ran after a row had finished
 
 
+@pytest.mark.parametrize("verify", ["draft_ahead", "draft_every"])
+def test_left_to_right_modes_equal_ar_at_every_length(random_model, trained_model, verify):
+    """Issue 43 item 4: greedy with token threshold 0.5, draft_ahead and draft_every return
+    exactly `ar_generate`'s ids at every gen_length 1 .. 2k + 1, not only at multiples of k
+    (they used to round it up: 12 tokens for 10 at k = 4): a batch of prompts of different
+    lengths without an EOS and with one AR produced mid-way; the trained model (drafts mostly
+    accepted, so a forward commits several tokens and may reach past the end) at lengths
+    around its answers' EOS too."""
+    from pipeline.inference.decoding import ar_generate, refusion_generate
+
+    def check(model, prompts, k, G, eos, mask):
+        ar = ar_generate(model, prompts, G, 0.0, eos)
+        out = refusion_generate(model, prompts, G, k, 1, 0.9, 0.5, 0.0, mask, eos,
+                                verify=verify)
+        assert out.tokens == ar.tokens, (k, G, eos)
+        return ar.tokens
+
+    prompts = _prompts(4, seed=17)          # 5, 9, 2 and 7 tokens
+    for k in (2, 3, 4):
+        for G in range(1, 2 * k + 2):
+            tokens = check(random_model, prompts, k, G, None, MASK)
+            assert [len(t) for t in tokens] == [G] * 4
+            eos = tokens[1][G // 2]       # row 1 stops there, others where it occurs
+            tokens = check(random_model, prompts, k, G, eos, MASK)
+            assert tokens[1][-1] == eos and len(tokens[1]) == G // 2 + 1
+    rng = np.random.default_rng(6)
+    toy = [_toy_example(rng)[0] for _ in range(6)]
+    ended = 0
+    for k in (4, 8):
+        for G in [*range(1, 2 * k + 2), *range(ANSWER - 2, ANSWER + 3)]:
+            tokens = check(trained_model, toy, k, G, T_EOS, T_MASK)
+            assert max(len(t) for t in tokens) == min(G, ANSWER + 1)
+            ended += sum(t[-1] == T_EOS for t in tokens)
+    assert ended > 0                        # some rows stopped at their EOS
+
+
+class _ReadBacks(torch.overrides.TorchFunctionMode):
+    """Counts the reads back to the host of values computed from a forward's logits: a tensor
+    is tainted when `taint` marks it (the logits) or an op made it from a tainted one; reading
+    one (`.cpu()`, `.item()`, `.tolist()`, `int()`, `float()`, `bool()`, ...) counts; `.cpu()`'s
+    result is on the host, so reads of it do not."""
+    READS = {torch.Tensor.cpu, torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.numpy,
+             torch.Tensor.__int__, torch.Tensor.__float__, torch.Tensor.__bool__,
+             torch.Tensor.__index__}
+
+    def __init__(self):
+        super().__init__()
+        self.reads, self._tainted = 0, {}
+
+    def taint(self, t):
+        self._tainted[id(t)] = __import__("weakref").ref(t)
+
+    def _is_tainted(self, t):
+        r = self._tainted.get(id(t))
+        return r is not None and r() is t
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        from torch.utils._pytree import tree_flatten
+        kwargs = kwargs or {}
+        src = any(isinstance(t, torch.Tensor) and self._is_tainted(t)
+                  for t in tree_flatten((args, kwargs))[0])
+        out = func(*args, **kwargs)
+        if src and func in self.READS:
+            self.reads += 1
+            if func is torch.Tensor.cpu:
+                self._tainted.pop(id(out), None)
+        elif src:
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor):
+                    self.taint(t)
+        return out
+
+
+@pytest.mark.parametrize("mode", ["ar", "authors", "correct", "draft_ahead", "draft_every"])
+def test_one_read_back_per_forward_and_logits_freed_before_the_next(random_model, trained_model,
+                                                                    monkeypatch, mode):
+    """Issue 43 item 6: per batched forward, the rows' decisions reach the host in one
+    transfer (`decisions.device_to_host`), and nothing else computed from the logits is read
+    back (counted with a torch function mode over everything derived from the logits); each
+    forward's logits are freed before the next forward starts. A batch of prompts of different
+    lengths, greedy and at temperature > 0, with an EOS; the outputs are unchanged by the
+    counting (equal to an uncounted decode)."""
+    import weakref
+    from pipeline.inference import decisions, decoding
+    copies, alive = [], []
+    real_forward, real_copy = decoding._forward, decisions.device_to_host
+    counter = _ReadBacks()
+
+    def forward(*args):
+        alive[:] = [r for r in alive if r() is not None]
+        assert not alive, "the previous forward's logits are still alive"
+        out = real_forward(*args)
+        counter.taint(out)
+        alive.append(weakref.ref(out))
+        return out
+
+    monkeypatch.setattr(decoding, "_forward", forward)
+    monkeypatch.setattr(decisions, "device_to_host", lambda t: copies.append(1) or real_copy(t))
+
+    def decode(model, prompts, eos, mask, temperature):
+        if mode == "ar":
+            return decoding.ar_generate(model, prompts, 12, temperature, eos, seed=1)
+        return decoding.refusion_generate(model, prompts, 12, 4, 1, 0.3, 0.5, temperature, mask,
+                                          eos, seed=1, verify=mode)
+
+    rng = np.random.default_rng(7)
+    cases = [(random_model, _prompts(3, seed=19), None, MASK),
+             (trained_model, [_toy_example(rng)[0] for _ in range(4)] + [[1, 30, 7]], T_EOS,
+              T_MASK)]
+    for model, prompts, eos, mask in cases:
+        for temperature in (0.0, 0.7):
+            copies.clear()
+            counter.reads = 0
+            with counter:
+                out = decode(model, prompts, eos, mask, temperature)
+            assert len(copies) == counter.reads == out.batch_forwards, (temperature, eos)
+            assert out.tokens == decode(model, prompts, eos, mask, temperature).tokens
+
+
 def test_draft_every_at_temperature_above_zero_decodes_every_row(random_model):
     """Sampling (temperature > 0): every row gets a contiguous output of the requested length
     (no EOS), and the same seed gives the same tokens."""

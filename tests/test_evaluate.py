@@ -147,8 +147,9 @@ def test_humaneval_harness_runs_the_executor(loaded):
 
 
 def test_modes_get_the_same_rounded_up_gen_length(loaded, tmp_path, capsys):
-    """--gen-length 6 with --slot-size 4: refusion decodes 2 slots (8 tokens), so ar mode gets
-    8 tokens too (fair comparison), not 6."""
+    """--gen-length 6 with --slot-size 4: refusion (verify authors) decodes 2 slots (8 tokens),
+    so ar mode gets 8 tokens too (fair comparison), not 6; with draft_ahead / draft_every both
+    get 6."""
     from pipeline.evaluate import main
     f = tmp_path / "qa.jsonl"
     f.write_text("".join(json.dumps({"query": q, "response": "x"}) + "\n"
@@ -160,6 +161,13 @@ def test_modes_get_the_same_rounded_up_gen_length(loaded, tmp_path, capsys):
     assert rep["settings"]["gen_length"] == 8 and rep["settings"]["mode"] == ["refusion", "ar"]
     # The random model never emits EOS within 8 tokens here: both modes give 2 x 8 tokens.
     assert rep["qa"]["ar"]["tokens"] == rep["qa"]["refusion"]["tokens"] == 16
+    # draft_ahead / draft_every have no slot grid (issue 43 item 4): 6 tokens in both modes
+    for verify in ("draft_ahead", "draft_every"):
+        rc = main(["--model", str(loaded.folder), "--data", str(f), "--gen-length", "6",
+                   "--slot-size", "4", "--verify", verify, "--json"])
+        rep = json.loads(capsys.readouterr().out)
+        assert rc == 0 and rep["settings"]["gen_length"] == 6
+        assert rep["qa"]["ar"]["tokens"] == rep["qa"]["refusion"]["tokens"] == 12
 
 
 def test_humaneval_without_the_package_is_one_line(loaded, capsys):

@@ -208,13 +208,66 @@ def test_slot_threshold_above_1_and_token_threshold_1_are_valid(tp1, folder, cap
     assert r["tpf"] <= 0.5
 
 
+def test_lossless_modes_default_to_0_5_and_say_when_not_lossless(tp1, folder, capsys):
+    """Issue 43 item 5: without --token-threshold, --verify draft_ahead and draft_every run at
+    0.5 (recorded in the settings) and return --mode ar's ids (10 tokens: not a multiple of
+    the slot size), silently; with a token threshold below 0.5 or a temperature above 0 they
+    say in one stderr line that the run is not lossless, and decode on. authors keeps 0.3."""
+    base = ["--model", str(folder), "--prompt", "def load(fp):", "--gen-length", "10", "--json"]
+    rc, out, _ = _run(capsys, base + ["--mode", "ar"])
+    assert rc == 0
+    ar = json.loads(out)["results"][0]["token_ids"]
+
+    def notes(err):
+        return [ln for ln in err.splitlines() if "lossless" in ln]
+
+    for verify in ("draft_ahead", "draft_every"):
+        rc, out, err = _run(capsys, base + ["--verify", verify])
+        doc = json.loads(out)
+        assert rc == 0 and notes(err) == []
+        assert doc["settings"]["token_threshold"] == 0.5
+        assert doc["results"][0]["token_ids"] == ar
+        for extra, why in ((["--token-threshold", "0.3"], "--token-threshold 0.3"),
+                           (["--temperature", "0.7"], "--temperature 0.7"),
+                           (["--temperature", "1", "--token-threshold", "0.2"],
+                            "--temperature 1 and --token-threshold 0.2")):
+            rc, out, err = _run(capsys, base + ["--verify", verify] + extra)
+            assert rc == 0 and json.loads(out)["results"]
+            assert notes(err) == [f"note: --verify {verify} with {why} is not lossless: its "
+                                  f"output may differ from --mode ar (lossless: --temperature 0 "
+                                  f"and --token-threshold >= 0.5)"]
+    for verify in ("authors", "correct"):   # not claimed lossless: no note
+        rc, out, err = _run(capsys, base + ["--verify", verify, "--num-blocks", "1"])
+        assert rc == 0 and notes(err) == []
+        assert json.loads(out)["settings"]["token_threshold"] == 0.3
+
+
+def test_lossless_note_is_the_same_for_every_decoding_cli():
+    """generate, evaluate and lm_eval resolve the token threshold and word the note with the
+    same two functions; a threshold given explicitly is kept."""
+    import argparse
+    from pipeline.inference.cli import DECODING_DEFAULTS, check_decoding_args, lossless_note
+    for verify, default in (("authors", 0.3), ("correct", 0.3), ("draft_ahead", 0.5),
+                            ("draft_every", 0.5)):
+        args = argparse.Namespace(**{**DECODING_DEFAULTS, "verify": verify, "gen_length": 16})
+        check_decoding_args(args)
+        assert args.token_threshold == default and lossless_note(args) is None
+        args = argparse.Namespace(**{**DECODING_DEFAULTS, "verify": verify, "gen_length": 16,
+                                     "token_threshold": 0.49})
+        check_decoding_args(args)
+        assert args.token_threshold == 0.49
+        assert (lossless_note(args) is not None) == (verify in ("draft_ahead", "draft_every"))
+
+
 def test_help_shows_defaults_and_json_records_settings(tp1, folder, capsys):
     from pipeline.generate import main
     with pytest.raises(SystemExit) as e:
         main(["--help"])
     assert e.value.code == 0
     help_text = " ".join(capsys.readouterr().out.split())
-    for piece in ("(default: refusion)", "(default: 128)", "(default: 0.6)", "(default: 0.3)",
+    for piece in ("(default: refusion)", "(default: 128)", "(default: 0.6)",
+                  "None: by --verify, 0.3 for authors and correct, 0.5 for draft_ahead and "
+                  "draft_every",
                   "(default: 0.0)", "(default: 8)", "(default: auto)",
                   "default: bfloat16 on CUDA, float32 on the CPU"):
         assert piece in help_text
@@ -242,6 +295,28 @@ def test_bench_decoding_reports_the_median_of_repeats(folder, tmp_path):
     assert all(float(x[6]) > 0 for x in rows)  # tokens/s
     assert rows[0][3] == "8"  # 2 prompts x 4 tokens (the tiny random model emits no EOS)
     assert all(x[9] == "-" for x in rows)     # one mode: no ratio column
+
+
+def test_bench_decoding_baseline_gives_a_before_line_and_a_ratio(folder, tmp_path):
+    """`--baseline FILE` (here: this tree's decoding.py, a copy): each setting is decoded with
+    both, a "before/..." line then ours with its tokens/s ratio; the same tokens (the same
+    algorithm); a missing file is one line, exit 2."""
+    import shutil
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    base = tmp_path / "decoding_before.py"
+    shutil.copy(os.path.join(root, "pipeline", "inference", "decoding.py"), base)
+    r = _bench("bench_decoding.py", "--model", str(folder), "--data", str(tmp_path / "none"),
+               "--prompts", "2", "--gen-length", "4", "--repeats", "1", "--verify",
+               "draft_ahead", "--baseline", str(base))
+    assert r.returncode == 0, r.stderr
+    rows = [ln.split() for ln in r.stdout.splitlines()[2:]]
+    assert [x[0] for x in rows] == ["before/ar", "ar"] + ["before/draft_ahead",
+                                                           "refusion/draft_ahead"] * 5
+    for before, ours in zip(rows[::2], rows[1::2]):
+        assert before[3:6] == ours[3:6] and before[9] == "-" and float(ours[9]) > 0
+    r = _bench("bench_decoding.py", "--model", str(folder), "--baseline", str(tmp_path / "no"))
+    assert r.returncode == 2
+    assert r.stderr.strip() == f"error: --baseline {tmp_path / 'no'}: no such file"
 
 
 def test_bench_decoding_compares_verify_modes_side_by_side(folder, tmp_path):

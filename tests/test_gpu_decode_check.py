@@ -38,6 +38,12 @@ def test_smoke_mode_runs_every_part(tmp_path):
                   "decode memory (ar, batch 3", "decode memory (draft_every, batch 3"):
         assert any(x.startswith(start) for x in lines), (start, r.stdout)
     assert "not judged (smoke mode)" in r.stdout
+    # part 6: draft_ahead / draft_every against AR decoding, both in bf16 (issue 43 item 5)
+    for mode in ("draft_ahead", "draft_every"):
+        rec = res["lossless_bf16"][mode]
+        assert rec["prompts"] == 32 and 0 <= rec["equal"] <= 32
+        assert rec["share"] == rec["equal"] / 32 and 0 <= rec["mean_prefix"] <= res["gen_length"]
+        assert any(x.startswith(f"lossless in bf16 ({mode}, greedy") for x in lines)
     # the decode memory plan runs in smoke mode (planned only; measured on CUDA)
     assert res["decode_memory"]["ar"]["planned_cache_bytes"] > 0
     assert "measured_bytes" not in res["decode_memory"]["ar"]

@@ -3,6 +3,7 @@
 with results, one batch decoded with the chosen mode, and small input/output checks.
 
 Owns: option names and defaults (`add_decoding_args`), their ranges (`check_decoding_args`),
+the statement that a lossless mode's settings are not lossless (`lossless_note`),
 `decode_batch`, `warm_up`, `load_model_from_args`, `read_prompts_jsonl`, `check_json_out`.
 Must not touch: the algorithms (`pipeline.inference.decoding`), loading
 (`pipeline.inference.loading`), printing (each CLI prints its own output).
@@ -26,7 +27,7 @@ def decode_batch(loaded: Loaded, prompts: list[list[int]], args) -> "object":
         return ar_generate(loaded.model, prompts, args.gen_length, args.temperature,
                            loaded.eos_id, seed=args.seed)
     return refusion_generate(loaded.model, prompts, args.gen_length, args.slot_size,
-                             args.num_blocks, args.slot_threshold, args.token_threshold,
+                             args.num_blocks, args.slot_threshold, token_threshold(args),
                              args.temperature, loaded.mask_id, loaded.eos_id,
                              exact_cache=args.exact_cache, seed=args.seed,
                              verify=getattr(args, "verify", "authors"),
@@ -45,10 +46,15 @@ def warm_up(loaded: Loaded, prompt: list[int]) -> None:
 
 
 # The decoding options' defaults, the one statement of them (the CLIs' flags, lm_eval's
-# `--model_args`). k = 4 and the thresholds 0.6 / 0.3 are the reference code's demo settings.
+# `--model_args`). k = 4 and the thresholds 0.6 / 0.3 are the reference code's demo settings;
+# the token threshold's default (None) depends on --verify: TOKEN_THRESHOLDS.
 DECODING_DEFAULTS = {"gen_length": 128, "slot_size": 4, "num_blocks": 2, "slot_threshold": 0.6,
-                     "token_threshold": 0.3, "temperature": 0.0, "exact_cache": False,
+                     "token_threshold": None, "temperature": 0.0, "exact_cache": False,
                      "verify": "authors", "mask_attention": "causal", "batch_size": 8, "seed": 0}
+# The lossless modes (greedy, token threshold >= 0.5: output equal to --mode ar) default to the
+# least threshold that keeps them lossless; the others to the reference demo's 0.3.
+LOSSLESS_MODES, LOSSLESS_TOKEN_THRESHOLD = ("draft_ahead", "draft_every"), 0.5
+TOKEN_THRESHOLDS = {"authors": 0.3, "correct": 0.3, "draft_ahead": 0.5, "draft_every": 0.5}
 
 
 def add_decoding_args(p: argparse.ArgumentParser) -> None:
@@ -56,8 +62,8 @@ def add_decoding_args(p: argparse.ArgumentParser) -> None:
     `pipeline.lm_eval` (defaults: `DECODING_DEFAULTS`)."""
     d = DECODING_DEFAULTS
     p.add_argument("--gen-length", type=int, default=d["gen_length"],
-                   help="tokens to generate at most; in refusion mode rounded up to a multiple "
-                        "of --slot-size (the generation region is whole slots)")
+                   help="tokens to generate at most; --verify authors and correct round it up to "
+                        "a multiple of --slot-size (their generation region is whole slots)")
     p.add_argument("--slot-size", type=int, default=d["slot_size"],
                    help="tokens per slot (k; refusion mode)")
     p.add_argument("--num-blocks", type=int, default=d["num_blocks"],
@@ -69,7 +75,10 @@ def add_decoding_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--token-threshold", type=float, default=d["token_threshold"],
                    help="refusion: accept a drafted token when its causal probability exceeds "
                         "this (in [0, 1]; 1 = never by probability: each draft/verify round "
-                        "then force-accepts one more token per slot)")
+                        "then force-accepts one more token per slot). None: by --verify, 0.3 "
+                        "for authors and correct, 0.5 for draft_ahead and draft_every, which "
+                        "are lossless (output = --mode ar) only at --temperature 0 and >= 0.5 "
+                        "(a run without that says so in one line)")
     p.add_argument("--temperature", type=float, default=d["temperature"],
                    help="0 = greedy; > 0 samples (samples depend on the batch composition, "
                         "i.e. --batch-size, for the same --seed)")
@@ -139,6 +148,7 @@ def check_decoding_args(args, refusion: bool = True) -> None:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1")
     if not args.temperature >= 0:
         raise UsageError("--temperature must be >= 0")
+    args.token_threshold = token_threshold(args)
     if not 0 <= args.token_threshold <= 1:  # 1: never accept a drafted token by probability
         raise UsageError(f"--token-threshold {args.token_threshold} must be in [0, 1]")
     if getattr(args, "verify", "authors") not in VERIFY_MODES:
@@ -160,6 +170,29 @@ def check_decoding_args(args, refusion: bool = True) -> None:
     if refusion and not left_to_right and slots % args.num_blocks:
         raise UsageError(f"--num-blocks {args.num_blocks} must divide the {slots} slots "
                          f"(--gen-length rounded up to a multiple of --slot-size)")
+
+
+def token_threshold(args) -> float:
+    """`args.token_threshold`, or when None (the default) the --verify mode's default
+    (`TOKEN_THRESHOLDS`)."""
+    if args.token_threshold is not None:
+        return args.token_threshold
+    return TOKEN_THRESHOLDS.get(getattr(args, "verify", "authors"), 0.3)
+
+
+def lossless_note(args) -> str | None:
+    """The one-line statement for a lossless mode (`LOSSLESS_MODES`) run with settings that
+    can make its output differ from --mode ar (temperature > 0 or token threshold < 0.5), else
+    None; each decoding CLI prints it on stderr and decodes on. `args`: decoding options."""
+    verify = getattr(args, "verify", "authors")
+    why = [f"--temperature {args.temperature:g}"] if args.temperature > 0 else []
+    if token_threshold(args) < LOSSLESS_TOKEN_THRESHOLD:
+        why.append(f"--token-threshold {token_threshold(args):g}")
+    if verify not in LOSSLESS_MODES or not why:
+        return None
+    return (f"note: --verify {verify} with {' and '.join(why)} is not lossless: its output may "
+            f"differ from --mode ar (lossless: --temperature 0 and --token-threshold >= "
+            f"{LOSSLESS_TOKEN_THRESHOLD:g})")
 
 
 def read_prompts_jsonl(path) -> list[dict]:

@@ -113,11 +113,13 @@ mode), right-padded to the longest row; rows that have finished leave the batch
 (`KVCache.select_rows`). The host sends the ids, positions, the mask among the new tokens (only
 when a request has one) and the previous forward's commit index to the device in one copy
 (`_pack`); the model writes the new keys/values into the cache in place and builds the mask
-over the cache on the device; the driver itself never reads a device value back. Every tensor
+over the cache on the device; nothing else goes back and forth but the decisions. Every tensor
 the model and the KV cache see is on the model's device (the cache in the model's dtype);
-logits stay there; only the chosen tokens and their probabilities come back to the host (the
-row programs read them). `ar_generate(..., cuda_graph=True)` replays its one-token steps from
-a CUDA graph.
+logits stay there. Each request names what its row reads from the logits (`Need`: choices,
+probabilities of given tokens); they are computed there for every row at once and come back in
+one transfer per forward (`pipeline.inference.decisions`); the logits are freed before the next
+forward (a program keeps copies of single rows where it needs them later: verify "correct").
+`ar_generate(..., cuda_graph=True)` replays its one-token steps from a CUDA graph.
 """
 from __future__ import annotations
 
@@ -128,6 +130,8 @@ from dataclasses import dataclass, field
 from typing import Generator, Sequence
 
 import torch
+
+from pipeline.inference.decisions import NONE, OWN, Decision, Need, decide, plan_needs
 
 __all__ = ["GenerationOutput", "refusion_generate", "ar_generate", "split_prompts",
            "VERIFY_MODES"]
@@ -243,30 +247,10 @@ def _gather(logits: torch.Tensor) -> torch.Tensor:
     return gather_logits(logits)
 
 
-def _token_probs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Softmax probability of `ids` under `logits`, computed on the logits' device (float64
-    for a float64 model, else float32: no full-vocabulary copy to the host).
-    `logits: FloatTensor[..., V]`, `ids: LongTensor[...]` -> CPU `DoubleTensor[...]`."""
-    x = logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32)
-    ids = ids.to(x.device)
-    lp = x.gather(-1, ids[..., None])[..., 0] - torch.logsumexp(x, -1)
-    return lp.exp().double().cpu()
-
-
-def _sample(logits: torch.Tensor, temperature: float, generator) -> torch.Tensor:
-    """Argmax of `logits / temperature + Gumbel noise` (= a sample from softmax(logits / T)),
-    computed in float64 (low-precision Gumbel-max hurts quality: arXiv 2409.02908); plain argmax
-    when temperature == 0. `logits: FloatTensor[..., V]` -> `LongTensor[...]`."""
-    if temperature <= 0:
-        return logits.argmax(-1)
-    u = torch.rand(logits.shape, dtype=torch.float64, generator=generator,
-                   device=logits.device).clamp_(min=1e-300)
-    return (logits.double() / temperature - torch.log(-torch.log(u))).argmax(-1)
-
-
 # --------------------------------------------------------------------------------------------
-# Row programs: each yields a request (tokens to feed after the row's cache) and receives the
-# logits of those tokens; it records what to commit from that forward in `row.commit`.
+# Row programs: each yields a request (tokens to feed after the row's cache, and what it reads
+# from their logits: `Need`) and receives the answer (`Decision`, on the host); it records what
+# to commit from that forward in `row.commit`.
 
 
 @dataclass
@@ -276,6 +260,7 @@ class _Request:
     positions: list[int]
     # BoolTensor[T, T], True = may attend (within the request); None = causal.
     mask: torch.Tensor | None = None
+    need: Need = field(default_factory=Need)
 
 
 @dataclass
@@ -292,9 +277,7 @@ class _Row:
     forwards: Counter = field(default_factory=Counter)
     # Per entry of `tokens`: the number of forwards this row had taken when it was committed.
     commit_forward: list[int] = field(default_factory=list)
-    # Logits at the last carried token of the latest forward (its AR prediction of the next
-    # position; None when nothing was carried) and that token's position.
-    carry_logits: torch.Tensor | None = None
+    # Position of the last token carried into the latest forward (-1: nothing was carried).
     carry_last: int = -1
     eos_pos: int | None = None
     ref_tpf_sum: float = 0.0
@@ -352,16 +335,16 @@ def check_mask_attention(mask_attention: str, verify: str) -> None:
                          f"draft_every, got verify {verify!r}")
 
 
-def _select(score: torch.Tensor, slot_threshold: float) -> list[int]:
+def _select(score: list[float], slot_threshold: float) -> list[int]:
     """Indices of the planned slots to infill: score > slot_threshold, else the single best."""
     chosen = [i for i in range(len(score)) if score[i] > slot_threshold]
-    return chosen or [int(score.argmax())]
+    return chosen or [max(range(len(score)), key=score.__getitem__)]
 
 
 def _refusion_program(row: _Row, *, gen_length: int, slot_size: int, num_blocks: int,
-                      slot_threshold: float, token_threshold: float, temperature: float,
-                      mask_id: int, eos_id: int | None, exact_cache: bool, verify: str,
-                      generator) -> Generator[_Request, torch.Tensor, None]:
+                      slot_threshold: float, token_threshold: float, mask_id: int,
+                      eos_id: int | None, exact_cache: bool, verify: str
+                      ) -> Generator[_Request, Decision, None]:
     k = slot_size
     p0 = len(row.prompt)
     n_slots = gen_length // k
@@ -400,36 +383,43 @@ def _refusion_program(row: _Row, *, gen_length: int, slot_size: int, num_blocks:
             offs = [open_offsets(s) for s in masked]
             first = [sum(map(len, offs[:i])) for i in range(len(offs))]
             positions = [p0 + o for os_ in offs for o in os_]
-            logits = yield _Request("plan", [mask_id] * len(positions), positions)
+            score = [NONE] * len(positions)   # a slot's score: its first token's probability
+            for f in first:
+                score[f] = OWN
+            d = yield _Request("plan", [mask_id] * len(positions), positions,
+                               need=Need(list(range(len(positions))), score))
             row.commit = []
-            if verify == "correct" and row.carry_logits is not None:
+            if verify == "correct" and row.carry_last >= 0:
                 o = row.carry_last - p0 + 1   # the carried token's AR prediction of the next
                 if 0 <= o < gen_length and is_open(o):
-                    pred[o] = row.carry_logits
-            x0 = _sample(logits, temperature, generator)
-            probs = _token_probs(logits, x0)
-            x0 = x0.cpu()
-            chosen = _select(probs[first], slot_threshold)
+                    pred[o] = d.vector(-1)
+            x0 = d.ids
+            chosen = _select([d.probs[f] for f in first], slot_threshold)
             sel = [masked[i] for i in chosen]
             if verify == "correct":
                 d_off = [o for i in chosen for o in offs[i]]
-                d_tok = [int(x0[first[i] + j]) for i in chosen for j in range(len(offs[i]))]
-                logits = yield _Request("verify", d_tok, [p0 + o for o in d_off])
+                d_tok = [x0[first[i] + j] for i in chosen for j in range(len(offs[i]))]
+                judges = _judges(d_off, pred)
+                d = yield _Request("verify", d_tok, [p0 + o for o in d_off],
+                                   need=Need([j for j in judges if j is not None]
+                                             + [len(d_tok) - 1],
+                                             [t for t, j in zip(d_tok, judges) if j is not None]
+                                             + [NONE]))
                 row.commit = []
-                _correct(row, d_off, d_tok, logits, pred, is_open, commit_tokens, p0=p0,
-                         gen_length=gen_length, token_threshold=token_threshold,
-                         temperature=temperature, eos_id=eos_id, generator=generator)
+                _correct(row, d_off, d_tok, judges, d, pred, is_open, commit_tokens, p0=p0,
+                         gen_length=gen_length, token_threshold=token_threshold, eos_id=eos_id)
                 continue
             # authors' verify: every slot is whole (masked or committed)
-            drafts = x0.view(len(masked), k)[chosen].clone()  # LongTensor[n, k]
             n = len(sel)
+            flat = torch.tensor([x0[i * k + j] for i in chosen for j in range(k)])
+            drafts = flat.view(n, k)   # LongTensor[n, k]
             sel_pos = [start(s) + j for s in sel for j in range(k)]
             # 2. verify the concatenation (fast path)
-            flat = drafts.view(-1)
-            logits = yield _Request("verify", flat.tolist(), sel_pos)
+            d = yield _Request("verify", flat.tolist(), sel_pos,
+                               need=Need(list(range(n * k - 1)), flat[1:].tolist()))
             row.commit = []
             q = torch.ones(n * k, dtype=torch.float64)
-            q[1:] = _token_probs(logits[:-1], flat[1:])
+            q[1:] = torch.tensor(d.probs, dtype=torch.float64)
             acc = q > token_threshold
             acc.view(n, k)[:, 0] = True
             prefix = int(torch.cumprod(acc.long(), 0).sum())
@@ -453,15 +443,16 @@ def _refusion_program(row: _Row, *, gen_length: int, slot_size: int, num_blocks:
                 mask = _block_causal([k] * n)
                 pos = [start(s) + j for s in sel for j in range(k)]
                 fed = torch.where(tags, toks, torch.full_like(toks, mask_id))
-                logits = yield _Request("draft", fed.view(-1).tolist(), pos, mask)
+                d = yield _Request("draft", fed.view(-1).tolist(), pos, mask,
+                                   need=Need(list(range(n * k)), greedy=True))
                 row.commit = []
-                proposed = logits.argmax(-1).cpu().view(n, k)
-                toks = torch.where(tags, toks, proposed)
-                logits = yield _Request("verify", toks.view(-1).tolist(), pos, mask)
+                toks = torch.where(tags, toks, torch.tensor(d.ids).view(n, k))
+                d = yield _Request("verify", toks.view(-1).tolist(), pos, mask,
+                                   need=Need([s * k + j for s in range(n) for j in range(k - 1)],
+                                             toks[:, 1:].reshape(-1).tolist()))
                 row.commit = []
-                lp = logits.view(n, k, -1)
                 q = torch.ones(n, k, dtype=torch.float64)
-                q[:, 1:] = _token_probs(lp[:, :-1], toks[:, 1:])
+                q[:, 1:] = torch.tensor(d.probs, dtype=torch.float64).view(n, k - 1)
                 force = torch.ones(n, k, dtype=torch.bool)
                 force[:, 1:] = tags[:, :-1]
                 tags = torch.cumprod(((q > token_threshold) | force).long(), 1).bool()
@@ -490,78 +481,80 @@ def _refusion_program(row: _Row, *, gen_length: int, slot_size: int, num_blocks:
             break
 
 
-def _judge(v: torch.Tensor, d: int, token_threshold: float, temperature: float,
-           generator) -> int | None:
-    """The AR head's verdict on the drafted token `d` from its prediction `v: FloatTensor[V]`
-    (logits of the offset): None when `d` is accepted (it is the AR head's choice, the argmax or
-    its sample at temperature > 0, or its probability exceeds `token_threshold`), else the AR
-    head's choice, committed in its place (the correction). Draws one sample at temperature > 0
-    whatever the verdict, so the generator's stream does not depend on it."""
-    a = int(_sample(v, temperature, generator))
-    if d == a or float(_token_probs(v, torch.tensor(d))) > token_threshold:
-        return None
-    return a
+def _accepted(d: int, a: int, p: float, token_threshold: float) -> bool:
+    """The AR head's verdict on the drafted token `d`: accepted when it is the AR head's choice
+    `a` (the argmax, or its sample at temperature > 0) or its probability `p` exceeds
+    `token_threshold`; else `a` is committed in its place (the correction)."""
+    return d == a or p > token_threshold
 
 
-def _correct(row: _Row, d_off: list[int], d_tok: list[int], logits: torch.Tensor,
+def _judges(d_off: list[int], pred: dict) -> list:
+    """verify="correct": per draft (at offsets `d_off`, fed in this order), the logits that
+    judge it (a `Need` row): the token before it in this forward when that is its left
+    neighbour, else `pred[offset]` (kept from an earlier forward), else None (not judged)."""
+    return [i - 1 if i > 0 and d_off[i - 1] == o - 1 else pred.get(o)
+            for i, o in enumerate(d_off)]
+
+
+def _correct(row: _Row, d_off: list[int], d_tok: list[int], judges: list, d: Decision,
              pred: dict, is_open, commit_tokens, *, p0: int, gen_length: int,
-             token_threshold: float, temperature: float, eos_id: int | None,
-             generator) -> None:
+             token_threshold: float, eos_id: int | None) -> None:
     """verify="correct": what one verify forward of the drafts `d_tok` (at offsets `d_off`, fed
-    causally in this order after the cache; `logits: FloatTensor[n, V]`) commits.
+    causally in this order after the cache) commits; `d` answers a `Need` of the judged drafts
+    (`judges`, `_judges`: choice and probability of the draft), then the last draft (choice).
 
-    A drafted token is judged by the AR head's prediction of its offset: the logits at the
-    token before it in this forward when that is its left neighbour, else `pred[offset]` (kept
-    from the forward that encoded its committed left neighbour); a token whose left neighbour
-    is not decoded yet has no AR prediction and keeps its draft (as in the authors' decoder).
-    It is accepted when it is the AR head's choice (argmax, or its sample at temperature > 0)
-    or its probability exceeds `token_threshold`; at the first token that is not, the AR head's
-    own choice is committed instead (the correction) and the walk stops. After a fully
-    accepted walk the AR head's choice for the next open offset is committed (the bonus). The
-    accepted drafts keep this forward's keys/values (fed in commit order: exact); a correction
-    or bonus token is carried into the row's next forward, whose logits at it give `pred` of
-    the offset after it."""
-    m, extra = 0, None
-    for i, (o, d) in enumerate(zip(d_off, d_tok)):
-        if i > 0 and d_off[i - 1] == o - 1:
-            v = logits[i - 1]
-        else:
-            v = pred.get(o)
-        if v is not None:
-            a = _judge(v, d, token_threshold, temperature, generator)
-            if a is not None:
-                extra = (a, o)
+    A drafted token is judged by the AR head's prediction of its offset (`_judges`); a token
+    whose left neighbour is not decoded yet has no AR prediction and keeps its draft (as in the
+    authors' decoder). It is accepted as `_accepted` says; at the first token that is not, the
+    AR head's own choice is committed instead (the correction) and the walk stops. After a
+    fully accepted walk the AR head's choice for the next open offset is committed (the bonus).
+    The accepted drafts keep this forward's keys/values (fed in commit order: exact); a
+    correction or bonus token is carried into the row's next forward, whose logits at it give
+    `pred` of the offset after it."""
+    m, extra, e = 0, None, 0
+    for i, (o, t) in enumerate(zip(d_off, d_tok)):
+        if judges[i] is not None:
+            if not _accepted(t, d.ids[e], d.probs[e], token_threshold):
+                extra = (d.ids[e], o)
                 break
+            e += 1
         m = i + 1
-        if eos_id is not None and d == eos_id:
+        if eos_id is not None and t == eos_id:
             break
     row.commit = list(range(m))
     commit_tokens(d_tok[:m], [p0 + o for o in d_off[:m]])
     if extra is None and m == len(d_tok) and (eos_id is None or eos_id not in d_tok):
         o = d_off[-1] + 1   # bonus: the token after the last accepted one
         if o < gen_length and is_open(o):
-            extra = (int(_sample(logits[-1], temperature, generator)), o)
+            extra = (d.ids[-1], o)
     if extra is not None:
         commit_tokens([extra[0]], [p0 + extra[1]])
         row.carry, row.carry_positions = [extra[0]], [p0 + extra[1]]
     for i in range(m):   # AR predictions of open offsets after accepted tokens, for later steps
         o = d_off[i] + 1
         if o < gen_length and is_open(o):
-            pred[o] = logits[i].clone()   # a copy: not a view keeping the batch's logits
+            pred[o] = d.vector(i)   # a copy: the forward's logits are freed
     for o in [o for o in pred if not is_open(o)]:
         del pred[o]
     row.ref_tpf_sum += (m + (extra is not None)) / 2
     row.ref_tpf_steps += 1
 
 
-def _walk_and_commit(row: _Row, d_tok: list[int], logits: torch.Tensor, *, p0: int, cur: int,
-                     gen_length: int, token_threshold: float, temperature: float,
-                     eos_id: int | None, generator, mode: str) -> tuple[list[int], bool]:
+def _walk_need(d_tok: list[int], fed: int) -> Need:
+    """What a left-to-right step reads from a forward that fed the drafts `d_tok` first, then
+    `fed - len(d_tok)` masks: the choice at the carried token (entry 0) and at every fed token
+    (entry i + 1), with the probability of draft i at entry i."""
+    return Need([-1] + list(range(fed)), d_tok + [NONE] * (fed + 1 - len(d_tok)))
+
+
+def _walk_and_commit(row: _Row, d_tok: list[int], d: Decision, *, p0: int, cur: int,
+                     gen_length: int, token_threshold: float, eos_id: int | None,
+                     mode: str) -> tuple[list[int], bool]:
     """One left-to-right step's verdict (verify="draft_ahead" and "draft_every"): the drafts
     `d_tok` of offsets `cur, cur + 1, ...` were fed causally right after the carried token at
-    offset `cur - 1`; `logits: FloatTensor[>= len(d_tok), V]` holds their logits first.
+    offset `cur - 1`; `d` answers `_walk_need`.
 
-    Walks the drafts with the AR head (`_judge`: the carried token's logits judge the first
+    Walks the drafts with the AR head (`_accepted`: the carried token's logits judge the first
     draft, draft i's logits the next); at the first failure the AR head's choice is committed
     in its place; after a full walk, the AR head's choice for the next offset (the bonus) when
     it is inside the generation region. Records the commit on `row`: the accepted drafts are
@@ -574,21 +567,20 @@ def _walk_and_commit(row: _Row, d_tok: list[int], logits: torch.Tensor, *, p0: i
     Raises:
         AssertionError: the last forward carried no token at offset `cur - 1` (a driver bug).
     """
-    if row.carry_logits is None or row.carry_last != p0 + cur - 1:
+    if row.carry_last != p0 + cur - 1:
         raise AssertionError(f"{mode}: no AR prediction for the first open offset")
     # walk the drafts with the AR head; the first failure gets the AR head's choice
-    m, extra, v = 0, None, row.carry_logits
-    for i, d in enumerate(d_tok):
-        extra = _judge(v, d, token_threshold, temperature, generator)
-        if extra is not None:
+    m, extra = 0, None
+    for i, t in enumerate(d_tok):
+        if not _accepted(t, d.ids[i], d.probs[i], token_threshold):
+            extra = d.ids[i]
             break
         m = i + 1
-        if eos_id is not None and d == eos_id:
+        if eos_id is not None and t == eos_id:
             break
-        v = logits[i]
     done = eos_id is not None and eos_id in d_tok[:m]
     if extra is None and not done and cur + m < gen_length:
-        extra = int(_sample(v, temperature, generator))   # the bonus token
+        extra = d.ids[m]   # the bonus token: the AR head's choice after the last accepted
     row.commit = list(range(m))
     toks = d_tok[:m] + ([extra] if extra is not None else [])
     row.tokens.extend(toks)
@@ -605,9 +597,8 @@ def _walk_and_commit(row: _Row, d_tok: list[int], logits: torch.Tensor, *, p0: i
 
 
 def _draft_ahead_program(row: _Row, *, gen_length: int, slot_size: int,
-                         token_threshold: float, temperature: float, mask_id: int,
-                         eos_id: int | None, generator, bidirectional: bool = False
-                         ) -> Generator[_Request, torch.Tensor, None]:
+                         token_threshold: float, mask_id: int, eos_id: int | None,
+                         bidirectional: bool = False) -> Generator[_Request, Decision, None]:
     """verify="draft_ahead" (module docstring, step 2''): slots left to right, one forward per
     step. Each forward feeds, after the cache and the carried token, the drafts of the open
     offsets up to the end of the current slot, then masks up to the end of the next slot
@@ -625,25 +616,22 @@ def _draft_ahead_program(row: _Row, *, gen_length: int, slot_size: int,
             n = len(d_tok)
             mask = torch.ones(n + n_mask, n + n_mask, dtype=torch.bool).tril()
             mask[n:, n:] = True
-        logits = yield _Request("verify" if d_tok else "plan", d_tok + [mask_id] * n_mask,
-                                positions, mask)
-        toks, finished = _walk_and_commit(row, d_tok, logits, p0=p0, cur=cur, gen_length=g,
-                                          token_threshold=token_threshold,
-                                          temperature=temperature, eos_id=eos_id,
-                                          generator=generator, mode="draft_ahead")
+        d = yield _Request("verify" if d_tok else "plan", d_tok + [mask_id] * n_mask,
+                           positions, mask, _walk_need(d_tok, len(positions)))
+        toks, finished = _walk_and_commit(row, d_tok, d, p0=p0, cur=cur, gen_length=g,
+                                          token_threshold=token_threshold, eos_id=eos_id,
+                                          mode="draft_ahead")
         if finished:
             return
         # next drafts: the old drafts after the new `cur`, then this forward's mask predictions
-        x0 = _sample(logits[len(d_tok):], temperature, generator).cpu().tolist()
-        ahead = d_tok + x0               # predictions of offsets cur, cur + 1, ...
+        ahead = d_tok + d.ids[len(d_tok) + 1:]   # predictions of offsets cur, cur + 1, ...
         cur += len(toks)
         draft = ahead[len(toks):]
 
 
 def _draft_every_program(row: _Row, *, gen_length: int, slot_size: int,
-                         token_threshold: float, temperature: float, mask_id: int,
-                         eos_id: int | None, generator, bidirectional: bool = False
-                         ) -> Generator[_Request, torch.Tensor, None]:
+                         token_threshold: float, mask_id: int, eos_id: int | None,
+                         bidirectional: bool = False) -> Generator[_Request, Decision, None]:
     """verify="draft_every" (module docstring, step 2'''): one forward per step. With `L` the
     committed length (the carried token at position L - 1 included) and `n <= k` drafts of
     positions L .. L + n - 1, each forward feeds, after the cache and the carried token, the
@@ -677,36 +665,35 @@ def _draft_every_program(row: _Row, *, gen_length: int, slot_size: int,
             mask[o:o + sz, :a] = True
             block = torch.ones(sz, sz, dtype=torch.bool)
             mask[o:o + sz, o:o + sz] = block if bidirectional else block.tril()
-        logits = yield _Request("verify" if d_tok else "plan", d_tok + [mask_id] * (t - n),
-                                positions, mask if t > n else None)
-        toks, finished = _walk_and_commit(row, d_tok, logits, p0=p0, cur=cur, gen_length=g,
-                                          token_threshold=token_threshold,
-                                          temperature=temperature, eos_id=eos_id,
-                                          generator=generator, mode="draft_every")
+        d = yield _Request("verify" if d_tok else "plan", d_tok + [mask_id] * (t - n),
+                           positions, mask if t > n else None, _walk_need(d_tok, t))
+        toks, finished = _walk_and_commit(row, d_tok, d, p0=p0, cur=cur, gen_length=g,
+                                          token_threshold=token_threshold, eos_id=eos_id,
+                                          mode="draft_every")
         if finished:
             return
         m = len(toks) - 1                # accepted drafts (a correction or bonus follows)
         cur += len(toks)
         if cur < g:                      # the block of the acceptance that happened
             o = starts[m]
-            draft = _sample(logits[o + 1:o + sizes[m]], temperature, generator).cpu().tolist()
+            draft = d.ids[o + 2:o + sizes[m] + 1]   # entry i + 1 is fed token i
 
 
-def _ar_program(row: _Row, *, gen_length: int, temperature: float, eos_id: int | None,
-                generator) -> Generator[_Request, torch.Tensor, None]:
+def _ar_program(row: _Row, *, gen_length: int, eos_id: int | None
+                ) -> Generator[_Request, Decision, None]:
     p0 = len(row.prompt)
-    logits = yield _Request("prefill", list(row.prompt), list(range(p0)))
+    d = yield _Request("prefill", list(row.prompt), list(range(p0)), need=Need([p0 - 1]))
     row.commit = list(range(p0))
     row.tokens.extend(row.prompt)
     row.positions.extend(range(p0))
     for i in range(gen_length):
-        tok = int(_sample(logits[-1], temperature, generator))
+        tok = d.ids[0]
         row.tokens.append(tok)
         row.positions.append(p0 + i)
         row.commit_forward.append(sum(row.forwards.values()))
         if (eos_id is not None and tok == eos_id) or i == gen_length - 1:
             return
-        logits = yield _Request("ar", [tok], [p0 + i])
+        d = yield _Request("ar", [tok], [p0 + i], need=Need([0]))
         row.commit = [0]
 
 
@@ -720,21 +707,25 @@ class _Batch:
 
     ids, positions: LongTensor[B, T]; mask: BoolTensor[B, 1, T, T] among the new tokens (None =
     causal: no row's request carries a mask); committed: LongTensor[B_prev, N] of the previous
-    forward's commit index (None: nothing to commit)."""
+    forward's commit index (None: nothing to commit); index: `NeedPlan.index` of the forward's
+    decisions."""
 
     ids: torch.Tensor
     positions: torch.Tensor
     mask: torch.Tensor | None
     committed: torch.Tensor | None
+    index: torch.Tensor | None
 
 
 def _pack(committed: torch.Tensor | None, ids: torch.Tensor, positions: torch.Tensor,
-          mask: torch.Tensor | None, device: torch.device) -> _Batch:
+          mask: torch.Tensor | None, device: torch.device,
+          index: torch.Tensor | None = None) -> _Batch:
     """Copy a forward's host tensors to `device` as one byte buffer (one transfer, no stall:
     `host_to_device`) and split it there into views. Host inputs: committed `LongTensor[B', N]`
-    or None, ids/positions `LongTensor[B, T]`, mask `BoolTensor[B, T, T]` or None."""
+    or None, ids/positions `LongTensor[B, T]`, mask `BoolTensor[B, T, T]` or None, index
+    `LongTensor[N']` or None."""
     from pipeline.model.kv_cache import host_to_device
-    ints = [x.reshape(-1) for x in (committed, ids, positions) if x is not None]
+    ints = [x.reshape(-1) for x in (committed, ids, positions, index) if x is not None]
     parts = [torch.cat(ints).view(torch.uint8)]
     if mask is not None:
         parts.append(mask.reshape(-1).view(torch.uint8))
@@ -750,7 +741,8 @@ def _pack(committed: torch.Tensor | None, ids: torch.Tensor, positions: torch.Te
                   positions=flat[o + b * t:o + 2 * b * t].view(b, t),
                   mask=(buf[8 * n_int:].view(torch.bool).view(b, 1, t, t)
                         if mask is not None else None),
-                  committed=dev_committed if committed is not None else None)
+                  committed=dev_committed if committed is not None else None,
+                  index=flat[o + 2 * b * t:] if index is not None else None)
 
 
 class _GraphedStep:
@@ -820,15 +812,17 @@ def _forward(model, batch: _Batch, cache, graphs: dict | None) -> torch.Tensor:
 _ALL = object()
 
 
-def _run(model, rows: list[_Row], programs: list, max_len: int,
-         cuda_graph: bool = False) -> int:
+def _run(model, rows: list[_Row], programs: list, max_len: int, temperature: float,
+         generator, cuda_graph: bool = False) -> int:
     """Drive the row programs to completion; returns the number of forward calls.
 
     Per forward, the host builds the ids, positions, the mask among the new tokens (only when
-    a request has one) and the previous forward's commit index, copies them to the device in
-    one transfer (`_pack`), commits there, and runs the model; the mask over the cache is built
-    on the device (`Qwen3.forward`). `cuda_graph` (CUDA only): replay one-token-per-row steps
-    from a captured graph (`_GraphedStep`)."""
+    a request has one), the previous forward's commit index and the index of what the rows
+    read (`plan_needs`), copies them to the device in one transfer (`_pack`), commits there,
+    and runs the model; the mask over the cache is built on the device (`Qwen3.forward`). The
+    rows' decisions (`decide`: choices at `temperature` with `generator`, probabilities) come
+    back in one transfer; the logits are freed before the next forward. `cuda_graph` (CUDA
+    only): replay one-token-per-row steps from a captured graph (`_GraphedStep`)."""
     from pipeline.model import KVCache
 
     device = _model_device(model)
@@ -875,9 +869,10 @@ def _run(model, rows: list[_Row], programs: list, max_len: int,
                 m.copy_(causal[:t, :t])
                 if reqs[b].mask is not None:
                     m[nc:, nc:] = reqs[b].mask
+        needs = plan_needs([(slot[b] * T + feeds[b][0], reqs[b].need) for b in order])
         batch = _pack(None if committed is _ALL else committed,
                       torch.tensor(ids_rows, dtype=torch.long),
-                      torch.tensor(pos_rows, dtype=torch.long), intra, device)
+                      torch.tensor(pos_rows, dtype=torch.long), intra, device, needs.index)
         if committed is _ALL:
             cache.commit()
         elif committed is not None:
@@ -886,21 +881,21 @@ def _run(model, rows: list[_Row], programs: list, max_len: int,
             cache.select_rows(torch.tensor(keep, dtype=torch.long))
         with torch.no_grad():
             logits = _forward(model, batch, cache, graphs)
+            decisions = decide(logits, needs, batch.index, temperature, generator)
+        del logits   # only the decisions (and copies the programs take) outlive the forward
         calls += 1
         index = [[] for _ in range(B)]
         nxt: dict[int, _Request] = {}
-        for b, req in reqs.items():
-            row = rows[b]
-            nc = feeds[b][0]
+        for b, d in zip(order, decisions):
+            row, req, nc = rows[b], reqs[b], feeds[b][0]
             row.forwards[req.kind] += 1
-            row.carry_logits = logits[slot[b], nc - 1].clone() if nc else None
             row.carry_last = row.carry_positions[-1] if nc else -1
             row.carry, row.carry_positions = [], []
-            lg = logits[slot[b], nc:nc + len(req.tokens)]
             try:
-                nxt[b] = programs[b].send(lg)
+                nxt[b] = programs[b].send(d)
             except StopIteration:
                 pass
+            d.release()
             index[slot[b]] = list(range(nc)) + [nc + i for i in row.commit]
             row.commit = []
         n = max(len(i) for i in index)
@@ -937,7 +932,9 @@ def refusion_generate(model, prompt_ids, gen_length: int, slot_size: int, num_bl
         model: `pipeline.model.Qwen3` in eval mode (any TP size; every TP rank calls this).
         prompt_ids: `LongTensor[B, T]` (left or right padded; give `attention_mask`) or a list
             of 1-D `LongTensor[P_b]` / `list[int]`.
-        gen_length: tokens to generate at most; rounded up to a multiple of `slot_size`.
+        gen_length: tokens to generate at most; "authors" and "correct" round it up to a
+            multiple of `slot_size` (their plan grid is whole slots), "draft_ahead" and
+            "draft_every" do not (their output equals `ar_generate`'s at every length).
         slot_size: k, tokens per slot.
         num_blocks: the generation region is decoded in this many left-to-right blocks; the
             number of slots must be a multiple of it.
@@ -976,9 +973,9 @@ def refusion_generate(model, prompt_ids, gen_length: int, slot_size: int, num_bl
     if verify not in VERIFY_MODES:
         raise ValueError(f"verify must be one of {', '.join(VERIFY_MODES)}, got {verify!r}")
     check_mask_attention(mask_attention, verify)
-    # draft_ahead / draft_every go left to right: num_blocks does not apply
-    g = _check(gen_length, slot_size,
-               1 if verify in ("draft_ahead", "draft_every") else num_blocks)
+    left_to_right = verify in ("draft_ahead", "draft_every")   # num_blocks does not apply,
+    g = _check(gen_length, slot_size, 1 if left_to_right else num_blocks)
+    g = gen_length if left_to_right else g   # nor the slot grid: gen_length tokens at most
     prompts = split_prompts(prompt_ids, attention_mask)
     _check_positions(model, prompts, g)
     gen = torch.Generator(device=_model_device(model)).manual_seed(seed)
@@ -988,22 +985,19 @@ def refusion_generate(model, prompt_ids, gen_length: int, slot_size: int, num_bl
     for r in rows:
         r.tokens.extend(r.prompt)
         r.positions.extend(range(len(r.prompt)))
-    if verify in ("draft_ahead", "draft_every"):
-        left_to_right = (_draft_ahead_program if verify == "draft_ahead"
-                         else _draft_every_program)
-        programs = [left_to_right(r, gen_length=g, slot_size=slot_size,
-                                  token_threshold=token_threshold, temperature=temperature,
-                                  mask_id=mask_id, eos_id=eos_id, generator=gen,
-                                  bidirectional=mask_attention == "bidirectional")
-                    for r in rows]
+    if left_to_right:
+        program = _draft_ahead_program if verify == "draft_ahead" else _draft_every_program
+        programs = [program(r, gen_length=g, slot_size=slot_size,
+                            token_threshold=token_threshold, mask_id=mask_id, eos_id=eos_id,
+                            bidirectional=mask_attention == "bidirectional") for r in rows]
     else:
         programs = [_refusion_program(r, gen_length=g, slot_size=slot_size,
                                       num_blocks=num_blocks, slot_threshold=slot_threshold,
-                                      token_threshold=token_threshold, temperature=temperature,
-                                      mask_id=mask_id, eos_id=eos_id, exact_cache=exact_cache,
-                                      verify=verify, generator=gen) for r in rows]
+                                      token_threshold=token_threshold, mask_id=mask_id,
+                                      eos_id=eos_id, exact_cache=exact_cache, verify=verify)
+                    for r in rows]
     max_len = max(len(p) for p in prompts) + g
-    calls = _run(model, rows, programs, max_len)
+    calls = _run(model, rows, programs, max_len, temperature, gen)
     return GenerationOutput(
         tokens=[r.output(eos_id) for r in rows], forwards=[r.forwards for r in rows],
         batch_forwards=calls, seconds=_clock(_model_device(model)) - t0,
@@ -1042,10 +1036,9 @@ def ar_generate(model, prompt_ids, gen_length: int, temperature: float, eos_id: 
     gen = torch.Generator(device=_model_device(model)).manual_seed(seed)
     t0 = _clock(_model_device(model))
     rows = [_Row(prompt=p) for p in prompts]
-    programs = [_ar_program(r, gen_length=gen_length, temperature=temperature, eos_id=eos_id,
-                            generator=gen) for r in rows]
+    programs = [_ar_program(r, gen_length=gen_length, eos_id=eos_id) for r in rows]
     calls = _run(model, rows, programs, max(len(p) for p in prompts) + gen_length,
-                 cuda_graph=cuda_graph)
+                 temperature, gen, cuda_graph=cuda_graph)
     return GenerationOutput(tokens=[r.output(eos_id) for r in rows],
                             forwards=[r.forwards for r in rows], batch_forwards=calls,
                             seconds=_clock(_model_device(model)) - t0,

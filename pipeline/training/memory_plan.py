@@ -87,9 +87,9 @@ backward). Measured against the trainer's step on the CPU in `tests/test_memory_
 
 Decoding (`plan_decoding`; training never decodes: validation is a loss, decoding runs in
 `pipeline.generate` / `pipeline.evaluate` / `pipeline.lm_eval`, `--batch-size` prompts at a time):
-`B` rows, prompts of at most `P` tokens, `g` generated tokens (`--gen-length`; plan-and-infill
-rounds it up to a multiple of the slot size `k`), the model whole on each TP rank in `e` bytes
-(bf16 on CUDA, fp32 on the CPU, `pipeline.inference.loading.default_dtype`), no gradients:
+`B` rows, prompts of at most `P` tokens, `g` generated tokens (`--gen-length`; verify authors
+and correct round it up to a multiple of the slot size `k`), the model whole on each TP rank in
+`e` bytes (bf16 on CUDA, fp32 on the CPU, `pipeline.inference.loading.default_dtype`), no gradients:
 - weights `e P_r`;
 - the KV cache (`pipeline.model.kv_cache.KVCache`, one keys and one values tensor
   `[B, H_kv / t, C, D]` per layer): `2 L B (H_kv / t) C D e` bytes (`kv_cache_bytes`), with `C`
@@ -112,8 +112,8 @@ rounds it up to a multiple of the slot size `k`), the model whole on each TP ran
   the selected slots (at most the block) and correct's carried token, or with `exact_cache`
   `2 g / num_blocks`, the slots re-encoded ahead of them too, an upper bound; draft_ahead
   `1 + 2 k`; draft_every `1 + k + (k + 1)^2` cut at the region's end as above), taken as the
-  second forward (over `S` = first + later columns, the first's logits alive) and as a forward
-  over the whole storage (`S = C`, a later forward's logits alive): the additive attention bias
+  second forward (over `S` = first + later columns) and as a forward over the whole storage
+  (`S = C`): the additive attention bias
   `pipeline.model.attention.plan_decode_attention` keeps for the whole forward, `e B G T S`
   with `G = H_q / H_kv` query heads folded onto a key/value head (`e B T S` when `G` = 1); RoPE's
   cos and sin `2 e B T D`; and the larger of one block's MLP (`e B T (3 h + 4 I / t)`: the block
@@ -121,18 +121,17 @@ rounds it up to a multiple of the slot size `k`), the model whole on each TP ran
   the attention core's tensors are smaller for Qwen3's shapes, and SDPA with a bias runs a
   fused kernel on CUDA (memory-efficient) and on the CPU (flash), no `[T, S]` scores per head)
   and the output layer (`e B T (h + V / t)`: the final norm's output and the logits; with
-  `t > 1` plus the gathered logits `e B T V`). A later forward also has the previous forward's
-  (gathered) logits alive, `e B T' V` with `T'` that forward's feed: each row program keeps a
-  view of the logits it was sent until it is sent the next ones (`decoding._run`), so two
-  forwards' logits coexist. After the forward, while the row programs read its logits (the
-  previous ones are then freed), authors / correct add one row's fp32 copy `4 T V` (below
-  fp32) and logsumexp's temporary `4 T V` (`decoding._token_probs` over the whole request, `T`
-  its tokens: the first forward's without the prompt);
-  the plan adds what this exceeds the forward's set by. authors / correct are planned with
-  every slot of a block selected (slot_threshold 0; fewer selected slots feed fewer tokens);
-  for authors in bf16 the measured peak was 12% above this plan (an unplanned transient of the
-  slot programs, not found yet), the other modes within 3%. draft_ahead / draft_every and ar judge
-  one token at a time. Greedy decoding: temperature > 0 adds float64 Gumbel buffers `16 T V`
+  `t > 1` plus the gathered logits `e B T V`). A forward's logits are freed before the next
+  forward (`decoding._run`: the row programs get only host decisions), so no two forwards'
+  logits coexist. After the forward, while its decisions are computed (`decisions.decide`:
+  argmax over the logits without a copy, then the probabilities of the scored rows), the
+  logits `e B T V` plus per scored row a copy and its fp32 copy or logsumexp's temporary
+  `(e + 4) V`; scored rows per row: authors / correct's first forward (a plan) one per slot,
+  a later one (a verify) every fed token at most; draft_ahead / draft_every's walk `min(k,
+  T - 1)` drafts, their first forward none; ar none. The plan adds what this exceeds the
+  forward's set by. authors / correct are planned with every slot of a block selected
+  (slot_threshold 0; fewer selected slots feed fewer tokens). Measured within 7% of the plan
+  for every mode. Greedy decoding: temperature > 0 adds float64 Gumbel buffers `16 T V`
   per row, not planned.
 Transients not planned (each smaller than the forward's set in the shapes above): the bool mask
 and un-expanded bias while the bias is built, one layer's old tensor while the cache grows or
@@ -218,7 +217,7 @@ def decode_feed(verify: str, prompt: int, gen_length: int, slot_size: int = 4,
     if min(prompt, gen_length, slot_size, num_blocks, bucket) < 1:
         raise ValueError("prompt, gen_length, slot_size, num_blocks and bucket must be >= 1")
     k = slot_size
-    g = gen_length if verify == "ar" else _round_up(gen_length, k)
+    g = gen_length if verify not in ("authors", "correct") else _round_up(gen_length, k)
     need = prompt + g
     if verify == "ar":
         first, later = prompt, 1
@@ -275,24 +274,26 @@ def plan_decoding(mcfg, *, tp: int, batch: int, prompt: int, gen_length: int,
     group = mcfg.num_attention_heads // mcfg.num_key_value_heads
     refusion = verify != "ar"
 
-    def working(t: int, s: int, prev: int, req: int) -> dict:
+    def working(t: int, s: int, scored: int) -> dict:
         out = e * (h + vr) * batch * t
         if tp > 1:
             out += e * mcfg.vocab_size * batch * t
         during = {"bias": e * batch * group * t * s, "rope": 2 * e * batch * t * d,
-                  "previous logits": e * batch * prev * mcfg.vocab_size,
                   "peak": max(e * (3 * h + 4 * inter) * batch * t, out)}
-        after = 0   # the row programs reading this forward's logits (the previous ones freed)
-        if verify in ("authors", "correct"):   # one row's fp32 copy, logsumexp's temporary
-            after = (e * batch * t * mcfg.vocab_size
-                     + ((4 if e < 4 else 0) + 4) * req * mcfg.vocab_size)
+        # the decisions (`decisions.decide`): the logits, and per scored row (a probability
+        # wanted) its copy and its fp32 copy or logsumexp's temporary
+        after = e * batch * t * mcfg.vocab_size + (e + 4) * batch * scored * mcfg.vocab_size
         during["probabilities"] = max(0, after - sum(during.values()))
         return during
 
-    later = feed["later"]
-    forwards = {"first": working(feed["first"], feed["first"], 0, feed["first"] - prompt),
-                "second": working(later, feed["first"] + later, feed["first"], later),
-                "later": working(later, feed["columns"], later, later)}
+    later, k = feed["later"], slot_size
+    # scored rows per row: authors / correct's plan scores each slot's first mask, a verify
+    # (at most) every fed token; draft_ahead / draft_every's walk the drafts (<= k), ar none
+    first = -(-(feed["first"] - prompt) // k) if verify in ("authors", "correct") else 0
+    scored = {"ar": 0, "authors": later, "correct": later}.get(verify, min(k, later - 1))
+    forwards = {"first": working(feed["first"], feed["first"], first),
+                "second": working(later, feed["first"] + later, scored),
+                "later": working(later, feed["columns"], scored)}
     which = max(forwards, key=lambda n: sum(forwards[n].values()))
     w = forwards[which]
     c: dict[str, int] = {}
@@ -300,7 +301,6 @@ def plan_decoding(mcfg, *, tp: int, batch: int, prompt: int, gen_length: int,
     c["decoding KV cache"] = kv_cache_bytes(mcfg, tp, batch, feed["columns"], e)
     c["decode forward: attention bias"] = int(w["bias"])
     c["decode forward: RoPE cos/sin"] = int(w["rope"])
-    c["previous forward's logits"] = int(w["previous logits"])
     if w["probabilities"]:
         c["after the forward: logits + probability buffers (beyond)"] = int(w["probabilities"])
     c["decode forward: max(one block's MLP, logits)"] = int(w["peak"])
