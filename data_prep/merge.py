@@ -58,8 +58,9 @@ class MergeError(UserError):
 
 def _samples(out: Output, d: str, entry: dict, verify: str = "off"):
     """`(key, tokens.npy bytes, json bytes)` of the samples of shard `entry` of part folder
-    `d`, in order (`pipeline.data.shard_io.iter_shard_samples`; `verify="error"`: its sha256
-    is checked once read to its end, DataError when it differs)."""
+    `d`, in order (`pipeline.data.shard_io.iter_shard_samples`; `verify="error"`: each sample
+    against its digest, or the shard's sha256 without a version-2 index, DataError when one
+    differs)."""
     from pipeline.data.shard_io import iter_shard_samples
     for sample in iter_shard_samples(f"{out.url.rstrip('/')}/{d}", [entry], verify):
         yield sample["__key__"], sample.get("tokens.npy"), sample.get("json")
