@@ -47,7 +47,8 @@ from data_prep.prepare import input_records
 from data_prep.resume import UserError, fingerprint
 from data_prep.writer import Item, Output, SplitWriter
 from pipeline.data import sample_index
-from pipeline.data.format import FORMAT_VERSION, MANIFEST, PARTIAL_MANIFEST, SPLITS, DataError
+from pipeline.data.format import (FORMAT_VERSION, MANIFEST, PARTIAL_MANIFEST, SPLITS, DataError,
+                                  with_checksum)
 
 DEDUP_PREFIX = "dedup-"
 
@@ -249,7 +250,7 @@ def merge(output: str) -> dict:
     if input_records(manifest) != part_inputs:
         raise MergeError(f"{out.path(PLAN)}: merged counts do not add up (input records "
                          f"{input_records(manifest)}, the parts read {part_inputs}); report this")
-    out.write_json(MANIFEST, manifest)
+    out.write_json(MANIFEST, with_checksum(manifest))
     return manifest
 
 

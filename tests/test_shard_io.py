@@ -481,3 +481,46 @@ def test_shard_qa_examples_checks_every_sample_it_returns(tmp_path, index_versio
         assert len(shard_qa_examples(str(d), "train", limit, verify="off")) == limit
     shard.write_bytes(clean)
 
+
+def test_manifest_checksum_refuses_an_edited_manifest(tmp_path, spm_model, capsys):
+    """Data prep records manifest.json's sha256 of its own canonical JSON; a flipped digit of
+    `tokenizer.mask_id` or `max_length` is refused in one line naming the file (the loader and
+    the CLIs exit 2, as for any data error), a re-indented one is not; a manifest without the
+    field (older folders) loads, and `shard.py index` adds the field."""
+    from data_prep import cli, shard
+    src = tmp_path / "qa.jsonl"
+    src.write_text("".join(json.dumps({"query": f"q{i}", "response": f"r{i} " * (i % 5 + 1)})
+                           + "\n" for i in range(30)))
+    out = tmp_path / "out"
+    assert cli.main(["--input", str(src), "--output", str(out), "--tokenizer", spm_model,
+                     "--max-length", "64", "--no-progress"]) == 0
+    mpath = out / "manifest.json"
+    text = mpath.read_text()
+    m = json.loads(text)
+    body = {k: v for k, v in m.items() if k != "manifest_sha256"}   # written out independently
+    want = hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":"),
+                                     ensure_ascii=False).encode()).hexdigest()
+    assert m["manifest_sha256"] == want
+    assert shard_io.read_manifest(str(out)) == m
+    mpath.write_text(json.dumps(m, indent=4, sort_keys=True))   # layout only: still loads
+    assert shard_io.read_manifest(str(out)) == m
+    mask_id, max_length = m["tokenizer"]["mask_id"], m["max_length"]
+    for old, new in ((f'"mask_id": {mask_id}', f'"mask_id": {mask_id + 1}'),
+                     (f'\n "max_length": {max_length}', f'\n "max_length": {max_length * 10}')):
+        assert text.count(old) == 1
+        mpath.write_text(text.replace(old, new))
+        for read in (lambda: shard_io.read_manifest(str(out)),
+                     lambda: build_loader(str(out), "train", 2, 1024, num_workers=0)):
+            with pytest.raises(DataError) as e:
+                read()
+            msg = str(e.value)
+            assert "\n" not in msg and str(mpath) in msg and "manifest_sha256" in msg, msg
+        capsys.readouterr()
+        assert shard.main(["index", str(out)]) == 2   # not blessed by `shard.py index`
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "manifest_sha256" in err, err
+    del m["manifest_sha256"]   # a folder from before the checksum: loads unchecked
+    mpath.write_text(json.dumps(m, indent=1))
+    assert shard_io.read_manifest(str(out)) == m
+    assert shard.main(["index", str(out)]) == 0
+    assert json.loads(mpath.read_text())["manifest_sha256"] == want

@@ -38,6 +38,8 @@ samples of a window, in a shuffled order):
   (version 1); so a reader that stops early has checked every sample it returned.
 - Manifests without a `sha256` / `bytes` entry (older or hand-written ones) are not checked
   against them; the digests of a version-2 index are checked all the same.
+- manifest.json itself: its recorded checksum of its own content (`read_manifest`,
+  `pipeline.data.format.CHECKSUM_FIELD`), when it has one.
 Sample indexes' layout and offsets are checked in every mode, `off` included. A shard damaged
 in its tar structure is reported in one line in every mode.
 """
@@ -49,7 +51,8 @@ import sys
 
 from pipeline.common.fs import missing_fs_package
 from pipeline.data import sample_index
-from pipeline.data.format import FORMAT_VERSION, MANIFEST, DataError
+from pipeline.data.format import (CHECKSUM_FIELD, FORMAT_VERSION, MANIFEST, DataError,
+                                  manifest_checksum)
 
 VERIFY_MODES = ("error", "warn", "off")
 _BLOCK = 8 << 20
@@ -93,7 +96,9 @@ def read_manifest(data_dir: str) -> dict:
         The manifest dict.
 
     Raises:
-        DataError: missing/unreadable manifest, unknown format_version, missing fields.
+        DataError: missing/unreadable manifest, unknown format_version, missing fields, or a
+            recorded checksum (`pipeline.data.format.CHECKSUM_FIELD`) that its content no
+            longer matches (a manifest without one, written before it existed, is not checked).
     """
     fs, root = open_fs(data_dir)  # one-line DataError for a missing fsspec package
     path = f"{root}/{MANIFEST}"
@@ -106,6 +111,17 @@ def read_manifest(data_dir: str) -> dict:
         raise DataError(f"{path}: unreadable manifest ({e})") from None
     if not isinstance(manifest, dict):
         raise DataError(f"{path}: expected a JSON object")
+    if CHECKSUM_FIELD in manifest:
+        want = manifest[CHECKSUM_FIELD]
+        try:
+            got = manifest_checksum(manifest)
+        except TypeError:   # json.loads gives JSON values only; kept for hand-made dicts
+            got = None
+        if got != want:
+            raise DataError(f"{path}: content does not match its {CHECKSUM_FIELD} (edited or "
+                            "damaged after data prep: a changed value such as tokenizer.mask_id "
+                            "or max_length would mislead the trainer); restore it or rerun "
+                            "data_prep/shard.py")
     if manifest.get("format_version") != FORMAT_VERSION:
         raise DataError(f"{path}: format_version {manifest.get('format_version')!r} is not "
                         f"supported (expected {FORMAT_VERSION})")
