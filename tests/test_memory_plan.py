@@ -224,12 +224,40 @@ def test_trainer_prints_the_plan_and_refuses_before_building(tmp_path, monkeypat
     refusal = [ln for ln in err.splitlines() if "config error" in ln]
     assert len(refusal) == 1 and "train.memory_check" in refusal[0] and "GiB" in refusal[0]
     from pipeline.config import load_config, validate
-    cfg = load_config(config, [*base, "train.memory_check=warn"])
-    train._memory_check(cfg, validate(cfg), True)
-    assert "warning: train.memory_check" in capsys.readouterr().err
+    cfg = load_config(config, [*base, "train.memory_check=warn"])   # printed once locked
+    lines = train._memory_check(cfg, validate(cfg), True)
+    assert "memory plan per GPU" in lines[0] and "warning: train.memory_check" in lines[-1]
     cfg = load_config(config, [*base, "train.memory_check=off"])
-    train._memory_check(cfg, validate(cfg), True)
+    assert train._memory_check(cfg, validate(cfg), True) == []
     assert capsys.readouterr().err == ""
+
+
+def test_trainer_prints_the_plan_only_once_it_holds_the_run_lock(tmp_path):
+    """A second job on a live run directory prints its one-line refusal and not the memory
+    plan (the plan is printed after the run lock is taken); a job that gets the lock prints it."""
+    import os
+    import socket
+    config = _config(tmp_path)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_JOB_ID")}
+    run_dir = tmp_path / "live"
+    run_dir.mkdir()
+    (run_dir / "run.lock").write_text(json.dumps({   # held by this (live) test process
+        "host": socket.gethostname(), "pid": os.getpid(), "slurm_job_id": None, "token": "x"}) + "\n")
+
+    def train(run):
+        return subprocess.run([sys.executable, "-m", "pipeline.train", "--config", config,
+                               f"run_dir={run}", "train.max_steps=1"], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=600)
+    r = train(run_dir)
+    assert r.returncode == 2, r.stderr[-3000:]
+    ours = [ln for ln in r.stderr.splitlines() if not ln.startswith(("[", "/")) and
+            "warnings.warn" not in ln and " INFO " not in ln and ln.strip()]
+    assert len(ours) == 1 and ours[0].startswith("pipeline.train: error: "), r.stderr[-3000:]
+    assert "is in use by another job" in ours[0] and "memory plan" not in r.stderr
+    r = train(tmp_path / "free")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "memory plan per GPU" in r.stderr
 
 
 def test_plan_matches_measured_bf16_dp1_every_recompute_mode(tmp_path):
