@@ -186,6 +186,12 @@ def test_cli_qwen3_8b_model_states_and_fit():
     r = _cli("--config", "configs/qwen3_8b.yaml", "--nodes", "4", "--gpu-memory", "80",
              "train.activation_checkpointing=none", "train.micro_batch_size=8")
     assert r.returncode == 1 and "does NOT fit" in r.stdout
+    # the dual-stream recipe at the same shape: 2 rows of 8192 tokens, the dense SDPA mask
+    r = _cli("--config", "configs/qwen3_8b_dual.yaml", "--nodes", "4", "--gpus-per-node", "8",
+             "--gpu-memory", "80")
+    assert r.returncode == 0 and "fits in 80.0 GiB" in r.stdout, r.stdout + r.stderr
+    assert "TP 2 x DP 16" in r.stdout and "micro-batch 2 x 8192 tokens" in r.stdout
+    assert "attention mask (dense SDPA)" in r.stdout
 
 
 def test_cli_bad_input_is_one_line_exit_2():
