@@ -476,7 +476,8 @@ def index_shards(url: str, log=None) -> tuple[int, int]:
     those of the shard data prep wrote. Each index is written atomically, then the manifest
     (atomically, after every shard, so an interrupted run loses nothing and a rerun skips what
     is done). Shards whose version-2 index is valid are not read: a second run changes
-    nothing. A manifest without its checksum (`pipeline.data.format.CHECKSUM_FIELD`) gets one. Merged folders (`parts/uNNNNNN/...` names) work the same.
+    nothing. A manifest without its checksum (`pipeline.data.format.CHECKSUM_FIELD`) gets
+    one. Merged folders (`parts/uNNNNNN/...` names) work the same.
 
     Args:
         url: the shard folder (local path or fsspec URL).

@@ -207,7 +207,8 @@ def test_cli_bad_input_is_one_line_exit_2():
                         "configs/qwen3_8b.yaml"], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
-    assert "--nodes" in r.stderr and "--gpus-per-node" in r.stderr and "world size 1" not in r.stderr
+    assert "--nodes" in r.stderr and "--gpus-per-node" in r.stderr
+    assert "world size 1" not in r.stderr
     r = subprocess.run([sys.executable, "-m", "pipeline.plan_memory", "--config",
                         "configs/qwen3_8b.yaml", "--device", "cpu", "--nodes", "1"], cwd=ROOT,
                        env=env, capture_output=True, text=True, timeout=300)
@@ -249,7 +250,8 @@ def test_trainer_prints_the_plan_only_once_it_holds_the_run_lock(tmp_path):
     run_dir = tmp_path / "live"
     run_dir.mkdir()
     (run_dir / "run.lock").write_text(json.dumps({   # held by this (live) test process
-        "host": socket.gethostname(), "pid": os.getpid(), "slurm_job_id": None, "token": "x"}) + "\n")
+        "host": socket.gethostname(), "pid": os.getpid(), "slurm_job_id": None,
+        "token": "x"}) + "\n")
 
     def train(run):
         return subprocess.run([sys.executable, "-m", "pipeline.train", "--config", config,

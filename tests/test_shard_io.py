@@ -444,7 +444,8 @@ def _qa_reference(folder: Path, split: str = "train") -> list[tuple[int, dict]]:
             for seg in json.loads(files[f"{key}.json"])["segments"]:
                 a, p = seg["start"], seg["prompt_length"]
                 if p > 0:
-                    out.append((n, {"prompt_ids": toks[a:a + p], "reference_ids": toks[a + p:seg["end"]]}))
+                    out.append((n, {"prompt_ids": toks[a:a + p],
+                                    "reference_ids": toks[a + p:seg["end"]]}))
             n += 1
     return out
 

@@ -1,11 +1,12 @@
 """The shard folder format that `data_prep/shard.py` writes and `pipeline.data` reads.
 
 Owns: the manifest's file name and format version, its self-checksum (`manifest_checksum`,
-`with_checksum`), the check of a shard set against a model's vocabulary, and `DataError` (the one error type of a bad data folder). Reading a manifest from
-a folder is I/O: `pipeline.data.shard_io.read_manifest`. This module imports no other module of
-the package (shard_io and loader import it). The sample layout (tokens.npy + segments JSON) is
-documented in ARCHITECTURE.md "Shard format". Must not touch: shard order, batches, loader
-state (`pipeline.data.loader`).
+`with_checksum`), the check of a shard set against a model's vocabulary, and `DataError` (the
+one error type of a bad data folder). Reading a manifest from a folder is I/O:
+`pipeline.data.shard_io.read_manifest`. This module imports no other module of the package
+(shard_io and loader import it). The sample layout (tokens.npy + segments JSON) is documented
+in ARCHITECTURE.md "Shard format". Must not touch: shard order, batches, loader state
+(`pipeline.data.loader`).
 """
 from __future__ import annotations
 

@@ -403,18 +403,17 @@ def read_sample_index(fs, root: str, entry: dict, mode: str):
                                entry.get("samples"), entry.get("bytes"))
 
 
-class _HashingReader:
-    """Read-only file wrapper that hashes every byte read, in order (sequential readers), and
-    keeps the bytes from offset `kept_from` on (`keep`), so a sample's byte range can be
-    digested once the tar reader has passed it."""
+class _KeepingReader:
+    """Read-only file wrapper for sequential readers that keeps the bytes read from offset
+    `kept_from` on (`keep`), so a sample's byte range can be digested once the tar reader has
+    passed it."""
 
     def __init__(self, f, keep: bool = False):
-        self.f, self.sha, self.n = f, hashlib.sha256(), 0
+        self.f, self.n = f, 0
         self.keep, self.buf, self.kept_from = keep, bytearray(), 0
 
     def read(self, size: int = -1) -> bytes:
         data = self.f.read(size)
-        self.sha.update(data)
         self.n += len(data)
         if self.keep:
             self.buf += data
@@ -478,13 +477,14 @@ def iter_shard_samples(data_dir: str, entries: list[dict], verify: str = "error"
                 if count >= len(idx):
                     raise _error(f"shard {path}: more samples than its sample index's {len(idx)}")
                 rec = idx[count]
-                raw = r.range(int(rec["start"]), int(sample_index.sample_end(idx[count:count + 1])[0]))
+                end = int(sample_index.sample_end(idx[count:count + 1])[0])
+                raw = r.range(int(rec["start"]), end)
                 check_sample(fs, path, count, sample["__key__"], raw, int(rec["digest"]), verify,
                              index_name, training=False)
             return sample
         try:
             with fs.open(path, "rb") as f:
-                r = _HashingReader(f, keep=idx is not None)
+                r = _KeepingReader(f, keep=idx is not None)
                 sample: dict = {}
                 with tarfile.open(fileobj=r, mode="r|") as tf:
                     for m in tf:

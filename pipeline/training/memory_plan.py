@@ -473,7 +473,8 @@ def plan_memory(mcfg, *, tp: int, dp: int, micro_batch: int, seq_len: int, preci
     c["peak transient: max(output layer + CE, one block's backward)"] = int(max(head, backward_block))
     if device == "cuda":
         groups = (tp * dp > 1) + (1 < tp < tp * dp) + (1 < dp < tp * dp)
-        c[f"CUDA context + NCCL buffers ({groups} communicator{'s' * (groups != 1)}; allowance)"] = (
+        name = f"{groups} communicator{'s' * (groups != 1)}"
+        c[f"CUDA context + NCCL buffers ({name}; allowance)"] = (
             CUDA_CONTEXT_BYTES + groups * NCCL_BYTES_PER_COMMUNICATOR)
     total = int(sum(c.values()))
     layout = (f"TP {tp} x DP {dp}, ZeRO-{zero_stage}, {precision}, micro-batch {micro_batch} x "
