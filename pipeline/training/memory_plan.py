@@ -180,6 +180,9 @@ NCCL_BYTES_PER_COMMUNICATOR = 32 * 2 * (4 * MIB + 120 * 640 * 8 * 8 + 8 * 512 * 
 # the components of `plan_memory` that persist between steps (the model states)
 STATE_COMPONENTS = ("weights (run dtype)", "fp32 master weights", "AdamW moments (fp32)",
                     "gradients")
+# the start of the component name of the CUDA context + NCCL allowance (no tensor: a measure of
+# allocated memory, `torch.cuda.max_memory_allocated`, never includes it)
+ALLOWANCE_PREFIX = "CUDA context + NCCL buffers"
 
 
 def _dtype_bytes(precision: str) -> int:
@@ -474,7 +477,7 @@ def plan_memory(mcfg, *, tp: int, dp: int, micro_batch: int, seq_len: int, preci
     if device == "cuda":
         groups = (tp * dp > 1) + (1 < tp < tp * dp) + (1 < dp < tp * dp)
         name = f"{groups} communicator{'s' * (groups != 1)}"
-        c[f"CUDA context + NCCL buffers ({name}; allowance)"] = (
+        c[f"{ALLOWANCE_PREFIX} ({name}; allowance)"] = (
             CUDA_CONTEXT_BYTES + groups * NCCL_BYTES_PER_COMMUNICATOR)
     total = int(sum(c.values()))
     layout = (f"TP {tp} x DP {dp}, ZeRO-{zero_stage}, {precision}, micro-batch {micro_batch} x "
