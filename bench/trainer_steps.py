@@ -85,16 +85,18 @@ def main() -> int:
     mean = lambda k: (sum(m[k] for m in timed) / len(timed)  # noqa: E731
                       if all(m.get(k) is not None for m in timed) else None)
     t = cfg.train
-    from pipeline.training.memory_plan import STATE_COMPONENTS, plan_for_run
+    from pipeline.training.memory_plan import ALLOWANCE_PREFIX, STATE_COMPONENTS, plan_for_run
     mem_plan = plan_for_run(cfg, tp=plan.tp_size, dp=plan.dp_size, model_fields=plan.model_fields,
                             row_length=plan.row_length,
                             device="cuda" if torch.cuda.is_available() else "cpu")
     planned_states = sum(v for k, v in mem_plan.components.items() if k in STATE_COMPONENTS)
-    out = {"planned_memory_gib": mem_plan.total / 2 ** 30,
+    # the CUDA context + NCCL allowance is no tensor: max_memory_allocated never sees it
+    allowance = sum(v for k, v in mem_plan.components.items() if k.startswith(ALLOWANCE_PREFIX))
+    out = {"planned_memory_gib": (mem_plan.total - allowance) / 2 ** 30,   # tensors only
            # per component on CUDA: the model states (allocated between two steps) and the
            # last step's working memory (its peak above them), against the plan's split
            "planned_states_gib": planned_states / 2 ** 30,
-           "planned_step_gib": (mem_plan.total - planned_states) / 2 ** 30,
+           "planned_step_gib": (mem_plan.total - planned_states - allowance) / 2 ** 30,
            "measured_states_gib": states / 2 ** 30 if cuda else None,
            "measured_step_gib": step_peak / 2 ** 30 if cuda else None,
            "steps": len(timed), "tokens_per_s": sum(m["tokens_per_s"] * m["step_time_s"]

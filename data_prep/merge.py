@@ -47,7 +47,8 @@ from data_prep.prepare import input_records
 from data_prep.resume import UserError, fingerprint
 from data_prep.writer import Item, Output, SplitWriter
 from pipeline.data import sample_index
-from pipeline.data.format import FORMAT_VERSION, MANIFEST, PARTIAL_MANIFEST, SPLITS, DataError
+from pipeline.data.format import (FORMAT_VERSION, MANIFEST, PARTIAL_MANIFEST, SPLITS, DataError,
+                                  with_checksum)
 
 DEDUP_PREFIX = "dedup-"
 
@@ -58,8 +59,9 @@ class MergeError(UserError):
 
 def _samples(out: Output, d: str, entry: dict, verify: str = "off"):
     """`(key, tokens.npy bytes, json bytes)` of the samples of shard `entry` of part folder
-    `d`, in order (`pipeline.data.shard_io.iter_shard_samples`; `verify="error"`: its sha256
-    is checked once read to its end, DataError when it differs)."""
+    `d`, in order (`pipeline.data.shard_io.iter_shard_samples`; `verify="error"`: each sample
+    against its digest, or the shard's sha256 without a version-2 index, DataError when one
+    differs)."""
     from pipeline.data.shard_io import iter_shard_samples
     for sample in iter_shard_samples(f"{out.url.rstrip('/')}/{d}", [entry], verify):
         yield sample["__key__"], sample.get("tokens.npy"), sample.get("json")
@@ -248,7 +250,7 @@ def merge(output: str) -> dict:
     if input_records(manifest) != part_inputs:
         raise MergeError(f"{out.path(PLAN)}: merged counts do not add up (input records "
                          f"{input_records(manifest)}, the parts read {part_inputs}); report this")
-    out.write_json(MANIFEST, manifest)
+    out.write_json(MANIFEST, with_checksum(manifest))
     return manifest
 
 

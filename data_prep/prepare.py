@@ -74,7 +74,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipeline.data.format import FORMAT_VERSION, MANIFEST, SPLITS
+from pipeline.data.format import FORMAT_VERSION, MANIFEST, SPLITS, with_checksum
 
 from data_prep.dedup import DUPLICATE, KEY_COLLISION, DigestSet
 from pipeline import tokenizer as tokenizers
@@ -684,7 +684,7 @@ def run(args, unit=None) -> dict:
         if log is not None:  # before manifest.json, the part's completion mark
             manifest["records_log"] = log.write(out)
             manifest.update(unit.extra)
-        out.write_json(MANIFEST, manifest)
+        out.write_json(MANIFEST, with_checksum(manifest))
         out.remove(PARTIAL)
     except OSError as e:
         full = full_disk_error(out, e)

@@ -484,7 +484,8 @@ def index_shards(url: str, log=None) -> tuple[int, int]:
     once no such loader runs). Each index is written atomically, then the manifest
     (atomically, after every shard, so an interrupted run loses nothing and a rerun skips what
     is done). Shards whose version-3 index is valid are not read: a second run changes
-    nothing. Merged folders (`parts/uNNNNNN/...` names) work the same.
+    nothing. A manifest without its checksum (`pipeline.data.format.CHECKSUM_FIELD`) gets
+    one. Merged folders (`parts/uNNNNNN/...` names) work the same.
 
     Args:
         url: the shard folder (local path or fsspec URL).
@@ -499,7 +500,7 @@ def index_shards(url: str, log=None) -> tuple[int, int]:
             differs from the manifest (damaged or replaced; its index is not written), or a
             sample without a key header or valid segments.
     """
-    from pipeline.data.format import DataError, MANIFEST
+    from pipeline.data.format import CHECKSUM_FIELD, DataError, MANIFEST, with_checksum
     from pipeline.data.shard_io import read_manifest
     out = Output(url)
     try:
@@ -547,12 +548,14 @@ def index_shards(url: str, log=None) -> tuple[int, int]:
             data = sample_index.encode(records, sample_index.SlotLayout.of_samples(layouts))
             out.write_bytes(name, data)
             e["index"] = index_entry(name, data)
-            out.write_json(MANIFEST, manifest)
+            out.write_json(MANIFEST, with_checksum(manifest))
             written += 1
             if log:
                 log(f"{'upgraded' if upgrade else 'wrote'} {out.path(name)} ({len(records)} "
                     f"samples{f', layout version {version} -> {sample_index.VERSION}' if upgrade else ''}"
                     f"{f'; {old} left for loaders that read the manifest before' if upgrade else ''})")
+    if CHECKSUM_FIELD not in manifest:   # a folder from before manifests checked themselves
+        out.write_json(MANIFEST, with_checksum(manifest))
     return written, kept
 
 

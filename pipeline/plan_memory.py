@@ -10,7 +10,8 @@ whether it fits and the largest micro-batch that does. Nothing is built, no shar
 folder is read (the model preset is enough). The config is read by `pipeline.config.load_config`
 like `pipeline.train` reads it (same overrides, same one-line errors, exit 2). The world size:
 `--world-size`, else `--nodes x --gpus-per-node` (default 8 GPUs per node), else
-WORLD_SIZE / SLURM_NTASKS, else 1. The fed row length is `data.max_length` (or the shards'
+WORLD_SIZE / SLURM_NTASKS, else 1 (refused in one line naming the flags when the config's TP
+size is larger). The fed row length is `data.max_length` (or the shards'
 `max_length` when `data.dir` is readable). `--gpu-memory` defaults to `train.gpu_memory_gib`.
 Training never decodes (validation is a loss); with `--decode-batch` it also prints the plan of
 decoding with the config's model and TP size (`plan_decoding`: weights in the decode dtype, bf16
@@ -77,15 +78,22 @@ def main(argv: list[str] | None = None) -> int:
     from pipeline.training.memory_plan import format_plan, plan_decoding, plan_for_run
     try:
         cfg = load_config(args.config, args.overrides)
+        import os
+        tp = int(cfg.train.tensor_parallel_size)
         if args.world_size is not None:
             ws = args.world_size
         elif args.nodes is not None:
             ws = args.nodes * args.gpus_per_node
-        else:
+        elif any(os.environ.get(k) for k in ("WORLD_SIZE", "SLURM_NTASKS")):
             ws = _world_size_from_env()
+        elif tp > 1:
+            raise ConfigError(f"no world size given and train.tensor_parallel_size={tp} needs "
+                              f"more than 1 GPU: pass --nodes N [--gpus-per-node G] (G defaults "
+                              f"to 8) or --world-size W")
+        else:
+            ws = 1
         if ws < 1 or args.gpus_per_node < 1:
             raise ConfigError(f"world size must be >= 1, got {ws}")
-        tp = int(cfg.train.tensor_parallel_size)
         if tp < 1 or ws % tp:
             raise ConfigError(f"train.tensor_parallel_size={tp} does not divide the world size {ws}")
         if int(cfg.train.micro_batch_size) < 1:

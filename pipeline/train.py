@@ -124,6 +124,7 @@ class Trainer:
         self.cfg, self.plan = cfg, plan
         self.signal_received = 0
         self.run_lock = None          # pipeline.runlock.RunLock (rank 0)
+        self.plan_lines: list[str] = []   # the memory plan, printed once the run lock is held
         self.monitor = None           # pipeline.monitor.Monitor (metrics.jsonl, wandb), set up in setup()
         self.watchdog = None          # pipeline.training.watchdog.Watchdog, started in setup()
         self.state = TrainState()
@@ -189,6 +190,8 @@ class Trainer:
         self.console = ConsoleLog(cfg.train.max_steps, cfg.train.log_interval)
         self._check_write_access()
         self._lock_run_dir()
+        if self.is_rank0 and self.plan_lines:  # after the lock: a refused job prints only that
+            print("\n".join(self.plan_lines), file=sys.stderr, flush=True)
         self._start_watchdog()
 
         # Resume decided before building: a resumed run does not need initial weights.
@@ -826,18 +829,22 @@ def _lost_peer(e: BaseException) -> str | None:
     return f"gloo: {first}" if "gloo" in text else first
 
 
-def _memory_check(cfg, plan, rank0: bool) -> None:
-    """Print the per-GPU memory plan (rank 0, `pipeline.training.memory_plan`) and, on CUDA,
-    refuse a plan above the device's memory before anything is built or loaded
-    (`train.memory_check`: error / warn / off; `train.gpu_memory_gib` or the CUDA device's
-    total memory; no check on the CPU).
+def _memory_check(cfg, plan, rank0: bool) -> list[str]:
+    """The per-GPU memory plan (`pipeline.training.memory_plan`) and, on CUDA, the refusal of a
+    plan above the device's memory before anything is built or loaded (`train.memory_check`:
+    error / warn / off; `train.gpu_memory_gib` or the CUDA device's total memory; no check on
+    the CPU).
 
+    Returns:
+        The lines rank 0 prints once it holds the run lock (`Trainer.setup`): the plan, and
+        with `warn` the warning line; [] on other ranks and with `off`.
     Raises:
-        ConfigError: `train.memory_check=error` and the plan exceeds the memory (one line).
+        ConfigError: `train.memory_check=error` and the plan exceeds the memory (one line; rank
+            0 prints the plan first, as the refusal's reasons).
     """
     mode = str(cfg.train.memory_check)
     if mode == "off":
-        return
+        return []
     import torch
 
     from pipeline.config import ConfigError
@@ -851,19 +858,19 @@ def _memory_check(cfg, plan, rank0: bool) -> None:
     mp = plan_for_run(cfg, tp=plan.tp_size, dp=plan.dp_size, model_fields=plan.model_fields,
                       row_length=plan.row_length, device="cuda" if cuda else "cpu",
                       gpu_bytes=gpu_bytes if cuda else None)
-    if rank0:
-        # not prefixed "pipeline.": those lines are the job's outcome (errors, warnings)
-        print("\n".join(format_plan(mp)), file=sys.stderr, flush=True)
+    # not prefixed "pipeline.": those lines are the job's outcome (errors, warnings)
+    lines = format_plan(mp) if rank0 else []
     if not cuda or gpu_bytes is None or mp.total <= gpu_bytes:
-        return
+        return lines
     line = (f"train.memory_check: the memory plan needs {mp.total / GIB:.1f} GiB per GPU, more "
             f"than the {gpu_bytes / GIB:.1f} GiB the GPU has (largest micro-batch that fits: "
             f"{mp.max_micro_batch}); lower train.micro_batch_size or data.max_length, set "
             f"train.activation_checkpointing, or train.memory_check=warn to run anyway")
     if mode == "error":
+        if rank0:
+            print("\n".join(lines), file=sys.stderr, flush=True)
         raise ConfigError(line)
-    if rank0:
-        print(f"pipeline.train: warning: {line}", file=sys.stderr, flush=True)
+    return lines + ([f"pipeline.train: warning: {line}"] if rank0 else [])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -878,7 +885,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         plan = validate(cfg)
-        _memory_check(cfg, plan, rank0)
+        plan_lines = _memory_check(cfg, plan, rank0)
     except ConfigError as e:
         # Before any process group: under torchrun / pipeline.launch the agent's store dedupes
         # (so a config error only one rank sees is still printed, once); otherwise rank 0 prints.
@@ -895,6 +902,7 @@ def main(argv: list[str] | None = None) -> int:
     from pipeline.monitor import MonitorError
     from pipeline.parallel import RendezvousError
     trainer = Trainer(cfg, plan)
+    trainer.plan_lines = plan_lines
     try:
         trainer.setup()
         code = trainer.run()

@@ -229,6 +229,20 @@ def test_shipped_run_configs_validate(tmp_path, data_dir):
                                                           "data.num_workers=1"]), world_size=32)
     assert (plan.tp_size, plan.dp_size, plan.grad_accum_steps) == (2, 16, 4)
     assert plan.model_fields["recompute"] == "full" and plan.row_length == 4096
+    # the dual-stream recipe (docs/EXPERIMENTS.md run 5's dual_refusion_ar16) at the 8B shape:
+    # rows of 2 x 4096 tokens, half the rows, so the tokens per step of the paper's config
+    cfg = load_config("configs/qwen3_8b_dual.yaml", [f"data.dir={data_dir}", f"init.hf_path={hf}",
+                                                      "data.num_workers=1"])
+    dual = validate(cfg, world_size=32)
+    assert (dual.tp_size, dual.dp_size, dual.grad_accum_steps) == (2, 16, 4)
+    assert (cfg.objective.mode, cfg.objective.dual_masking, cfg.objective.ar_weight) == (
+        "dual", "refusion", 16)
+    assert dual.row_length == 8192 and dual.model_fields == plan.model_fields
+    assert dual.global_batch_size * dual.row_length == plan.global_batch_size * plan.row_length
+    from omegaconf import OmegaConf
+
+    from pipeline.objective import ObjectiveConfig
+    ObjectiveConfig(**OmegaConf.to_container(cfg.objective, resolve=True))   # the trainer's check
 
 
 def _enum_spellings() -> set[tuple[str, str]]:

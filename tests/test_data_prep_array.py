@@ -238,7 +238,8 @@ def test_refusals_name_the_input_part_or_shard(setup, capsys, tmp_path):
     shard_file.write_bytes(bytes(data))
     code, err = _main(capsys, "merge", "--output", good)
     assert code == 2 and len(err.strip().splitlines()) == 1
-    assert f"shard {shard_file}: sha256 " in err and "does not match" in err
+    assert f"shard {shard_file}: sample " in err and "does not match its digest" in err
+    assert "verify_shards" not in err
     assert "--unit 2 --overwrite" in err
 
 

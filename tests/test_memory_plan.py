@@ -173,9 +173,25 @@ def test_cli_qwen3_8b_model_states_and_fit():
     assert lines["AdamW moments (fp32)"] == pytest.approx(8 * per_rank / 16 / 2 ** 30, abs=0.01)
     assert lines["fp32 master weights"] == pytest.approx(4 * per_rank / 16 / 2 ** 30, abs=0.01)
     assert "recompute full" in r.stdout and "largest micro-batch that fits" in r.stdout
+    # ZeRO-3's gathered weights: DeepSpeed's limits (1e9 elements) + the largest weight, the
+    # head's TP shard V / 2 x h, in bf16 (not every layer summed as one module)
+    head = cfg.vocab_size // 2 * cfg.hidden_size
+    assert lines["ZeRO-3 gathered + prefetched params"] == pytest.approx(
+        2 * (10 ** 9 + head) / 2 ** 30, abs=0.01)
+    # the CUDA context and NCCL's buffers of the world, TP and DP communicators
+    from pipeline.training.memory_plan import CUDA_CONTEXT_BYTES, NCCL_BYTES_PER_COMMUNICATOR
+    assert lines["CUDA context + NCCL buffers (3 communicators; allowance)"] == pytest.approx(
+        (CUDA_CONTEXT_BYTES + 3 * NCCL_BYTES_PER_COMMUNICATOR) / 2 ** 30, abs=0.01)
+    assert 0.5 < NCCL_BYTES_PER_COMMUNICATOR / 2 ** 30 < 0.6
     r = _cli("--config", "configs/qwen3_8b.yaml", "--nodes", "4", "--gpu-memory", "80",
              "train.activation_checkpointing=none", "train.micro_batch_size=8")
     assert r.returncode == 1 and "does NOT fit" in r.stdout
+    # the dual-stream recipe at the same shape: 2 rows of 8192 tokens, the dense SDPA mask
+    r = _cli("--config", "configs/qwen3_8b_dual.yaml", "--nodes", "4", "--gpus-per-node", "8",
+             "--gpu-memory", "80")
+    assert r.returncode == 0 and "fits in 80.0 GiB" in r.stdout, r.stdout + r.stderr
+    assert "TP 2 x DP 16" in r.stdout and "micro-batch 2 x 8192 tokens" in r.stdout
+    assert "attention mask (dense SDPA)" in r.stdout
 
 
 def test_cli_bad_input_is_one_line_exit_2():
@@ -184,6 +200,19 @@ def test_cli_bad_input_is_one_line_exit_2():
     assert "train.no_such_key" in r.stderr
     r = _cli("--config", "configs/qwen3_8b.yaml", "--world-size", "3")
     assert r.returncode == 2 and "tensor_parallel_size=2" in r.stderr
+    # no world size at all on a TP config: the flags are named, not "world size 1"
+    import os
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "SLURM_NTASKS")}
+    r = subprocess.run([sys.executable, "-m", "pipeline.plan_memory", "--config",
+                        "configs/qwen3_8b.yaml"], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "--nodes" in r.stderr and "--gpus-per-node" in r.stderr
+    assert "world size 1" not in r.stderr
+    r = subprocess.run([sys.executable, "-m", "pipeline.plan_memory", "--config",
+                        "configs/qwen3_8b.yaml", "--device", "cpu", "--nodes", "1"], cwd=ROOT,
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "CUDA context" not in r.stdout, r.stderr   # CUDA only
 
 
 def test_trainer_prints_the_plan_and_refuses_before_building(tmp_path, monkeypatch, capsys):
@@ -202,12 +231,40 @@ def test_trainer_prints_the_plan_and_refuses_before_building(tmp_path, monkeypat
     refusal = [ln for ln in err.splitlines() if "config error" in ln]
     assert len(refusal) == 1 and "train.memory_check" in refusal[0] and "GiB" in refusal[0]
     from pipeline.config import load_config, validate
-    cfg = load_config(config, [*base, "train.memory_check=warn"])
-    train._memory_check(cfg, validate(cfg), True)
-    assert "warning: train.memory_check" in capsys.readouterr().err
+    cfg = load_config(config, [*base, "train.memory_check=warn"])   # printed once locked
+    lines = train._memory_check(cfg, validate(cfg), True)
+    assert "memory plan per GPU" in lines[0] and "warning: train.memory_check" in lines[-1]
     cfg = load_config(config, [*base, "train.memory_check=off"])
-    train._memory_check(cfg, validate(cfg), True)
+    assert train._memory_check(cfg, validate(cfg), True) == []
     assert capsys.readouterr().err == ""
+
+
+def test_trainer_prints_the_plan_only_once_it_holds_the_run_lock(tmp_path):
+    """A second job on a live run directory prints its one-line refusal and not the memory
+    plan (the plan is printed after the run lock is taken); a job that gets the lock prints it."""
+    import os
+    import socket
+    config = _config(tmp_path)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_JOB_ID")}
+    run_dir = tmp_path / "live"
+    run_dir.mkdir()
+    (run_dir / "run.lock").write_text(json.dumps({   # held by this (live) test process
+        "host": socket.gethostname(), "pid": os.getpid(), "slurm_job_id": None,
+        "token": "x"}) + "\n")
+
+    def train(run):
+        return subprocess.run([sys.executable, "-m", "pipeline.train", "--config", config,
+                               f"run_dir={run}", "train.max_steps=1"], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=600)
+    r = train(run_dir)
+    assert r.returncode == 2, r.stderr[-3000:]
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("pipeline.train: error: "), r.stderr[-3000:]
+    assert "is in use by another job" in lines[0]
+    r = train(tmp_path / "free")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "memory plan per GPU" in r.stderr
 
 
 def test_plan_matches_measured_bf16_dp1_every_recompute_mode(tmp_path):
@@ -215,3 +272,81 @@ def test_plan_matches_measured_bf16_dp1_every_recompute_mode(tmp_path):
     copies RMSNorm makes of a bf16 input."""
     for rec in _run(tmp_path, 1, 1, ("none", "selective", "full"), precision="bf16")[0].values():
         _check(rec)
+
+
+def _gathered(rank, world_size, config, run_dir, cases):
+    """Per case (name, overrides): the most partitioned weight elements DeepSpeed holds
+    gathered at once during the second step (the first records its trace), read from each
+    weight's `ds_status` before every op of the step, and the plan's figure."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from pipeline.config import load_config, validate
+    from pipeline.parallel import destroy_distributed
+    from pipeline.train import Trainer
+    from pipeline.training.memory_plan import GIB, plan_for_run
+    out = {}
+    for name, overrides in cases:
+        cfg = load_config(config, [f"run_dir={run_dir}/{name}", "train.zero_stage=3",
+                                   "model.inline.num_layers=4", *overrides])
+        plan = validate(cfg)
+        trainer = Trainer(cfg, plan)
+        peak = [0]
+        try:
+            trainer.setup()
+            trainer.train_step()
+            weights = [p for p in trainer.engine.module.parameters() if not p.ds_persist]
+
+            class Gathered(TorchDispatchMode):
+                def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                    peak[0] = max(peak[0], sum(p.ds_numel for p in weights
+                                               if p.ds_status != ZeroParamStatus.NOT_AVAILABLE))
+                    return func(*args, **(kwargs or {}))
+            with Gathered():
+                trainer.train_step()
+            partitioned = sum(p.ds_numel for p in weights)
+        finally:
+            it = getattr(trainer, "_train_iter", None)
+            if it is not None:
+                it.close()
+            if trainer.run_lock is not None:
+                trainer.run_lock.release()
+            destroy_distributed()
+        mp = plan_for_run(cfg, tp=plan.tp_size, dp=plan.dp_size, model_fields=plan.model_fields,
+                          row_length=plan.row_length, device="cpu", gpu_bytes=GIB)
+        e = 4   # fp32
+        out[name] = {"measured": peak[0], "partitioned": partitioned,
+                     "planned": mp.components["ZeRO-3 gathered + prefetched params"] // e}
+    return out
+
+
+def test_zero3_gathered_weights_match_deepspeed():
+    """The plan's ZeRO-3 gathered weights against DeepSpeed's own (a 4-layer model, fp32):
+    with the default limits every partitioned weight is gathered at the forward/backward turn,
+    also with a small max_live_parameters while max_reuse_distance keeps them; with both
+    limits small, the gathered set stays within 10% below max(limits) + the largest weight
+    (`pipeline.training.memory_plan.zero3_gathered_elements`)."""
+    import tempfile
+
+    from distributed import run_distributed
+    cases = (("defaults", ("train.activation_checkpointing=full",)),
+             ("live_60k", ("train.activation_checkpointing=none",
+                           "deepspeed.max_live_parameters=60000")),
+             ("live_30k_reuse_20k", ("train.activation_checkpointing=full",
+                                     "deepspeed.max_live_parameters=30000",
+                                     "deepspeed.max_reuse_distance=20000")),
+             ("live_30k_reuse_1", ("train.activation_checkpointing=none",
+                                   "deepspeed.max_live_parameters=30000",
+                                   "deepspeed.max_reuse_distance=1")))
+    with tempfile.TemporaryDirectory() as tmp:
+        from pathlib import Path
+        config = _config(Path(tmp))
+        res = run_distributed(_gathered, 1, (config, tmp, cases))[0]
+    for name, rec in res.items():
+        print(name, rec)
+    for name in ("defaults", "live_60k"):
+        assert res[name]["measured"] == res[name]["partitioned"] == res[name]["planned"], res
+    for name in ("live_30k_reuse_20k", "live_30k_reuse_1"):
+        rec = res[name]
+        assert rec["measured"] < rec["partitioned"] / 3, res   # the limits bind
+        assert 0.9 * rec["planned"] <= rec["measured"] <= rec["planned"], res

@@ -21,6 +21,7 @@ import pytest
 from data_prep import shard
 from pipeline.data import DataError, build_loader
 from pipeline.data import sample_index
+from pipeline.data.format import CHECKSUM_FIELD, manifest_checksum
 from pipeline.objective import ObjectiveConfig
 from shard_fixtures import random_samples, write_shards
 from test_data_prep import QA_ROWS, corpus_dir, spm_model, write_jsonl  # noqa: F401 (fixtures)
@@ -134,7 +135,7 @@ def test_merged_array_folder_has_checked_indexes(tmp_path, capsys):
     capsys.readouterr()
     assert run("merge", "--output", out) == 2
     err = capsys.readouterr().err.strip()
-    assert "\n" not in err and victim.name in err and "sha256 differs" in err
+    assert "\n" not in err and victim.name in err and "sha256" in err and "does not match" in err
 
 
 @pytest.fixture
@@ -205,7 +206,9 @@ def test_missing_index_is_one_line_and_shard_index_mends_it(tmp_path, capsys):
     assert "3 sample index(es) written, 0 already valid" in capsys.readouterr().err
     for p in sorted(ref.glob("*.idx")):  # the same bytes as indexes written with the shards
         assert (old / p.name).read_bytes() == p.read_bytes()
-    assert json.loads((old / "manifest.json").read_text()) == json.loads((ref / "manifest.json").read_text())
+    got = json.loads((old / "manifest.json").read_text())   # `shard.py index` adds the checksum
+    assert got.pop(CHECKSUM_FIELD) == manifest_checksum(got)
+    assert got == json.loads((ref / "manifest.json").read_text())
     check_folder(old)
     a = _keys_and_tokens(build_loader(str(old), "train", 2, 30, num_workers=0, infinite=False, seed=1))
     b = _keys_and_tokens(build_loader(str(ref), "train", 2, 30, num_workers=0, infinite=False, seed=1))
@@ -274,9 +277,12 @@ def test_shard_index_upgrades_version_1_indexes(tmp_path, capsys, monkeypatch):
         assert (old / p.name.replace(".idx", ".v3.idx")).read_bytes() == p.read_bytes()
         assert (old / p.name).read_bytes()[7] == 1  # the version-1 file, left in place
     want = json.loads((ref / "manifest.json").read_text())
+    want.pop(CHECKSUM_FIELD, None)
     for e in want["splits"]["train"]:
         e["index"]["name"] = e["index"]["name"].replace(".idx", ".v3.idx")
-    assert json.loads((old / "manifest.json").read_text()) == want
+    got = json.loads((old / "manifest.json").read_text())   # `shard.py index` adds the checksum
+    assert got.pop(CHECKSUM_FIELD) == manifest_checksum(got)
+    assert got == want
     calls.clear()
     shard_io._VERIFIED.clear()
     shard_io._NOTED_V1.clear()

@@ -410,7 +410,8 @@ def test_damaged_tar_is_not_called_truncated(tmp_path):
 
 
 def test_streamed_reader_checks_digests(tmp_path, capsys):
-    """`iter_shard_samples` (pipeline.evaluate's reader) hashes what it streams."""
+    """`iter_shard_samples` (pipeline.evaluate's reader) checks each sample it streams against
+    its digest (version-2 index): the damaged sample is named."""
     d = make_folder(tmp_path / "shards", n=25, per_shard=10)
     entries = json.loads((d / "manifest.json").read_text())["splits"]["train"]
     got = list(shard_io.iter_shard_samples(str(d), entries))
@@ -424,6 +425,103 @@ def test_streamed_reader_checks_digests(tmp_path, capsys):
     shard.write_bytes(bytes(blob))
     with pytest.raises(DataError) as e:
         list(shard_io.iter_shard_samples(str(d), entries))
-    assert "\n" not in str(e.value) and f"shard {shard}: sha256" in str(e.value)
+    assert "\n" not in str(e.value) and f"shard {shard}: sample train0000012 (#2 of the shard)" \
+        in str(e.value), str(e.value)
     assert len(list(shard_io.iter_shard_samples(str(d), entries, verify="warn"))) == 25
     assert capsys.readouterr().err.count("warning: shard") == 1
+
+
+def _qa_reference(folder: Path, split: str = "train") -> list[tuple[int, dict]]:
+    """(global sample number, example) of every query/response segment of `split`, read with
+    tarfile straight from the shards in manifest order (no checks)."""
+    import io
+    out, n = [], 0
+    for e in json.loads((folder / "manifest.json").read_text())["splits"][split]:
+        with tarfile.open(folder / e["name"]) as tf:
+            files = {m.name: tf.extractfile(m).read() for m in tf.getmembers()}
+        for key in sorted({name.split(".")[0] for name in files}):
+            toks = np.load(io.BytesIO(files[f"{key}.tokens.npy"])).tolist()
+            for seg in json.loads(files[f"{key}.json"])["segments"]:
+                a, p = seg["start"], seg["prompt_length"]
+                if p > 0:
+                    out.append((n, {"prompt_ids": toks[a:a + p],
+                                    "reference_ids": toks[a + p:seg["end"]]}))
+            n += 1
+    return out
+
+
+@pytest.mark.parametrize("index_version", [2, 1])
+def test_shard_qa_examples_checks_every_sample_it_returns(tmp_path, index_version):
+    """`shard_qa_examples` (pipeline.evaluate's examples) checks each sample it returns, also
+    when `limit` stops it inside a shard: a damaged sample among those returned is refused in
+    one line; one after the limit is read only with version-1 indexes (the shard is hashed
+    whole before its first sample) and refused there, not seen with per-sample digests."""
+    from pipeline.inference.evaluation import shard_qa_examples
+    d = make_folder(tmp_path / "shards", n=30, per_shard=10, index_version=index_version)
+    ref = _qa_reference(d)
+    limit = next(i for i, (n, _) in enumerate(ref) if n >= 13) + 1   # ends in shard 1
+    last = ref[limit - 1][0]                                        # its sample, 3 <= last % 10
+    assert 13 <= last < 19 and ref[limit][0] > last
+    assert shard_qa_examples(str(d), "train", limit) == [ex for _, ex in ref[:limit]]
+    shard = d / "train-000001.tar"
+    clean = shard.read_bytes()
+    for damaged, refused in ((last, True), (last + 1, index_version == 1)):
+        blob = bytearray(clean)
+        blob[_token_offset(shard, damaged - 10)] ^= 4
+        shard.write_bytes(bytes(blob))
+        shard_io._VERIFIED.clear()
+        if refused:
+            with pytest.raises(DataError) as e:
+                shard_qa_examples(str(d), "train", limit)
+            msg = str(e.value)
+            assert "\n" not in msg and f"shard {shard}" in msg, msg
+            if index_version == 2:
+                assert f"sample train{damaged:07d} (#{damaged - 10} of the shard)" in msg, msg
+        else:
+            assert shard_qa_examples(str(d), "train", limit) == [ex for _, ex in ref[:limit]]
+        assert len(shard_qa_examples(str(d), "train", limit, verify="off")) == limit
+    shard.write_bytes(clean)
+
+
+def test_manifest_checksum_refuses_an_edited_manifest(tmp_path, spm_model, capsys):
+    """Data prep records manifest.json's sha256 of its own canonical JSON; a flipped digit of
+    `tokenizer.mask_id` or `max_length` is refused in one line naming the file (the loader and
+    the CLIs exit 2, as for any data error), a re-indented one is not; a manifest without the
+    field (older folders) loads, and `shard.py index` adds the field."""
+    from data_prep import cli, shard
+    src = tmp_path / "qa.jsonl"
+    src.write_text("".join(json.dumps({"query": f"q{i}", "response": f"r{i} " * (i % 5 + 1)})
+                           + "\n" for i in range(30)))
+    out = tmp_path / "out"
+    assert cli.main(["--input", str(src), "--output", str(out), "--tokenizer", spm_model,
+                     "--max-length", "64", "--no-progress"]) == 0
+    mpath = out / "manifest.json"
+    text = mpath.read_text()
+    m = json.loads(text)
+    body = {k: v for k, v in m.items() if k != "manifest_sha256"}   # written out independently
+    want = hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":"),
+                                     ensure_ascii=False).encode()).hexdigest()
+    assert m["manifest_sha256"] == want
+    assert shard_io.read_manifest(str(out)) == m
+    mpath.write_text(json.dumps(m, indent=4, sort_keys=True))   # layout only: still loads
+    assert shard_io.read_manifest(str(out)) == m
+    mask_id, max_length = m["tokenizer"]["mask_id"], m["max_length"]
+    for old, new in ((f'"mask_id": {mask_id}', f'"mask_id": {mask_id + 1}'),
+                     (f'\n "max_length": {max_length}', f'\n "max_length": {max_length * 10}')):
+        assert text.count(old) == 1
+        mpath.write_text(text.replace(old, new))
+        for read in (lambda: shard_io.read_manifest(str(out)),
+                     lambda: build_loader(str(out), "train", 2, 1024, num_workers=0)):
+            with pytest.raises(DataError) as e:
+                read()
+            msg = str(e.value)
+            assert "\n" not in msg and str(mpath) in msg and "manifest_sha256" in msg, msg
+        capsys.readouterr()
+        assert shard.main(["index", str(out)]) == 2   # not blessed by `shard.py index`
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "manifest_sha256" in err, err
+    del m["manifest_sha256"]   # a folder from before the checksum: loads unchecked
+    mpath.write_text(json.dumps(m, indent=1))
+    assert shard_io.read_manifest(str(out)) == m
+    assert shard.main(["index", str(out)]) == 0
+    assert json.loads(mpath.read_text())["manifest_sha256"] == want

@@ -32,8 +32,14 @@ samples of a window, in a shuffled order):
   process reads each shard it touches once more, whole (1 + P reads of the data with P
   processes; a start-up that grows with the shard size). The loader notes this once and names
   `python data_prep/shard.py index DIR`, which upgrades the indexes to version 2.
+- Read front to back (`iter_shard_samples`: evaluation's examples, `shard.py merge`), the same
+  checks in read order: the index and size when a shard is opened, then each sample against its
+  digest before it is handed out (version 2), or the whole shard hashed before its first sample
+  (version 1); so a reader that stops early has checked every sample it returned.
 - Manifests without a `sha256` / `bytes` entry (older or hand-written ones) are not checked
   against them; the digests of a version-2 index are checked all the same.
+- manifest.json itself: its recorded checksum of its own content (`read_manifest`,
+  `pipeline.data.format.CHECKSUM_FIELD`), when it has one.
 Sample indexes' layout and offsets are checked in every mode, `off` included. A shard damaged
 in its tar structure is reported in one line in every mode.
 """
@@ -45,12 +51,14 @@ import sys
 
 from pipeline.common.fs import missing_fs_package
 from pipeline.data import sample_index
-from pipeline.data.format import FORMAT_VERSION, MANIFEST, DataError
+from pipeline.data.format import (CHECKSUM_FIELD, FORMAT_VERSION, MANIFEST, DataError,
+                                  manifest_checksum)
 
 VERIFY_MODES = ("error", "warn", "off")
 _BLOCK = 8 << 20
 _VERIFIED: set = set()   # (protocol, path, expected sha256 or size) checked in this process
 _WARNED: set = set()
+_TRAIN_HINT = " (data.verify_shards=warn|off trains on it anyway)"
 _SAMPLE_WARNED: set = set()   # (protocol, shard path): warned of a sample digest mismatch
 
 
@@ -88,7 +96,9 @@ def read_manifest(data_dir: str) -> dict:
         The manifest dict.
 
     Raises:
-        DataError: missing/unreadable manifest, unknown format_version, missing fields.
+        DataError: missing/unreadable manifest, unknown format_version, missing fields, or a
+            recorded checksum (`pipeline.data.format.CHECKSUM_FIELD`) that its content no
+            longer matches (a manifest without one, written before it existed, is not checked).
     """
     fs, root = open_fs(data_dir)  # one-line DataError for a missing fsspec package
     path = f"{root}/{MANIFEST}"
@@ -101,6 +111,17 @@ def read_manifest(data_dir: str) -> dict:
         raise DataError(f"{path}: unreadable manifest ({e})") from None
     if not isinstance(manifest, dict):
         raise DataError(f"{path}: expected a JSON object")
+    if CHECKSUM_FIELD in manifest:
+        want = manifest[CHECKSUM_FIELD]
+        try:
+            got = manifest_checksum(manifest)
+        except TypeError:   # json.loads gives JSON values only; kept for hand-made dicts
+            got = None
+        if got != want:
+            raise DataError(f"{path}: content does not match its {CHECKSUM_FIELD} (edited or "
+                            "damaged after data prep: a changed value such as tokenizer.mask_id "
+                            "or max_length would mislead the trainer); restore it or rerun "
+                            "data_prep/shard.py")
     if manifest.get("format_version") != FORMAT_VERSION:
         raise DataError(f"{path}: format_version {manifest.get('format_version')!r} is not "
                         f"supported (expected {FORMAT_VERSION})")
@@ -189,7 +210,7 @@ def _report(msg: str, mode: str, seen: set, key, note: str = "") -> None:
 
 
 def verify_shard(fs, path: str, expected: str | None, mode: str,
-                 expected_bytes: int | None = None, others=()) -> None:
+                 expected_bytes: int | None = None, others=(), training: bool = True) -> None:
     """Check the sha256 of shard `path` against `expected` (manifest.json), once per process.
 
     Args:
@@ -199,6 +220,7 @@ def verify_shard(fs, path: str, expected: str | None, mode: str,
         expected_bytes: its `bytes` in manifest.json, for the message.
         others: (shard name, sha256) pairs of the split's shards (read only on a mismatch),
             to name a swapped shard.
+        training: the message names `data.verify_shards` (False: a reader outside training).
 
     Raises:
         DataError: (mode "error") one line naming the shard, both digests and the likely cause
@@ -225,12 +247,12 @@ def verify_shard(fs, path: str, expected: str | None, mode: str,
     else:
         why = "same size, different bytes: damaged in place (bit flip, bad copy?)"
     msg = (f"shard {path}: sha256 {got[:16]}... does not match manifest.json ({expected[:16]}...): "
-           f"{why}; re-copy the shard or rerun data_prep/shard.py (data.verify_shards=warn|off "
-           "trains on it anyway)")
+           f"{why}; re-copy the shard or rerun data_prep/shard.py{_TRAIN_HINT if training else ''}")
     _report(msg, mode, _WARNED, key)
 
 
-def check_shard_size(fs, path: str, expected_bytes: int | None, mode: str, others=()) -> None:
+def check_shard_size(fs, path: str, expected_bytes: int | None, mode: str, others=(),
+                     training: bool = True) -> None:
     """Check the size of shard `path` against manifest.json, once per process (one stat): the
     open-time check of a shard whose sample index has digests (version 2).
 
@@ -240,6 +262,7 @@ def check_shard_size(fs, path: str, expected_bytes: int | None, mode: str, other
         mode: "error" (raise), "warn" (one `warning:` line on stderr, once per shard) or "off".
         others: (shard name, bytes) pairs of the split's shards, read only on a mismatch, to
             name a swapped shard.
+        training: as `verify_shard`.
 
     Raises:
         DataError: (mode "error") one line naming the shard, both sizes and the likely cause
@@ -267,13 +290,13 @@ def check_shard_size(fs, path: str, expected_bytes: int | None, mode: str, other
         why = f"{size} bytes, manifest.json says {expected_bytes}: changed after data prep"
     if other:
         why += f"; its size is that of shard {other} of the manifest (swapped or renamed shards?)"
-    msg = (f"shard {path}: {why}; re-copy the shard or rerun data_prep/shard.py "
-           "(data.verify_shards=warn|off trains on it anyway)")
+    msg = (f"shard {path}: {why}; re-copy the shard or rerun data_prep/shard.py"
+           f"{_TRAIN_HINT if training else ''}")
     _report(msg, mode, _WARNED, key)
 
 
 def check_sample(fs, path: str, sample: int, key: str, data, expected: int, mode: str,
-                 index_name: str = "", swapped_with=None) -> None:
+                 index_name: str = "", swapped_with=None, training: bool = True) -> None:
     """Check the bytes of one sample read from shard `path` against the digest its version-2
     sample index records (`pipeline.data.sample_index.sample_digest`).
 
@@ -289,6 +312,7 @@ def check_sample(fs, path: str, sample: int, key: str, data, expected: int, mode
         swapped_with: None, or a callable returning the name of another shard of the manifest
             whose index records these bytes at this position (or None); called only on a
             mismatch, to name a swapped shard.
+        training: as `verify_shard`.
 
     Raises:
         DataError: (mode "error") on a mismatch: one line naming the shard, the sample's key
@@ -310,7 +334,7 @@ def check_sample(fs, path: str, sample: int, key: str, data, expected: int, mode
                "flip, bad copy) or replaced by another file of the same size")
     msg = (f"shard {path}: sample {key} (#{sample} of the shard) does not match its digest in "
            f"{index_name or 'its sample index'}: {why}; re-copy the shard or rerun "
-           "data_prep/shard.py (data.verify_shards=warn|off trains on it anyway)")
+           f"data_prep/shard.py{_TRAIN_HINT if training else ''}")
     _report(msg, mode, _SAMPLE_WARNED, wkey, " (further mismatches in this shard are not reported)")
 
 
@@ -397,40 +421,88 @@ def read_sample_index(fs, root: str, entry: dict, mode: str, with_layout: bool =
                                entry.get("samples"), entry.get("bytes"), with_layout=with_layout)
 
 
-class _HashingReader:
-    """Read-only file wrapper that hashes every byte read, in order (sequential readers)."""
+class _KeepingReader:
+    """Read-only file wrapper for sequential readers that keeps the bytes read from offset
+    `kept_from` on (`keep`), so a sample's byte range can be digested once the tar reader has
+    passed it."""
 
-    def __init__(self, f):
-        self.f, self.sha, self.n = f, hashlib.sha256(), 0
+    def __init__(self, f, keep: bool = False):
+        self.f, self.n = f, 0
+        self.keep, self.buf, self.kept_from = keep, bytearray(), 0
 
     def read(self, size: int = -1) -> bytes:
         data = self.f.read(size)
-        self.sha.update(data)
         self.n += len(data)
+        if self.keep:
+            self.buf += data
         return data
+
+    def range(self, start: int, end: int) -> bytes:
+        """Bytes `[start, end)` of the file (kept ones); drops those before `start`."""
+        if start < self.kept_from or end > self.n:
+            raise EOFError(f"bytes [{start}, {end}) are not where the sample index says")
+        del self.buf[:start - self.kept_from]
+        self.kept_from = start
+        return bytes(self.buf[:end - start])
+
+
+def _digest_index(fs, root: str, entry: dict, verify: str):
+    """The version-2 sample index of shard `entry` (checked as `read_sample_index`) when its
+    manifest entry names one and `verify` is on, else None."""
+    ix = entry.get("index")
+    if verify == "off" or not isinstance(ix, dict) or not isinstance(ix.get("name"), str) \
+            or int(ix.get("version", sample_index.VERSION_1)) != sample_index.VERSION:
+        return None
+    idx = read_sample_index(fs, root, entry, verify)
+    return idx if sample_index.version_of(idx) == sample_index.VERSION else None
 
 
 def iter_shard_samples(data_dir: str, entries: list[dict], verify: str = "error"):
     """Samples of shards read front to back: yields `{"__key__": key, ext: bytes, ...}`.
 
+    Every sample is checked before it is yielded, as the loader checks what it reads
+    (`data.verify_shards` semantics), so a reader that stops early has checked all it got: a
+    shard whose manifest entry names a version-2 sample index has its index (sha256) and size
+    checked when it is opened and each sample's bytes against its digest (`check_sample`); any
+    other shard with a recorded `sha256` is hashed whole before its first sample
+    (`verify_shard`, once per process).
+
     Args:
         data_dir: the shard folder (local path or fsspec URL).
-        entries: manifest.json entries of the shards (`name`, optionally `sha256`, `bytes`).
-        verify: as `verify_shard`; the bytes are hashed as they are streamed, and a shard read
-            to its end is compared with its `sha256` (a reader that stops early checks nothing
-            for that shard).
+        entries: manifest.json entries of the shards (`name`, optionally `sha256`, `bytes`,
+            `index`).
+        verify: "error" (raise), "warn" (one `warning:` line per shard, go on) or "off"
+            (nothing checked but the tar structure).
 
     Raises:
-        DataError: one line: missing filesystem package, missing/unreadable/damaged shard, or
-            (verify "error") a digest mismatch.
+        DataError: one line: missing filesystem package, missing/unreadable/damaged shard or
+            sample index, or (verify "error") a size or digest mismatch.
     """
     import tarfile
     fs, root = open_fs(data_dir)
     for e in entries:
         path = f"{root}/{e['name']}"
+        idx = _digest_index(fs, root, e, verify)
+        if idx is not None:
+            check_shard_size(fs, path, e.get("bytes"), verify, training=False)
+        else:
+            verify_shard(fs, path, e.get("sha256"), verify, e.get("bytes"), training=False)
+        index_name = (e.get("index") or {}).get("name", "")
+        count = 0
+
+        def checked(sample: dict, r) -> dict:
+            if idx is not None:
+                if count >= len(idx):
+                    raise _error(f"shard {path}: more samples than its sample index's {len(idx)}")
+                rec = idx[count]
+                end = int(sample_index.sample_end(idx[count:count + 1])[0])
+                raw = r.range(int(rec["start"]), end)
+                check_sample(fs, path, count, sample["__key__"], raw, int(rec["digest"]), verify,
+                             index_name, training=False)
+            return sample
         try:
             with fs.open(path, "rb") as f:
-                r = _HashingReader(f)
+                r = _KeepingReader(f, keep=idx is not None)
                 sample: dict = {}
                 with tarfile.open(fileobj=r, mode="r|") as tf:
                     for m in tf:
@@ -438,24 +510,20 @@ def iter_shard_samples(data_dir: str, entries: list[dict], verify: str = "error"
                             continue
                         key, _, ext = m.name.partition(".")
                         if sample and key != sample["__key__"]:
-                            yield sample
+                            yield checked(sample, r)
+                            count += 1
                             sample = {}
                         sample["__key__"] = key
                         sample[ext] = tf.extractfile(m).read()
                 if sample:
-                    yield sample
+                    yield checked(sample, r)
                 while r.read(_BLOCK):  # the end-of-archive padding
                     pass
         except FileNotFoundError:
             raise _error(f"shard {path}: missing") from None
         except (tarfile.TarError, OSError, EOFError, ValueError) as err:
+            if isinstance(err, DataError):
+                raise
             h = damage_hint(fs, path, e.get("bytes"))
             raise _error(no_range_message(path, err)
                          or f"shard {path}: unreadable ({err}){'; ' + h if h else ''}") from None
-        want = e.get("sha256")
-        if verify != "off" and want and r.sha.hexdigest() != want:
-            msg = (f"shard {path}: sha256 {r.sha.hexdigest()[:16]}... does not match manifest.json "
-                   f"({want[:16]}...); re-copy the shard or rerun data_prep/shard.py")
-            if verify == "error":
-                raise _error(msg)
-            print(f"warning: {msg}", file=sys.stderr, flush=True)

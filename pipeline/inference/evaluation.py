@@ -87,11 +87,22 @@ def _client_state(model_path) -> dict | None:
         return None
 
 
-def shard_qa_examples(data_dir: str, split: str, limit: int) -> list[dict]:
+def shard_qa_examples(data_dir: str, split: str, limit: int, verify: str = "error") -> list[dict]:
     """Up to `limit` query/response segments of a split, in manifest order.
 
+    Every sample they come from is checked as the loader checks what it reads
+    (`pipeline.data.shard_io.iter_shard_samples`: per-sample digests of a version-2 sample
+    index, else the whole shard's sha256 before its first sample), also when `limit` stops the
+    reading inside a shard.
+
+    Args:
+        data_dir: shard folder (local path or fsspec URL). split: a split of its manifest.
+        limit: most examples returned. verify: `data.verify_shards` mode, "error" | "warn" | "off".
     Returns:
         [{"prompt_ids": list[int], "reference_ids": list[int] (response, EOS included)}].
+    Raises:
+        UsageError: the split is missing or empty. DataError: a bad folder, manifest or shard
+            (one line; mode "error": a sample that does not match its digest).
     """
     import io as _io
 
@@ -104,7 +115,7 @@ def shard_qa_examples(data_dir: str, split: str, limit: int) -> list[dict]:
     if not entries:
         raise UsageError(f"{data_dir}/manifest.json: no split {split!r}")
     out = []
-    for sample in iter_shard_samples(str(data_dir), entries):  # any fsspec URL, digests checked
+    for sample in iter_shard_samples(str(data_dir), entries, verify):  # any fsspec URL
         toks = [int(x) for x in np.load(_io.BytesIO(sample["tokens.npy"]), allow_pickle=False)]
         for seg in json.loads(sample["json"])["segments"]:
             p = int(seg["prompt_length"])

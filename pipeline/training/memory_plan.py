@@ -32,11 +32,31 @@ fp32), `8 * P_r / d` (AdamW's two fp32 moments) and `g * P_r / d` (the gradient 
 partition only the optimizer state (1) or optimizer + gradients (2); stage 0 none.
 
 ZeRO-3 working set (DeepSpeed's `stage3_*` settings as `pipeline.training.engine.deepspeed_config`
-builds them): gathered parameters of the module being computed (the largest module's TP-rank
-weights, `e` bytes per element, e.g. the embedding `V / t x h`) plus the prefetch bucket
-(`stage3_prefetch_bucket_size` elements), the total capped at `stage3_max_live_parameters`;
-one gradient reduce bucket of `reduce_bucket_size` elements in the gradient dtype plus its
-run-dtype copy (`e + g` bytes per element).
+builds them): the weights gathered at once, `e` bytes per element of their TP-rank shapes
+(`zero3_gathered_elements`). DeepSpeed gathers per module, each module's own weights
+(`deepspeed/runtime/zero/partitioned_param_coordinator.py`, `fetch_sub_module`); after a use it
+keeps a weight that the recorded trace uses again within `stage3_max_reuse_distance` elements,
+and it prefetches the modules ahead while fewer than `stage3_max_live_parameters` elements are
+gathered (the kept ones count). Weights kept for reuse have their next use within the next
+`max_reuse_distance` elements of the trace, so they are at most that many; the prefetch stops
+at `max_live_parameters` but the module in use is gathered whatever the count. Measured on this
+network (`tests/test_memory_plan.py`: DeepSpeed's own status of every weight at every op of a
+step): releases lag the forward by about a layer and the backward's prefetch gathers ahead, and
+the gathered set reached every partitioned weight of the rank when they were fewer than either
+limit, else within 10% below `max(max_live, max_reuse_distance)` + the largest weight. The plan
+takes `min(P_part, max(max_live, max_reuse_distance) + largest weight)` (`P_part`: the rank's
+partitioned weights; the largest weight is the embedding or head, `V / t x h`, for Qwen3).
+Qwen3-8B at TP 2 with DeepSpeed's defaults (1e9, 1e9): 1e9 + 311M elements, 2.44 GiB in bf16,
+about 13 decoder layers' weights, not one layer plus the embedding; `deepspeed.max_live_parameters`
+and `deepspeed.max_reuse_distance` lower it. Besides, one gradient reduce bucket of
+`reduce_bucket_size` elements in the gradient dtype plus its run-dtype copy (`e + g` bytes per
+element).
+
+Outside the tensors (`device` "cuda" only; an allowance, not a measurement, as no GPU measured
+it yet): the CUDA context (`CUDA_CONTEXT_BYTES`) and, per NCCL communicator the step uses (the
+world, TP and data-parallel groups of more than one rank, counted once when they coincide),
+NCCL's buffers (`NCCL_BYTES_PER_COMMUNICATOR`). Neither is a tensor, so
+`torch.cuda.max_memory_allocated` and the CPU measurements never see them.
 
 Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
 Models", section 4.1 counts `s b h (34 + 5 a s / h)` bytes per layer for GPT; here the same
@@ -144,10 +164,25 @@ import math
 from dataclasses import dataclass, field
 
 GIB = 1 << 30
+MIB = 1 << 20
 FP32_NORM_BYTES = 4
+# The CUDA context of a training process: the driver's context, the kernels a step loads (lazily
+# since CUDA 11.7) and cuBLAS workspaces; 0.5-1 GiB is what nvidia-smi commonly shows above
+# `torch.cuda.memory_reserved` on an H100 with CUDA 12. The upper end, as an allowance (not
+# measured in this repository: no multi-process GPU run yet, docs/PERFORMANCE.md).
+CUDA_CONTEXT_BYTES = 1 * GIB
+# NCCL's buffers of one communicator, from NCCL's default sizes: per channel (up to 32,
+# NCCL's MAXCHANNELS, on NVLink/InfiniBand H100 nodes) and per peer connection (2: a ring's
+# neighbours / a tree's parent and child), one buffer per protocol: Simple 4 MiB
+# (`NCCL_BUFFSIZE`), LL128 4.7 MiB (120 x 640 x 8 x 8 bytes), LL 0.5 MiB (8 x 512 x 8 x 16):
+# 32 x 2 x 9.2 MiB = 588 MiB, an upper estimate (fewer channels use less).
+NCCL_BYTES_PER_COMMUNICATOR = 32 * 2 * (4 * MIB + 120 * 640 * 8 * 8 + 8 * 512 * 8 * 16)
 # the components of `plan_memory` that persist between steps (the model states)
 STATE_COMPONENTS = ("weights (run dtype)", "fp32 master weights", "AdamW moments (fp32)",
                     "gradients")
+# the start of the component name of the CUDA context + NCCL allowance (no tensor: a measure of
+# allocated memory, `torch.cuda.max_memory_allocated`, never includes it)
+ALLOWANCE_PREFIX = "CUDA context + NCCL buffers"
 
 
 def _dtype_bytes(precision: str) -> int:
@@ -342,20 +377,32 @@ class MemoryPlan:
 
 def _rank_params(mcfg, tp: int, persist_threshold: int) -> tuple[int, int, int]:
     """(partitioned parameters of one TP rank, persistent (unpartitioned) ones, largest
-    module's parameters) from the TP table."""
+    weight's elements) from the TP table (`pipeline.model.tp.tp_shard_shapes`)."""
     from pipeline.model.tp import tp_shard_shapes
-    shapes = tp_shard_shapes(mcfg, tp)
-    part = persist = 0
-    modules: dict[str, int] = {}
-    for name, shape in shapes.items():
+    part = persist = largest = 0
+    for shape in tp_shard_shapes(mcfg, tp).values():
         n = math.prod(shape)
+        largest = max(largest, n)
         if n < persist_threshold:
             persist += n
         else:
             part += n
-        mod = name.rsplit(".", 2)[0] if ".layers." in name else name.split(".")[0]
-        modules[mod] = modules.get(mod, 0) + n
-    return part, persist, max(modules.values())
+    return part, persist, largest
+
+
+def zero3_gathered_elements(partitioned: int, largest: int, max_live: int,
+                            max_reuse_distance: int) -> int:
+    """Most partitioned weight elements ZeRO-3 holds gathered at once on one rank during a
+    training step (module docstring, "ZeRO-3 working set"):
+    `min(partitioned, max(max_live, max_reuse_distance) + largest)`.
+
+    Args:
+        partitioned: the rank's partitioned weight elements (its TP shard, before the DP split).
+        largest: the largest one weight's elements (DeepSpeed gathers per module, a module's
+            own weights). max_live, max_reuse_distance: `stage3_max_live_parameters`,
+            `stage3_max_reuse_distance` (elements).
+    """
+    return min(partitioned, max(max_live, max_reuse_distance) + largest)
 
 
 def plan_memory(mcfg, *, tp: int, dp: int, micro_batch: int, seq_len: int, precision: str,
@@ -372,7 +419,8 @@ def plan_memory(mcfg, *, tp: int, dp: int, micro_batch: int, seq_len: int, preci
         seq_len: fed tokens per row (`data.max_length`). precision: "bf16" | "fp32".
         zero_stage: 0..3. zero: `pipeline.training.engine.zero_sizes` (elements).
         loss_impl, chunk_tokens: `train.loss_impl`, `train.loss_chunk_tokens`.
-        device: "cuda" | "cpu" (picks the attention kernel for "auto"). attention: model.attention.
+        device: "cuda" | "cpu" (picks the attention kernel for "auto"; "cuda" adds the CUDA
+            context and NCCL allowance). attention: model.attention.
         gpu_bytes: memory of one device in bytes, for `max_micro_batch`.
     Returns:
         `MemoryPlan`.
@@ -394,7 +442,8 @@ def plan_memory(mcfg, *, tp: int, dp: int, micro_batch: int, seq_len: int, preci
     gd = dp if zero_stage >= 2 else 1
     c["gradients"] = g * p_rank // gd
     if zero_stage == 3:
-        live = min(largest + zero["prefetch_bucket_size"], zero["max_live_parameters"])
+        live = zero3_gathered_elements(part, largest, zero["max_live_parameters"],
+                                       zero["max_reuse_distance"])
         c["ZeRO-3 gathered + prefetched params"] = e * live
     if zero_stage >= 1:
         c["gradient reduce bucket"] = (e + g) * zero["reduce_bucket_size"]
@@ -426,6 +475,11 @@ def plan_memory(mcfg, *, tp: int, dp: int, micro_batch: int, seq_len: int, preci
     else:
         backward_block = 0.0
     c["peak transient: max(output layer + CE, one block's backward)"] = int(max(head, backward_block))
+    if device == "cuda":
+        groups = (tp * dp > 1) + (1 < tp < tp * dp) + (1 < dp < tp * dp)
+        name = f"{groups} communicator{'s' * (groups != 1)}"
+        c[f"{ALLOWANCE_PREFIX} ({name}; allowance)"] = (
+            CUDA_CONTEXT_BYTES + groups * NCCL_BYTES_PER_COMMUNICATOR)
     total = int(sum(c.values()))
     layout = (f"TP {tp} x DP {dp}, ZeRO-{zero_stage}, {precision}, micro-batch {micro_batch} x "
               f"{seq_len} tokens, recompute {mode}, loss {loss_impl} (chunk {chunk_tokens}), "
