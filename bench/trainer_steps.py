@@ -39,14 +39,15 @@ def main() -> int:
         print("trainer_steps.py: error: --steps must exceed --warmup", file=sys.stderr)
         return 2
     from pipeline.config import ConfigError, load_config, validate
-    from pipeline.train import Trainer, _launcher_env
+    from pipeline.train import Trainer
+    from pipeline.training.job import launcher_env
     try:
         cfg = load_config(args.config, [f"train.max_steps={args.steps}", *args.overrides])
         plan = validate(cfg)
     except ConfigError as e:
         print(f"trainer_steps.py: config error: {e}", file=sys.stderr)
         return 2
-    _launcher_env()
+    launcher_env()
     trainer = Trainer(cfg, plan)
     records = []
     t_setup = time.perf_counter()

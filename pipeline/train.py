@@ -2,8 +2,8 @@
 
 Owns: the orchestration of a run (`Trainer`: set-up order, the training step, the loop, checkpoint
 and validation cadence, auto-resume, SIGTERM/SIGUSR1/SIGINT handling, the NaN policy) and the
-entry point (`main`: config errors, one-line error reporting across ranks, a dead peer's one
-line, exit codes). The
+entry point (`main`: config errors, a dead peer's one line, exit codes; reporting an error once
+across ranks is `pipeline.training.job`'s). The
 pieces it orchestrates live in `pipeline.training` (the engine builder and lr schedule, the run's
 state, validation, console lines) and below. Must not touch: the network (`pipeline.model`), the
 objective (`pipeline.objective`), shard reading (`pipeline.data`), the checkpoint format
@@ -85,6 +85,8 @@ import time
 
 from pipeline.common.cli import (EXIT_DISK_FULL, EXIT_INTERRUPTED, EXIT_NONFINITE,
                                  EXIT_PEER_LOST, EXIT_USAGE)
+from pipeline.training.job import (agent_store, launcher_env, lost_peer, report_error,
+                                   reported_error_code)
 from pipeline.training.schedule import schedule_change, schedule_record
 from pipeline.training.state import TrainError, TrainState
 
@@ -728,107 +730,6 @@ def _setup_logging(rank0: bool) -> None:
         pass
 
 
-def _launcher_env() -> None:
-    """Fill RANK / WORLD_SIZE / LOCAL_RANK from srun's SLURM_* variables (or a single process)
-    when no torchrun set them; DeepSpeed reads LOCAL_RANK."""
-    for ours, slurm, default in (("RANK", "SLURM_PROCID", "0"), ("WORLD_SIZE", "SLURM_NTASKS", "1"),
-                                 ("LOCAL_RANK", "SLURM_LOCALID", "0")):
-        if ours not in os.environ:
-            os.environ[ours] = os.environ.get(slurm, default)
-    if (os.environ["WORLD_SIZE"] == "1" and "MASTER_PORT" not in os.environ
-            and "SLURM_PROCID" not in os.environ):
-        # a bare single process: init_distributed binds its store to a port the kernel picks,
-        # so two such runs on one host do not collide
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("LOCAL_WORLD_SIZE", os.environ.get("SLURM_NTASKS_PER_NODE", "1")
-                          if "SLURM_PROCID" in os.environ else os.environ["WORLD_SIZE"])
-
-
-_ERROR_KEY = "pipeline_train_error"
-
-
-def _default_store():
-    """The process group's key-value store (torchrun's agent store or rank 0's TCPStore), or
-    None before the process group exists. Store calls need no other rank's participation."""
-    try:
-        import torch.distributed as dist
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            return dist.distributed_c10d._get_default_store()
-    except Exception:
-        pass
-    return None
-
-
-def _agent_store():
-    """A client of torchrun's agent store (torchrun / pipeline.launch set
-    TORCHELASTIC_USE_AGENT_STORE and point MASTER_ADDR/MASTER_PORT at it), usable before the
-    process group exists; None elsewhere or when it cannot be reached in 10 s."""
-    if (os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true"
-            or os.environ.get("WORLD_SIZE", "1") == "1"):
-        return None
-    try:
-        import datetime
-        from torch.distributed import PrefixStore, TCPStore
-        store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                         is_master=False, timeout=datetime.timedelta(seconds=10))
-        # one key space per torchrun restart (pipeline.parallel.attempt_store)
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or "0"
-        return PrefixStore(f"refusion/attempt_{attempt}/pre-init", store)
-    except Exception:
-        return None
-
-
-def _report_error(code: int, line: str, store=None, name_rank: bool = True) -> int:
-    """Print a user-facing error line once for the whole job, whichever rank raised it: the
-    first rank to report it through the store prints (a rank-only error is not lost behind
-    rank 0's silence), the others stay quiet. Without a store (one process, or the store is
-    gone) the line is printed. A rank other than 0 adds " (rank N)" unless `name_rank` is
-    False (the line already names the ranks it concerns). Returns `code`."""
-    store, first = store if store is not None else _default_store(), True
-    if store is not None:
-        try:
-            store.set(_ERROR_KEY + "_code", str(code))
-            first = store.add(_ERROR_KEY, 1) == 1
-        except Exception:
-            first = True
-    if first:
-        rank = os.environ.get("RANK", "0")
-        print(line if rank == "0" or not name_rank else f"{line} (rank {rank})",
-              file=sys.stderr, flush=True)
-    return code
-
-
-def _reported_error_code() -> int | None:
-    """The exit code another rank reported through `_report_error`, or None."""
-    store = _default_store()
-    if store is None:
-        return None
-    try:
-        if store.check([_ERROR_KEY + "_code"]):
-            return int(store.get(_ERROR_KEY + "_code").decode())
-    except Exception:
-        pass
-    return None
-
-
-# What a collective raises when another rank's process is gone (gloo's TCP transport, NCCL).
-_LOST_PEER_MARKERS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
-                      "remote process exited", "NCCL communicator was aborted")
-
-
-def _lost_peer(e: BaseException) -> str | None:
-    """When `e` is a collective that failed because another rank's process is gone, its reason
-    in a few words (e.g. "gloo: Read error [127.0.0.1]:22246: Connection reset by peer");
-    otherwise None."""
-    import re
-    text = str(e).strip()
-    if not isinstance(e, RuntimeError) or not any(m in text for m in _LOST_PEER_MARKERS):
-        return None
-    first = re.sub(r"^\[[^\]]*\]\s*", "", text.splitlines()[0])  # gloo's "[file.cc:537] "
-    first = first.split(". ")[0].rstrip(".")
-    return f"gloo: {first}" if "gloo" in text else first
-
-
 def _memory_check(cfg, plan, rank0: bool) -> list[str]:
     """The per-GPU memory plan (`pipeline.training.memory_plan`) and, on CUDA, the refusal of a
     plan above the device's memory before anything is built or loaded (`train.memory_check`:
@@ -889,13 +790,13 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         # Before any process group: under torchrun / pipeline.launch the agent's store dedupes
         # (so a config error only one rank sees is still printed, once); otherwise rank 0 prints.
-        store = _agent_store()
+        store = agent_store()
         if store is not None:
-            _report_error(EXIT_USAGE, f"pipeline.train: config error: {e}", store)
+            report_error(EXIT_USAGE, f"pipeline.train: config error: {e}", store)
         elif rank0:
             print(f"pipeline.train: config error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    _launcher_env()
+    launcher_env()
     from pipeline.checkpoint import CheckpointError, CheckpointWriteError
     from pipeline.common.diskspace import NotWritableError
     from pipeline.data import DataError
@@ -907,12 +808,12 @@ def main(argv: list[str] | None = None) -> int:
         trainer.setup()
         code = trainer.run()
     except NotWritableError as e:  # found at start-up: read-only, permission (2); no space (4)
-        code = _report_error(EXIT_DISK_FULL if e.failure.disk_full else EXIT_USAGE,
+        code = report_error(EXIT_DISK_FULL if e.failure.disk_full else EXIT_USAGE,
                              f"pipeline.train: error: {_first_line(e)}", name_rank=False)
     except (TrainError, CheckpointError, DataError, RendezvousError) as e:  # user errors at run time
-        code = _report_error(EXIT_USAGE, f"pipeline.train: error: {_first_line(e)}")
+        code = report_error(EXIT_USAGE, f"pipeline.train: error: {_first_line(e)}")
     except (CheckpointWriteError, MonitorError) as e:  # read-only, disk full, other write errors
-        code = _report_error(EXIT_DISK_FULL, f"pipeline.train: error: {_first_line(e)}",
+        code = report_error(EXIT_DISK_FULL, f"pipeline.train: error: {_first_line(e)}",
                              name_rank=False)  # the line names the failing rank(s)
     except KeyboardInterrupt:  # a second Ctrl-C (the first one checkpoints; see _install_signals)
         print(f"pipeline.train: rank {os.environ.get('RANK', '0')}: interrupted; no checkpoint "
@@ -925,11 +826,11 @@ def main(argv: list[str] | None = None) -> int:
         # this rank, exit 5 (the launcher reports the dead rank). Anything else: the traceback.
         if trainer.watchdog is not None:  # a hang was declared: its line, not a lost peer's
             trainer.watchdog.act_on_report()
-        peer = _reported_error_code()
+        peer = reported_error_code()
         if peer is not None:
             code = peer
         else:
-            lost = _lost_peer(e)
+            lost = lost_peer(e)
             if lost is None:
                 raise
             print(f"pipeline.train: rank {os.environ.get('RANK', '0')}: stopped because another "

@@ -634,7 +634,7 @@ def test_launcher_reports_the_rank_that_failed_first_not_its_survivors():
 
 
 def test_lost_peer_is_told_from_other_errors():
-    from pipeline.train import _lost_peer
+    from pipeline.training.job import lost_peer as _lost_peer
     gloo = RuntimeError("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] "
                         "Read error [127.0.0.1]:22246: Connection reset by peer. This is typically "
                         "caused by a remote worker hanging or bugs in the application. GLHF!")
