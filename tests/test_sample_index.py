@@ -21,7 +21,7 @@ import pytest
 from data_prep import shard
 from pipeline.data import DataError, build_loader
 from pipeline.data import sample_index
-from pipeline.data.format import CHECKSUM_FIELD, manifest_checksum
+from pipeline.data.format import CHECKSUM_FIELD, manifest_checksum, with_checksum
 from pipeline.objective import ObjectiveConfig
 from shard_fixtures import random_samples, write_shards
 from test_data_prep import QA_ROWS, corpus_dir, spm_model, write_jsonl  # noqa: F401 (fixtures)
@@ -486,7 +486,7 @@ def test_overwrite_removes_upgraded_indexes(tmp_path, spm_model, corpus_dir):
             data = sample_index.encode(rec)
             (out / e["index"]["name"]).write_bytes(data)
             e["index"].update(bytes=len(data), sha256=hashlib.sha256(data).hexdigest(), version=2)
-    (out / "manifest.json").write_text(json.dumps(m))
+    (out / "manifest.json").write_text(json.dumps(with_checksum(m)))
     assert shard.main(["index", str(out)]) == 0
     assert sorted(out.glob("*.v3.idx")) and len(list(out.glob("*.idx"))) == 2 * len(list(out.glob("*.tar")))
     assert shard.main([str(a) for a in [*src, "--output", out, "--seed", 5, "--overwrite"]]) == 0

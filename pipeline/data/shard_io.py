@@ -31,13 +31,13 @@ samples of a window, in a shuffled order):
   process, so later windows, epochs and pieces of the same shard cost nothing. Each loader
   process reads each shard it touches once more, whole (1 + P reads of the data with P
   processes; a start-up that grows with the shard size). The loader notes this once and names
-  `python data_prep/shard.py index DIR`, which upgrades the indexes to version 2.
+  `python data_prep/shard.py index DIR`, which upgrades the indexes to version 3.
 - Read front to back (`iter_shard_samples`: evaluation's examples, `shard.py merge`), the same
   checks in read order: the index and size when a shard is opened, then each sample against its
-  digest before it is handed out (version 2), or the whole shard hashed before its first sample
+  digest before it is handed out (versions 2 and 3), or the whole shard hashed before its first sample
   (version 1); so a reader that stops early has checked every sample it returned.
 - Manifests without a `sha256` / `bytes` entry (older or hand-written ones) are not checked
-  against them; the digests of a version-2 index are checked all the same.
+  against them; the digests of a version-2 or 3 index are checked all the same.
 - manifest.json itself: its recorded checksum of its own content (`read_manifest`,
   `pipeline.data.format.CHECKSUM_FIELD`), when it has one.
 Sample indexes' layout and offsets are checked in every mode, `off` included. A shard damaged
@@ -447,14 +447,15 @@ class _KeepingReader:
 
 
 def _digest_index(fs, root: str, entry: dict, verify: str):
-    """The version-2 sample index of shard `entry` (checked as `read_sample_index`) when its
-    manifest entry names one and `verify` is on, else None."""
+    """The records of shard `entry`'s sample index (checked as `read_sample_index`) when its
+    manifest entry names one with per-sample digests (version 2 or 3) and `verify` is on, else
+    None."""
     ix = entry.get("index")
     if verify == "off" or not isinstance(ix, dict) or not isinstance(ix.get("name"), str) \
-            or int(ix.get("version", sample_index.VERSION_1)) != sample_index.VERSION:
+            or int(ix.get("version", sample_index.VERSION_1)) < sample_index.VERSION_2:
         return None
     idx = read_sample_index(fs, root, entry, verify)
-    return idx if sample_index.version_of(idx) == sample_index.VERSION else None
+    return idx if sample_index.version_of(idx) == sample_index.VERSION_2 else None
 
 
 def iter_shard_samples(data_dir: str, entries: list[dict], verify: str = "error"):
@@ -462,8 +463,8 @@ def iter_shard_samples(data_dir: str, entries: list[dict], verify: str = "error"
 
     Every sample is checked before it is yielded, as the loader checks what it reads
     (`data.verify_shards` semantics), so a reader that stops early has checked all it got: a
-    shard whose manifest entry names a version-2 sample index has its index (sha256) and size
-    checked when it is opened and each sample's bytes against its digest (`check_sample`); any
+    shard whose manifest entry names a sample index with digests (version 2 or 3) has its index
+    (sha256) and size checked when it is opened and each sample's bytes against its digest (`check_sample`); any
     other shard with a recorded `sha256` is hashed whole before its first sample
     (`verify_shard`, once per process).
 
