@@ -519,3 +519,25 @@ def test_damaged_slot_layout_is_one_line_naming_it(folder, damage):
     msg = str(e.value)
     assert "\n" not in msg and "train-000001.tar.idx" in msg
     assert "the slot layout of record 0 does not fit" in msg
+
+
+def test_member_names_are_parsed_once_the_same_way(tmp_path):
+    """The index builder and the streamed reader take keys from member names with one function
+    (`split_member`): a dot in a folder of the name is not the key's end."""
+    from pipeline.data.shard_io import iter_shard_samples
+    assert sample_index.split_member("a/b.c/k0.tokens.npy") == ("a/b.c/k0", "tokens.npy")
+    assert sample_index.split_member("k1.json") == ("k1", "json")
+    path = tmp_path / "train-000000.tar"
+    with tarfile.open(path, "w") as tf:
+        for key in ("d.1/k0", "d.1/k1"):
+            buf = io.BytesIO()
+            np.save(buf, np.arange(3, dtype=np.uint32))
+            for ext, data in (("tokens.npy", buf.getvalue()), ("json", b'{"segments": []}')):
+                info = tarfile.TarInfo(f"{key}.{ext}")
+                info.size = len(data)
+                tf.addfile(info, io.BytesIO(data))
+    with open(path, "rb") as f:
+        _, keys = sample_index.build(f, str(path))
+    streamed = [s["__key__"] for s in iter_shard_samples(str(tmp_path), [{"name": path.name}],
+                                                          verify="off")]
+    assert keys == streamed == ["d.1/k0", "d.1/k1"]

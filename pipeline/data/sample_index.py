@@ -301,6 +301,15 @@ def sample_end(rec: np.ndarray) -> np.ndarray:
     return np.maximum(rec["tokens_offset"] + rec["tokens_size"], rec["json_offset"] + rec["json_size"])
 
 
+def split_member(name: str) -> tuple[str, str]:
+    """(sample key, extension) of a tar member name, as webdataset groups members: the key is
+    the path up to the first dot of the last component (`a/b.c/k0.tokens.npy` ->
+    (`a/b.c/k0`, `tokens.npy`)). The one parser of member names (index builder, streamed reader)."""
+    d, base = posixpath.split(name)
+    key, _, ext = base.partition(".")
+    return (posixpath.join(d, key) if d else key), ext
+
+
 def key_from_header(block: bytes) -> str:
     """The sample key of a USTAR member header (512 bytes): its path without the extension.
 
@@ -313,11 +322,10 @@ def key_from_header(block: bytes) -> str:
         if prefix:
             name = prefix + b"/" + name
     text = name.decode("utf-8")
-    d, base = posixpath.split(text)
-    key, _, ext = base.partition(".")
+    key, ext = split_member(text)
     if ext != "json":
         raise ValueError(f"expected a '<key>.json' member header, found {text!r}")
-    return posixpath.join(d, key) if d else key
+    return key
 
 
 def build(fileobj, where: str) -> tuple[np.ndarray, list[str]]:
@@ -353,9 +361,7 @@ def build(fileobj, where: str) -> tuple[np.ndarray, list[str]]:
             tf.members.clear()
             if not m.isfile():
                 continue
-            d, base = posixpath.split(m.name)
-            mkey, _, ext = base.partition(".")
-            mkey = posixpath.join(d, mkey) if d else mkey
+            mkey, ext = split_member(m.name)
             if mkey != key:
                 if key is not None:
                     close()

@@ -509,7 +509,7 @@ def iter_shard_samples(data_dir: str, entries: list[dict], verify: str = "error"
                     for m in tf:
                         if not m.isfile():
                             continue
-                        key, _, ext = m.name.partition(".")
+                        key, ext = sample_index.split_member(m.name)
                         if sample and key != sample["__key__"]:
                             yield checked(sample, r)
                             count += 1
