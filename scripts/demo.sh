@@ -49,7 +49,7 @@ fi
 "$PY" data_prep/shard.py --input "$PROBLEMS/train.jsonl" --format auto --tokenizer "$SPM_MODEL" \
   --output "$SHARDS" --max-length 256 --val-fraction 0.01 \
   --slot-sizes 4,8,16,32 --seed 0 --workers "$DATA_WORKERS" --no-progress --overwrite
-echo "data: problems $PROBLEMS, tokenizer $SPM_MODEL, shards $SHARDS (manifest: $SHARDS/manifest.json)"
+echo "data: problems $PROBLEMS, tokenizer $SPM_MODEL, shards $SHARDS ($SHARDS/manifest.json)"
 stage_done "data"
 
 # ---------------------------------------------------------------- 2. train
@@ -98,9 +98,11 @@ echo "== 4. decode the $TEST_PROBLEMS held-out problems (ar; draft_ahead k=$DRAF
 stage_done "decode"
 
 # ---------------------------------------------------------------- 5. evaluate
-echo "== 5. evaluate on the validation split (loss; final-answer exact match of 16 problems)"
-"$PY" -m pipeline.evaluate --model "$HF" --tokenizer "$SPM_FILE" --data "$SHARDS" --limit 16 \
-  --metric final_answer --modes ar,refusion --gen-length "$GEN_LENGTH" "${DRAFT[@]:2}" \
+# The training checkpoint itself (not the export): its run's objective and seed, so the loss is
+# the trainer's validation loss at that step, recomputed in one process.
+echo "== 5. evaluate the checkpoint on the validation split (loss; 16 problems' final answers)"
+"$PY" -m pipeline.evaluate --model "$RUN/checkpoints" --tokenizer "$SPM_FILE" --data "$SHARDS" \
+  --limit 16 --metric final_answer --modes ar,refusion --gen-length "$GEN_LENGTH" "${DRAFT[@]:2}" \
   --batch-size 16 --output "$OUT/eval.json"
 stage_done "evaluate"
 

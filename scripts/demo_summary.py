@@ -68,8 +68,8 @@ def loss_fell(metrics: list[dict]) -> tuple[bool, list[str]]:
     n = max(1, min(10, len(steps) // 4))
     first = sum(train[s]["loss"] for s in steps[:n]) / n
     last = sum(train[s]["loss"] for s in steps[-n:]) / n
-    lines = [f"training loss (dual objective: ar_weight x AR + MDM): steps {steps[0]}..{steps[-1]}; "
-             f"mean of the first {n} logged steps {first:.3f} -> of the last {n} {last:.3f}"]
+    lines = [f"training loss (dual objective: ar_weight x AR + MDM): steps {steps[0]}..{steps[-1]};"
+             f" mean of the first {n} logged steps {first:.3f} -> of the last {n} {last:.3f}"]
     w = max(1, len(steps) // 6)
     for i in range(0, len(steps), w):
         win = [train[s] for s in steps[i:i + w]]
