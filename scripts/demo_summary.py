@@ -70,7 +70,7 @@ def loss_fell(metrics: list[dict]) -> tuple[bool, list[str]]:
     last = sum(train[s]["loss"] for s in steps[-n:]) / n
     lines = [f"training loss (dual objective: ar_weight x AR + MDM): steps {steps[0]}..{steps[-1]};"
              f" mean of the first {n} logged steps {first:.3f} -> of the last {n} {last:.3f}"]
-    w = max(1, len(steps) // 6)
+    w = -(-len(steps) // 6)   # 6 windows at most
     for i in range(0, len(steps), w):
         win = [train[s] for s in steps[i:i + w]]
         mean = lambda k: sum(m[k] for m in win) / len(win)  # noqa: E731
