@@ -1,7 +1,7 @@
 """`python data_prep/math_problems.py`: a deterministic generator of GSM8K-form word problems.
 
     python data_prep/math_problems.py --output DIR [--train 80000] [--test 200] [--dev 200]
-        [--test-unseen 100] [--seed 0]
+        [--test-unseen 100] [--seed 0] [--templates NAME,...] [--max-value 999]
 
 Owns: the math task's data (templates, number ranges, the answer format, the splits) written
 as JSONL query/response records that `data_prep/shard.py` and `data_prep/train_tokenizer.py`
@@ -29,6 +29,9 @@ Splits (files in `--output`):
 - `test_unseen.jsonl`: problems of the UNSEEN_TEMPLATES, never used for training (other
   sentence frames and orders of the same operations): what the model does beyond the
   templates it saw.
+- `--templates` restricts train, test and dev to some TRAIN_TEMPLATES (default: all), and
+  `--max-value` lowers the bound on every number (default MAX_VALUE): an easier distribution
+  (the `make demo` job's). The problem keys and pools are the same whatever these options.
 - `dev.jsonl` is for choosing model size and budget; `test.jsonl` and `test_unseen.jsonl` are
   for the reported figures only.
 - `info.json`: sizes, seed, templates per split, number ranges, the answer format.
@@ -398,19 +401,27 @@ UNSEEN_TEMPLATES: dict[str, Callable] = {
     "tickets": _u_tickets, "tank": _u_tank, "groups": _u_groups}
 
 
-def make_problem(name: str, rng: random.Random) -> Problem:
+MAX_DRAWS = 100_000     # draws of one template before a `max_value` counts as unreachable
+
+
+def make_problem(name: str, rng: random.Random, max_value: int = MAX_VALUE) -> Problem:
     """One problem of template `name` (TRAIN_TEMPLATES or UNSEEN_TEMPLATES) drawn with `rng`;
-    numbers are redrawn until every value is within [0, MAX_VALUE]."""
+    numbers are redrawn until every value is within [0, max_value].
+
+    Raises:
+        GeneratorError: MAX_DRAWS draws in a row had a value above `max_value`."""
     fn = TRAIN_TEMPLATES.get(name) or UNSEEN_TEMPLATES[name]
-    while True:
+    for _ in range(MAX_DRAWS):
         got = fn(rng)
         if got is None:
             continue
         numbers, question, steps = got
         values = [v for s in steps for v in (s.a, s.b, s.c)]
-        if min(values) < 0 or max(values) > MAX_VALUE:
+        if min(values) < 0 or max(values) > max_value:
             continue
         return Problem(name, tuple(numbers), question, tuple(steps))
+    raise GeneratorError(f"--max-value {max_value}: template {name!r} has no problem with "
+                         f"every number <= {max_value} (in {MAX_DRAWS} draws)")
 
 
 def pool_of(key: str) -> str:
@@ -424,31 +435,38 @@ def pool_of(key: str) -> str:
     return "train"
 
 
-def generate(sizes: dict[str, int], seed: int = 0) -> dict[str, list[Problem]]:
-    """The splits (module docstring), deterministic in (sizes, seed).
+def generate(sizes: dict[str, int], seed: int = 0, templates=None,
+             max_value: int = MAX_VALUE) -> dict[str, list[Problem]]:
+    """The splits (module docstring), deterministic in (sizes, seed, templates, max_value).
 
     Args:
         sizes: problems per split, keys "train", "test", "dev", "test_unseen".
         seed: seed of the problem stream (`random.Random(f"{seed}:{stream}")`).
+        templates: names of TRAIN_TEMPLATES for train, test and dev (None: all of them).
+        max_value: every operand, intermediate and final result is at most this.
 
     Returns:
         {split: [Problem, ...]} with distinct keys within each split and the pools disjoint.
     Raises:
-        GeneratorError: a negative size, or a size the templates cannot fill with distinct
-            problems (the draw gives up after 50 times the size in a row without a new key).
+        GeneratorError: a negative size, an unknown or empty template list, a max_value
+            below 1 or one a template cannot meet, or a size the templates cannot fill with
+            distinct problems (the draw gives up after 50 times the size in a row without a
+            new key).
     """
     for k, v in sizes.items():
         if v < 0:
             raise GeneratorError(f"--{k.replace('_', '-')} must be >= 0, got {v}")
+    seen_names = check_templates(templates)
+    if max_value < 1:
+        raise GeneratorError(f"--max-value must be >= 1, got {max_value}")
     out: dict[str, list[Problem]] = {}
-    seen_names = sorted(TRAIN_TEMPLATES)
     want = {s: sizes.get(s, 0) for s in ("train", "test", "dev")}
     got = {s: [] for s in want}
     keys = {s: set() for s in want}
     rng = random.Random(f"{seed}:seen")
     misses = 0
     while any(len(got[s]) < want[s] for s in want):
-        p = make_problem(seen_names[rng.randrange(len(seen_names))], rng)
+        p = make_problem(seen_names[rng.randrange(len(seen_names))], rng, max_value)
         pool = pool_of(p.key)
         if len(got[pool]) < want[pool] and p.key not in keys[pool]:
             got[pool].append(p)
@@ -465,7 +483,7 @@ def generate(sizes: dict[str, int], seed: int = 0) -> dict[str, list[Problem]]:
     u_names = sorted(UNSEEN_TEMPLATES)
     misses = 0
     while len(unseen) < sizes.get("test_unseen", 0):
-        p = make_problem(u_names[rng.randrange(len(u_names))], rng)
+        p = make_problem(u_names[rng.randrange(len(u_names))], rng, max_value)
         if p.key not in ukeys:
             unseen.append(p)
             ukeys.add(p.key)
@@ -476,6 +494,20 @@ def generate(sizes: dict[str, int], seed: int = 0) -> dict[str, list[Problem]]:
                 raise GeneratorError("cannot draw enough distinct unseen-template problems")
     out["test_unseen"] = unseen
     return out
+
+
+def check_templates(templates) -> list[str]:
+    """The sorted training template names `templates` (an iterable of names; None: all of
+    TRAIN_TEMPLATES) selects. Raises GeneratorError naming an unknown one, or for none."""
+    if templates is None:
+        return sorted(TRAIN_TEMPLATES)
+    names = sorted(set(templates))
+    unknown = [n for n in names if n not in TRAIN_TEMPLATES]
+    if unknown or not names:
+        what = "unknown " + ", ".join(unknown) if unknown else "none given"
+        raise GeneratorError(f"--templates: {what} (training templates: "
+                             f"{', '.join(sorted(TRAIN_TEMPLATES))})")
+    return names
 
 
 def check_response(response: str) -> int:
@@ -503,17 +535,18 @@ def check_response(response: str) -> int:
     return int(m.group(1))
 
 
-def info(sizes: dict[str, int], seed: int, splits: dict[str, list[Problem]]) -> dict:
+def info(sizes: dict[str, int], seed: int, splits: dict[str, list[Problem]], templates=None,
+         max_value: int = MAX_VALUE) -> dict:
     """What `info.json` records: options, templates per split and their counts, difficulty,
     format."""
     counts = {s: dict(sorted(Counter(p.template for p in v).items())) for s, v in splits.items()}
     return {"generator": "data_prep/math_problems.py", "seed": seed, "sizes": sizes,
             "template_counts": counts,
-            "train_templates": sorted(TRAIN_TEMPLATES),
+            "train_templates": check_templates(templates),
             "unseen_templates": sorted(UNSEEN_TEMPLATES),
             "steps_per_problem": "2 to 4 (fixed by the template)",
             "operations": ["+", "-", "*", "/"],
-            "max_value": MAX_VALUE, "held_out_fraction_per_pool": HELD_OUT_FRACTION,
+            "max_value": max_value, "held_out_fraction_per_pool": HELD_OUT_FRACTION,
             "templates": {n: (f.__doc__ or "").strip() for n, f in
                           {**TRAIN_TEMPLATES, **UNSEEN_TEMPLATES}.items()},
             "answer_format": "one sentence per step with a <<a op b=c>>c annotation; last "
@@ -522,8 +555,10 @@ def info(sizes: dict[str, int], seed: int, splits: dict[str, list[Problem]]) -> 
                           "in train; test_unseen from templates never in train"}
 
 
-def write_splits(out_dir: str, sizes: dict[str, int], seed: int = 0) -> dict[str, Path]:
-    """Generate and write `<split>.jsonl` for every split and `info.json` (atomic writes).
+def write_splits(out_dir: str, sizes: dict[str, int], seed: int = 0, templates=None,
+                 max_value: int = MAX_VALUE) -> dict[str, Path]:
+    """Generate (`generate`'s arguments) and write `<split>.jsonl` for every split and
+    `info.json` (atomic writes).
 
     Returns:
         {split: path}.
@@ -531,11 +566,11 @@ def write_splits(out_dir: str, sizes: dict[str, int], seed: int = 0) -> dict[str
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {}
-    splits = generate(sizes, seed)
+    splits = generate(sizes, seed, templates, max_value)
     for split, problems in splits.items():
         paths[split] = out / f"{split}.jsonl"
         write_text(paths[split], "".join(json.dumps(p.record()) + "\n" for p in problems))
-    write_json(out / "info.json", info(sizes, seed, splits), indent=1)
+    write_json(out / "info.json", info(sizes, seed, splits, templates, max_value), indent=1)
     return paths
 
 
@@ -548,10 +583,17 @@ def main(argv=None) -> int:
         p.add_argument(f"--{split.replace('_', '-')}", type=int, default=n,
                        help=f"problems in {split}.jsonl")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--templates", default=None,
+                   help="comma list of training templates for train/test/dev (default: all: "
+                        + ",".join(sorted(TRAIN_TEMPLATES)) + ")")
+    p.add_argument("--max-value", type=int, default=MAX_VALUE,
+                   help="largest number of any problem (operands and results)")
     args = p.parse_args(argv)
     sizes = {s: getattr(args, s) for s in DEFAULT_SIZES}
+    templates = (None if args.templates is None
+                 else [t.strip() for t in args.templates.split(",") if t.strip()])
     try:
-        paths = write_splits(args.output, sizes, args.seed)
+        paths = write_splits(args.output, sizes, args.seed, templates, args.max_value)
     except (GeneratorError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -150,3 +150,46 @@ def test_cli_writes_jsonl_that_shard_py_reads(tmp_path):
                           str(tmp_path / "b"), "--train", "-1"], cwd=ROOT, capture_output=True,
                          text=True)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "--train" in bad.stderr
+
+
+def test_templates_and_max_value_restrict_the_distribution(tmp_path):
+    """--templates / --max-value (the demo's easy distribution): train, test and dev hold only
+    the chosen templates, every number of every question and annotation is <= the bound
+    (read back from the text, not from the generator), the pools are still disjoint by key,
+    and bad values stop with one line and exit 2."""
+    sizes = {"train": 600, "test": 40, "dev": 20, "test_unseen": 10}
+    got = mp.generate(sizes, seed=2, templates=["share", "packs"], max_value=60)
+    for split in ("train", "test", "dev"):
+        assert {p.template for p in got[split]} == {"share", "packs"}, split
+    assert {p.template for p in got["test_unseen"]} <= set(mp.UNSEEN_TEMPLATES)
+    for p in (p for v in got.values() for p in v):
+        numbers = [int(x) for x in re.findall(r"\d+", p.question + "\n" + p.response())]
+        assert max(numbers) <= 60, p.record()
+        assert mp.check_response(p.response()) == p.answer
+    keys = {s: {p.key for p in v} for s, v in got.items()}
+    assert not keys["train"] & (keys["test"] | keys["dev"])
+    assert all(mp.pool_of(k) == "test" for k in keys["test"])
+    # The defaults are the full distribution: numbers above 60 occur.
+    full = mp.generate({"train": 200, "test": 0, "dev": 0, "test_unseen": 0}, seed=2)
+    assert max(max(s.c for s in p.steps) for p in full["train"]) > 60
+    assert len({p.template for p in full["train"]}) == len(mp.TRAIN_TEMPLATES)
+
+    out = tmp_path / "easy"
+    r = subprocess.run([sys.executable, "data_prep/math_problems.py", "--output", str(out),
+                        "--train", "50", "--test", "5", "--dev", "0", "--test-unseen", "0",
+                        "--templates", "pages", "--max-value", "80"], cwd=ROOT,
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    info = json.loads((out / "info.json").read_text())
+    assert info["train_templates"] == ["pages"] and info["max_value"] == 80
+    assert info["template_counts"]["train"] == {"pages": 50}
+    for args, msg in ((["--templates", "packs,nope"], "--templates: unknown nope"),
+                      (["--templates", ","], "--templates: none given"),
+                      (["--max-value", "0"], "--max-value must be >= 1"),
+                      (["--max-value", "3", "--templates", "pages"],
+                       "--max-value 3: template 'pages' has no problem")):
+        bad = subprocess.run([sys.executable, "data_prep/math_problems.py", "--output",
+                              str(tmp_path / "b"), "--train", "5", *args], cwd=ROOT,
+                             capture_output=True, text=True)
+        assert bad.returncode == 2 and bad.stderr.startswith(f"error: {msg}"), bad.stderr
+        assert len(bad.stderr.strip().splitlines()) == 1
