@@ -57,7 +57,8 @@ def main() -> int:
     ap.add_argument("--before", required=True, help="the other source tree (has pipeline/)")
     ap.add_argument("--data", default=str(ROOT / "outputs/demo/shards"))
     ap.add_argument("--model-config", default=str(ROOT / "configs/model/demo.yaml"))
-    ap.add_argument("--vocab-size", type=int, default=6016, help="vocabulary rows (6016: the stdlib SentencePiece demo tokenizer's, rounded to 64)")
+    ap.add_argument("--vocab-size", type=int, default=6016,
+                    help="vocabulary rows (6016: the stdlib SentencePiece tokenizer's, to 64)")
     ap.add_argument("--rows", type=int, default=4, help="rows per micro-batch (demo: 4)")
     ap.add_argument("--reps", type=int, default=40)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (demo: 1 per rank)")
