@@ -33,8 +33,10 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from pipeline.objective import ObjectiveConfig, collate, hybrid_loss, reorganize_sample  # noqa: E402
+from test_objective_dual import dense_dual_mask  # noqa: E402  (the mask the loader shipped before)
 
 
 def main() -> int:
@@ -87,17 +89,6 @@ def main() -> int:
     print(f"loss fwd+bwd, B={B} T={T} V={V}: hybrid_loss {t_h * 1e3:.1f} ms, "
           f"plain cross_entropy {t_ce * 1e3:.1f} ms (best of 5)")
     return 0
-
-
-def dense_dual_mask(segment_ids, position_ids, copy_id, clean_limit):
-    """The numpy mask `objective.collate` shipped before (bool[B, 1, T, T]), as it was."""
-    seg, pos = segment_ids, position_ids
-    same = (seg[:, :, None] == seg[:, None, :]) & (seg[:, :, None] != 0)
-    clean_key = (copy_id[:, None, :] == 0) & (pos[:, None, :] < clean_limit[:, :, None])
-    own_copy = (copy_id[:, :, None] != 0) & (copy_id[:, :, None] == copy_id[:, None, :])
-    mask = same & (clean_key | own_copy)
-    mask |= np.eye(seg.shape[1], dtype=bool)[None] & (seg == 0)[:, :, None]
-    return mask[:, None]
 
 
 def collate_before(rows, T, pad_id):
