@@ -273,9 +273,9 @@ class DebugSection:
     start (data phase), `slow_save_s` in each checkpoint save after DeepSpeed's files are
     written (the `.partial` folder exists), `slow_eval_s` in each validation micro-batch;
     `slow_rank` (-1 = none) sleeps `slow_rank_s` plus `slow_rank_factor` times its own time in
-    the step so far (`slow_first_step_s` not counted), in every step before the step's all-reduce (a straggler: named in
-    metrics.jsonl and the straggler warning; the factor keeps its skew above a threshold however
-    loaded the machine is). `hang_rank` (-1 = none) stops
+    the step so far (`slow_first_step_s` not counted), in every step before the step's
+    all-reduce (a straggler: named in metrics.jsonl and the straggler warning; the factor keeps
+    its skew above a threshold however loaded the machine is). `hang_rank` (-1 = none) stops
     making progress forever at step `hang_at_step` (1-based; its process stays alive and its
     main thread sleeps, as on a GPU hang): the hang watchdog must name it, and it writes its
     stacks."""
