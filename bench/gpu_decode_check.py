@@ -66,15 +66,15 @@ def _figures(ms: list[float]) -> dict:
 
 
 class ForwardTimer:
-    """Times every batched forward of the decoding driver (`decoding._forward`: eager or a CUDA
+    """Times every batched forward of the decoding driver (`driver._forward`: eager or a CUDA
     graph replay), the device synchronized before and after; records `(new tokens per row,
     milliseconds)`."""
 
     def __init__(self, device: torch.device):
-        from pipeline.inference import decoding
+        from pipeline.inference import driver
         from pipeline.inference.loading import synchronize
         self.records: list[tuple[int, float]] = []
-        self._decoding, self._real = decoding, decoding._forward
+        self._decoding, self._real = driver, driver._forward
 
         def timed(model, batch, cache, graphs):
             synchronize(device)
@@ -83,7 +83,7 @@ class ForwardTimer:
             synchronize(device)
             self.records.append((batch.ids.shape[1], (time.perf_counter() - t0) * 1e3))
             return out
-        decoding._forward = timed
+        driver._forward = timed
 
     def take(self) -> list[tuple[int, float]]:
         out, self.records = self.records, []

@@ -9,7 +9,8 @@ from typing import Sequence
 
 import torch
 
-from pipeline.inference.decoding import _check, _gather, _model_device
+from pipeline.inference.decoding import _check
+from pipeline.inference.driver import _gather, _model_device
 
 
 @torch.no_grad()

@@ -637,9 +637,9 @@ def test_one_read_back_per_forward_and_logits_freed_before_the_next(random_model
     lengths, greedy and at temperature > 0, with an EOS; the outputs are unchanged by the
     counting (equal to an uncounted decode)."""
     import weakref
-    from pipeline.inference import decisions, decoding
+    from pipeline.inference import decisions, decoding, driver
     copies, alive = [], []
-    real_forward, real_copy = decoding._forward, decisions.device_to_host
+    real_forward, real_copy = driver._forward, decisions.device_to_host
     counter = _ReadBacks()
 
     def forward(*args):
@@ -650,7 +650,7 @@ def test_one_read_back_per_forward_and_logits_freed_before_the_next(random_model
         alive.append(weakref.ref(out))
         return out
 
-    monkeypatch.setattr(decoding, "_forward", forward)
+    monkeypatch.setattr(driver, "_forward", forward)
     monkeypatch.setattr(decisions, "device_to_host", lambda t: copies.append(1) or real_copy(t))
 
     def decode(model, prompts, eos, mask, temperature):

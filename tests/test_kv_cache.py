@@ -168,7 +168,7 @@ def test_in_place_cache_equals_recompute(model, bucket, fixed):
 
 
 def test_pack_is_one_copy_and_round_trips():
-    from pipeline.inference.decoding import _pack
+    from pipeline.inference.driver import _pack
     g = torch.Generator().manual_seed(2)
     committed = torch.tensor([[0, 1, -1], [2, -1, -1], [0, 1, 2]])
     ids = torch.randint(0, 150000, (2, 5), generator=g)

@@ -113,7 +113,7 @@ and correct round it up to a multiple of the slot size `k`), the model whole on 
 - weights `e P_r`;
 - the KV cache (`pipeline.model.kv_cache.KVCache`, one keys and one values tensor
   `[B, H_kv / t, C, D]` per layer): `2 L B (H_kv / t) C D e` bytes (`kv_cache_bytes`), with `C`
-  the storage columns: the capacity `P + g` (`decoding._run`) rounded up to the bucket (64 on
+  the storage columns: the capacity `P + g` (`driver._run`) rounded up to the bucket (64 on
   CUDA, 1 on the CPU), grown by `KVCache.reserve` when a forward needs more columns (`width +
   T`) than it has, to `max(need, 1.5 C)`. A forward reads `width` = the longest row's cache plus
   the longest row's feed, so with `B > 1` rows at different progress (plan-and-infill) need up
@@ -142,7 +142,7 @@ and correct round it up to a multiple of the slot size `k`), the model whole on 
   fused kernel on CUDA (memory-efficient) and on the CPU (flash), no `[T, S]` scores per head)
   and the output layer (`e B T (h + V / t)`: the final norm's output and the logits; with
   `t > 1` plus the gathered logits `e B T V`). A forward's logits are freed before the next
-  forward (`decoding._run`: the row programs get only host decisions), so no two forwards'
+  forward (`driver._run`: the row programs get only host decisions), so no two forwards'
   logits coexist. After the forward, while its decisions are computed (`decisions.decide`:
   argmax over the logits without a copy, then the probabilities of the scored rows), the
   logits `e B T V` plus per scored row a copy and its fp32 copy or logsumexp's temporary
