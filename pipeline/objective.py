@@ -166,9 +166,14 @@ def sample_rng(seed: int, key: str, epoch: int) -> np.random.Generator:
     Returns:
         numpy Generator (PCG64) seeded by SeedSequence([seed, epoch, blake2b-128(key)]).
     """
+    return _hashed_rng(seed, epoch, _key_hash(key))
+
+
+def _hashed_rng(seed: int, epoch: int, key_hash: int) -> np.random.Generator:
+    """`sample_rng` from the key's blake2b-128 (little-endian int) instead of the key."""
     if seed < 0 or epoch < 0:
         raise ValueError(f"seed and epoch must be >= 0, got seed={seed} epoch={epoch}")
-    return np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, epoch, _key_hash(key)])))
+    return np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, epoch, key_hash])))
 
 
 def slot_layout(segments: Sequence[dict], rng: np.random.Generator | None,
@@ -232,9 +237,7 @@ def dual_fed_length(num_tokens: int, key_hash: int, slot_size: np.ndarray,
     L = int(num_tokens)
     if max_length is not None and L > max_length:
         raise ValueError(f"{L} tokens > max_length {max_length}")
-    if seed < 0 or epoch < 0:
-        raise ValueError(f"seed and epoch must be >= 0, got seed={seed} epoch={epoch}")
-    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, epoch, int(key_hash)])))
+    rng = _hashed_rng(seed, epoch, int(key_hash))
     size = np.asarray(slot_size, dtype=np.int64)
     seg = np.asarray(slot_segment, dtype=np.int64)
     n_seg = int(seg[-1]) + 1
