@@ -499,7 +499,8 @@ def _dual_sample(x: np.ndarray, key: str, rng: np.random.Generator, cfg: Objecti
         dropped_copies=int(dropped.sum()), dropped_copy_tokens=int(size[dropped].sum()))
 
 
-def collate(rows: Sequence[Sequence[Reorganized]], max_length: int, pad_id: int) -> dict:
+def collate(rows: Sequence[Sequence[Reorganized]], max_length: int, pad_id: int,
+            sources: Sequence[Sequence[int]] | None = None) -> dict:
     """Lay reorganized samples into a fixed-shape micro-batch.
 
     Row b holds the samples `rows[b]` one after another, then padding up to `max_length`.
@@ -512,13 +513,16 @@ def collate(rows: Sequence[Sequence[Reorganized]], max_length: int, pad_id: int)
         rows: B lists of `Reorganized` (an empty list gives an all-padding row).
         max_length: T, tokens per row.
         pad_id: id of the padding token.
+        sources: None, or B lists of ints parallel to `rows`: each sample's source (the index
+            of its folder in a data mixture, `pipeline.data.mixture`).
 
     Returns:
         dict with `input_ids, position_ids, labels, segment_ids: LongTensor[B, T]`,
         `loss_weight: FloatTensor[B, T]`, `is_masked: BoolTensor[B, T]`,
         `num_segments: LongTensor[]` (B of the MDM term), `segment_p: FloatTensor[S]` (p of each
         segment, row-major; S = num_segments), `response_tokens, real_tokens: LongTensor[]`,
-        `keys: list[str]` (row-major), and what the training step would otherwise compute on
+        `keys: list[str]` (row-major), `source: LongTensor[B, T]` (each token's source; 0 at
+        padding and without `sources`), and what the training step would otherwise compute on
         the device and read back on the host (computed here, in the loader's worker processes):
         `label_index: LongTensor[N_lab]` (flat `b * T + t` positions with a label, increasing;
         the output layer's rows), `cu_seqlens: IntTensor[N_seq + 1]` and `max_seqlen: int` (the
@@ -541,6 +545,7 @@ def collate(rows: Sequence[Sequence[Reorganized]], max_length: int, pad_id: int)
     segment_ids = np.zeros((B, T), dtype=np.int64)
     loss_weight = np.zeros((B, T), dtype=np.float32)
     is_masked = np.zeros((B, T), dtype=bool)
+    source = np.zeros((B, T), dtype=np.int64)
     keys, ps, response_tokens = [], [], 0
     dual = any(s.copy_id is not None for samples in rows for s in samples)
     if dual:
@@ -549,7 +554,7 @@ def collate(rows: Sequence[Sequence[Reorganized]], max_length: int, pad_id: int)
         copy_tokens = dropped_copies = 0
     for b, samples in enumerate(rows):
         used, seg_base = 0, 0
-        for s in samples:
+        for n, s in enumerate(samples):
             end = used + s.length
             if end > T:
                 raise ValueError(f"row {b}: samples need {end} tokens > max_length {T}")
@@ -559,6 +564,8 @@ def collate(rows: Sequence[Sequence[Reorganized]], max_length: int, pad_id: int)
             segment_ids[b, used:end] = s.segment + seg_base + 1
             loss_weight[b, used:end] = s.loss_weight
             is_masked[b, used:end] = s.is_masked
+            if sources is not None:
+                source[b, used:end] = sources[b][n]
             if dual:
                 copy_id[b, used:end] = s.copy_id
                 clean_limit[b, used:end] = s.clean_limit
@@ -602,7 +609,7 @@ def collate(rows: Sequence[Sequence[Reorganized]], max_length: int, pad_id: int)
         "segment_p": torch.from_numpy(segment_p.astype(np.float32)),
         "response_tokens": torch.tensor(response_tokens, dtype=torch.long),
         "real_tokens": torch.from_numpy(segment_ids > 0).sum(),
-        "keys": keys,
+        "keys": keys, "source": torch.from_numpy(source),
         "label_index": torch.from_numpy(np.flatnonzero(labels.reshape(-1) != IGNORE_INDEX)),
         "cu_seqlens": torch.from_numpy(cu),
         "max_seqlen": int(np.diff(cu).max()) if B * T else 0,

@@ -52,7 +52,8 @@ def random_samples(rng: np.random.Generator, n: int, vocab_size: int = 64, max_l
 
 def write_shards(data_dir: str, splits: dict, samples_per_shard: int = 10,
                  tokenizer: dict | None = None, max_length: int | None = None,
-                 options: dict | None = None, index: bool = True, index_version: int = 3) -> dict:
+                 options: dict | None = None, index: bool = True, index_version: int = 3,
+                 key_prefix: str = "") -> dict:
     """Write `<data_dir>/manifest.json` and `<split>-NNNNNN.tar` shards, each with its sample
     index `<shard>.idx` (`index=False`: a folder as written before sample indexes existed;
     `index_version=1`: indexes without per-sample digests, 2: without slot layouts, as
@@ -64,6 +65,7 @@ def write_shards(data_dir: str, splits: dict, samples_per_shard: int = 10,
         samples_per_shard: samples per tar (the last one may hold fewer).
         tokenizer: manifest "tokenizer" entry (default DEFAULT_TOKENIZER).
         max_length: manifest max_length (default: the longest sample).
+        key_prefix: put before every key (folders of a mixture with keys of their own).
 
     Returns:
         The manifest dict (as written).
@@ -85,7 +87,7 @@ def write_shards(data_dir: str, splits: dict, samples_per_shard: int = 10,
             with fs.open(tmp, "wb") as f:
                 with wds.TarWriter(f, mtime=0) as w:
                     for i, (tokens, segments) in enumerate(chunk):
-                        w.write({"__key__": f"{split}{s0 + i:07d}",
+                        w.write({"__key__": f"{key_prefix}{split}{s0 + i:07d}",
                                  "tokens.npy": np.asarray(tokens, dtype=np.uint32),
                                  "json": {"segments": segments}})
             fs.mv(tmp, f"{root}/{name}")

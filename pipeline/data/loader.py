@@ -90,7 +90,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from pipeline.data import sample_index, shard_io
+from pipeline.data import mixture, sample_index, shard_io
 from pipeline.data.format import DataError, check_tokenizer
 from pipeline.data.shard_io import read_manifest
 from pipeline.objective import ObjectiveConfig, collate, dual_fed_length, reorganize_sample
@@ -104,10 +104,20 @@ _SALT_ROWS = 0x5EED03
 
 
 @dataclass(frozen=True)
-class _Spec:
-    """Everything a worker needs (picklable)."""
+class _Folder:
+    """One shard folder of the loader: `data.dir`, or a source of a mixture (picklable)."""
+    name: str
     fs: object
     root: str
+    weight: float = 1.0   # normalized token share (mixtures)
+
+
+@dataclass(frozen=True)
+class _Spec:
+    """Everything a worker needs (picklable). `shards` lists every folder's shards, folder by
+    folder; `shard_folder[s]` is shard s's index into `folders`."""
+    folders: tuple       # (_Folder, ...)
+    shard_folder: tuple  # per shard: its folder
     split: str
     shards: tuple        # ((name, samples), ...)
     seed: int
@@ -126,6 +136,13 @@ class _Spec:
     shard_meta: tuple = ()   # per shard: (sha256 or None, bytes or None) from the manifest
     verify: str = "error"    # shard_io.VERIFY_MODES
     index_meta: tuple = ()   # per shard: its manifest "index" entry as (name, bytes, sha256)
+    blend: bool = False      # a mixture's training order (pipeline.data.mixture), else folder order
+    phase: int = 0           # data.phase (mixtures)
+
+    def where(self, s: int) -> tuple:
+        """(fs, path) of shard s."""
+        f = self.folders[self.shard_folder[s]]
+        return f.fs, f"{f.root}/{self.shards[s][0]}"
 
 
 PACKINGS = ("next_fit", "best_fit")
@@ -185,6 +202,65 @@ class _Order:
         ids = self._starts[c] + (pos - self._pos[c])
         rng = np.random.default_rng([spec.seed, epoch, w, _SALT_WINDOW])
         return ids[rng.permutation(len(ids))]
+
+
+class _BlendOrder:
+    """A mixture's training order (`pipeline.data.mixture`): window w of phase `spec.phase` is
+    `spec.window` draws of the blend, from the blend state at its start; the windows are
+    walked in order from the one the loader started at (`start`: its index and state).
+    Global sample ids are those of `_Order` over all folders' shards."""
+
+    def __init__(self, spec: _Spec, start_window: int, start_state: mixture.BlendState):
+        self.spec = spec
+        counts = np.array([n for _, n in spec.shards], dtype=np.int64)
+        self.shard_first = np.concatenate([[0], np.cumsum(counts)])
+        self.size = int(self.shard_first[-1])
+        self.n_windows = np.iinfo(np.int64).max   # the blend never ends
+        self.weights = np.array([f.weight for f in spec.folders], dtype=np.float64)
+        self.first, self.orders, self.samples = [], [], []
+        for k, f in enumerate(spec.folders):
+            mine = [s for s in range(len(spec.shards)) if spec.shard_folder[s] == k]
+            self.first.append(int(self.shard_first[mine[0]]) if mine else 0)
+            self.samples.append(sum(spec.shards[s][1] for s in mine))
+            view = dataclasses.replace(spec, shards=tuple(spec.shards[s] for s in mine),
+                                       seed=mixture.source_seed(spec.seed, f.name))
+            self.orders.append(_Order(view))
+        self._cache: dict = {}   # source -> (epoch, window, ids)
+        self.states = {start_window: start_state}   # window -> state at its start
+        self.reader = None        # set by the reader's owner (lengths come from the indexes)
+
+    def sample(self, src: int, p: int) -> tuple[int, int]:
+        """(global id, source epoch) of position p of source `src`'s own sequence."""
+        n = self.samples[src]
+        e, q = divmod(p, n)
+        W = self.spec.window
+        key = (e, q // W)
+        c = self._cache.get(src)
+        if c is None or c[0] != key:
+            c = self._cache[src] = (key, self.orders[src].window(e, q // W))
+        return self.first[src] + int(c[1][q % W]), e
+
+    def length(self, src: int, item: tuple[int, int]) -> int:
+        """Tokens the sample feeds (its dual fed length in objective mode "dual")."""
+        g, e = item
+        if self.spec.objective.mode == "dual":
+            return self.reader.dual_length(g, e)
+        return self.reader.length(g)
+
+    def items(self, w: int):
+        """Window w: ([(global id, source epoch), ...], [tokens, ...]); records the state at
+        the start of window w + 1. Windows must be asked for in order."""
+        if w not in self.states:
+            raise RuntimeError(f"blend window {w} asked before window {w - 1}")
+        out, end = mixture.draw(self.states[w], self.spec.window, self.weights,
+                                self.sample, self.length)
+        self.states = {w: self.states[w], w + 1: end}
+        return [it for _, it, _ in out], [L for _, _, L in out]
+
+    def window_states(self, w: int) -> list:
+        """[state at the start of window w, state at its end], each `BlendState.to_list()`
+        (window w must have been drawn)."""
+        return [self.states[w].to_list(), self.states[w + 1].to_list()]
 
 
 def best_fit_decreasing(lengths, capacity: int) -> list[list[int]]:
@@ -260,16 +336,16 @@ class _Reader:
         """(shard, shard path, index records, sample within the shard) of global sample gid."""
         spec = self.spec
         s = int(np.searchsorted(self.order.shard_first, gid, side="right") - 1)
-        path = f"{spec.root}/{spec.shards[s][0]}"
+        fs, path = spec.where(s)
         if s not in self._indexes:
             sha, size = spec.shard_meta[s] if spec.shard_meta else (None, None)
             idx, self._layouts[s] = self._read_index(s)
             if sample_index.version_of(idx) == sample_index.VERSION_2:
                 # per-sample digests: the size now (one stat), each sample when it is read
-                shard_io.check_shard_size(spec.fs, path, size, spec.verify, zip(
+                shard_io.check_shard_size(fs, path, size, spec.verify, zip(
                     (n for n, _ in spec.shards), (m[1] for m in spec.shard_meta)))
             else:  # a version-1 index: the whole shard, once per process
-                shard_io.verify_shard(spec.fs, path, sha, spec.verify, size,
+                shard_io.verify_shard(fs, path, sha, spec.verify, size,
                                       zip((n for n, _ in spec.shards), (m[0] for m in spec.shard_meta)))
             self._indexes[s] = idx
         return s, path, self._indexes[s], gid - int(self.order.shard_first[s])
@@ -282,7 +358,8 @@ class _Reader:
         name, nbytes, digest = spec.index_meta[s]
         entry = {"name": spec.shards[s][0], "samples": spec.shards[s][1], "bytes": size,
                  "index": {"name": name, "bytes": nbytes, "sha256": digest}}
-        return shard_io.read_sample_index(spec.fs, spec.root, entry, mode or spec.verify,
+        folder = spec.folders[spec.shard_folder[s]]
+        return shard_io.read_sample_index(folder.fs, folder.root, entry, mode or spec.verify,
                                           with_layout=True)
 
     def _swapped_with(self, s: int, i: int, f) -> str | None:
@@ -294,7 +371,8 @@ class _Reader:
         size = spec.shard_meta[s][1] if spec.shard_meta else None
         tried = 0
         for t, (name, _) in enumerate(spec.shards):
-            if t == s or (size is not None and spec.shard_meta[t][1] != size):
+            if t == s or spec.shard_folder[t] != spec.shard_folder[s] or (
+                    size is not None and spec.shard_meta[t][1] != size):
                 continue
             tried += 1
             if tried > 64:
@@ -318,6 +396,10 @@ class _Reader:
         _, _, idx, i = self._index(gid)
         return int(idx["num_tokens"][i])
 
+    def folder(self, gid: int) -> int:
+        """The folder (mixture source) of global sample `gid`."""
+        return self.spec.shard_folder[int(np.searchsorted(self.order.shard_first, gid, side="right") - 1)]
+
     def dual_length(self, gid: int, epoch: int) -> int | None:
         """The fed length in objective mode "dual" of global sample `gid` in `epoch`, from its
         shard's slot layout (`objective.dual_fed_length`; no read of the sample), or None when
@@ -335,6 +417,7 @@ class _Reader:
         """(shard path, key, tokens: int ndarray[L], segments) of global sample `gid`: one read
         of the sample's byte range `[start, end)` (its member headers and data)."""
         s, path, idx, i = self._index(gid)
+        spec = self.spec
         rec = idx[i]
         start = int(rec["start"])
         end = int(sample_index.sample_end(idx[i:i + 1])[0])
@@ -345,7 +428,7 @@ class _Reader:
                 if len(self._files) >= 8:
                     old = next(iter(self._files))
                     self._files.pop(old).close()
-                f = self._files[s] = _open_shard(self.spec.fs, path)
+                f = self._files[s] = _open_shard(spec.where(s)[0], path)
             f.seek(start)
             raw = f.read(end - start)
             if len(raw) != end - start:
@@ -358,7 +441,7 @@ class _Reader:
                     key, keyed = sample_index.key_from_header(raw[jo - 512:jo]), True
                 except (ValueError, UnicodeDecodeError):
                     pass
-                shard_io.check_sample(self.spec.fs, path, i, key, raw, int(rec["digest"]),
+                shard_io.check_sample(spec.where(s)[0], path, i, key, raw, int(rec["digest"]),
                                       self.spec.verify, self.spec.index_meta[s][0],
                                       lambda: self._swapped_with(s, i, f))
             if not keyed:
@@ -371,7 +454,7 @@ class _Reader:
             raise
         except (ValueError, OSError, EOFError, UnicodeDecodeError) as e:
             size = self.spec.shard_meta[s][1] if self.spec.shard_meta else None
-            h = shard_io.damage_hint(self.spec.fs, path, size)
+            h = shard_io.damage_hint(spec.where(s)[0], path, size)
             raise DataError(shard_io.no_range_message(path, e) or f"shard {path}: sample {key} is "
                             f"undecodable ({e}){'; ' + h if h else ''}") from None
         if tokens.ndim != 1 or tokens.dtype.kind not in "ui" or not isinstance(meta, dict) \
@@ -389,32 +472,39 @@ class _Reader:
         self._files.clear()
 
 
-def _window_rows(spec: _Spec, order: _Order, reader: _Reader, epoch: int, w: int):
-    """Rows of window w: (list of rows, each a list of global ids; {gid: read sample} of
-    samples already read; {gid: planned fed length} in objective mode "dual"). Packing takes
-    the lengths from the shards' sample indexes, and each worker reads only its own rows'
-    samples; in mode "dual" it packs by the fed length, clean tokens + masked copies, computed
-    from the index's slot layouts (version 3), or, for a shard whose index has none, from the
-    sample read and reorganized here (every such sample of the window, in every worker)."""
-    ids = order.window(epoch, w)
+def _window_rows(spec: _Spec, order, reader: _Reader, epoch: int, w: int):
+    """Rows of window w: (list of rows, each a list of (global id, epoch) items; {item: read
+    sample} of samples already read; {item: planned fed length} in objective mode "dual").
+    Packing takes the lengths from the shards' sample indexes, and each worker reads only its
+    own rows' samples; in mode "dual" it packs by the fed length, clean tokens + masked copies,
+    computed from the index's slot layouts (version 3), or, for a shard whose index has none,
+    from the sample read and reorganized here (every such sample of the window, in every
+    worker). A mixture's window (`_BlendOrder`) comes with its items' source epochs and fed
+    lengths."""
+    if spec.blend:
+        items, lengths = order.items(w)
+    else:
+        items = [(int(i), epoch) for i in order.window(epoch, w)]
+        lengths = None
     if spec.packing == "none":
-        return [[int(i)] for i in ids], {}, {}
-    lengths = [reader.length(int(i)) for i in ids]  # from the sample indexes: no sample read
-    for i, L in zip(ids, lengths):
-        if L > spec.max_length:
-            path, key = reader.read(int(i))[:2]
-            raise DataError(f"shard {path}: sample {key} has {L} tokens > max_length {spec.max_length}")
+        return [[it] for it in items], {}, {}
+    if lengths is None:
+        lengths = [reader.length(g) for g, _ in items]  # from the sample indexes: no sample read
+    for g, _ in items:
+        if reader.length(g) > spec.max_length:
+            path, key = reader.read(g)[:2]
+            raise DataError(f"shard {path}: sample {key} has {reader.length(g)} tokens > max_length "
+                            f"{spec.max_length}")
     loaded, planned = {}, {}
     if spec.objective.mode == "dual":
         # the fed length (clean tokens + masked copies) depends on the sample's slots and draws
-        for n, i in enumerate(ids):
-            g = int(i)
-            fed = reader.dual_length(g, epoch)
+        for n, it in enumerate(items):
+            fed = reader.dual_length(*it)
             if fed is None:  # an index without slot layouts: read the sample
-                loaded[g] = reader.read(g)
-                fed = _reorganize(spec, loaded[g], epoch).length
+                loaded[it] = reader.read(it[0])
+                fed = _reorganize(spec, loaded[it], it[1]).length
             else:
-                planned[g] = fed
+                planned[it] = fed
             lengths[n] = fed
     if spec.packing == "next_fit":
         rows = next_fit(lengths, spec.max_length)
@@ -423,7 +513,7 @@ def _window_rows(spec: _Spec, order: _Order, reader: _Reader, epoch: int, w: int
         if spec.shuffle:  # BFD creates rows longest-first: do not feed them in that trend
             rng = np.random.default_rng([spec.seed, epoch, w, _SALT_ROWS])
             rows = [rows[int(r)] for r in rng.permutation(len(rows))]
-    return [[int(ids[i]) for i in row] for row in rows], loaded, planned
+    return [[items[i] for i in row] for row in rows], loaded, planned
 
 
 def _reorganize(spec: _Spec, item, epoch: int):
@@ -442,28 +532,42 @@ def _reorganize(spec: _Spec, item, epoch: int):
         raise DataError(f"shard {path}: bad segments in sample {key} ({e})") from None
 
 
-def _rank_batches(spec: _Spec, cursor: tuple, worker: int, num_workers: int) -> Iterator[dict]:
+def _rank_batches(spec: _Spec, cursor: tuple, worker: int, num_workers: int,
+                  blend_start: list | None = None) -> Iterator[dict]:
     """Micro-batches of this DP rank for rounds k = worker, worker + num_workers, ... counted
-    from `cursor` = (epoch, window, row); each carries `_pos`, the cursor after its round."""
-    order = _Order(spec)
-    reader = _Reader(spec, order)
-    B, R, d = spec.micro_batch_size, spec.micro_batch_size * spec.dp_size, spec.dp_rank
+    from `cursor` = (epoch, window, row) (a mixture's: (phase, window, row), with
+    `blend_start`, the blend state at that window's start); each carries `_pos`, the cursor
+    after its round, and for a mixture `_blend`, the blend states at the start and end of the
+    cursor's window."""
     epoch, w, r = (int(v) for v in cursor)
+    if spec.blend:
+        state = (mixture.BlendState.from_list(blend_start, len(spec.folders)) if blend_start
+                 else mixture.BlendState.zeros(len(spec.folders)))
+        order = _BlendOrder(spec, w, state)
+    else:
+        order = _Order(spec)
+    reader = _Reader(spec, order)
+    order.reader = reader
+    B, R, d = spec.micro_batch_size, spec.micro_batch_size * spec.dp_size, spec.dp_rank
     j = 0          # rows walked since the cursor
     mine: list = []
 
     def batch(pos):
-        rows = []
-        for e, row, loaded, planned in mine:
-            rows.append([_reorganize(spec, loaded.get(g) or reader.read(g), e) for g in row])
-            for g, r in zip(row, rows[-1]):
-                if g in planned and planned[g] != r.length:
-                    raise DataError(f"shard {reader._index(g)[1]}: sample {r.key}: its sample index's "
-                                    f"slot layout gives {planned[g]} fed tokens, the sample "
-                                    f"{r.length} (index of another shard version?)")
+        rows, sources = [], []
+        for row, loaded, planned in mine:
+            rows.append([_reorganize(spec, loaded.get(it) or reader.read(it[0]), it[1]) for it in row])
+            sources.append([reader.folder(g) for g, _ in row])
+            for it, r in zip(row, rows[-1]):
+                if it in planned and planned[it] != r.length:
+                    raise DataError(f"shard {reader._index(it[0])[1]}: sample {r.key}: its sample "
+                                    f"index's slot layout gives {planned[it]} fed tokens, the "
+                                    f"sample {r.length} (index of another shard version?)")
         rows += [[] for _ in range(B - len(rows))]
-        out = collate(rows, spec.max_length, spec.pad_id)
+        sources += [[] for _ in range(B - len(sources))]
+        out = collate(rows, spec.max_length, spec.pad_id, sources=sources)
         out["_pos"] = pos
+        if spec.blend:
+            out["_blend"] = order.window_states(pos[1])
         return out
 
     try:
@@ -476,7 +580,7 @@ def _rank_batches(spec: _Spec, cursor: tuple, worker: int, num_workers: int) -> 
             for ri in range(r, len(rows)):
                 k, slot = divmod(j, R)
                 if k % num_workers == worker and slot // B == d:
-                    mine.append((epoch, rows[ri], loaded, planned))
+                    mine.append((rows[ri], loaded, planned))
                 j += 1
                 if j % R == 0:
                     if k % num_workers == worker:
@@ -520,16 +624,18 @@ def _stop_all_workers() -> None:
 
 
 class _RankDataset(IterableDataset):
-    def __init__(self, spec: _Spec, cursor: tuple, num_workers: int):
+    def __init__(self, spec: _Spec, cursor: tuple, num_workers: int, blend_start: list | None):
         self.spec, self.cursor, self.num_workers = spec, cursor, num_workers
+        self.blend_start = blend_start
 
     def __iter__(self):
         info = get_worker_info()
         wid = info.id if info is not None else 0
         spec = self.spec
         if info is not None:  # a forked worker: an async filesystem (http, s3) needs its own instance
-            spec = dataclasses.replace(spec, fs=shard_io.fs_for_this_process(spec.fs))
-        return _rank_batches(spec, self.cursor, wid, max(1, self.num_workers))
+            spec = dataclasses.replace(spec, folders=tuple(
+                dataclasses.replace(f, fs=shard_io.fs_for_this_process(f.fs)) for f in spec.folders))
+        return _rank_batches(spec, self.cursor, wid, max(1, self.num_workers), self.blend_start)
 
 
 # Settings that define the global row list: a state only continues under the same ones.
@@ -555,12 +661,21 @@ class ShardLoader:
         samples_per_epoch: shard samples per epoch of the split (all ranks together).
         consumed_samples: shard samples in the batches this rank yielded.
         batches: micro-batches yielded so far (equal on every rank: one per round).
-        cursor: (epoch, window, row) of the first row not in a yielded round (same on every rank).
+        cursor: (epoch, window, row) of the first row not in a yielded round (same on every
+            rank); a mixture's training loader: (phase, window, row) of its blend.
+        sources: per folder (the one of `data.dir`, or each source of a mixture, in order):
+            {"name", "weight" (normalized), "dir", "max_epochs", "samples", "tokens" (of the
+            split, from the manifest), "data" (the folder's shard-set fingerprint)}.
+        source_names, source_weights: tuples from `sources` (a batch's `source` indexes them).
     """
 
     def __init__(self, spec: _Spec, manifest: dict, fingerprint: str, num_workers: int,
-                 prefetch_factor: int, data_dir: str | None = None):
+                 prefetch_factor: int, data_dir: str | None = None, sources: list | None = None):
         self.spec, self.manifest, self.fingerprint = spec, manifest, fingerprint
+        self.sources = sources or []
+        self.source_names = tuple(m["name"] for m in self.sources)
+        self.source_weights = tuple(m["weight"] for m in self.sources)
+        self.blend_window = None   # mixture: [start, end] blend states of the cursor's window
         self.tokenizer_fingerprint = _digest(manifest["tokenizer"])
         self.data_dir = data_dir
         self.dp_rank, self.dp_size, self.num_workers = spec.dp_rank, spec.dp_size, num_workers
@@ -577,7 +692,8 @@ class ShardLoader:
         return self.cursor[0]
 
     def __iter__(self) -> Iterator[dict]:
-        ds = _RankDataset(self.spec, tuple(self.cursor), self.num_workers)
+        ds = _RankDataset(self.spec, tuple(self.cursor), self.num_workers,
+                          self.blend_window[0] if self.blend_window else None)
         if self.num_workers > 0:
             # fork: workers start in milliseconds and inherit in-memory fsspec stores; the
             # workers never touch CUDA. Elsewhere (no fork) the platform default is used.
@@ -607,6 +723,8 @@ class ShardLoader:
                     msg = lines[-1].split("DataError: ", 1)[-1] if lines else str(e)
                     raise DataError(msg) from None
                 self.cursor = tuple(int(v) for v in batch.pop("_pos"))
+                if "_blend" in batch:
+                    self.blend_window = batch.pop("_blend")
                 self.batches += 1
                 self.consumed_samples += len(batch["keys"])
                 yield batch
@@ -627,9 +745,31 @@ class ShardLoader:
         """JSON-able state after the last yielded batch. Its `cursor` is the same on every rank
         after the same number of batches (any rank's state continues any layout); `batches`
         and `consumed_samples` are this rank's counters."""
-        return {"version": STATE_VERSION, "config": self._config(), "cursor": list(self.cursor),
-                "batches": self.batches, "consumed_samples": self.consumed_samples,
-                "data_dir": self.data_dir}
+        state = {"version": STATE_VERSION, "config": self._config(), "cursor": list(self.cursor),
+                 "batches": self.batches, "consumed_samples": self.consumed_samples,
+                 "data_dir": self.data_dir}
+        if self.spec.blend:
+            n = len(self.sources)
+            zero = mixture.BlendState.zeros(n).to_list()
+            state["mix"] = self._mix()
+            state["window"] = self.blend_window or [zero, zero]
+        return state
+
+    def _mix(self) -> dict:
+        return {"phase": self.spec.phase,
+                "sources": [{"name": m["name"], "weight": m["weight"], "data": m["data"]}
+                            for m in self.sources]}
+
+    @property
+    def source_epochs(self) -> dict[str, int]:
+        """A mixture's training loader: each source's epoch at the cursor's window start (the
+        passes it began; 0 in the first); other loaders: {name: epoch}."""
+        if not self.spec.blend:
+            return {self.source_names[0]: self.epoch} if self.source_names else {}
+        n = len(self.sources)
+        st = mixture.BlendState.from_list(self.blend_window[0], n) if self.blend_window \
+            else mixture.BlendState.zeros(n)
+        return {m["name"]: int(st.pos[k]) // max(1, m["samples"]) for k, m in enumerate(self.sources)}
 
     def load_state_dict(self, state: dict, allow_reshard: bool = False,
                         on_shard_change: str = "refuse") -> dict | None:
@@ -657,16 +797,22 @@ class ShardLoader:
             on_shard_change: "refuse" (default) or "new_pass" (see above).
 
         Returns:
-            None, or when the shard set changed and a new pass began: {"from": saved
+            None; after a new data phase: {"phase", "from_phase", "positions": {source name:
+            samples drawn from it before}}; or when the shard set changed and a new pass began: {"from": saved
             fingerprint, "from_dir": the folder it was saved from (or None), "to": this
             loader's fingerprint, "epoch": the new pass's epoch, "samples_per_epoch": samples of
             the new set}.
+
+        A mixture (or a state of one) follows `data.phase` instead of `on_shard_change`
+        (`pipeline.data.mixture`): the same phase continues only with the same sources,
+        weights and shard sets; a higher phase starts a new data phase.
 
         Raises:
             DataError: a state of another version, seed, row length, packing, shuffle
                 settings, objective, shard set (unless `on_shard_change="new_pass"`) or
                 tokenizer, or (without allow_reshard) another layout; an unknown
-                `on_shard_change`. The message names the field.
+                `on_shard_change`; a mixture changed without a higher phase, or a lower
+                phase. The message names the field.
         """
         if on_shard_change not in SHARD_CHANGE_POLICIES:
             raise DataError(f"on_shard_change {on_shard_change!r} is not one of "
@@ -685,6 +831,19 @@ class ShardLoader:
         else:
             keys = _ORDER_KEYS
         new_pass = on_shard_change == "new_pass" and saved.get("data") != now["data"]
+        saved_phase = int((state.get("mix") or {}).get("phase", state.get("phase", 0)))
+        phase_up = self.spec.phase > saved_phase
+        if self.spec.blend or "mix" in state:   # a mixture on either side: data.phase rules
+            why = mixture.phase_change(state.get("mix"), self._mix()) if self.spec.blend else (
+                "the checkpoint trained on a mixture (data.sources)")
+            if why is not None and not phase_up:
+                raise DataError(f"loader state: the data changed since the checkpoint ({why}); "
+                                f"set data.phase above {saved_phase} to start a new data phase, or "
+                                f"resume with the saved data settings")
+            keys = tuple(k for k in keys if k != "data")
+            new_pass = False
+        else:
+            phase_up = False
         if new_pass:
             keys = tuple(k for k in keys if k != "data")
             if "tokenizer" not in saved:
@@ -716,6 +875,18 @@ class ShardLoader:
                                 f"{where}; resume with the same data settings")
         cursor = tuple(int(v) for v in state["cursor"])
         change = None
+        if self.spec.blend and not phase_up:
+            self.blend_window = state["window"]
+        elif phase_up:   # a new data phase: sources keep their positions (mixture module docstring)
+            if self.spec.blend:
+                st = mixture.next_phase_state(state.get("mix"), state.get("window"), cursor[2],
+                                              self._mix())
+                self.blend_window = [st.to_list(), st.to_list()]
+                cursor = (self.spec.phase, 0, 0)
+                positions = {m["name"]: int(st.pos[k]) for k, m in enumerate(self.sources)}
+            else:   # a mixture's checkpoint continued on one folder: its first epoch
+                cursor, positions = (0, 0, 0), {self.source_names[0]: 0}
+            change = {"phase": self.spec.phase, "from_phase": saved_phase, "positions": positions}
         if new_pass:
             epoch = cursor[0] if cursor[1:] == (0, 0) else cursor[0] + 1
             cursor = (epoch, 0, 0)
@@ -727,17 +898,19 @@ class ShardLoader:
         return change
 
 
-def build_loader(data_dir: str, split: str, micro_batch_size: int, max_length: int, *,
+def build_loader(data_dir, split: str, micro_batch_size: int, max_length: int, *,
                  dp_rank: int = 0, dp_size: int = 1, seed: int = 0, num_workers: int = 2,
                  objective_cfg: ObjectiveConfig | None = None, pack: bool = False,
                  packing: str = "best_fit", shuffle_buffer: int = 1000, shuffle: bool = True,
                  infinite: bool = True, vocab_size: int | None = None,
                  tokenizer_hash: str | None = None, prefetch_factor: int = 4,
-                 verify_shards: str = "error") -> ShardLoader:
+                 verify_shards: str = "error", phase: int = 0) -> ShardLoader:
     """The training/eval loader of one data-parallel rank (the same on every TP rank).
 
     Args:
-        data_dir: shard folder, local path or fsspec URL.
+        data_dir: shard folder, local path or fsspec URL; or a mixture, a sequence of
+            `pipeline.data.mixture.Source` (training: their blend; one pass (`infinite=False`):
+            each source's split in turn, in the order given).
         split: "train", "val", ... (a key of manifest["splits"]).
         micro_batch_size: rows per micro-batch (B).
         max_length: tokens per row (T); must be >= the manifest's max_length.
@@ -762,13 +935,15 @@ def build_loader(data_dir: str, split: str, micro_batch_size: int, max_length: i
             manifest (`pipeline.data.shard_io`): its size when a loader process first needs it
             and each sample's digest when it is read (sample index version 2), or its whole
             sha256 when a process first needs it (version 1).
+        phase: data phase of a mixture (`data.phase`; `ShardLoader.load_state_dict`).
 
     Returns:
         A `ShardLoader`.
 
     Raises:
-        DataError: bad folder/manifest/split, tokenizer mismatch, an empty split for an
-            infinite loader, max_length smaller than the shards', unknown packing.
+        DataError: bad folder/manifest/split, tokenizer mismatch (also between two sources),
+            an empty split for an infinite loader (any source's), max_length smaller than the
+            shards', unknown packing, a bad weight or a repeated source name.
     """
     if not 0 <= dp_rank < dp_size:
         raise DataError(f"dp_rank {dp_rank} is not in [0, dp_size={dp_size})")
@@ -778,43 +953,80 @@ def build_loader(data_dir: str, split: str, micro_batch_size: int, max_length: i
         raise DataError("micro_batch_size and shuffle_buffer must be >= 1, num_workers and seed >= 0")
     if packing not in PACKINGS:
         raise DataError(f"packing {packing!r} is not one of {', '.join(PACKINGS)}")
-    manifest = read_manifest(data_dir)
-    where = f"{data_dir}/manifest.json"
-    check_tokenizer(manifest, vocab_size, tokenizer_hash, where)
-    if split not in manifest["splits"]:
-        raise DataError(f"{where}: no split {split!r} (has {sorted(manifest['splits'])})")
-    if manifest["max_length"] > max_length:
-        raise DataError(f"{where}: shards hold samples up to max_length {manifest['max_length']} tokens, "
-                        f"the loader's max_length is {max_length}")
-    entries = manifest["splits"][split]
-    shards = tuple((s["name"], int(s["samples"])) for s in entries)
-    for e in entries:
-        ix = e.get("index")
-        if not isinstance(ix, dict) or not isinstance(ix.get("name"), str):
-            raise DataError(shard_io.missing_index_message(str(data_dir), e["name"]))
-    if verify_shards != "off":  # indexes without per-sample digests: each process hashes shards whole
-        shard_io.note_version_1_indexes(str(data_dir), split, [
-            e["name"] for e in entries if e["index"].get("version", 1) < sample_index.VERSION_2])
-    if pack and (objective_cfg or ObjectiveConfig()).mode == "dual":  # fed lengths need layouts
-        shard_io.note_indexes_without_layouts(str(data_dir), split, [
-            e["name"] for e in entries if e["index"].get("version", 1) < sample_index.VERSION])
+    mix = not isinstance(data_dir, (str, bytes)) and not hasattr(data_dir, "__fspath__")
+    sources = list(data_dir) if mix else [mixture.Source(name=_folder_name(str(data_dir)),
+                                                             dir=str(data_dir))]
+    if mix and not sources:
+        raise DataError("data.sources is empty")
+    weights = mixture.normalized_weights(sources)
+    objective_cfg = objective_cfg or ObjectiveConfig()
+    folders, shards, shard_folder, shard_meta, index_meta, metas = [], [], [], [], [], []
+    first = None
+    for k, src in enumerate(sources):
+        manifest = read_manifest(src.dir)
+        where = f"{src.dir}/manifest.json" + (f" (source {src.name!r})" if mix else "")
+        check_tokenizer(manifest, vocab_size, tokenizer_hash, where)
+        if first is not None:
+            mixture.check_same_tokenizer(first, (src, manifest))
+        first = first or (src, manifest)
+        if split not in manifest["splits"]:
+            raise DataError(f"{where}: no split {split!r} (has {sorted(manifest['splits'])})")
+        if manifest["max_length"] > max_length:
+            raise DataError(f"{where}: shards hold samples up to max_length {manifest['max_length']} "
+                            f"tokens, the loader's max_length is {max_length}")
+        entries = manifest["splits"][split]
+        for e in entries:
+            ix = e.get("index")
+            if not isinstance(ix, dict) or not isinstance(ix.get("name"), str):
+                raise DataError(shard_io.missing_index_message(str(src.dir), e["name"]))
+        if verify_shards != "off":  # indexes without per-sample digests: each process hashes shards whole
+            shard_io.note_version_1_indexes(str(src.dir), split, [
+                e["name"] for e in entries if e["index"].get("version", 1) < sample_index.VERSION_2])
+        old = [e["name"] for e in entries if e["index"].get("version", 1) < sample_index.VERSION]
+        if pack and objective_cfg.mode == "dual":  # fed lengths need layouts
+            shard_io.note_indexes_without_layouts(str(src.dir), split, old)
+        if mix and infinite and objective_cfg.mode == "dual" and old:
+            raise DataError(f"{where}: shard {old[0]} has a sample index without slot layouts "
+                            f"(before version 3); a mixture in objective mode dual blends by fed "
+                            f"length and needs them: `python data_prep/shard.py index {src.dir}` "
+                            f"adds them")
+        n = sum(int(e["samples"]) for e in entries)
+        if mix and infinite and n < 1:
+            raise DataError(f"{where}: split {split!r} has no samples")
+        fs, root = shard_io.open_fs(src.dir)
+        folders.append(_Folder(name=src.name, fs=fs, root=root, weight=weights[k]))
+        shards += [(e["name"], int(e["samples"])) for e in entries]
+        shard_folder += [k] * len(entries)
+        shard_meta += [(e.get("sha256"), e.get("bytes")) for e in entries]
+        index_meta += [(e["index"]["name"], e["index"].get("bytes"), e["index"].get("sha256"))
+                       for e in entries]
+        # the sample indexes are left out: adding them (`shard.py index`) keeps the shard set
+        metas.append({"name": src.name, "weight": weights[k], "dir": str(src.dir),
+                      "max_epochs": src.max_epochs, "samples": n,
+                      "tokens": sum(int(e.get("tokens", 0)) for e in entries),
+                      "data": _digest([manifest["tokenizer"],
+                                       [{k2: v for k2, v in e.items() if k2 != "index"}
+                                        for e in entries]])})
+    manifest = first[1]
     total = sum(n for _, n in shards)
     if infinite and total < 1:
-        raise DataError(f"{where}: split {split!r} has no samples")
-    fs, root = shard_io.open_fs(data_dir)
+        raise DataError(f"{first[0].dir}/manifest.json: split {split!r} has no samples")
     tok = manifest["tokenizer"]
-    spec = _Spec(fs=fs, root=root, split=split, shards=shards, seed=int(seed), dp_rank=int(dp_rank),
+    spec = _Spec(folders=tuple(folders), shard_folder=tuple(shard_folder), split=split,
+                 shards=tuple(shards), seed=int(seed), dp_rank=int(dp_rank),
                  dp_size=int(dp_size), micro_batch_size=int(micro_batch_size),
                  max_length=int(max_length), packing=packing if pack else "none",
                  window=int(shuffle_buffer), shuffle=bool(shuffle), infinite=bool(infinite),
                  mask_id=int(tok["mask_id"]), pad_id=int(tok["pad_id"]),
-                 vocab_limit=int(tok["vocab_size"]), objective=objective_cfg or ObjectiveConfig(),
-                 shard_meta=tuple((s.get("sha256"), s.get("bytes")) for s in manifest["splits"][split]),
-                 verify=verify_shards,
-                 index_meta=tuple((e["index"]["name"], e["index"].get("bytes"), e["index"].get("sha256"))
-                                  for e in entries))
-    # the sample indexes are left out: adding them (`shard.py index`) keeps the shard set
-    fingerprint = _digest([manifest["tokenizer"],
-                           [{k: v for k, v in e.items() if k != "index"} for e in entries]])
+                 vocab_limit=int(tok["vocab_size"]), objective=objective_cfg,
+                 shard_meta=tuple(shard_meta), verify=verify_shards, index_meta=tuple(index_meta),
+                 blend=bool(mix and infinite), phase=int(phase))
+    fingerprint = metas[0]["data"] if not mix else _digest([[m["name"], m["data"]] for m in metas])
     return ShardLoader(spec, manifest, fingerprint, num_workers, prefetch_factor,
-                       data_dir=str(data_dir))
+                       data_dir=str(data_dir) if not mix else ", ".join(m["dir"] for m in metas),
+                       sources=metas)
+
+
+def _folder_name(data_dir: str) -> str:
+    """The source name of a one-folder loader: the folder's last path component."""
+    return data_dir.rstrip("/").rsplit("/", 1)[-1] or "data"
