@@ -16,6 +16,7 @@ data-parallel size, data-parallel size = world size / tensor-parallel size. Give
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
@@ -50,6 +51,20 @@ class InitSection:
 
 
 @dataclass
+class SourceSection:
+    """One corpus of a data mixture (`data.sources`, `pipeline.data.mixture`): `name` (unique;
+    the key of its metrics), `dir` (its shard folder), `weight` (its share of the training
+    tokens, > 0; the weights are normalized to sum 1: a token share, not a sample share),
+    `max_epochs` (at most this many passes over its training split: a run that would need
+    more, computed at start-up from the manifests' token counts and `train.max_steps`, is
+    refused; null = no limit)."""
+    name: str = MISSING
+    dir: str = MISSING
+    weight: float = MISSING
+    max_epochs: Optional[float] = None
+
+
+@dataclass
 class DataSection:
     """Shards written by `data_prep/shard.py` (a folder, local path or fsspec URL) and how
     `pipeline.data.build_loader` reads them. `max_length`: tokens per row (None = the
@@ -66,8 +81,18 @@ class DataSection:
     the one its checkpoint was taken on (shards rebuilt with more input): "refuse" (default:
     one line, exit 2) or "new_pass": keep weights, optimizer, step and lr schedule and start a
     new epoch over the new set (same tokenizer required; the checkpoint's `shard_sets` records
-    each set and the step it began at; `pipeline.data.ShardLoader.load_state_dict`)."""
-    dir: str = MISSING
+    each set and the step it began at; `pipeline.data.ShardLoader.load_state_dict`).
+    `sources`: a data mixture instead of `dir` (exactly one of the two; `dir` is the one-source
+    shorthand): a list of `SourceSection`, every source with the same tokenizer, read with the
+    settings above (each source's `train_split` is blended by token share; validation reads
+    every source's `val_split`; ARCHITECTURE.md "Mixtures"). `phase`: the data phase; a resume
+    with other sources or weights (or a changed shard set of a source) is refused unless
+    `phase` is raised: a new phase keeps every source's read position, the weights,
+    optimizer, step and lr schedule (the schedule may change with it, as with
+    `optim.override_schedule`), and is recorded in the checkpoint (`data_phases`) and metrics."""
+    dir: Optional[str] = None
+    sources: List[SourceSection] = field(default_factory=list)
+    phase: int = 0
     train_split: str = "train"
     val_split: str = "val"
     max_length: Optional[int] = None
@@ -325,6 +350,21 @@ class Plan:
     checkpoint_dir: str
 
 
+def data_sources(data) -> list:
+    """The run's data as `pipeline.data.mixture.Source`s: `data.sources` in order, or the one
+    folder `data.dir` (named after its last path component, weight 1).
+
+    Args:
+        data: the `data` section (DictConfig or the dict a checkpoint's saved config holds).
+    """
+    from pipeline.data.mixture import Source, folder_name
+    srcs = data.get("sources") or []
+    if srcs:
+        return [Source(name=str(s.get("name")), dir=str(s.get("dir")), weight=s.get("weight"),
+                       max_epochs=s.get("max_epochs")) for s in srcs]
+    return [Source(name=folder_name(data.get("dir")), dir=str(data.get("dir")), weight=1.0)]
+
+
 def _one_line(e: Exception) -> str:
     return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
@@ -358,10 +398,30 @@ def load_config(path: str, overrides: List[str] | None = None) -> DictConfig:
         if "=" not in item:
             raise ConfigError(f"override '{item}' is not of the form key=value")
     overrides = [_quote_word(item) for item in overrides or []]
+    # a key through a list (data.sources.1.weight, data.sources[1].weight) is set in place: a
+    # dotlist merge would replace the list by a mapping
+    indexed = [o for o in overrides if re.search(r"\.\d+(\.|$)|\[", o.split("=", 1)[0])]
     try:
-        cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(overrides))
+        cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([o for o in overrides
+                                                           if o not in indexed]))
     except OmegaConfBaseException as e:
         raise ConfigError(f"command-line override: {_describe(e)}") from None
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"command-line override: {_one_line(e)}") from None
+    for item in indexed:
+        key, value = item.split("=", 1)
+        m = re.match(r"(.+?)(?:\.|\[)(\d+)\]?(?:\.|$)", key)
+        seq = OmegaConf.select(cfg, m.group(1)) if m else None
+        if m and (not OmegaConf.is_list(seq) or int(m.group(2)) >= len(seq)):
+            n = len(seq) if OmegaConf.is_list(seq) else 0
+            raise ConfigError(f"command-line override {key}: {m.group(1)} has {n} entr"
+                              f"{'y' if n == 1 else 'ies'}; index {m.group(2)} is not one of them")
+        try:
+            OmegaConf.update(cfg, key, OmegaConf.from_dotlist([f"v={value}"])["v"], merge=True)
+        except OmegaConfBaseException as e:
+            raise ConfigError(f"command-line override {key}: {_describe(e)}") from None
+        except (TypeError, ValueError, IndexError, KeyError) as e:
+            raise ConfigError(f"command-line override {key}: {_one_line(e)}") from None
     return cfg
 
 
@@ -524,6 +584,10 @@ def _validate(cfg: DictConfig, world_size: int | None) -> Plan:
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:
         raise ConfigError(f"required key(s) not set: {', '.join(missing)}")
+    if (cfg.data.dir is not None) == bool(cfg.data.sources):
+        raise ConfigError("data: set exactly one of data.dir (one shard folder) and data.sources "
+                          "(a mixture); " + ("both are set" if cfg.data.dir is not None
+                                             else "neither is set"))
     t, o, c = cfg.train, cfg.optim, cfg.checkpoint
 
     def need(cond: bool, msg: str) -> None:
@@ -682,29 +746,46 @@ def _validate(cfg: DictConfig, world_size: int | None) -> Plan:
     need(cfg.data.packing in ("next_fit", "best_fit"),
          f"data.packing must be next_fit or best_fit, got {cfg.data.packing!r}")
     from pipeline.data import DataError, check_tokenizer, read_manifest
-    try:
-        manifest = read_manifest(cfg.data.dir)
-        check_tokenizer(manifest, fields["vocab_size"], where=f"data.dir {cfg.data.dir}")
-    except DataError as e:
-        raise ConfigError(f"data.dir: {_one_line(e)}") from None
-    splits = manifest.get("splits", {})
-    for key, split, used in (("data.train_split", cfg.data.train_split, True),
-                             ("data.val_split", cfg.data.val_split, t.eval_interval > 0)):
-        if not used:
-            continue
-        need(split in splits, f"{key}: no split {split!r} in {cfg.data.dir}/manifest.json "
-                              f"(has {sorted(splits)})" + ("" if key == "data.train_split" else
-                              "; set train.eval_interval=0 to train without validation"))
-        n = sum(int(s["samples"]) for s in splits[split])
-        # pipeline.data deals one global order to the ranks: any sample count >= 1 serves any
-        # layout (validation ranks without samples evaluate all-padding batches)
-        need(n >= 1, f"{key}: split {split!r} has no samples")
-    need(manifest["tokenizer"].get("mask_id") is not None,
-         f"data.dir: {cfg.data.dir}/manifest.json has no tokenizer.mask_id")
+    from pipeline.data.mixture import check_same_tokenizer, normalized_weights
+    need(cfg.data.phase >= 0, f"data.phase must be >= 0, got {cfg.data.phase}")
+    sources = data_sources(cfg.data)
+    if cfg.data.sources:
+        try:
+            normalized_weights(sources)
+        except DataError as e:
+            raise ConfigError(_one_line(e)) from None
+    manifests, first = [], None
+    for k, src in enumerate(sources):
+        key = "data.dir" if not cfg.data.sources else f"data.sources[{k}] ({src.name})"
+        try:
+            manifest = read_manifest(src.dir)
+            check_tokenizer(manifest, fields["vocab_size"], where=f"{key} {src.dir}")
+            if first is not None:
+                check_same_tokenizer(first, (src, manifest))
+        except DataError as e:
+            raise ConfigError(f"{key}: {_one_line(e)}") from None
+        first = first or (src, manifest)
+        manifests.append(manifest)
+        splits = manifest.get("splits", {})
+        for skey, split, used in (("data.train_split", cfg.data.train_split, True),
+                                  ("data.val_split", cfg.data.val_split, t.eval_interval > 0)):
+            if not used:
+                continue
+            need(split in splits, f"{skey}: no split {split!r} in {src.dir}/manifest.json "
+                                  f"(has {sorted(splits)})" + ("" if skey == "data.train_split" else
+                                  "; set train.eval_interval=0 to train without validation"))
+            n = sum(int(s["samples"]) for s in splits[split])
+            # pipeline.data deals one global order to the ranks: any sample count >= 1 serves any
+            # layout (validation ranks without samples evaluate all-padding batches)
+            need(n >= 1, f"{skey}: split {split!r} of {src.dir} has no samples")
+        need(manifest["tokenizer"].get("mask_id") is not None,
+             f"{key}: {src.dir}/manifest.json has no tokenizer.mask_id")
+    manifest = manifests[0]
+    longest = max(int(m["max_length"]) for m in manifests)
     ml = cfg.data.max_length
-    need(ml is None or ml >= int(manifest["max_length"]),
-         f"data.max_length={ml} is shorter than the shards' max_length {manifest['max_length']}")
-    row = ml or int(manifest["max_length"])
+    need(ml is None or ml >= longest,
+         f"data.max_length={ml} is shorter than the shards' max_length {longest}")
+    row = ml or longest
     mpe = fields.get("max_position_embeddings")
     need(mpe is None or row <= mpe,
          f"data.max_length: rows of {row} tokens exceed model max_position_embeddings={mpe}")

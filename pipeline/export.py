@@ -205,7 +205,8 @@ def run_tokenizer_dir(src: Path) -> Path | None:
     step = src if checkpoint.is_complete(src) else checkpoint.find_latest(src)
     try:
         ours = load_checkpoint_file(Path(step) / "refusion_rank_00000.pt")
-        data_dir = Path(str(ours["client_state"]["config"]["data"]["dir"]))
+        from pipeline.config import data_sources   # a mixture's sources share one tokenizer
+        data_dir = Path(data_sources(ours["client_state"]["config"]["data"])[0].dir)
     except UnsafeCheckpointError:
         raise
     except Exception:  # noqa: BLE001 - an old or foreign checkpoint: no default tokenizer

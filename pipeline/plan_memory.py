@@ -36,14 +36,15 @@ def _row_length(cfg) -> int:
     from pipeline.config import ConfigError
     if cfg.data.max_length is not None:
         return int(cfg.data.max_length)
-    from omegaconf import OmegaConf
-    if not OmegaConf.is_missing(cfg.data, "dir") and cfg.data.dir:
+    if cfg.data.dir or cfg.data.sources:
+        from pipeline.config import data_sources
         from pipeline.data import DataError, read_manifest
+        key = "data.dir" if cfg.data.dir else "data.sources"
         try:
-            return int(read_manifest(cfg.data.dir)["max_length"])
+            return max(int(read_manifest(s.dir)["max_length"]) for s in data_sources(cfg.data))
         except DataError as e:
-            raise ConfigError(f"data.dir: {str(e).splitlines()[0]}") from None
-    raise ConfigError("data.max_length: not set and no readable data.dir; give "
+            raise ConfigError(f"{key}: {str(e).splitlines()[0]}") from None
+    raise ConfigError("data.max_length: not set and no readable data.dir or data.sources; give "
                       "data.max_length=TOKENS to plan")
 
 

@@ -224,14 +224,23 @@ class Trainer:
             change = self.train_loader.load_state_dict(
                 state["loader"], allow_reshard="resharded_from" in state,
                 on_shard_change=cfg.data.on_shard_change)
-            if change is not None:  # data.on_shard_change=new_pass on a rebuilt shard set
+            if change is not None and "phase" in change:   # data.phase raised: a new data phase
+                log.info("data phase %d from step %d (was %d): sources %s; positions kept (samples "
+                         "drawn before: %s); weights, optimizer and lr schedule continue",
+                         change["phase"], self.step + 1, change["from_phase"],
+                         ", ".join(f"{n} {w:.3g}" for n, w in zip(self.train_loader.source_names,
+                                                                    self.train_loader.source_weights)),
+                         change["positions"])
+            elif change is not None:  # data.on_shard_change=new_pass on a rebuilt shard set
                 log.info("the training shards changed since step %d (shard set %s of %s -> %s of "
                          "%s, %d samples per epoch); data.on_shard_change=new_pass: weights, "
                          "optimizer and lr schedule continue, the data starts a new pass "
                          "(epoch %d) over the new set", self.step, change["from"],
                          change["from_dir"] or "an unrecorded folder", change["to"], cfg.data.dir,
                          change["samples_per_epoch"], change["epoch"])
-            self._check_schedule(state, new_pass=change is not None)
+            self._check_schedule(state, explicit=None if change is None else (
+                f"data.phase={cfg.data.phase}" if "phase" in change else "data.on_shard_change=new_pass"))
+            self.state.track_phase(cfg.data.phase, self.step, self.train_loader)
             # a validation a stop signal deferred at this step, if this run still validates there
             self.state.eval_pending = self.state.eval_pending and should_evaluate(
                 self.step, cfg.train.eval_interval, False)
@@ -239,19 +248,23 @@ class Trainer:
         else:
             change = None
             self.state.lr_schedule = schedule_record(cfg.optim, cfg.train.max_steps)
+            self.state.track_phase(cfg.data.phase, 0, self.train_loader)
         ld = self.train_loader
-        self.state.track_shard_set({"fingerprint": ld.fingerprint, "data_dir": str(cfg.data.dir),
-                                    "epoch": ld.epoch, "samples_per_epoch": ld.samples_per_epoch},
-                                   change)
+        if "phase" not in (change or {}):
+            self.state.track_shard_set({"fingerprint": ld.fingerprint, "data_dir": ld.data_dir,
+                                        "epoch": ld.epoch, "samples_per_epoch": ld.samples_per_epoch},
+                                       change)
+        self._check_source_epochs()
         self._init_wandb()
         self.peak_flops = peak_flops_per_device(cfg)
 
-    def _check_schedule(self, state: dict, new_pass: bool) -> None:
+    def _check_schedule(self, state: dict, explicit: str | None) -> None:
         """The resumed run's learning-rate schedule against the checkpoint's
         (`pipeline.training.schedule.schedule_change`; a checkpoint that predates the record
         gives its saved run config's). A change that would move an lr is refused unless
-        `optim.override_schedule` or a new data pass makes it explicit; then the new schedule
-        applies from this step, said in one line.
+        `optim.override_schedule` or a new data pass or phase makes it explicit (`explicit`:
+        the setting that did, or None); then the new schedule applies from this step, said in
+        one line.
 
         Raises:
             TrainError: the schedule changed without either (one line naming the keys).
@@ -264,14 +277,14 @@ class Trainer:
         if why is None:
             self.state.lr_schedule = now
             return
-        if not (cfg.optim.override_schedule or new_pass):
+        if not (cfg.optim.override_schedule or explicit):
             raise TrainError(f"optim: the learning-rate schedule differs from the checkpoint's "
                              f"({why}); set optim.override_schedule=true to apply the new schedule "
                              f"from step {self.step + 1}, or resume with the saved settings")
         self.state.lr_schedule = {**now, "from_step": self.step}
         log.info("learning-rate schedule changed from step %d (%s; %s)", self.step + 1, why,
                  "optim.override_schedule" if cfg.optim.override_schedule
-                 else "data.on_shard_change=new_pass")
+                 else explicit)
 
     def _start_watchdog(self) -> None:
         """The hang watchdog (`pipeline.training.watchdog`; collective): a token agreed through
@@ -374,18 +387,48 @@ class Trainer:
                             held.get("slurm_job_id"), held["reason"])
         run_on_rank0(take, (RunLockError,), TrainError)
 
+    def _check_source_epochs(self) -> None:
+        """The passes over each source's training split the rest of the run makes at most
+        (`pipeline.data.mixture.epochs_needed`: every row of every remaining step full), one
+        log line per source on rank 0; a source whose `max_epochs` that exceeds is refused.
+
+        Raises:
+            TrainError: one line naming the source, its tokens and the passes it would need.
+        """
+        from pipeline.data.mixture import epochs_needed
+        cfg, ld = self.cfg, self.train_loader
+        steps = max(0, int(cfg.train.max_steps) - self.step)
+        fed = steps * self.plan.global_batch_size * self.plan.row_length
+        done = ld.source_epochs
+        need = epochs_needed([m["tokens"] for m in ld.sources], ld.source_weights, fed)
+        for m, e in zip(ld.sources, need):
+            total = done.get(m["name"], 0) + e
+            if self.is_rank0 and len(ld.sources) > 1:
+                log.info("data source %s: weight %.3g, %d tokens, <= %.2f passes by step %d",
+                         m["name"], m["weight"], m["tokens"], total, cfg.train.max_steps)
+            if m["max_epochs"] is not None and total > float(m["max_epochs"]):
+                raise TrainError(f"data.sources: source {m['name']!r} ({m['tokens']} tokens, weight "
+                                 f"{m['weight']:.3g}) would be read up to {total:.2f} times by step "
+                                 f"{cfg.train.max_steps}, more than its max_epochs "
+                                 f"{m['max_epochs']:g}; lower its weight or train.max_steps, or "
+                                 f"raise max_epochs")
+
     def _build_loader(self, split: str, train: bool):
         """A `pipeline.data` loader of `split` for this data-parallel rank (the TP ranks of a DP
-        group get identical batches). Training: shuffled, infinite; validation: manifest order,
-        one pass (built afresh for every evaluation)."""
+        group get identical batches). Training: shuffled, infinite (a mixture: its blend);
+        validation: manifest order (a mixture: every source's split in turn), one pass (built
+        afresh for every evaluation)."""
         d = self.cfg.data
+        from pipeline.config import data_sources
         from pipeline.data import build_loader
-        return build_loader(d.dir, split, self.plan.micro_batch_size, self.plan.row_length,
+        return build_loader(d.dir if not d.sources else data_sources(d), split,
+                            self.plan.micro_batch_size, self.plan.row_length,
                             dp_rank=self.info.dp_rank, dp_size=self.info.dp_size,
                             seed=self.cfg.train.seed, num_workers=d.num_workers if train else 0,
                             objective_cfg=self.objective_cfg, pack=d.pack, packing=d.packing,
                             shuffle_buffer=d.shuffle_buffer, shuffle=train, infinite=train,
-                            vocab_size=self.mcfg.vocab_size, verify_shards=d.verify_shards)
+                            vocab_size=self.mcfg.vocab_size, verify_shards=d.verify_shards,
+                            phase=d.phase)
 
     def _init_wandb(self) -> None:
         """Start (or resume, same run id) the wandb run through `pipeline.monitor.Monitor`
@@ -663,6 +706,7 @@ class Trainer:
                     break
                 if self.step % cfg.train.log_interval == 0:
                     metrics.update(self._stragglers())
+                metrics["data_phase"] = int(cfg.data.phase)
                 self._record(metrics)
                 if should_evaluate(self.step, cfg.train.eval_interval, sig):
                     self._record(self.evaluate())

@@ -218,7 +218,8 @@ def test_shipped_run_configs_validate(tmp_path, data_dir):
         load_config(str(p))
     plan = validate(load_config("configs/tiny_cpu.yaml", [f"data.dir={data_dir}"]), world_size=2)
     assert (plan.dp_size, plan.grad_accum_steps) == (2, 1)
-    assert "required key(s) not set: data.dir" in _error("configs/qwen3_8b.yaml")
+    assert ("set exactly one of data.dir (one shard folder) and data.sources (a mixture); neither "
+            "is set") in _error("configs/qwen3_8b.yaml")
     assert "init.source=hf needs init.hf_path" in _error("configs/qwen3_8b.yaml",
                                                          [f"data.dir={data_dir}"], world_size=32)
     hf = tmp_path / "qwen3_8b_config_only"

@@ -370,13 +370,15 @@ def consolidate_state_dict(checkpoint_dir: str | os.PathLike
 
 def _token_ids_from_run(step_dir: Path) -> dict:
     """config.json token ids (bos/eos/pad/mask) from the shard manifest the run trained on,
-    found through the run config stored in rank 0's client_state (`config.data.dir`); {} when
+    found through the run config stored in rank 0's client_state (`config.data.dir`, or the
+    first of `data.sources`); {} when
     it is not recorded or no longer readable (one warning line naming the cause: the export
     then lacks these ids in config.json, and `--tokenizer` supplies them)."""
     from pipeline.data.shard_io import read_manifest
     try:
         ours = load_checkpoint_file(step_dir / "refusion_rank_00000.pt")
-        tok = read_manifest(str(ours["client_state"]["config"]["data"]["dir"]))["tokenizer"]
+        from pipeline.config import data_sources   # a mixture's sources share one tokenizer
+        tok = read_manifest(data_sources(ours["client_state"]["config"]["data"])[0].dir)["tokenizer"]
     except UnsafeCheckpointError:
         raise
     except (OSError, KeyError, TypeError, ValueError, ImportError, RuntimeError) as e:

@@ -226,6 +226,7 @@ class _BlendOrder:
                                        seed=mixture.source_seed(spec.seed, f.name))
             self.orders.append(_Order(view))
         self._cache: dict = {}   # source -> (epoch, window, ids)
+        self.position: dict = {}  # item of the drawn window -> (source, position in the source)
         self.states = {start_window: start_state}   # window -> state at its start
         self.reader = None        # set by the reader's owner (lengths come from the indexes)
 
@@ -255,12 +256,24 @@ class _BlendOrder:
         out, end = mixture.draw(self.states[w], self.spec.window, self.weights,
                                 self.sample, self.length)
         self.states = {w: self.states[w], w + 1: end}
+        at = self.states[w].pos.copy()
+        self.position = {}
+        for s, it, _ in out:
+            self.position[it] = (s, int(at[s]))
+            at[s] += 1
         return [it for _, it, _ in out], [L for _, _, L in out]
 
-    def window_states(self, w: int) -> list:
-        """[state at the start of window w, state at its end], each `BlendState.to_list()`
-        (window w must have been drawn)."""
-        return [self.states[w].to_list(), self.states[w + 1].to_list()]
+    def window_states(self, w: int, consumed_rows) -> list:
+        """[the blend state at the start of window w (`BlendState.to_list()`), the positions
+        after the samples of `consumed_rows` (rows of window w, lists of items): per source,
+        1 + the largest position among them, or its start position]. Window w must be the one
+        drawn last."""
+        end = self.states[w].pos.copy()
+        for row in consumed_rows:
+            for it in row:
+                s, p = self.position[it]
+                end[s] = max(end[s], p + 1)
+        return [self.states[w].to_list(), [int(v) for v in end]]
 
 
 def best_fit_decreasing(lengths, capacity: int) -> list[list[int]]:
@@ -538,8 +551,9 @@ def _rank_batches(spec: _Spec, cursor: tuple, worker: int, num_workers: int,
     from `cursor` = (epoch, window, row) (a mixture's: (phase, window, row), with
     `blend_start`, the blend state at that window's start); each carries `_pos`, the cursor
     after its round, and for a mixture `_blend`, the blend states at the start and end of the
-    cursor's window."""
+    cursor's window and the positions after its consumed rows (`_BlendOrder.window_states`)."""
     epoch, w, r = (int(v) for v in cursor)
+    window_rows: list = []
     if spec.blend:
         state = (mixture.BlendState.from_list(blend_start, len(spec.folders)) if blend_start
                  else mixture.BlendState.zeros(len(spec.folders)))
@@ -566,8 +580,8 @@ def _rank_batches(spec: _Spec, cursor: tuple, worker: int, num_workers: int,
         sources += [[] for _ in range(B - len(sources))]
         out = collate(rows, spec.max_length, spec.pad_id, sources=sources)
         out["_pos"] = pos
-        if spec.blend:
-            out["_blend"] = order.window_states(pos[1])
+        if spec.blend:   # (the rows of the cursor's window consumed by the end of this round)
+            out["_blend"] = order.window_states(pos[1], window_rows[:pos[2]])
         return out
 
     try:
@@ -577,6 +591,7 @@ def _rank_batches(spec: _Spec, cursor: tuple, worker: int, num_workers: int,
                     break
                 epoch, w, r = epoch + 1, 0, 0
             rows, loaded, planned = _window_rows(spec, order, reader, epoch, w)
+            window_rows = rows
             for ri in range(r, len(rows)):
                 k, slot = divmod(j, R)
                 if k % num_workers == worker and slot // B == d:
@@ -675,7 +690,7 @@ class ShardLoader:
         self.sources = sources or []
         self.source_names = tuple(m["name"] for m in self.sources)
         self.source_weights = tuple(m["weight"] for m in self.sources)
-        self.blend_window = None   # mixture: [start, end] blend states of the cursor's window
+        self.blend_window = None   # mixture: `_BlendOrder.window_states` of the cursor's window
         self.tokenizer_fingerprint = _digest(manifest["tokenizer"])
         self.data_dir = data_dir
         self.dp_rank, self.dp_size, self.num_workers = spec.dp_rank, spec.dp_size, num_workers
@@ -750,9 +765,8 @@ class ShardLoader:
                  "data_dir": self.data_dir}
         if self.spec.blend:
             n = len(self.sources)
-            zero = mixture.BlendState.zeros(n).to_list()
             state["mix"] = self._mix()
-            state["window"] = self.blend_window or [zero, zero]
+            state["window"] = self.blend_window or [mixture.BlendState.zeros(n).to_list(), [0] * n]
         return state
 
     def _mix(self) -> dict:
@@ -879,9 +893,8 @@ class ShardLoader:
             self.blend_window = state["window"]
         elif phase_up:   # a new data phase: sources keep their positions (mixture module docstring)
             if self.spec.blend:
-                st = mixture.next_phase_state(state.get("mix"), state.get("window"), cursor[2],
-                                              self._mix())
-                self.blend_window = [st.to_list(), st.to_list()]
+                st = mixture.next_phase_state(state.get("mix"), state.get("window"), self._mix())
+                self.blend_window = [st.to_list(), [int(v) for v in st.pos]]
                 cursor = (self.spec.phase, 0, 0)
                 positions = {m["name"]: int(st.pos[k]) for k, m in enumerate(self.sources)}
             else:   # a mixture's checkpoint continued on one folder: its first epoch
@@ -954,7 +967,7 @@ def build_loader(data_dir, split: str, micro_batch_size: int, max_length: int, *
     if packing not in PACKINGS:
         raise DataError(f"packing {packing!r} is not one of {', '.join(PACKINGS)}")
     mix = not isinstance(data_dir, (str, bytes)) and not hasattr(data_dir, "__fspath__")
-    sources = list(data_dir) if mix else [mixture.Source(name=_folder_name(str(data_dir)),
+    sources = list(data_dir) if mix else [mixture.Source(name=mixture.folder_name(data_dir),
                                                              dir=str(data_dir))]
     if mix and not sources:
         raise DataError("data.sources is empty")
@@ -1026,7 +1039,3 @@ def build_loader(data_dir, split: str, micro_batch_size: int, max_length: int, *
                        data_dir=str(data_dir) if not mix else ", ".join(m["dir"] for m in metas),
                        sources=metas)
 
-
-def _folder_name(data_dir: str) -> str:
-    """The source name of a one-folder loader: the folder's last path component."""
-    return data_dir.rstrip("/").rsplit("/", 1)[-1] or "data"

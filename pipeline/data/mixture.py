@@ -26,8 +26,10 @@ fingerprint) and the blend state. A resume with the same phase must have the sam
 weights; a higher phase may change both: every source keeps its position (samples drawn, so no
 sample of a source is drawn twice before the source is exhausted across phases; a source whose
 shard set changed, or that is new, starts at its beginning), the token counts restart at 0
-(the new weights hold from the phase's first draw), and the rest of the window the checkpoint
-was in is not read.
+(the new weights hold from the phase's first draw). A source continues after the last of its
+samples fed in the window the checkpoint was in; its samples of that window packed into rows
+not yet fed (best_fit reorders a window's rows) and drawn before that one are not read in
+this pass.
 """
 from __future__ import annotations
 
@@ -54,6 +56,11 @@ class Source:
     dir: str
     weight: float = 1.0
     max_epochs: float | None = None
+
+
+def folder_name(data_dir: str) -> str:
+    """The source name of a one-folder run (`data.dir`): the folder's last path component."""
+    return str(data_dir).rstrip("/").rsplit("/", 1)[-1] or "data"
 
 
 def normalized_weights(sources) -> tuple[float, ...]:
@@ -178,31 +185,28 @@ def phase_change(saved: dict | None, now: dict) -> str | None:
     return "; ".join(diffs) or None
 
 
-def next_phase_state(saved: dict | None, saved_window: list | None, saved_row: int,
-                     now: dict) -> BlendState:
+def next_phase_state(saved: dict | None, saved_window: list | None, now: dict) -> BlendState:
     """The blend state a new phase starts from.
 
     Args:
         saved: the checkpoint's "mix" entry (None: a one-folder checkpoint: every source starts
             at its beginning).
-        saved_window: the saved `window` entry, [start state, end state] of the window the
-            checkpoint's cursor is in (each `BlendState.to_list()`).
-        saved_row: the cursor's row in that window (0: the window was not begun).
+        saved_window: the saved `window` entry: [blend state at the start of the cursor's
+            window, each source's position after the window's consumed rows].
         now: this run's {"phase", "sources": [{"name", "weight", "data"}]}.
     Returns:
         Positions kept by source name (0 for a new source or one whose shards changed), token
-        counts 0.
+        counts 0. Samples of the checkpoint's window that were not fed and lie before a fed
+        one of their source are not read in this pass (at most one window's worth).
     """
-    n_now = len(now["sources"])
-    st = BlendState.zeros(n_now)
+    st = BlendState.zeros(len(now["sources"]))
     if saved is None or not saved_window:
         return st
-    n_old = len(saved["sources"])
-    kept = BlendState.from_list(saved_window[1 if saved_row else 0], n_old)
+    kept = [int(v) for v in saved_window[1]]
     old = {s["name"]: (i, s["data"]) for i, s in enumerate(saved["sources"])}
     for j, s in enumerate(now["sources"]):
         if s["name"] in old and old[s["name"]][1] == s["data"]:
-            st.pos[j] = kept.pos[old[s["name"]][0]]
+            st.pos[j] = kept[old[s["name"]][0]]
     return st
 
 

@@ -45,6 +45,9 @@ class TrainState:
             it began at, "samples_per_epoch": its samples}` (a new one is appended when a run
             resumes on rebuilt shards with `data.on_shard_change=new_pass`). Empty until the
             trainer fills it (and in checkpoints written before it existed).
+        data_phases: the data phases the run went through (`data.phase`), oldest first:
+            `{"phase", "step": optimizer steps done when it began, "weights": {source name:
+            normalized weight}}`. Empty in checkpoints written before it existed.
         lr_schedule: the learning-rate schedule in force (`pipeline.training.schedule.
             schedule_record`), or None until the trainer sets it (and in checkpoints written
             before it was recorded: the trainer then derives it from the saved run config).
@@ -57,6 +60,7 @@ class TrainState:
     eval_pending: bool = False
     shard_sets: list = dataclasses.field(default_factory=list)
     lr_schedule: dict | None = None
+    data_phases: list = dataclasses.field(default_factory=list)
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-able dict of the fields (the keys a checkpoint's client_state holds)."""
@@ -64,7 +68,8 @@ class TrainState:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore from a checkpoint's client_state (other keys are ignored; `wandb_run_id`,
-        `eval_pending`, `shard_sets` and `lr_schedule` default to None / False / [] / None for
+        `eval_pending`, `shard_sets`, `lr_schedule` and `data_phases` default to None / False /
+        [] / None / [] for
         checkpoints that lack them).
 
         Raises:
@@ -77,6 +82,7 @@ class TrainState:
         self.eval_pending = bool(state.get("eval_pending", False))
         self.shard_sets = [dict(s) for s in state.get("shard_sets", [])]
         self.lr_schedule = dict(state["lr_schedule"]) if state.get("lr_schedule") else None
+        self.data_phases = [dict(p) for p in state.get("data_phases", [])]
 
 
     def track_shard_set(self, current: dict[str, Any], change: dict[str, Any] | None) -> None:
@@ -99,11 +105,24 @@ class TrainState:
             self.shard_sets.append({"step": self.step, **current})
 
 
+    def track_phase(self, phase: int, step: int, loader) -> None:
+        """Append the data phase this run trains in to `data_phases` unless it is the last one.
+
+        Args:
+            phase: `data.phase`. step: optimizer steps done when it began (here).
+            loader: the training `ShardLoader` (its `source_names`, `source_weights`).
+        """
+        if self.data_phases and self.data_phases[-1]["phase"] == phase:
+            return
+        self.data_phases.append({"phase": int(phase), "step": int(step), "weights": dict(
+            zip(loader.source_names, (float(w) for w in loader.source_weights)))})
+
+
 def checkpoint_client_state(state: TrainState, loader_state: dict, config: dict,
                             global_batch_size: int) -> dict[str, Any]:
     """The `client_state` the trainer saves with a checkpoint (`pipeline.checkpoint.store`):
     the TrainState fields (step, consumed_samples, consumed_tokens, wandb_run_id, eval_pending,
-    shard_sets, lr_schedule) plus `loader` (the loader's `state_dict()`), `config` (the resolved
+    shard_sets, lr_schedule, data_phases) plus `loader` (the loader's `state_dict()`), `config` (the resolved
     run config, read back by export and evaluation) and `global_batch_size` (kept when resuming
     on another layout)."""
     return {**state.state_dict(), "loader": loader_state, "config": config,
