@@ -545,15 +545,15 @@ def _reorganize(spec: _Spec, item, epoch: int):
         raise DataError(f"shard {path}: bad segments in sample {key} ({e})") from None
 
 
-def _rank_batches(spec: _Spec, cursor: tuple, worker: int, num_workers: int,
-                  blend_start: list | None = None) -> Iterator[dict]:
-    """Micro-batches of this DP rank for rounds k = worker, worker + num_workers, ... counted
-    from `cursor` = (epoch, window, row) (a mixture's: (phase, window, row), with
-    `blend_start`, the blend state at that window's start); each carries `_pos`, the cursor
-    after its round, and for a mixture `_blend`, the blend states at the start and end of the
-    cursor's window and the positions after its consumed rows (`_BlendOrder.window_states`)."""
+def _rounds(spec: _Spec, cursor: tuple, worker: int, num_workers: int,
+            blend_start: list | None = None):
+    """The walk of the global row list from `cursor` = (epoch, window, row) (a mixture's:
+    (phase, window, row), with `blend_start`, the blend state at that window's start): for
+    rounds k = worker, worker + num_workers, ..., yields (the cursor after round k, for a
+    mixture the blend states of the cursor's window (`_BlendOrder.window_states`) else None,
+    this DP rank's rows of the round as [(items, loaded, planned), ...] (`_window_rows`), the
+    reader). No sample is read but those `_window_rows` reads."""
     epoch, w, r = (int(v) for v in cursor)
-    window_rows: list = []
     if spec.blend:
         state = (mixture.BlendState.from_list(blend_start, len(spec.folders)) if blend_start
                  else mixture.BlendState.zeros(len(spec.folders)))
@@ -566,7 +566,38 @@ def _rank_batches(spec: _Spec, cursor: tuple, worker: int, num_workers: int,
     j = 0          # rows walked since the cursor
     mine: list = []
 
-    def batch(pos):
+    def out(pos, rows):   # (the rows of the cursor's window consumed by the end of the round)
+        return (pos, order.window_states(pos[1], rows[:pos[2]]) if spec.blend else None, mine,
+                reader)
+
+    try:
+        while order.size:
+            if w >= order.n_windows:
+                if not spec.infinite:
+                    break
+                epoch, w, r = epoch + 1, 0, 0
+            rows, loaded, planned = _window_rows(spec, order, reader, epoch, w)
+            for ri in range(r, len(rows)):
+                k, slot = divmod(j, R)
+                if k % num_workers == worker and slot // B == d:
+                    mine.append((rows[ri], loaded, planned))
+                j += 1
+                if j % R == 0:
+                    if k % num_workers == worker:
+                        yield out((epoch, w, ri + 1), rows)
+                    mine = []
+            w, r = w + 1, 0
+        if j % R and (j // R) % num_workers == worker:  # one pass: the last, partial round
+            yield out((epoch, w, 0), [])
+    finally:
+        reader.close()
+
+
+def _rank_batches(spec: _Spec, cursor: tuple, worker: int, num_workers: int,
+                  blend_start: list | None = None) -> Iterator[dict]:
+    """Micro-batches of this DP rank for the rounds of `_rounds`; each carries `_pos`, the
+    cursor after its round, and for a mixture `_blend`, its blend states."""
+    for pos, blend, mine, reader in _rounds(spec, cursor, worker, num_workers, blend_start):
         rows, sources = [], []
         for row, loaded, planned in mine:
             rows.append([_reorganize(spec, loaded.get(it) or reader.read(it[0]), it[1]) for it in row])
@@ -576,36 +607,14 @@ def _rank_batches(spec: _Spec, cursor: tuple, worker: int, num_workers: int,
                     raise DataError(f"shard {reader._index(it[0])[1]}: sample {r.key}: its sample "
                                     f"index's slot layout gives {planned[it]} fed tokens, the "
                                     f"sample {r.length} (index of another shard version?)")
+        B = spec.micro_batch_size
         rows += [[] for _ in range(B - len(rows))]
         sources += [[] for _ in range(B - len(sources))]
         out = collate(rows, spec.max_length, spec.pad_id, sources=sources)
         out["_pos"] = pos
-        if spec.blend:   # (the rows of the cursor's window consumed by the end of this round)
-            out["_blend"] = order.window_states(pos[1], window_rows[:pos[2]])
-        return out
-
-    try:
-        while order.size:
-            if w >= order.n_windows:
-                if not spec.infinite:
-                    break
-                epoch, w, r = epoch + 1, 0, 0
-            rows, loaded, planned = _window_rows(spec, order, reader, epoch, w)
-            window_rows = rows
-            for ri in range(r, len(rows)):
-                k, slot = divmod(j, R)
-                if k % num_workers == worker and slot // B == d:
-                    mine.append((rows[ri], loaded, planned))
-                j += 1
-                if j % R == 0:
-                    if k % num_workers == worker:
-                        yield batch((epoch, w, ri + 1))
-                    mine = []
-            w, r = w + 1, 0
-        if j % R and (j // R) % num_workers == worker:  # one pass: the last, partial round
-            yield batch((epoch, w, 0))
-    finally:
-        reader.close()
+        if blend is not None:
+            out["_blend"] = blend
+        yield out
 
 
 def _worker_init(worker_id: int) -> None:
@@ -747,6 +756,30 @@ class ShardLoader:
             if self.num_workers > 0:
                 _LIVE_ITERATORS.discard(it)
                 _stop_workers(it)
+
+    def plan(self, batches: int, keys: bool = True) -> Iterator[list[list[tuple[str, str]]]]:
+        """The next `batches` micro-batches of this rank without building them: per
+        micro-batch, its rows as [(source name, sample key), ...] (`keys=False`: the global
+        sample id as a string instead of the key, and no sample is read). Advances the cursor
+        as iterating would (`pipeline.data.batches`: what step N fed)."""
+        it = _rounds(self.spec, tuple(self.cursor), 0, 1,
+                     self.blend_window[0] if self.blend_window else None)
+        try:
+            for _ in range(batches):
+                try:
+                    pos, blend, mine, reader = next(it)
+                except StopIteration:
+                    return
+                rows = [[(self.source_names[reader.folder(g)],
+                          reader.read(g)[1] if keys else str(g)) for g, _ in row]
+                        for row, _, _ in mine]
+                self.cursor, self.batches = pos, self.batches + 1
+                self.consumed_samples += sum(len(r) for r in rows)
+                if blend is not None:
+                    self.blend_window = blend
+                yield rows
+        finally:
+            it.close()
 
     def _config(self) -> dict:
         s = self.spec

@@ -1,0 +1,99 @@
+"""`python -m pipeline.data.batches`: the samples a step fed, rebuilt from the run's checkpoints,
+against what the trainer itself reports feeding (its batch keys on a non-finite loss,
+`debug.nan_at_steps` + `train.nan_policy=stop`), across a data phase change of a mixture, and
+against the loader's own batches on two data-parallel ranks."""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+from shard_fixtures import write_train_val
+from test_train import ROOT, _env, _write_config
+
+
+def _train(config, run_dir, *overrides):
+    return subprocess.run([sys.executable, "-m", "pipeline.train", "--config", str(config),
+                           f"run_dir={run_dir}", *overrides], cwd=ROOT, env=_env(),
+                          capture_output=True, text=True, timeout=600)
+
+
+def _batches(run_dir, steps, *extra):
+    return subprocess.run([sys.executable, "-m", "pipeline.data.batches", str(run_dir),
+                           "--steps", steps, "--json", *extra], cwd=ROOT, env=_env(),
+                          capture_output=True, text=True, timeout=600)
+
+
+def _fed_keys(stderr: str, step: int) -> list[str]:
+    m = re.search(rf"non-finite loss at step {step}, micro-batch 0, batch keys (\[.*?\])", stderr)
+    assert m, stderr[-2000:]
+    return json.loads(m.group(1).replace("'", '"'))
+
+
+@pytest.fixture(scope="module")
+def mix(tmp_path_factory):
+    base = tmp_path_factory.mktemp("batches")
+    write_train_val(base / "web", 30, 4, samples_per_shard=10, seed=1)
+    write_train_val(base / "math", 9, 3, samples_per_shard=5, seed=2)
+    sources = [{"name": "web", "dir": str(base / "web"), "weight": 3},
+               {"name": "math", "dir": str(base / "math"), "weight": 1}]
+    config = _write_config(base / "run.yaml", base / "web",
+                           data={"dir": None, "sources": sources, "pack": True},
+                           train={"max_steps": 4, "global_batch_size": 2, "eval_interval": 0},
+                           checkpoint={"interval": 2, "keep": 5})
+    return base, config
+
+
+def test_the_steps_a_run_fed_across_a_phase_change(mix):
+    base, config = mix
+    run = base / "run"
+    assert _train(config, run).returncode == 0
+    # phase 1 (other weights) from step 4: checkpoint at 5, stopped by a NaN at step 6
+    r = _train(config, run, "train.max_steps=8", "data.phase=1", "data.sources.1.weight=3",
+               "checkpoint.interval=1", "debug.nan_at_steps=[6]", "train.nan_policy=stop")
+    assert r.returncode == 3, r.stderr[-2000:]
+    fed6 = _fed_keys(r.stderr, 6)
+    # the same run from its start, stopped at step 3: steps of phase 0
+    r0 = _train(config, base / "run0", "debug.nan_at_steps=[3]", "train.nan_policy=stop")
+    fed3 = _fed_keys(r0.stderr, 3)
+
+    got = _batches(run, "3:6")
+    assert got.returncode == 0, got.stderr
+    lines = [json.loads(x) for x in got.stdout.splitlines()]
+    assert [(m["step"], m["micro_batch"]) for m in lines] == [(s, i) for s in range(3, 7) for i in range(2)]
+    first = {m["step"]: m for m in lines if m["micro_batch"] == 0}
+    assert [k for row in first[3]["rows"] for _, k in row] == fed3
+    assert [k for row in first[6]["rows"] for _, k in row] == fed6
+    names = {s for m in lines for row in m["rows"] for s, _ in row}
+    assert names <= {"web", "math"} and "web" in names
+
+
+def test_refusals_are_one_line(mix, tmp_path):
+    base, config = mix
+    r = _batches(tmp_path / "nothing", "1:2")
+    assert r.returncode == 2 and "no complete checkpoint" in r.stderr and "Traceback" not in r.stderr
+    r = _batches(base / "run", "5:2")
+    assert r.returncode == 2 and "need 1 <= A <= B" in r.stderr
+    r = _batches(base / "run", "x")
+    assert r.returncode == 2 and "expected A:B" in r.stderr
+
+
+def test_plan_equals_the_batches_the_loader_yields_on_two_ranks(mix):
+    from pipeline.data import build_loader
+    from pipeline.data.mixture import Source
+    base, _ = mix
+    src = [Source("web", str(base / "web"), 3), Source("math", str(base / "math"), 1)]
+    for rank in range(2):
+        kw = dict(dp_rank=rank, dp_size=2, seed=3, num_workers=0, pack=True, shuffle_buffer=8)
+        planned = build_loader(src, "train", 2, 24, **kw)
+        yielded = build_loader(src, "train", 2, 24, **kw)
+        plan = list(planned.plan(9))
+        it = iter(yielded)
+        for rows in plan:
+            b = next(it)
+            assert [k for r in rows for _, k in r] == b["keys"]
+        assert planned.state_dict() == {**yielded.state_dict(),
+                                        "consumed_samples": planned.consumed_samples}
