@@ -81,6 +81,25 @@ def test_wf2q_stays_within_the_longest_sample_of_every_share():
     assert worst_greedy > 100
 
 
+def test_draw_makes_the_choices_of_the_plain_rule_at_every_draw():
+    """`mixture.draw` (two heaps) against a loop of `mixture.pick` over all sources, from a
+    mid-run state, on random lengths and weights."""
+    rng = np.random.default_rng(3)
+    for S in (1, 2, 3, 7, 50):
+        w = np.maximum(rng.dirichlet(np.full(S, 0.5)), 1e-3)
+        w /= w.sum()
+        table = rng.integers(1, 200, size=(S, 600))
+        start = mixture.BlendState(rng.integers(0, 50, S), rng.integers(0, 3000, S))
+        items, end = mixture.draw(start, 500, w, lambda s, p: (s, p), lambda s, it: int(table[it]))
+        tok, pos = start.tok.copy(), start.pos.copy()
+        for s, it, L in items:
+            want = mixture.pick(tok, w, table[np.arange(S), pos])
+            assert (s, it, L) == (want, (want, int(pos[want])), int(table[want, pos[want]]))
+            tok[s] += L
+            pos[s] += 1
+        assert np.array_equal(tok, end.tok) and np.array_equal(pos, end.pos)
+
+
 def test_blend_is_deterministic_and_a_row_prefix_tracks_the_weights(dirs):
     """next_fit keeps the blend's order: after every row, each source's fed tokens are within
     one row of weight x tokens fed; best_fit reorders rows only inside a window."""

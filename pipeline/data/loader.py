@@ -75,6 +75,7 @@ from its beginning over the new set.
 from __future__ import annotations
 
 import atexit
+import bisect
 import dataclasses
 import hashlib
 import io
@@ -244,9 +245,14 @@ class _BlendOrder:
     def length(self, src: int, item: tuple[int, int]) -> int:
         """Tokens the sample feeds (its dual fed length in objective mode "dual")."""
         g, e = item
+        n = self.reader.length(g)
+        if n > self.spec.max_length:
+            path, key = self.reader.read(g)[:2]
+            raise DataError(f"shard {path}: sample {key} has {n} tokens > max_length "
+                            f"{self.spec.max_length}")
         if self.spec.objective.mode == "dual":
             return self.reader.dual_length(g, e)
-        return self.reader.length(g)
+        return n
 
     def items(self, w: int):
         """Window w: ([(global id, source epoch), ...], [tokens, ...]); records the state at
@@ -256,24 +262,26 @@ class _BlendOrder:
         out, end = mixture.draw(self.states[w], self.spec.window, self.weights,
                                 self.sample, self.length)
         self.states = {w: self.states[w], w + 1: end}
-        at = self.states[w].pos.copy()
+        at = [int(v) for v in self.states[w].pos]
+        self.walked = list(at)
         self.position = {}
         for s, it, _ in out:
-            self.position[it] = (s, int(at[s]))
+            self.position[it] = (s, at[s])
             at[s] += 1
         return [it for _, it, _ in out], [L for _, _, L in out]
 
-    def window_states(self, w: int, consumed_rows) -> list:
-        """[the blend state at the start of window w (`BlendState.to_list()`), the positions
-        after the samples of `consumed_rows` (rows of window w, lists of items): per source,
-        1 + the largest position among them, or its start position]. Window w must be the one
-        drawn last."""
-        end = self.states[w].pos.copy()
-        for row in consumed_rows:
-            for it in row:
-                s, p = self.position[it]
-                end[s] = max(end[s], p + 1)
-        return [self.states[w].to_list(), [int(v) for v in end]]
+    def walk(self, row) -> None:
+        """Count a row of the window drawn last as walked (consumed once its round is)."""
+        for it in row:
+            s, p = self.position[it]
+            if p >= self.walked[s]:
+                self.walked[s] = p + 1
+
+    def window_states(self, w: int) -> list:
+        """[the blend state at the start of window w (`BlendState.to_list()`), each source's
+        position after its samples in the rows of window w walked so far (1 + the largest
+        position among them, or its start position)]. Window w must be the one drawn last."""
+        return [self.states[w].to_list(), list(self.walked)]
 
 
 def best_fit_decreasing(lengths, capacity: int) -> list[list[int]]:
@@ -296,7 +304,6 @@ def best_fit_decreasing(lengths, capacity: int) -> list[list[int]]:
     Raises:
         ValueError: an item longer than `capacity`.
     """
-    import bisect
     order = sorted(range(len(lengths)), key=lambda i: (-int(lengths[i]), i))
     rows: list[list[int]] = []
     room: list[tuple[int, int]] = []   # sorted (free tokens, row index) of rows with room
@@ -344,11 +351,12 @@ class _Reader:
         self._indexes: dict[int, np.ndarray] = {}
         self._layouts: dict[int, object] = {}    # shard -> SlotLayout, or None (before version 3)
         self._files: dict[int, object] = {}
+        self._first = None
 
     def _index(self, gid: int):
         """(shard, shard path, index records, sample within the shard) of global sample gid."""
         spec = self.spec
-        s = int(np.searchsorted(self.order.shard_first, gid, side="right") - 1)
+        s = self.shard_of(gid)
         fs, path = spec.where(s)
         if s not in self._indexes:
             sha, size = spec.shard_meta[s] if spec.shard_meta else (None, None)
@@ -411,7 +419,13 @@ class _Reader:
 
     def folder(self, gid: int) -> int:
         """The folder (mixture source) of global sample `gid`."""
-        return self.spec.shard_folder[int(np.searchsorted(self.order.shard_first, gid, side="right") - 1)]
+        return self.spec.shard_folder[self.shard_of(gid)]
+
+    def shard_of(self, gid: int) -> int:
+        """The shard (index into `spec.shards`) of global sample `gid`."""
+        if self._first is None:   # a list: bisect on it is ~20x faster than numpy per call
+            self._first = [int(v) for v in self.order.shard_first]
+        return bisect.bisect_right(self._first, gid) - 1
 
     def dual_length(self, gid: int, epoch: int) -> int | None:
         """The fed length in objective mode "dual" of global sample `gid` in `epoch`, from its
@@ -501,13 +515,13 @@ def _window_rows(spec: _Spec, order, reader: _Reader, epoch: int, w: int):
         lengths = None
     if spec.packing == "none":
         return [[it] for it in items], {}, {}
-    if lengths is None:
+    if lengths is None:   # (a blend window's lengths were checked as it was drawn)
         lengths = [reader.length(g) for g, _ in items]  # from the sample indexes: no sample read
-    for g, _ in items:
-        if reader.length(g) > spec.max_length:
-            path, key = reader.read(g)[:2]
-            raise DataError(f"shard {path}: sample {key} has {reader.length(g)} tokens > max_length "
-                            f"{spec.max_length}")
+        for (g, _), L in zip(items, lengths):
+            if L > spec.max_length:
+                path, key = reader.read(g)[:2]
+                raise DataError(f"shard {path}: sample {key} has {L} tokens > max_length "
+                                f"{spec.max_length}")
     loaded, planned = {}, {}
     if spec.objective.mode == "dual":
         # the fed length (clean tokens + masked copies) depends on the sample's slots and draws
@@ -566,9 +580,8 @@ def _rounds(spec: _Spec, cursor: tuple, worker: int, num_workers: int,
     j = 0          # rows walked since the cursor
     mine: list = []
 
-    def out(pos, rows):   # (the rows of the cursor's window consumed by the end of the round)
-        return (pos, order.window_states(pos[1], rows[:pos[2]]) if spec.blend else None, mine,
-                reader)
+    def out(pos):
+        return pos, order.window_states(pos[1]) if spec.blend else None, mine, reader
 
     try:
         while order.size:
@@ -577,18 +590,23 @@ def _rounds(spec: _Spec, cursor: tuple, worker: int, num_workers: int,
                     break
                 epoch, w, r = epoch + 1, 0, 0
             rows, loaded, planned = _window_rows(spec, order, reader, epoch, w)
+            if spec.blend:   # rows consumed before the cursor count as walked
+                for row in rows[:r]:
+                    order.walk(row)
             for ri in range(r, len(rows)):
+                if spec.blend:
+                    order.walk(rows[ri])
                 k, slot = divmod(j, R)
                 if k % num_workers == worker and slot // B == d:
                     mine.append((rows[ri], loaded, planned))
                 j += 1
                 if j % R == 0:
                     if k % num_workers == worker:
-                        yield out((epoch, w, ri + 1), rows)
+                        yield out((epoch, w, ri + 1))
                     mine = []
             w, r = w + 1, 0
         if j % R and (j // R) % num_workers == worker:  # one pass: the last, partial round
-            yield out((epoch, w, 0), [])
+            yield out((epoch, w, 0))
     finally:
         reader.close()
 

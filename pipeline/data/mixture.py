@@ -10,7 +10,7 @@ The blend. Weights are token shares (normalized to sum 1). The blend is a sequen
 draw n takes the next sample of one source, chosen by worst-case fair weighted fair queueing
 (WF2Q, Bennett and Zhang, "WF2Q: Worst-case Fair Weighted Fair Queueing", INFOCOM 1996): with
 `tok[s]` the tokens drawn from source s in this phase and `T = sum(tok)`, the sources not ahead
-of their share (`tok[s] <= w[s] * T`) are eligible, and among them the one whose next sample
+of their share (`tok[s] / w[s] <= T`) are eligible, and among them the one whose next sample
 would end earliest at its own rate (`(tok[s] + len_next[s]) / w[s]`, lowest index on a tie)
 is drawn. Over every prefix of the blend, `|tok[s] - w[s] * T|` stays below the longest sample
 drawn (<= one packed row's tokens): WF2Q's bound, checked on random and adversarial lengths by
@@ -88,18 +88,22 @@ def source_seed(seed: int, name: str) -> int:
 
 
 def pick(tok: np.ndarray, weights: np.ndarray, next_len: np.ndarray) -> int:
-    """The source of the next draw (WF2Q, module docstring).
+    """The source of the next draw (WF2Q, module docstring), computed plainly over all sources:
+    the definition `draw` implements with heaps (tests compare the two).
 
     Args:
         tok: int64[S], tokens drawn from each source in this phase.
         weights: float64[S], normalized weights.
         next_len: int64[S], tokens of each source's next sample.
     Returns:
-        The source index.
+        The source index: the lowest finish `(tok + next_len) / w` among sources with
+        `tok / w <= sum(tok)` (lowest index on a tie).
     """
-    total = float(tok.sum())
-    finish = np.where(tok <= weights * total, (tok + next_len) / weights, np.inf)
-    return int(np.argmin(finish))
+    start = tok / weights
+    eligible = start <= float(tok.sum())
+    if not eligible.any():   # rounding: the least advanced sources are eligible
+        eligible = start == start.min()
+    return int(np.argmin(np.where(eligible, (tok + next_len) / weights, np.inf)))
 
 
 @dataclass
@@ -127,7 +131,9 @@ class BlendState:
 
 
 def draw(state: BlendState, n: int, weights: np.ndarray, sample_of, length_of):
-    """`n` draws of the blend from `state`.
+    """`n` draws of the blend from `state` (WF2Q with two heaps: sources waiting to become
+    eligible by start tag `tok / w`, eligible ones by finish tag `(tok + len) / w`; O(log S) a
+    draw; the same choices as `pick` at every draw).
 
     Args:
         state: the blend state before the draws (not changed).
@@ -138,20 +144,34 @@ def draw(state: BlendState, n: int, weights: np.ndarray, sample_of, length_of):
     Returns:
         (items: list of (source, item, tokens), state after the draws).
     """
+    import heapq
     st = state.copy()
     S = len(weights)
-    nxt_item = [sample_of(s, int(st.pos[s])) for s in range(S)]
-    nxt = np.array([length_of(s, it) for s, it in enumerate(nxt_item)], dtype=np.int64)
+    w = [float(x) for x in weights]
+    tok = [int(x) for x in st.tok]
+    pos = [int(x) for x in st.pos]
+    total = sum(tok)
+    item = [sample_of(s, pos[s]) for s in range(S)]
+    nxt = [int(length_of(s, item[s])) for s in range(S)]
+    waiting = [(tok[s] / w[s], s) for s in range(S)]   # start tags
+    heapq.heapify(waiting)
+    eligible: list = []                                 # (finish tag, source)
     out = []
     for _ in range(n):
-        s = pick(st.tok, weights, nxt) if S > 1 else 0
-        L = int(nxt[s])
-        out.append((s, nxt_item[s], L))
-        st.tok[s] += L
-        st.pos[s] += 1
-        nxt_item[s] = sample_of(s, int(st.pos[s]))
-        nxt[s] = length_of(s, nxt_item[s])
-    return out, st
+        floor = total if eligible or waiting[0][0] <= total else waiting[0][0]  # (rounding)
+        while waiting and waiting[0][0] <= floor:
+            _, s = heapq.heappop(waiting)
+            heapq.heappush(eligible, ((tok[s] + nxt[s]) / w[s], s))
+        _, s = heapq.heappop(eligible)
+        L = nxt[s]
+        out.append((s, item[s], L))
+        tok[s] += L
+        total += L
+        pos[s] += 1
+        item[s] = sample_of(s, pos[s])
+        nxt[s] = int(length_of(s, item[s]))
+        heapq.heappush(waiting, (tok[s] / w[s], s))
+    return out, BlendState(np.array(pos, np.int64), np.array(tok, np.int64))
 
 
 def phase_change(saved: dict | None, now: dict) -> str | None:
