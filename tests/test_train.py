@@ -1,4 +1,5 @@
-"""The training job end to end, through its real entry point (`torchrun -m pipeline.train`).
+"""The training job end to end, through its real entry point (`torchrun -m pipeline.train`), on a
+two-source data mixture (`mixture_data`).
 
 What is compared against what:
 - TP=2 x DP=2 ZeRO-3 (4 processes) against a single process on the same global batches: per-step
@@ -171,12 +172,20 @@ def _wandb_history(run_dir: Path) -> tuple[list[str], dict[int, dict]]:
     return ids, hist
 
 
+def mixture_data(base: Path) -> dict:
+    """A two-source mixture (`data.sources`, weights 2:1) of small shard folders under `base`:
+    the data of the trainer's resume, parallel and elastic tests (issue 42: every loader
+    guarantee holds with a mixture)."""
+    write_train_val(base / "web", 32, 5, samples_per_shard=12, seed=0)
+    write_train_val(base / "math", 16, 3, samples_per_shard=6, seed=1)
+    return {"dir": None, "sources": [{"name": "web", "dir": str(base / "web"), "weight": 2},
+                                     {"name": "math", "dir": str(base / "math"), "weight": 1}]}
+
+
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     base = tmp_path_factory.mktemp("train")
-    data = base / "data"
-    write_train_val(data, 48, 8, samples_per_shard=12)
-    config = _write_config(base / "run.yaml", data)
+    config = _write_config(base / "run.yaml", base, data=mixture_data(base))
     return base, config
 
 
@@ -404,7 +413,7 @@ def test_hf_init_tp2_then_nan_stop(setup):
     config = base / "hf_run.yaml"
     config.write_text(json.dumps({
         "init": {"source": "hf", "hf_path": str(hf)},
-        "data": {"dir": str(base / "data"), "num_workers": 0},
+        "data": {"dir": str(base / "web"), "num_workers": 0},   # one folder (data.dir)
         "optim": {"lr": 1e-12, "warmup_steps": 0},
         "train": {"max_steps": 4, "micro_batch_size": 1, "global_batch_size": 2,
                   "precision": "fp32", "tensor_parallel_size": 2, "nan_policy": "stop"},

@@ -1,5 +1,6 @@
 """Elastic resume through the real entry point: a run saved on 2 data-parallel ranks continues
-on 1 with `checkpoint.reshard=true`, against the uninterrupted 2-rank run.
+on 1 with `checkpoint.reshard=true`, against the uninterrupted 2-rank run (on a two-source data
+mixture).
 
 Same global batch (4 rows: micro-batch 1 x accumulation 2 x DP 2, then 1 x 4 x 1), same
 loader order (the global row list), same weights and Adam state (`pipeline.checkpoint.reshard`): every
@@ -16,9 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from shard_fixtures import write_train_val
-# The tiny model and the subprocess environment of the other entry-point tests.
-from test_train import MODEL, _env
+# The tiny model, the two-source data and the subprocess environment of the other entry-point tests.
+from test_train import MODEL, _env, mixture_data
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -44,9 +44,7 @@ def _train_metrics(run_dir: Path) -> dict[int, dict]:
 @pytest.fixture(scope="module")
 def config(tmp_path_factory):
     base = tmp_path_factory.mktemp("train_reshard")
-    data = base / "data"
-    write_train_val(data, 40, 4, samples_per_shard=10)
-    cfg = {"model": {"inline": MODEL}, "data": {"dir": str(data), "num_workers": 0},
+    cfg = {"model": {"inline": MODEL}, "data": {**mixture_data(base), "num_workers": 0},
            "optim": {"lr": 1e-3, "warmup_steps": 2, "grad_clip": 1.0, "weight_decay": 0.01},
            "train": {"max_steps": 6, "micro_batch_size": 1, "grad_accum_steps": 2,
                      "precision": "fp32", "seed": 7, "eval_interval": 0},
