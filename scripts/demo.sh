@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The main job: the ReFusion recipe of docs/EXPERIMENTS.md run 5 (objective dual, dual_masking
-# refusion, ar_weight 16) trained from scratch on embedded math word problems, then the
+# refusion, ar_weight 16) trained from scratch on a mixture of embedded math word problems (90%
+# of the tokens) and standard-library functions (10%), then the
 # held-out problems decoded AR and with a lossless draft mode (verify draft_ahead: greedy, one
 # slot at a time, token threshold >= 0.5, so its answers are AR's token for token).
 # Stages: 1. data (problems, tokenizer, shards), 2. train, 3. export, 4. decode, 5. evaluate,
@@ -49,12 +50,22 @@ fi
 "$PY" data_prep/shard.py --input "$PROBLEMS/train.jsonl" --format auto --tokenizer "$SPM_MODEL" \
   --output "$SHARDS" --max-length 256 --val-fraction 0.01 \
   --slot-sizes 4,8,16,32 --seed 0 --workers "$DATA_WORKERS" --no-progress --overwrite
-echo "data: problems $PROBLEMS, tokenizer $SPM_MODEL, shards $SHARDS ($SHARDS/manifest.json)"
+# The second source of the data mixture: functions of the Python standard library as
+# signature + docstring -> body pairs, tokenized with the same tokenizer (its byte fallback
+# covers characters the problems lack), CODE_LIMIT of them; CODE_WEIGHT of the training tokens.
+CODE_SHARDS=${CODE_SHARDS:-$OUT/stdlib_shards}
+CODE_LIMIT=${CODE_LIMIT:-2000}
+CODE_WEIGHT=${CODE_WEIGHT:-0.1}
+"$PY" data_prep/shard.py --input stdlib --format qa --tokenizer "$SPM_MODEL" \
+  --output "$CODE_SHARDS" --max-length 256 --val-fraction 0.01 --limit "$CODE_LIMIT" \
+  --slot-sizes 4,8,16,32 --seed 0 --workers "$DATA_WORKERS" --no-progress --overwrite
+echo "data: problems $PROBLEMS, tokenizer $SPM_MODEL, shards $SHARDS ($SHARDS/manifest.json)," \
+  "stdlib functions $CODE_SHARDS"
 stage_done "data"
 
 # ---------------------------------------------------------------- 2. train
 # A small Qwen3 (configs/model/demo.yaml) trained from scratch with the dual objective
-# (configs/demo.yaml): 2 processes (pipeline.launch = torchrun keeping our exit codes, gloo),
+# (configs/demo.yaml) on a two-source mixture (math problems, stdlib functions): 2 processes (pipeline.launch = torchrun keeping our exit codes, gloo),
 # DeepSpeed ZeRO-3 over the data-parallel group, wandb offline, checkpoints under
 # $RUN/checkpoints (a rerun resumes from the latest one).
 RUN=${RUN:-$OUT/run}
@@ -67,7 +78,9 @@ export WANDB_MODE=${WANDB_MODE:-offline}
 echo "== 2. train ($NPROC processes, ZeRO-3, $TRAIN_STEPS steps; run dir $RUN)"
 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} PYTHONWARNINGS=${PYTHONWARNINGS:-ignore::FutureWarning} \
   "$PY" -m pipeline.launch --standalone --nproc_per_node "$NPROC" -m pipeline.train \
-  --config configs/demo.yaml run_dir="$RUN" data.dir="$SHARDS" train.max_steps="$TRAIN_STEPS"
+  --config configs/demo.yaml run_dir="$RUN" data.sources.0.dir="$SHARDS" \
+  data.sources.1.dir="$CODE_SHARDS" data.sources.0.weight="$(awk "BEGIN{print 1-$CODE_WEIGHT}")" \
+  data.sources.1.weight="$CODE_WEIGHT" train.max_steps="$TRAIN_STEPS"
 stage_done "train"
 
 # ---------------------------------------------------------------- 3. export
@@ -109,7 +122,8 @@ stage_done "evaluate"
 # ---------------------------------------------------------------- 6. summary
 echo "== 6. summary"
 "$PY" scripts/demo_summary.py --metrics "$RUN/metrics.jsonl" --problems "$PROBLEMS/test.jsonl" \
-  --ar "$OUT/decode_ar.json" --draft "$OUT/decode_draft_ahead.json" --eval "$OUT/eval.json"
+  --ar "$OUT/decode_ar.json" --draft "$OUT/decode_draft_ahead.json" --eval "$OUT/eval.json" \
+  --weights "math=$(awk "BEGIN{print 1-$CODE_WEIGHT}"),stdlib=$CODE_WEIGHT"
 stage_done "summary"
 
 # ---------------------------------------------------------------- 7. plots

@@ -1,14 +1,15 @@
 """`make demo` stage 6: the run's loss curve and what the decodes showed, with the demo's checks.
 
     python scripts/demo_summary.py --metrics RUN/metrics.jsonl --problems TEST.jsonl
-        --ar DECODE_AR.json --draft DECODE_DRAFT.json [--eval EVAL.json]
+        --ar DECODE_AR.json --draft DECODE_DRAFT.json [--eval EVAL.json] [--weights a=0.9,b=0.1]
 
 Owns: the demo's summary lines and its two checks. Must not touch: decoding, the metric
 (`pipeline.inference.evaluation.answers_match`), the files it reads (written by
 `pipeline.train`, `data_prep/math_problems.py`, `pipeline.generate --output`,
 `pipeline.evaluate --output`).
 
-Prints the training loss (window means, validation losses), then for the held-out problems
+Prints the training loss (window means, validation losses), with `--weights` each data
+source's realized share of the training tokens beside its weight, then for the held-out problems
 (`--problems`: records with "response", in the order they were decoded) per decode: exact
 match of the final answer (the number after `####`, GSM8K's metric), TPF (generated tokens /
 forwards, summed over the problems) and the share of answers whose token ids equal AR's.
@@ -83,6 +84,27 @@ def loss_fell(metrics: list[dict]) -> tuple[bool, list[str]]:
     return last < first, lines
 
 
+def data_shares(metrics: list[dict], weights: dict[str, float]) -> list[str]:
+    """Lines comparing each source's realized share of the training tokens (its
+    `tokens_by_source` summed over the logged steps / their tokens) with its weight.
+
+    Args:
+        metrics: metrics.jsonl records; the last record of a step wins.
+        weights: {source name: weight} (normalized here).
+    """
+    train = {m["step"]: m for m in metrics if m.get("kind") == "train"}
+    got: dict[str, int] = {}
+    for m in train.values():
+        for name, n in (m.get("tokens_by_source") or {}).items():
+            got[name] = got.get(name, 0) + int(n)
+    total, wsum = sum(got.values()), sum(weights.values())
+    if not total:
+        return ["data mixture: no tokens_by_source in metrics.jsonl"]
+    return [f"data mixture ({total} tokens fed over {len(train)} steps): " + ", ".join(
+        f"{name} weight {w / wsum:.3f} realized {got.get(name, 0) / total:.3f}"
+        for name, w in weights.items())]
+
+
 def decode_figures(decode: dict, references: list[str], ar: dict) -> dict:
     """One decode's figures on the held-out problems.
 
@@ -118,9 +140,18 @@ def main(argv=None) -> int:
     p.add_argument("--ar", required=True, help="pipeline.generate --output of the AR decode")
     p.add_argument("--draft", required=True, help="... of the lossless draft decode")
     p.add_argument("--eval", default=None, help="pipeline.evaluate --output (validation)")
+    p.add_argument("--weights", default=None, metavar="NAME=W,...",
+                   help="the run's data.sources weights: print the realized token shares beside")
     args = p.parse_args(argv)
     try:
-        fell, lines = loss_fell(_jsonl(args.metrics))
+        records = _jsonl(args.metrics)
+        fell, lines = loss_fell(records)
+        if args.weights:
+            try:
+                weights = {k: float(v) for k, v in (x.split("=") for x in args.weights.split(","))}
+            except ValueError:
+                raise InputError(f"--weights {args.weights!r}: expected NAME=W,NAME=W") from None
+            lines += data_shares(records, weights)
         refs = [r.get("response", "") for r in _jsonl(args.problems)]
         ar, draft = _json(args.ar), _json(args.draft)
         figs = {"ar": decode_figures(ar, refs, ar), "draft": decode_figures(draft, refs, ar)}

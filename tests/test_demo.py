@@ -96,3 +96,19 @@ def test_summary_fails_when_draft_differs_or_loss_rises(tmp_path):
     r = _run(tmp_path)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
     assert r.stderr.startswith("error: demo summary: ") and "ar.json" in r.stderr
+
+
+def test_summary_prints_the_realized_shares_beside_the_weights(tmp_path):
+    """--weights: each source's tokens over the logged steps against its normalized weight."""
+    _write(tmp_path, [9.0, 8.0, 7.0, 6.0], AR, AR)
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    for i, m in enumerate(m for m in lines if m["kind"] == "train"):
+        m["tokens_by_source"] = {"math": 90 + i, "stdlib": 10 - i}   # 4 steps: 366 and 34
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
+    r = subprocess.run([sys.executable, str(SUMMARY), "--metrics", str(tmp_path / "metrics.jsonl"),
+                        "--problems", str(tmp_path / "test.jsonl"), "--ar", str(tmp_path / "ar.json"),
+                        "--draft", str(tmp_path / "draft.json"), "--weights", "math=9,stdlib=1"],
+                       capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert ("data mixture (400 tokens fed over 4 steps): math weight 0.900 realized 0.915, "
+            "stdlib weight 0.100 realized 0.085") in r.stdout
