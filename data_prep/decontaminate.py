@@ -66,6 +66,7 @@ _M = np.uint64(0x9E3779B97F4A7C15)    # odd multiplier of the n-gram polynomial
 _CACHE_MAX = 1 << 20                  # word hashes cached before the cache is cleared
 _FLUSH_WORDS = 1 << 16                # words of a streamed record checked at a time
 _CARRY_MAX = 1 << 20                  # a longer run of word characters is cut at a block end
+_BITS_PER_GRAM = 32                   # bitmap bits per evaluation n-gram (at least)
 REASON = "contaminated"               # the skip reason of a dropped record
 
 
@@ -261,6 +262,12 @@ class EvalSets:
         pos = np.concatenate(pos_parts) if pos_parts else np.zeros(0, np.int64)
         order = np.argsort(grams, kind="stable")
         self.grams, self.pos = grams[order], pos[order]
+        # a bitmap of the n-gram hashes' top bits (>= 32 bits per n-gram): most n-grams of a
+        # record are ruled out by one look-up in it instead of a binary search of `grams`
+        self.bits = max(10, int(max(1, grams.size) * _BITS_PER_GRAM - 1).bit_length())
+        self.bitmap = np.zeros(1 << (self.bits - 3), np.uint8)
+        top = (grams >> np.uint64(64 - self.bits)).astype(np.int64)
+        np.bitwise_or.at(self.bitmap, top >> 3, (1 << (top & 7)).astype(np.uint8))
         self.item_starts = np.array(item_starts, np.int64)
         self.item_lines = item_lines
         self.file_starts = np.array(file_starts, np.int64)
@@ -286,7 +293,18 @@ class EvalSets:
 
     def nbytes(self) -> int:
         """Bytes held by the index arrays."""
-        return int(self.words.nbytes + self.grams.nbytes + self.pos.nbytes)
+        return int(self.words.nbytes + self.grams.nbytes + self.pos.nbytes + self.bitmap.nbytes)
+
+    def candidates(self, h: np.ndarray) -> np.ndarray:
+        """Indices into `h` (uint64[m] n-gram hashes) of the hashes present in the index."""
+        top = (h >> np.uint64(64 - self.bits)).astype(np.int64)
+        maybe = np.nonzero((self.bitmap[top >> 3] >> (top & 7).astype(np.uint8)) & 1)[0]
+        if not maybe.size:
+            return maybe
+        lo = np.searchsorted(self.grams, h[maybe], "left")
+        inside = lo < self.grams.size
+        maybe, lo = maybe[inside], lo[inside]
+        return maybe[self.grams[lo] == h[maybe]]
 
     def matcher(self) -> "Match":
         """A `Match` for one training record."""
@@ -351,14 +369,13 @@ class Match:
         keep = wh.size - (n - 1)
         self.tail, self.tail_words = wh[keep:], ws[keep:]
         h = ngram_hashes(wh, n)
-        lo = np.searchsorted(ev.grams, h, "left")
-        hit = np.nonzero(lo < ev.grams.size)[0]
-        hit = hit[ev.grams[lo[hit]] == h[hit]]
+        hit = ev.candidates(h)
         if not hit.size:
             return
+        lo = np.searchsorted(ev.grams, h[hit], "left")
         hi = np.searchsorted(ev.grams, h[hit], "right")
         steps = np.arange(n)
-        for i, a, b in zip(hit.tolist(), lo[hit].tolist(), hi.tolist()):
+        for i, a, b in zip(hit.tolist(), lo.tolist(), hi.tolist()):
             pos = ev.pos[a:b]
             same = pos[(ev.words[pos[:, None] + steps] == wh[i:i + n]).all(axis=1)]
             if not same.size:

@@ -391,7 +391,15 @@ def test_index_arrays_and_collision_confirmation(tmp_path):
     p.write_text(f"{a}\n\n{b}\n")
     ev = decontaminate.EvalSets([str(p)], N)
     assert ev.grams.size == 2 and bool(ev.grams[0] <= ev.grams[1])
-    assert ev.nbytes() == 8 * 2 * N + 8 * 2 + 8 * 2
+    assert ev.nbytes() == 8 * 2 * N + 8 * 2 + 8 * 2 + ev.bitmap.nbytes
+    assert ev.bitmap.nbytes * 8 >= 32 * 2
+    # the bitmap + binary search finds exactly the hashes present (numpy's isin as reference)
+    rng = np.random.default_rng(0)
+    h = np.concatenate([rng.integers(0, 2 ** 63, 5000, dtype=np.int64).astype(np.uint64) * 2,
+                        ev.grams, ev.grams[::-1] ^ np.uint64(1 << 63)])
+    rng.shuffle(h)
+    assert ev.candidates(h).tolist() == np.nonzero(np.isin(h, ev.grams))[0].tolist()
+    assert ev.candidates(h).size == 2
     m = ev.matcher()
     m.feed(b)
     assert m.finish() == {0}
