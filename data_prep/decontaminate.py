@@ -19,8 +19,8 @@ job array counts exactly what one process counts). The default n = 13 is the n-g
 GPT-3's contamination study; 13 words are about 17 Qwen3 tokens. Scripts written without
 spaces (Chinese, Japanese) make a whole run of characters one word: the filter is weak there.
 
-Evaluation files (read whole: evaluation sets are small; UTF-8, a leading byte order mark
-dropped; local paths or fsspec URLs):
+Evaluation files (read whole: evaluation sets are small; uncompressed UTF-8, a leading byte
+order mark dropped; local paths or fsspec URLs):
 - `.jsonl` / `.json` (JSONL, or one JSON list of records): every string value of each record,
   found through nested objects and lists, is one item (so a `{"query", "response", "answer"}`
   problem gives three items); with `--decontaminate-field F` (repeatable; `a.b` walks into
@@ -287,8 +287,9 @@ class EvalSets:
         files = split_files(getattr(args, "decontaminate", None))
         if not files:
             return None
-        return cls([file_name(f) for f in files], args.decontaminate_ngram,
-                   args.decontaminate_field)
+        return cls([file_name(f) for f in files],
+                   getattr(args, "decontaminate_ngram", None) or DEFAULT_NGRAM,
+                   getattr(args, "decontaminate_field", None))
 
     @classmethod
     def from_spec(cls, spec: dict) -> "EvalSets":
