@@ -30,6 +30,10 @@ again): unpacked samples are filtered; packed samples are taken apart into their
 rule, so the samples are those the unit would have written had it known. Keys, tokens, slot
 boundaries, splits and skip counts are thus independent of K and of the order tasks ran in.
 Memory: 16 bytes per record (digests) plus 16 per sample key.
+Decontamination (`--decontaminate`, data_prep/decontaminate.py): a unit drops and counts
+contaminated records before its duplicate filter, so none is in a records log and the global
+dedup never moves one; the merge checks each part's `decontamination` block against the
+plan's files and sums its counts.
 """
 from __future__ import annotations
 
