@@ -257,12 +257,28 @@ def test_streamed_text_file_is_checked(setup, capsys, tmp_path, monkeypatch):
     b = _words(ITEM_B)
     (d / "near.txt").write_text(f"{filler()} {' '.join(b[:N - 1])} {filler()}")
     assert cli.main(["--input", str(d), "--output", str(tmp_path / "o"), "--tokenizer", tok,
-                     "--decontaminate", evals[0], "--max-length", "64", "--no-progress",
-                     "--max-skip-fraction", "1"]) == 0
+                     "--decontaminate", evals[0], "--max-length", "64", "--no-progress"]) == 0
     m = _manifest(tmp_path / "o")
     assert m["skipped"] == {"contaminated": 1}
     assert m["decontamination"]["files"][evals[0]]["dropped_documents"] == 1
     assert m["counts"]["records"] == 1
+    # half the records dropped: a note, not an error (a filter the options ask for)
+    assert "note: skipped contaminated 1 of 2 input records (50.0%)" in capsys.readouterr().err
+
+
+def test_limit_counts_only_records_before_the_stop(setup, capsys, tmp_path):
+    """--limit N: the contaminated records before the N-th accepted one are counted, those
+    after it are not (big.jsonl: planted at records 10 and 70)."""
+    _, corpus, tok, evals, _ = setup
+    for limit, want in ((5, 0), (30, 1), (80, 2)):
+        out = tmp_path / f"l{limit}"
+        assert cli.main(["--input", str(corpus / "b_big.jsonl"), "--output", str(out),
+                         "--tokenizer", tok, "--decontaminate", evals[0], "--limit", str(limit),
+                         *COMMON]) == 0
+        m = _manifest(out)
+        assert m["counts"]["records"] == limit
+        assert m["skipped"].get("contaminated", 0) == want, limit
+        assert m["decontamination"]["files"][evals[0]]["dropped_documents"] == want
     capsys.readouterr()
 
 
