@@ -68,6 +68,7 @@ from data_prep.sources import BOM, InputError, url_to_fs
 DEFAULT_NGRAM = 13
 JSON_EVAL_EXTS = (".jsonl", ".json")
 _WORD = re.compile(r"\w+")
+_WORD_ASCII = re.compile(r"\w+", re.ASCII)  # the same words in ASCII text, ~1.5x faster
 _M = np.uint64(0x9E3779B97F4A7C15)    # odd multiplier of the n-gram polynomial
 _CACHE_MAX = 1 << 20                  # word hashes cached before the cache is cleared
 _FLUSH_WORDS = 1 << 16                # words of a streamed record checked at a time
@@ -81,9 +82,13 @@ class EvalSetError(InputError):
     plan); one-line message naming it, exit code 2."""
 
 
+def _findall(text: str) -> list[str]:
+    return (_WORD_ASCII if text.isascii() else _WORD).findall(text)
+
+
 def words(text: str) -> list[str]:
     """The words of `text` (module docstring): runs of `\\w` in its casefold."""
-    return _WORD.findall(text.casefold())
+    return _findall(text.casefold())
 
 
 class _WordHashes(dict):
@@ -351,13 +356,13 @@ class Match:
                 cut -= 1
             if len(text) - cut <= _CARRY_MAX:  # longer: a word as long as a block is cut
                 self.carry, text = text[cut:], text[:cut]
-        self.pending += _WORD.findall(text)
+        self.pending += _findall(text)
         if len(self.pending) >= _FLUSH_WORDS:
             self._check()
 
     def finish(self) -> set[int]:
         if self.carry:
-            self.pending += _WORD.findall(self.carry)
+            self.pending += _findall(self.carry)
             self.carry = ""
         self._check()
         return self.files
