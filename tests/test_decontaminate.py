@@ -425,3 +425,24 @@ def test_index_arrays_and_collision_confirmation(tmp_path):
     m = ev.matcher()
     m.feed(b)
     assert m.finish() == set()
+
+
+def test_relative_eval_path_is_recorded_absolute(setup, capsys, tmp_path, monkeypatch):
+    """A relative --decontaminate path is recorded as its absolute path, so array tasks
+    started in another folder read the same file."""
+    _, corpus, tok, evals, _ = setup
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    shutil.copy(evals[0], tmp_path / "a" / "t.jsonl")
+    monkeypatch.chdir(tmp_path / "a")
+    out = tmp_path / "o"
+    assert cli.main(["plan", "--input", str(corpus / "b_big.jsonl"), "--output", str(out),
+                     "--tokenizer", tok, "--decontaminate", "t.jsonl", *COMMON]) == 0
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["options"]["decontaminate"]["files"][0]["name"] == str(tmp_path / "a" / "t.jsonl")
+    monkeypatch.chdir(tmp_path / "b")
+    assert cli.main(["run", "--output", str(out), "--task", "0", "--num-tasks", "1"]) == 0
+    assert cli.main(["merge", "--output", str(out)]) == 0
+    m = _manifest(out)
+    assert m["decontamination"]["files"][str(tmp_path / "a" / "t.jsonl")]["dropped_documents"] == 4
+    capsys.readouterr()
