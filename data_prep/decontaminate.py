@@ -47,10 +47,10 @@ hit is confirmed by comparing the n word hashes, so an n-gram hash collision onl
 comparison; a false match needs two different words with the same 64-bit word hash in the
 same place (about 2^-64 per pair of distinct words). A per-run cache of word hashes (cleared
 at 2^20 words) avoids hashing frequent words again.
-Speed (same bench, this 2-core machine): 17 MB of text per CPU second for whole files, 12.7
-for 200-word records, in data prep's main process; SentencePiece encodes ~4 MB per CPU
-second, the Qwen3 tokenizer ~1.4, so the check takes a main process about a tenth of one
-tokenizer process's time per byte of Qwen3 text (more for short records).
+Speed (same bench, this shared 2-core machine, three runs): 14-20 MB of text per CPU second
+for whole files, 9.5-13.8 for 200-word records, in data prep's main process; SentencePiece
+encodes ~4 MB per CPU second, the Qwen3 tokenizer ~1.4, so the check costs a main process
+7-15 % of one Qwen3 tokenizer process's time per byte.
 """
 from __future__ import annotations
 
