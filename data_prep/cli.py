@@ -16,6 +16,7 @@ import time
 from pipeline.common.cli import EXIT_DISK_FULL, EXIT_USAGE
 from pipeline.tokenizer import TokenizerError
 
+from data_prep.decontaminate import DEFAULT_NGRAM, split_files
 from data_prep import prepare
 from data_prep.merge import merge
 from data_prep.plan import make_plan, run_task
@@ -133,6 +134,17 @@ def build_parser(prog: str = "shard.py") -> argparse.ArgumentParser:
                    help="bytes of input per work unit (default 64M): larger JSONL files are cut "
                         "into newline-aligned ranges, Parquet into row groups (plan); with "
                         "--pack a packed sample never spans two units (both commands)")
+    p.add_argument("--decontaminate", action="append", default=None, metavar="FILE[,FILE...]",
+                   help="evaluation files (JSONL/JSON: every string value, or the "
+                        "--decontaminate-field ones; other files: one item per paragraph): "
+                        "drop training records sharing an n-gram of words with an item, counted "
+                        "per file in the manifest (data_prep/README.md 'Decontamination'). "
+                        "Repeatable")
+    p.add_argument("--decontaminate-ngram", type=int, default=None, metavar="N",
+                   help=f"words per n-gram (default {DEFAULT_NGRAM}); shorter items are not used")
+    p.add_argument("--decontaminate-field", action="append", default=None, metavar="FIELD",
+                   help="JSONL field of an evaluation record to read (repeatable; a.b for a "
+                        "nested one); default: every string value")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--stop-after-shards", type=int, default=None, help=argparse.SUPPRESS)
     return p
@@ -170,6 +182,13 @@ def main(argv: list[str] | None = None) -> int:
         problems.append("--max-skip-fraction must be in [0, 1]")
     if args.unit_bytes < 1:
         problems.append("--unit-bytes must be >= 1")
+    if not split_files(args.decontaminate) and (args.decontaminate_ngram is not None
+                                                or args.decontaminate_field):
+        problems.append("--decontaminate-ngram and --decontaminate-field need --decontaminate")
+    if args.decontaminate_ngram is None:
+        args.decontaminate_ngram = DEFAULT_NGRAM
+    elif args.decontaminate_ngram < 1:
+        problems.append("--decontaminate-ngram must be >= 1")
     if problems:
         parser.error("; ".join(problems))
     if stage == "plan":

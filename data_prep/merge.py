@@ -30,6 +30,10 @@ again): unpacked samples are filtered; packed samples are taken apart into their
 rule, so the samples are those the unit would have written had it known. Keys, tokens, slot
 boundaries, splits and skip counts are thus independent of K and of the order tasks ran in.
 Memory: 16 bytes per record (digests) plus 16 per sample key.
+Decontamination (`--decontaminate`, data_prep/decontaminate.py): a unit drops and counts
+contaminated records before its duplicate filter, so none is in a records log and the global
+dedup never moves one; the merge checks each part's `decontamination` block against the
+plan's files and sums its counts.
 """
 from __future__ import annotations
 
@@ -40,11 +44,13 @@ import json
 
 import numpy as np
 
+from data_prep.decontaminate import REASON as CONTAMINATED
+from data_prep.decontaminate import merge_blocks
 from data_prep.dedup import DUPLICATE, KEY_COLLISION, DigestSet
 from data_prep.plan import (PLAN, describe_unit, planned_output, read_plan, unit_dir,
                             unit_options)
 from data_prep.prepare import input_records
-from data_prep.resume import UserError, fingerprint
+from data_prep.resume import UserError, differences, fingerprint
 from data_prep.writer import Item, Output, SplitWriter
 from pipeline.data import sample_index
 from pipeline.data.format import (FORMAT_VERSION, MANIFEST, PARTIAL_MANIFEST, SPLITS, DataError,
@@ -94,13 +100,15 @@ def _read_part(out: Output, plan: dict, i: int, tok_json: dict) -> dict:
         part = out.read_json(f"{d}/{MANIFEST}")
     except (OSError, ValueError) as e:
         raise MergeError(f"{out.path(d)}/{MANIFEST}: unreadable ({type(e).__name__}); {redo}") from None
+    opts = unit_options(plan, i)
     if part.get("plan") != plan["fingerprint"] or part.get("unit") != i:
         raise MergeError(f"{out.path(d)}/{MANIFEST}: the part of {what} was made from another "
                          f"plan (plan {str(part.get('plan'))[:12]}, this one "
-                         f"{plan['fingerprint'][:12]}); {redo}")
-    if part.get("fingerprint") != fingerprint(unit_options(plan, i), tok_json):
-        raise MergeError(f"{out.path(d)}/{MANIFEST}: the part of {what} was made with other "
-                         f"options or another tokenizer than the plan's; {redo}")
+                         f"{plan['fingerprint'][:12]}: {_plan_differences(part, opts, tok_json)})"
+                         f"; {redo}")
+    if part.get("fingerprint") != fingerprint(opts, tok_json):
+        raise MergeError(f"{out.path(d)}/{MANIFEST}: the part of {what} was made with "
+                         f"{differences(part, opts, tok_json)} than the plan's; {redo}")
     recorded = {e.get("name"): e for e in part.get("inputs", [])}
     for j in sorted({p["input"] for p in plan["units"][i]["pieces"]}):
         ident = plan["inputs"][j]
@@ -109,6 +117,34 @@ def _read_part(out: Output, plan: dict, i: int, tok_json: dict) -> dict:
             raise MergeError(f"{out.path(d)}/{MANIFEST}: the part of {what} was made from "
                              f"another version of {ident['name']} (stale); {redo}")
     return part
+
+
+def _plan_differences(part: dict, opts: dict, tok_json: dict) -> str:
+    """What differs between a part's recorded options and the plan's, besides the plan's
+    fingerprint and the unit (for the refusal of a part of another plan)."""
+    old = part.get("options")
+    if not isinstance(old, dict):
+        return "other options, inputs or work units"
+    said = differences({**part, "options": {**old, "plan": None, "unit": None}},
+                       {**opts, "plan": None, "unit": None}, tok_json)
+    return "other inputs or work units" if said == "other options or another tokenizer" else said
+
+
+def _check_decontamination(out: Output, part: dict, d: str, spec: dict, redo: str) -> dict:
+    """A part's `decontamination` block, checked against the plan's spec: one entry per
+    evaluation file, each count at most the part's contaminated records."""
+    block = part.get("decontamination")
+    dropped = part.get("skipped", {}).get(CONTAMINATED, 0)
+    names = [f["name"] for f in spec["files"]]
+    ok = (isinstance(block, dict) and isinstance(block.get("files"), dict)
+          and sorted(block["files"]) == sorted(names)
+          and all(isinstance(e, dict) and isinstance(e.get("dropped_documents"), int)
+                  and 0 <= e["dropped_documents"] <= dropped for e in block["files"].values())
+          and (dropped == 0 or any(e["dropped_documents"] for e in block["files"].values())))
+    if not ok:
+        raise MergeError(f"{out.path(d)}/{MANIFEST}: its decontamination counts are missing or "
+                         f"do not add up with its {dropped} contaminated record(s); {redo}")
+    return block
 
 
 def _read_log(out: Output, part: dict, d: str, redo: str) -> dict:
@@ -166,8 +202,12 @@ def merge(output: str) -> dict:
     part_inputs, across = 0, 0
     drops: dict[int, set] = {}
     logs = []
+    decon = plan["options"].get("decontaminate")
+    blocks = []
     for i, part in enumerate(parts):
         d, redo = unit_dir(i), _rerun(output, plan, i)
+        if decon:
+            blocks.append(_check_decontamination(out, part, d, decon, redo))
         log = _read_log(out, part, d, redo)
         logs.append(log)
         outcomes = part["records_log"]["outcomes"]
@@ -247,6 +287,8 @@ def merge(output: str) -> dict:
         "plan": {"units": n, "duplicates_across_units": across,
                  "rewritten_units": sorted(drops)},
     }
+    if decon:  # contaminated records never pass a unit's duplicate filter: the sum is exact
+        manifest["decontamination"] = merge_blocks(decon, blocks)
     if input_records(manifest) != part_inputs:
         raise MergeError(f"{out.path(PLAN)}: merged counts do not add up (input records "
                          f"{input_records(manifest)}, the parts read {part_inputs}); report this")

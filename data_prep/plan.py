@@ -40,6 +40,7 @@ from pipeline.data.format import MANIFEST
 from pipeline.tokenizer import load_tokenizer
 
 from data_prep import prepare
+from data_prep.decontaminate import EvalSets
 from data_prep.resume import TOKENIZER_DIR, UserError, clear, differences
 from data_prep.sources import (STDLIB, Fields, Source, input_changes, input_identity,
                                resolve_inputs, url_to_fs)
@@ -100,6 +101,7 @@ class UnitJob:
     inputs: list
     reads: object       # digests dict -> [(source, records)]
     extra: dict = field(default_factory=dict)   # added to the part's manifest.json
+    decon: EvalSets | None = None   # --decontaminate: the plan's evaluation sets
 
 
 # ----------------------------------------------------------------------------- plan
@@ -162,7 +164,8 @@ def make_plan(args) -> dict:
                         "command (shard.py without plan/run/merge)")
     tok = load_tokenizer(args.tokenizer)
     sources = resolve_inputs(args.input, output=args.output)
-    opts = {**prepare.options(args, sources), "unit_bytes": args.unit_bytes}  # (also with --pack)
+    decon = EvalSets.from_args(args)  # read and checked now; each task reads them again
+    opts = {**prepare.options(args, sources, decon), "unit_bytes": args.unit_bytes}  # (also with --pack)
     tok_json = tok.info.to_json()
     tok_json["files"] = TOKENIZER_DIR
     inputs = [input_identity(s) for s in sources]
@@ -237,7 +240,8 @@ def run_task(args) -> list[dict]:
 
     Each unit's part is kept when complete, resumed when interrupted, made otherwise
     (`prepare.run(args, unit)`). Raises UserError when the plan is missing, an input of these
-    units changed since the plan (one line naming it), or the tokenizer is not the plan's.
+    units changed since the plan (one line naming it), or the tokenizer is not the plan's;
+    EvalSetError when a `--decontaminate` file changed since the plan.
     """
     out = planned_output(args.output)
     plan = read_plan(out)
@@ -266,6 +270,8 @@ def run_task(args) -> list[dict]:
                         f"hash {str(plan['tokenizer'].get('hash'))[:12]}); pass --tokenizer "
                         "with the plan's tokenizer")
     o = plan["options"]
+    # the plan's evaluation files, refused in one line when one changed since the plan
+    decon = EvalSets.from_spec(o["decontaminate"]) if o.get("decontaminate") else None
     fields = Fields(o["fields"]["query"], o["fields"]["response"], o["fields"]["text"],
                     o["fields"]["messages"])
     run_args = argparse.Namespace(
@@ -289,7 +295,7 @@ def run_task(args) -> list[dict]:
             return unit_reads(plan["units"], i, sources, o["format"], fields, digests)
         job = UnitJob(out_url=url, tok=tok, sources=sources, opts=unit_options(plan, i),
                       inputs=plan["inputs"], reads=reads,
-                      extra={"plan": plan["fingerprint"], "unit": i})
+                      extra={"plan": plan["fingerprint"], "unit": i}, decon=decon)
         part = prepare.run(run_args, job)
         if not part:  # --stop-after-shards
             return []

@@ -1,8 +1,8 @@
 """The data-prep pipeline behind `python data_prep/shard.py`: tokenize a corpus into ReFusion
 webdataset shards.
 
-Owns: the shard-writing pipeline (read -> normalize -> dedup -> split -> tokenize -> chunk or
-pack -> slot boundaries -> tar shards + manifest.json), resume and the summary line, for the
+Owns: the shard-writing pipeline (read -> normalize -> decontaminate -> dedup -> split ->
+tokenize -> chunk or pack -> slot boundaries -> tar shards + manifest.json), resume and the summary line, for the
 whole corpus (the one-machine command) or one work unit of a plan (data_prep/plan.py), and what
 the stages share: the recorded options (`options`), the tokenizer's copy (`save_tokenizer`),
 the empty and skip-share checks and their exceptions (`NoSamples`, `TooManySkipped`). The
@@ -76,6 +76,8 @@ import numpy as np
 
 from pipeline.data.format import FORMAT_VERSION, MANIFEST, SPLITS, with_checksum
 
+from data_prep.decontaminate import REASON as CONTAMINATED
+from data_prep.decontaminate import EvalSets, describe as describe_decontamination
 from data_prep.dedup import DUPLICATE, KEY_COLLISION, DigestSet
 from pipeline import tokenizer as tokenizers
 from data_prep.sources import (_READ_ERRORS, Fields, Source, TextFile,
@@ -93,8 +95,8 @@ from data_prep.writer import (_KEY_HEX, Item, Output, SplitWriter, TextChunks,
 
 # reasons the --max-skip-fraction check only notes (one line, exit code unchanged): they are
 # the filters the options ask for (dropping exact repeats, --max-length), not input that was
-# misread; over_length_turns also counts assistant turns, not records
-_SHARE_NOTED = ("duplicate", "over_length", "over_length_turns")
+# misread (contaminated: --decontaminate); over_length_turns also counts assistant turns, not records
+_SHARE_NOTED = ("duplicate", "over_length", "over_length_turns", CONTAMINATED)
 
 
 class NoSamples(Exception):
@@ -221,11 +223,13 @@ def _tokenize_batch(batch, max_length: int, chat_turns: str, tok: Tokenizer | No
 
 # ----------------------------------------------------------------------------- pipeline
 
-def options(args, sources: list[Source]) -> dict:
+def options(args, sources: list[Source], decon: EvalSets | None = None) -> dict:
     """The options a shard folder records (`manifest.json` `options`, part of its resume
     fingerprint), from the parsed command line `args` and the resolved `sources`: inputs,
     format, lengths, slots, seed, split, packing, shard limits, fields, chat turns;
-    `unit_bytes` with --pack, the interpreter's version when the stdlib corpus is read."""
+    `unit_bytes` with --pack, the interpreter's version when the stdlib corpus is read,
+    `decontaminate` (`decon.spec`: n, fields, each evaluation file's name and sha256) with
+    --decontaminate."""
     opts = {
         "inputs": list(args.input), "format": args.format, "max_length": args.max_length,
         "slot_sizes": list(args.slot_sizes), "seed": args.seed,
@@ -240,6 +244,8 @@ def options(args, sources: list[Source]) -> dict:
         opts["unit_bytes"] = args.unit_bytes
     if any(s.is_stdlib for s in sources):
         opts["stdlib_python"] = sys.version.split()[0]
+    if decon is not None:
+        opts["decontaminate"] = decon.spec
     return opts
 
 
@@ -316,9 +322,15 @@ class InputChanged(UserError):
 
 def _stage_a(reads, fmt: str, fields: Fields, val_fraction: float,
              tok: Tokenizer, tail: list, details: dict, digests: dict,
-             recorded_sha: dict, whole_texts: bool):
-    """Read, normalize, dedup and split records; yields `Record`s in input order, a text as
-    its pieces (`pipeline.tokenizer.text_pieces`; one piece when `whole_texts`).
+             recorded_sha: dict, whole_texts: bool, decon: EvalSets | None = None):
+    """Read, normalize, decontaminate, dedup and split records; yields `Record`s in input
+    order, a text as its pieces (`pipeline.tokenizer.text_pieces`; one piece when `whole_texts`).
+
+    decon: with --decontaminate, a record sharing an n-gram with an evaluation item
+    (data_prep/decontaminate.py) is skipped as `(CONTAMINATED, file indices)` in the skip
+    lists (the caller counts the reason and each file). The check comes before the duplicate
+    filter, so every copy of such a record is dropped as contaminated and never enters the
+    filter: a work unit's counts then add up to the one-process run's without the merge.
 
     reads: `(source, iterator of (record id, raw record))` per input, in order (a whole file's
     `sources.iter_records`, or a work unit's pieces, data_prep/plan.py).
@@ -356,9 +368,11 @@ def _stage_a(reads, fmt: str, fields: Fields, val_fraction: float,
                 continue
             kind, payload = norm[0], norm[1:]
             doc = payload[0] if kind == "text" and isinstance(payload[0], TextFile) else None
+            match = decon.matcher() if decon is not None else None
             if doc is not None:
                 try:
-                    digest, nonblank = doc.scan(b"text")
+                    digest, nonblank = (doc.scan(b"text") if match is None
+                                        else doc.scan(b"text", match.feed))
                 except UnicodeDecodeError:
                     skip("invalid_utf8", None, rid)
                     continue
@@ -371,6 +385,16 @@ def _stage_a(reads, fmt: str, fields: Fields, val_fraction: float,
                     continue
             else:
                 digest = record_digest(kind, payload)
+            if match is not None:
+                if doc is None:
+                    for text in (payload[1::2] if kind == "chat" else payload):
+                        match.feed(text)
+                hit = match.finish()
+                if hit:
+                    skips.append((CONTAMINATED, tuple(sorted(hit))))
+                    if CONTAMINATED not in details:
+                        details[CONTAMINATED] = f"{rid}: {match.where}"
+                    continue
             seen_as = seen.add(digest[:16])
             if seen_as == DUPLICATE:
                 skips.append("duplicate")
@@ -478,6 +502,8 @@ def summary(where: str, manifest: dict) -> str:
     if cuts:
         note += (f"; {cuts} long-text cut(s) without a space near them (tokens at a cut may "
                  "differ from whole-text tokenization)")
+    if manifest.get("decontamination"):
+        note += f"; {describe_decontamination(manifest['decontamination'])}"
     return f"{where}: {'; '.join(parts)}; skipped: {skipped}{note}"
 
 
@@ -500,11 +526,13 @@ def run(args, unit=None) -> dict:
     if unit is None:
         tok = load_tokenizer(args.tokenizer)
         sources = resolve_inputs(args.input, output=args.output)
-        opts = options(args, sources)
+        decon = EvalSets.from_args(args)
+        opts = options(args, sources, decon)
         inputs = [input_identity(s) for s in sources]
         out = Output(args.output)
     else:
         tok, sources, opts, inputs = unit.tok, unit.sources, unit.opts, unit.inputs
+        decon = unit.decon
         out = Output(unit.out_url)
     tok_json = tok.info.to_json()
     tok_json["files"] = TOKENIZER_DIR
@@ -562,9 +590,15 @@ def run(args, unit=None) -> dict:
     details: dict = {}
     warned: set = set()
 
+    decon_counts: collections.Counter = collections.Counter()  # evaluation file -> records
+
     def count_skips(reasons) -> None:
-        """Count stage-A skips; the first of each described reason is printed, once."""
+        """Count stage-A skips (a contaminated record also under each evaluation file it
+        matched); the first of each described reason is printed, once."""
         for reason in reasons:
+            if isinstance(reason, tuple):
+                reason, files = reason
+                decon_counts.update(files)
             counts[reason] += 1
             if reason in details and reason not in warned:
                 warned.add(reason)
@@ -584,7 +618,7 @@ def run(args, unit=None) -> dict:
     else:
         reads = [(s, iter_records(s, args.format, fields, digests)) for s in sources]
     stream = _stage_a(reads, args.format, fields, args.val_fraction, tok, tail, details,
-                      digests, recorded_sha, whole_texts)
+                      digests, recorded_sha, whole_texts, decon)
     # --limit counts accepted records, kept shards' records included: with a limit they are
     # tokenized again on resume (to know which were over-length); without, they are not. A
     # unit logs every record's outcome, so it tokenizes them again too.
@@ -680,6 +714,8 @@ def run(args, unit=None) -> dict:
         "inputs": input_entries(),
         "fingerprint": fp,
     }
+    if decon is not None:
+        manifest["decontamination"] = decon.block(decon_counts)
     try:
         if log is not None:  # before manifest.json, the part's completion mark
             manifest["records_log"] = log.write(out)

@@ -38,7 +38,9 @@ _FLAGS = {"inputs": "--input", "format": "--format", "max_length": "--max-length
           "shard_bytes": "--shard-bytes", "limit": "--limit",
           "fields": "--query-field/--response-field/--text-field/--messages-field",
           "chat_turns": "--chat-turns", "stdlib_python": "stdlib Python version",
-          "unit_bytes": "--unit-bytes"}
+          "unit_bytes": "--unit-bytes",
+          "decontaminate": "--decontaminate/--decontaminate-ngram/--decontaminate-field "
+                           "(or an evaluation file's bytes)"}
 
 
 def differences(m: dict, opts: dict, tok_json: dict) -> str:
@@ -51,7 +53,8 @@ def differences(m: dict, opts: dict, tok_json: dict) -> str:
     keys = [k for k in [*opts, *(k for k in old if k not in opts)] if old.get(k) != opts.get(k)]
     if "pack" in keys:  # --unit-bytes is recorded with --pack only: implied by it
         keys = [k for k in keys if k != "unit_bytes"]
-    diffs = [f"{_FLAGS.get(k, k)} {show(old.get(k))}, now {show(opts.get(k))}" for k in keys]
+    diffs = [_decon_difference(old.get(k), opts.get(k)) or
+             f"{_FLAGS.get(k, k)} {show(old.get(k))}, now {show(opts.get(k))}" for k in keys]
     parts = [f"other options ({'; '.join(diffs)})"] if diffs else []
     oldtok = m.get("tokenizer")
     if oldtok != tok_json:
@@ -59,6 +62,19 @@ def differences(m: dict, opts: dict, tok_json: dict) -> str:
         desc = lambda t: f"{t.get('name')} hash {str(t.get('hash'))[:12]}"
         parts.append(f"another tokenizer ({desc(oldtok)}, now {desc(tok_json)})")
     return " and ".join(parts) or "other options or another tokenizer"
+
+
+def _decon_difference(old, new) -> str | None:
+    """`--decontaminate FILE: changed (sha256 ..., now ...)` when two decontamination specs
+    (data_prep/decontaminate.py) differ only in their files' bytes, else None."""
+    if not (isinstance(old, dict) and isinstance(new, dict) and "files" in old and "files" in new):
+        return None
+    names = lambda spec: [f.get("name") for f in spec["files"]]
+    if {**old, "files": names(old)} != {**new, "files": names(new)}:
+        return None
+    return "; ".join(f"--decontaminate {a['name']}: changed (sha256 {str(a.get('sha256'))[:12]}, "
+                     f"now {str(b.get('sha256'))[:12]})"
+                     for a, b in zip(old["files"], new["files"]) if a != b)
 
 
 def clear(out: Output) -> None:

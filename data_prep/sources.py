@@ -515,10 +515,11 @@ class TextFile:
                     return
                 stored = content = f.read(_BLOCK)
 
-    def scan(self, prefix: bytes) -> tuple[bytes, bool]:
+    def scan(self, prefix: bytes, on_text=None) -> tuple[bytes, bool]:
         """(record digest, has a non-whitespace character) from one read of the file. Bad
         UTF-8 raises UnicodeDecodeError after the file has been read to its end (so
-        `file_sha256` is known either way)."""
+        `file_sha256` is known either way). `on_text(text, final)`, when given, gets the
+        decoded text block by block (`final` on the last; not called after bad UTF-8)."""
         h, whole, nonblank = hashlib.sha256(prefix + b"\0"), hashlib.sha256(), False
         decoder, bad = codecs.getincrementaldecoder("utf-8")(), None
         with self.source.fs.open(self.source.path, "rb") as f:
@@ -530,12 +531,16 @@ class TextFile:
                     try:
                         text = decoder.decode(content)
                         nonblank = nonblank or (bool(text) and not text.isspace())
+                        if on_text is not None:
+                            on_text(text, False)
                     except UnicodeDecodeError as e:
                         bad = e
         self.file_sha256 = whole.hexdigest()
         if bad is None:
             try:
-                decoder.decode(b"", final=True)
+                text = decoder.decode(b"", final=True)
+                if on_text is not None:
+                    on_text(text, True)
             except UnicodeDecodeError as e:
                 bad = e
         if bad is not None:
