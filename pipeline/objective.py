@@ -499,7 +499,8 @@ def _dual_sample(x: np.ndarray, key: str, rng: np.random.Generator, cfg: Objecti
         dropped_copies=int(dropped.sum()), dropped_copy_tokens=int(size[dropped].sum()))
 
 
-def collate(rows: Sequence[Sequence[Reorganized]], max_length: int, pad_id: int) -> dict:
+def collate(rows: Sequence[Sequence[Reorganized]], max_length: int, pad_id: int,
+            sources: Sequence[Sequence[int]] | None = None) -> dict:
     """Lay reorganized samples into a fixed-shape micro-batch.
 
     Row b holds the samples `rows[b]` one after another, then padding up to `max_length`.
@@ -512,6 +513,8 @@ def collate(rows: Sequence[Sequence[Reorganized]], max_length: int, pad_id: int)
         rows: B lists of `Reorganized` (an empty list gives an all-padding row).
         max_length: T, tokens per row.
         pad_id: id of the padding token.
+        sources: None, or B lists of ints parallel to `rows`: the data source id (>= 0; an
+            index into the loader's `source_names`) of each sample.
 
     Returns:
         dict with `input_ids, position_ids, labels, segment_ids: LongTensor[B, T]`,
@@ -530,9 +533,12 @@ def collate(rows: Sequence[Sequence[Reorganized]], max_length: int, pad_id: int)
         pattern from them, `segment_ids` and `position_ids` on the device:
         `pipeline.model.attention.dual_mask`), `copy_tokens, dropped_copies: LongTensor[]`
         (masked-copy tokens fed, copies left out to fit).
+        Always `source: LongTensor[B, T]`, the source id of each token's sample (0 at padding,
+        and everywhere when `sources` is None; tell padding by `segment_ids == 0`).
 
     Raises:
-        ValueError: a row's samples are longer than `max_length`.
+        ValueError: a row's samples are longer than `max_length`; `sources` is not parallel to
+            `rows` or holds a negative id.
     """
     B, T = len(rows), int(max_length)
     input_ids = np.full((B, T), pad_id, dtype=np.int64)
@@ -541,6 +547,12 @@ def collate(rows: Sequence[Sequence[Reorganized]], max_length: int, pad_id: int)
     segment_ids = np.zeros((B, T), dtype=np.int64)
     loss_weight = np.zeros((B, T), dtype=np.float32)
     is_masked = np.zeros((B, T), dtype=bool)
+    source = np.zeros((B, T), dtype=np.int64)
+    if sources is not None and (len(sources) != B or any(
+            len(ids) != len(samples) for ids, samples in zip(sources, rows))):
+        raise ValueError(f"collate: sources must give one id per sample of each of the {B} rows, "
+                         f"got {[len(ids) for ids in sources]} for rows of "
+                         f"{[len(samples) for samples in rows]} samples")
     keys, ps, response_tokens = [], [], 0
     dual = any(s.copy_id is not None for samples in rows for s in samples)
     if dual:
@@ -549,7 +561,7 @@ def collate(rows: Sequence[Sequence[Reorganized]], max_length: int, pad_id: int)
         copy_tokens = dropped_copies = 0
     for b, samples in enumerate(rows):
         used, seg_base = 0, 0
-        for s in samples:
+        for i, s in enumerate(samples):
             end = used + s.length
             if end > T:
                 raise ValueError(f"row {b}: samples need {end} tokens > max_length {T}")
@@ -559,6 +571,10 @@ def collate(rows: Sequence[Sequence[Reorganized]], max_length: int, pad_id: int)
             segment_ids[b, used:end] = s.segment + seg_base + 1
             loss_weight[b, used:end] = s.loss_weight
             is_masked[b, used:end] = s.is_masked
+            if sources is not None:
+                if int(sources[b][i]) < 0:
+                    raise ValueError(f"collate: row {b} sample {i}: source id {sources[b][i]} < 0")
+                source[b, used:end] = int(sources[b][i])
             if dual:
                 copy_id[b, used:end] = s.copy_id
                 clean_limit[b, used:end] = s.clean_limit
@@ -607,6 +623,7 @@ def collate(rows: Sequence[Sequence[Reorganized]], max_length: int, pad_id: int)
         "cu_seqlens": torch.from_numpy(cu),
         "max_seqlen": int(np.diff(cu).max()) if B * T else 0,
         "segment_lengths": torch.from_numpy(seg_len.astype(np.int64)),
+        "source": torch.from_numpy(source),
         **extra,
     }
 
@@ -723,8 +740,8 @@ def labelled_cross_entropy(hidden: torch.Tensor, head, labels: torch.Tensor,
 
 
 def hybrid_loss(outputs: torch.Tensor, batch: dict, cfg: ObjectiveConfig | None = None, *,
-                head=None, chunk_tokens: int = LOSS_CHUNK_TOKENS, head_loss=None
-                ) -> tuple[torch.Tensor, dict]:
+                head=None, chunk_tokens: int = LOSS_CHUNK_TOKENS, head_loss=None,
+                num_sources: int | None = None) -> tuple[torch.Tensor, dict]:
     """The ReFusion loss of a micro-batch (docs/METHOD.md "Loss of a micro-batch").
 
     AR  = mean CE over clean-slot tokens that have a label (all rows of the micro-batch);
@@ -751,11 +768,20 @@ def hybrid_loss(outputs: torch.Tensor, batch: dict, cfg: ObjectiveConfig | None 
             layer runs: `ar_weight / AR tokens` at AR-labelled positions and
             `mdm_weight * loss_weight / num_segments` at masked ones, so the fused loss is the
             same sum as below (same value and gradients up to float summation order).
+        num_sources: None, or S, the number of data sources: the stats then also hold the
+            per-source sums of the batch's `source` ids (all 0 when absent), read from the
+            detached per-token CE (loss and gradients unchanged).
 
     Returns:
         (loss: FloatTensor[] with grad, stats: dict of detached 0-dim tensors `ar_loss,
         mdm_loss, ar_tokens, mdm_tokens, mask_ratio` (mean p over segments), `masked_fraction`
-        (masked / response tokens), `num_segments, real_tokens, response_tokens`).
+        (masked / response tokens), `num_segments, real_tokens, response_tokens`; with
+        `num_sources`, also `ce_sum_by_source: DoubleTensor[S]` (CE summed over the labelled
+        tokens of each source, AR and MDM targets alike, without the MDM loss weights) and
+        `labelled_by_source: LongTensor[S]` (those tokens), on the outputs' device).
+
+    Raises:
+        IndexError / RuntimeError: a `source` id >= num_sources (the caller checks ids).
     """
     cfg = cfg or ObjectiveConfig()
     dev = outputs.device
@@ -798,4 +824,13 @@ def hybrid_loss(outputs: torch.Tensor, batch: dict, cfg: ObjectiveConfig | None 
         "num_segments": batch["num_segments"], "real_tokens": batch["real_tokens"],
         "response_tokens": resp,
     }
+    if num_sources is not None:
+        src = batch.get("source")
+        src = (torch.zeros_like(labels) if src is None else src.to(dev, non_blocking=True))
+        src, lab = src.reshape(-1), labelled.reshape(-1)
+        ce_lab = torch.where(lab, ce.detach().reshape(-1), torch.zeros((), device=dev))
+        stats["ce_sum_by_source"] = torch.zeros(num_sources, dtype=torch.float64, device=dev
+                                                ).index_add_(0, src, ce_lab.double())
+        stats["labelled_by_source"] = torch.zeros(num_sources, dtype=torch.long, device=dev
+                                                  ).index_add_(0, src, lab.long())
     return loss, stats
