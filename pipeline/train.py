@@ -513,8 +513,8 @@ class Trainer:
         sums = torch.cat([torch.where(finite[:, None], vals, torch.zeros_like(vals)).sum(0),
                           vals.new_tensor([tokens, rows, float((~finite).sum()),
                                            1.0 if self.signal_received else 0.0,
-                                           model_flops, hw_flops, copy_tokens, dropped_copies]),
-                          src_tokens.to(vals.device, torch.float64),
+                                           model_flops, hw_flops, copy_tokens, dropped_copies,
+                                           *src_tokens.tolist()]),
                           torch.where(finite[:, None], by_src, torch.zeros_like(by_src)).sum(0)])
         if cfg.debug.slow_rank == self.info.rank:   # fault injection: a straggler (debug section)
             time.sleep(cfg.debug.slow_rank_s
