@@ -289,3 +289,15 @@ def test_training_run_logs_per_source_tokens_and_losses(tmp_path):
     assert sum(tok) == val[0]["val_tokens"] and all(lab)
     assert val[0]["val_loss_by_source"] == pytest.approx(
         {n: c / k for n, c, k in zip(NAMES, ce, lab)}, rel=1e-5)
+
+
+def test_source_names_and_target_shares_of_a_loader():
+    from types import SimpleNamespace
+    from pipeline.training.metrics import source_names, target_shares
+    plain = SimpleNamespace()   # a loader of one shard folder
+    assert source_names(plain) == ("data",) and target_shares(plain, 1) == (1.0,)
+    mix = SimpleNamespace(source_names=("web", "code"), source_weights=(0.75, 0.25))
+    assert source_names(mix) == ("web", "code") and target_shares(mix, 2) == (0.75, 0.25)
+    assert target_shares(SimpleNamespace(source_names=("a", "b")), 2) is None
+    with pytest.raises(ValueError, match="1 source weight"):
+        target_shares(SimpleNamespace(source_weights=(1.0,)), 2)

@@ -25,10 +25,16 @@ def source_names(loader) -> tuple[str, ...]:
 def target_shares(loader, n: int) -> tuple[float, ...] | None:
     """Target token share of each of the `n` sources (the normalized `data.sources[i].weight`,
     the loader's `source_weights`); (1.0,) for one source without them; None when several
-    sources have none."""
+    sources have none.
+
+    Raises:
+        ValueError: the loader gives a number of weights other than `n`.
+    """
     w = getattr(loader, "source_weights", None)
     if w is None:
         return (1.0,) if n == 1 else None
+    if len(w) != n:
+        raise ValueError(f"the loader gives {len(w)} source weight(s) for {n} source name(s)")
     return tuple(float(x) for x in w)
 
 
