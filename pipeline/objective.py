@@ -513,15 +513,16 @@ def collate(rows: Sequence[Sequence[Reorganized]], max_length: int, pad_id: int,
         rows: B lists of `Reorganized` (an empty list gives an all-padding row).
         max_length: T, tokens per row.
         pad_id: id of the padding token.
-        sources: None, or B lists of ints parallel to `rows`: the data source id (>= 0; an
-            index into the loader's `source_names`) of each sample.
+        sources: None, or B lists of ints parallel to `rows`: each sample's source (the index
+            of its folder in a data mixture, `pipeline.data.mixture`).
 
     Returns:
         dict with `input_ids, position_ids, labels, segment_ids: LongTensor[B, T]`,
         `loss_weight: FloatTensor[B, T]`, `is_masked: BoolTensor[B, T]`,
         `num_segments: LongTensor[]` (B of the MDM term), `segment_p: FloatTensor[S]` (p of each
         segment, row-major; S = num_segments), `response_tokens, real_tokens: LongTensor[]`,
-        `keys: list[str]` (row-major), and what the training step would otherwise compute on
+        `keys: list[str]` (row-major), `source: LongTensor[B, T]` (each token's source; 0 at
+        padding and without `sources`), and what the training step would otherwise compute on
         the device and read back on the host (computed here, in the loader's worker processes):
         `label_index: LongTensor[N_lab]` (flat `b * T + t` positions with a label, increasing;
         the output layer's rows), `cu_seqlens: IntTensor[N_seq + 1]` and `max_seqlen: int` (the
@@ -533,12 +534,9 @@ def collate(rows: Sequence[Sequence[Reorganized]], max_length: int, pad_id: int,
         pattern from them, `segment_ids` and `position_ids` on the device:
         `pipeline.model.attention.dual_mask`), `copy_tokens, dropped_copies: LongTensor[]`
         (masked-copy tokens fed, copies left out to fit).
-        Always `source: LongTensor[B, T]`, the source id of each token's sample (0 at padding,
-        and everywhere when `sources` is None; tell padding by `segment_ids == 0`).
 
     Raises:
-        ValueError: a row's samples are longer than `max_length`; `sources` is not parallel to
-            `rows` or holds a negative id.
+        ValueError: a row's samples are longer than `max_length`.
     """
     B, T = len(rows), int(max_length)
     input_ids = np.full((B, T), pad_id, dtype=np.int64)
@@ -548,11 +546,6 @@ def collate(rows: Sequence[Sequence[Reorganized]], max_length: int, pad_id: int,
     loss_weight = np.zeros((B, T), dtype=np.float32)
     is_masked = np.zeros((B, T), dtype=bool)
     source = np.zeros((B, T), dtype=np.int64)
-    if sources is not None and (len(sources) != B or any(
-            len(ids) != len(samples) for ids, samples in zip(sources, rows))):
-        raise ValueError(f"collate: sources must give one id per sample of each of the {B} rows, "
-                         f"got {[len(ids) for ids in sources]} for rows of "
-                         f"{[len(samples) for samples in rows]} samples")
     keys, ps, response_tokens = [], [], 0
     dual = any(s.copy_id is not None for samples in rows for s in samples)
     if dual:
@@ -561,7 +554,7 @@ def collate(rows: Sequence[Sequence[Reorganized]], max_length: int, pad_id: int,
         copy_tokens = dropped_copies = 0
     for b, samples in enumerate(rows):
         used, seg_base = 0, 0
-        for i, s in enumerate(samples):
+        for n, s in enumerate(samples):
             end = used + s.length
             if end > T:
                 raise ValueError(f"row {b}: samples need {end} tokens > max_length {T}")
@@ -572,9 +565,7 @@ def collate(rows: Sequence[Sequence[Reorganized]], max_length: int, pad_id: int,
             loss_weight[b, used:end] = s.loss_weight
             is_masked[b, used:end] = s.is_masked
             if sources is not None:
-                if int(sources[b][i]) < 0:
-                    raise ValueError(f"collate: row {b} sample {i}: source id {sources[b][i]} < 0")
-                source[b, used:end] = int(sources[b][i])
+                source[b, used:end] = sources[b][n]
             if dual:
                 copy_id[b, used:end] = s.copy_id
                 clean_limit[b, used:end] = s.clean_limit
@@ -618,12 +609,11 @@ def collate(rows: Sequence[Sequence[Reorganized]], max_length: int, pad_id: int,
         "segment_p": torch.from_numpy(segment_p.astype(np.float32)),
         "response_tokens": torch.tensor(response_tokens, dtype=torch.long),
         "real_tokens": torch.from_numpy(segment_ids > 0).sum(),
-        "keys": keys,
+        "keys": keys, "source": torch.from_numpy(source),
         "label_index": torch.from_numpy(np.flatnonzero(labels.reshape(-1) != IGNORE_INDEX)),
         "cu_seqlens": torch.from_numpy(cu),
         "max_seqlen": int(np.diff(cu).max()) if B * T else 0,
         "segment_lengths": torch.from_numpy(seg_len.astype(np.int64)),
-        "source": torch.from_numpy(source),
         **extra,
     }
 

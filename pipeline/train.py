@@ -74,7 +74,7 @@ accounting below; at each log interval also straggler_rank, straggler_host,
 straggler_compute_s, median_compute_s, straggler_skew: `Trainer._stragglers`,
 `pipeline.training.metrics.StragglerTracker`) or "val" (step, val_loss, val_ar_loss,
 val_mdm_loss, val_batches, val_tokens, val_loss_by_source).
-Per-source accounting, keyed by the loader's source names (`data` for one shard folder):
+Per-source accounting, keyed by the loader's `source_names` (`data` for a loader without them):
 `tokens_by_source` (the step's non-padding tokens from each source, over all DP ranks; they add
 up to the step's tokens, the increase of consumed_tokens), `loss_by_source` (mean CE over each
 source's labelled tokens of the step, AR and MDM targets alike and without the MDM loss weights,

@@ -63,16 +63,6 @@ def test_collate_source_against_a_loop(mode):
             assert (torch.equal(v, got[k]) if isinstance(v, torch.Tensor) else v == got[k]), k
 
 
-def test_collate_refuses_sources_not_parallel_to_rows():
-    rows = _rows(4, ObjectiveConfig(), [[0, 1], [2]], 64)
-    with pytest.raises(ValueError, match="one id per sample"):
-        collate(rows, 64, PAD_ID, sources=[[0, 1], [0, 1]])
-    with pytest.raises(ValueError, match="one id per sample"):
-        collate(rows, 64, PAD_ID, sources=[[0, 1]])
-    with pytest.raises(ValueError, match="row 1 sample 0: source id -1 < 0"):
-        collate(rows, 64, PAD_ID, sources=[[0, 1], [-1]])
-
-
 def _hidden_head(shape, hidden=12, seed=0):
     g = torch.Generator().manual_seed(seed)
     h = torch.randn(*shape, hidden, generator=g, dtype=torch.float64).float()
@@ -294,7 +284,7 @@ def test_training_run_logs_per_source_tokens_and_losses(tmp_path):
 def test_source_names_and_target_shares_of_a_loader():
     from types import SimpleNamespace
     from pipeline.training.metrics import source_names, target_shares
-    plain = SimpleNamespace()   # a loader of one shard folder
+    plain = SimpleNamespace()   # a loader without source names
     assert source_names(plain) == ("data",) and target_shares(plain, 1) == (1.0,)
     mix = SimpleNamespace(source_names=("web", "code"), source_weights=(0.75, 0.25))
     assert source_names(mix) == ("web", "code") and target_shares(mix, 2) == (0.75, 0.25)
