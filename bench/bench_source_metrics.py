@@ -26,7 +26,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from pipeline.objective import ObjectiveConfig, collate, hybrid_loss, reorganize_sample  # noqa: E402
+from pipeline.objective import (ObjectiveConfig, collate, hybrid_loss,  # noqa: E402
+                                reorganize_sample)
 from pipeline.training.metrics import source_tokens  # noqa: E402
 from shard_fixtures import random_samples  # noqa: E402
 

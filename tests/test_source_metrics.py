@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.objective import IGNORE_INDEX, ObjectiveConfig, collate, hybrid_loss, reorganize_sample
+from pipeline.objective import (IGNORE_INDEX, ObjectiveConfig, collate, hybrid_loss,
+                                reorganize_sample)
 from shard_fixtures import TINY_MODEL, random_samples, write_train_val
 
 V, MASK_ID, PAD_ID = 64, 2, 0
@@ -272,8 +273,8 @@ def test_training_run_logs_per_source_tokens_and_losses(tmp_path):
         consumed = m["consumed_tokens"]
         assert m["target_share_by_source"] == dict(zip(NAMES, WEIGHTS))
         for n, c, k in zip(NAMES, ce, lab):
-            want = c / k if k else None
-            assert m["loss_by_source"][n] == (pytest.approx(want, rel=1e-5) if k else None), (step, n)
+            want = pytest.approx(c / k, rel=1e-5) if k else None   # None: no labelled token
+            assert m["loss_by_source"][n] == want, (step, n)
     assert sum(1 for m in train.values() for v in m["loss_by_source"].values() if v) >= 4
     ce, lab, tok = _by_hand(hf, [b for r in seen for b in r["val"]])
     assert sum(tok) == val[0]["val_tokens"] and all(lab)
