@@ -63,10 +63,18 @@ def read_metrics(path: str) -> dict[tuple[str, int], dict]:
 
 
 def wandb_items(metrics: dict) -> dict:
-    """The wandb history item of one metrics line (train fields under `train/`, None dropped)."""
+    """The wandb history item of one metrics line (train fields under `train/`, None dropped;
+    a dict field such as `loss_by_source` flattened to `<field>/<key>`, e.g.
+    `train/loss_by_source/web`)."""
     prefix = "train/" if metrics["kind"] == "train" else ""
-    return {prefix + k: v for k, v in metrics.items()
-            if k not in ("kind", "step", "time_unix_s") and v is not None}
+    out = {}
+    for k, v in metrics.items():
+        if k in ("kind", "step", "time_unix_s"):
+            continue
+        for name, x in (v.items() if isinstance(v, dict) else ((None, v),)):
+            if x is not None:
+                out[prefix + k + ("" if name is None else f"/{name}")] = x
+    return out
 
 
 class Monitor:

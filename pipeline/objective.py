@@ -730,8 +730,8 @@ def labelled_cross_entropy(hidden: torch.Tensor, head, labels: torch.Tensor,
 
 
 def hybrid_loss(outputs: torch.Tensor, batch: dict, cfg: ObjectiveConfig | None = None, *,
-                head=None, chunk_tokens: int = LOSS_CHUNK_TOKENS, head_loss=None
-                ) -> tuple[torch.Tensor, dict]:
+                head=None, chunk_tokens: int = LOSS_CHUNK_TOKENS, head_loss=None,
+                num_sources: int | None = None) -> tuple[torch.Tensor, dict]:
     """The ReFusion loss of a micro-batch (docs/METHOD.md "Loss of a micro-batch").
 
     AR  = mean CE over clean-slot tokens that have a label (all rows of the micro-batch);
@@ -758,11 +758,20 @@ def hybrid_loss(outputs: torch.Tensor, batch: dict, cfg: ObjectiveConfig | None 
             layer runs: `ar_weight / AR tokens` at AR-labelled positions and
             `mdm_weight * loss_weight / num_segments` at masked ones, so the fused loss is the
             same sum as below (same value and gradients up to float summation order).
+        num_sources: None, or S, the number of data sources: the stats then also hold the
+            per-source sums of the batch's `source` ids (all 0 when absent), read from the
+            detached per-token CE (loss and gradients unchanged).
 
     Returns:
         (loss: FloatTensor[] with grad, stats: dict of detached 0-dim tensors `ar_loss,
         mdm_loss, ar_tokens, mdm_tokens, mask_ratio` (mean p over segments), `masked_fraction`
-        (masked / response tokens), `num_segments, real_tokens, response_tokens`).
+        (masked / response tokens), `num_segments, real_tokens, response_tokens`; with
+        `num_sources`, also `ce_sum_by_source: DoubleTensor[S]` (CE summed over the labelled
+        tokens of each source, AR and MDM targets alike, without the MDM loss weights) and
+        `labelled_by_source: LongTensor[S]` (those tokens), on the outputs' device).
+
+    Raises:
+        IndexError / RuntimeError: a `source` id >= num_sources (the caller checks ids).
     """
     cfg = cfg or ObjectiveConfig()
     dev = outputs.device
@@ -805,4 +814,13 @@ def hybrid_loss(outputs: torch.Tensor, batch: dict, cfg: ObjectiveConfig | None 
         "num_segments": batch["num_segments"], "real_tokens": batch["real_tokens"],
         "response_tokens": resp,
     }
+    if num_sources is not None:
+        src = batch.get("source")
+        src = (torch.zeros_like(labels) if src is None else src.to(dev, non_blocking=True))
+        src, lab = src.reshape(-1), labelled.reshape(-1)
+        ce_lab = torch.where(lab, ce.detach().reshape(-1), torch.zeros((), device=dev))
+        stats["ce_sum_by_source"] = torch.zeros(num_sources, dtype=torch.float64, device=dev
+                                                ).index_add_(0, src, ce_lab.double())
+        stats["labelled_by_source"] = torch.zeros(num_sources, dtype=torch.long, device=dev
+                                                  ).index_add_(0, src, lab.long())
     return loss, stats

@@ -10,7 +10,12 @@ Writes into `--out` (default: RUN_DIR):
   against the optimizer step (one panel each).
 - `throughput.png`: tokens/s, MFU and peak memory against the step (a panel only for the
   figures the run logged: MFU is null on CPU).
-- `summary.md`: steps, first/last loss (window means), last validation losses, mean tokens/s.
+- `sources.png`: per data source, the training loss (`loss_by_source`) and validation loss
+  (`val_loss_by_source`) against the step, and the realized token share (cumulative
+  `tokens_by_source` over cumulative tokens, from the first step that logged them) against the
+  target share (`target_share_by_source`); "not logged" panels for a run without them.
+- `summary.md`: steps, first/last loss (window means), last validation losses, mean tokens/s,
+  and a per-source table (target and realized share, last losses).
 Figures are drawn with matplotlib's headless Agg backend. Several runs can share one figure
 (`plot_loss({name: metrics, ...})`; used by `pipeline.experiment`, which also draws with
 `pyplot` and `save_figure`).
@@ -176,6 +181,114 @@ def plot_throughput(metrics: dict[str, list[dict]], path: str | os.PathLike) -> 
     return dict(drawn)
 
 
+def _source_names(records: list[dict], *keys: str) -> list[str]:
+    """Source names in order of first appearance in the records' dict fields `keys`."""
+    names: dict[str, None] = {}
+    for r in records:
+        for k in keys:
+            if isinstance(r.get(k), dict):
+                names.update(dict.fromkeys(r[k]))
+    return list(names)
+
+
+def _by_source(records: list[dict], key: str, name: str) -> tuple[list[int], list[float]]:
+    """(steps, values) of `record[key][name]`, skipping records without a finite number."""
+    return series([{"step": r["step"], "v": (r.get(key) or {}).get(name)} for r in records
+                   if isinstance(r.get(key), dict)], "v")
+
+
+def realized_shares(train: list[dict]) -> dict[str, tuple[list[int], list[float]]]:
+    """Realized token share of each source after each step: cumulative `tokens_by_source[name]`
+    over the cumulative tokens of all sources, over the train records that logged
+    `tokens_by_source` (in step order). Returns {name: (steps, shares in [0, 1])}."""
+    recs = [r for r in train if isinstance(r.get("tokens_by_source"), dict)]
+    names = _source_names(recs, "tokens_by_source")
+    cum = dict.fromkeys(names, 0)
+    total = 0
+    out: dict[str, tuple[list[int], list[float]]] = {n: ([], []) for n in names}
+    for r in recs:
+        for n, v in r["tokens_by_source"].items():
+            cum[n] += int(v)
+            total += int(v)
+        if total:
+            for n in names:
+                out[n][0].append(int(r["step"]))
+                out[n][1].append(cum[n] / total)
+    return out
+
+
+def plot_sources(metrics: dict[str, list[dict]], path: str | os.PathLike) -> dict:
+    """Draw the per-source losses and the realized against the target token shares.
+
+    Returns:
+        {"loss by source": {label: (steps, nats)}, "token share by source": {label: (steps,
+        shares)}} with labels `train: <name>`, `val: <name>`, `<name>` (realized) and
+        `<name> target` (only series with at least one point).
+    """
+    plt = pyplot()
+    train, val = metrics.get("train", []), metrics.get("val", [])
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+    plotted: dict = {}
+    loss_ax, share_ax = axes
+    names = _source_names(train + val, "tokens_by_source", "loss_by_source",
+                          "val_loss_by_source")
+    color = {n: f"C{i % 10}" for i, n in enumerate(names)}   # one colour per source
+    for what, recs, key, style in (("train", train, "loss_by_source", {"markersize": 2}),
+                                   ("val", val, "val_loss_by_source",
+                                    {"markersize": 4, "linestyle": "--"})):
+        for name in names:
+            xs, ys = _by_source(recs, key, name)
+            if xs:
+                loss_ax.plot(xs, ys, label=f"{what}: {name}", linewidth=1, marker="o",
+                             color=color[name], **style)
+                plotted.setdefault("loss by source", {})[f"{what}: {name}"] = (xs, ys)
+    for name, (xs, ys) in realized_shares(train).items():
+        if xs:
+            share_ax.plot(xs, ys, label=name, linewidth=1, color=color[name])
+            plotted.setdefault("token share by source", {})[name] = (xs, ys)
+            txs, tys = _by_source(train, "target_share_by_source", name)
+            if txs:
+                share_ax.plot(txs, tys, linestyle="--", color=color[name], linewidth=1,
+                              label=f"{name} target")
+                plotted["token share by source"][f"{name} target"] = (txs, tys)
+    for ax, title, unit in ((loss_ax, "loss by source", "nats / labelled token"),
+                            (share_ax, "token share by source", "cumulative share of tokens")):
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.set_ylabel(unit)
+        ax.grid(alpha=0.3)
+        if title in plotted:
+            ax.legend(fontsize=7)
+        else:
+            ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes)
+    fig.tight_layout()
+    save_figure(fig, Path(path))
+    plt.close(fig)
+    return plotted
+
+
+def _source_table(metrics: dict[str, list[dict]]) -> list[str]:
+    """Markdown table of the sources: target share, realized share, last train and val loss."""
+    train, val = metrics.get("train", []), metrics.get("val", [])
+    shares = realized_shares(train)
+    names = _source_names(train + val, "tokens_by_source", "loss_by_source",
+                          "val_loss_by_source")
+    if not names:
+        return []
+
+    def last(recs, key, name):
+        _, ys = _by_source(recs, key, name)
+        return f"{ys[-1]:.4f}" if ys else "n/a"
+    lines = ["", "| source | target share | realized share | last train loss | last val loss |",
+             "|---|---|---|---|---|"]
+    for n in names:
+        real = shares.get(n, ([], []))[1]
+        target = last(train, "target_share_by_source", n)
+        lines.append(f"| {n} | {target} | {f'{real[-1]:.4f}' if real else 'n/a'} | "
+                     f"{last(train, 'loss_by_source', n)} | {last(val, 'val_loss_by_source', n)} |")
+    return lines
+
+
 def _window_mean(values: list[float], first: bool) -> tuple[float, int]:
     n = max(1, min(10, len(values) // 4))
     w = values[:n] if first else values[-n:]
@@ -211,19 +324,22 @@ def summary_markdown(metrics: dict[str, list[dict]], run_dir: str) -> str:
         terms = ", ".join(f"{name} {v[k]:.4f}" for k, name in VAL_KEYS
                           if isinstance(v.get(k), (int, float)))
         lines.append(f"- validation at step {v['step']}: {terms}")
-    lines += ["", "Figures: `loss.png` (losses), `throughput.png` (tokens/s, MFU, memory).", ""]
+    lines += _source_table(metrics)
+    lines += ["", "Figures: `loss.png` (losses), `throughput.png` (tokens/s, MFU, memory), "
+                  "`sources.png` (per-source losses, token shares).", ""]
     return "\n".join(lines)
 
 
 def report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None = None) -> dict:
-    """Write loss.png, throughput.png and summary.md for a run.
+    """Write loss.png, throughput.png, sources.png and summary.md for a run.
 
     Args:
         run_dir: folder holding `metrics.jsonl`.
         out_dir: where to write (default `run_dir`).
 
     Returns:
-        {"loss": plot_loss's data, "throughput": plot_throughput's data, "files": [paths]}.
+        {"loss": plot_loss's data, "throughput": plot_throughput's data, "sources":
+        plot_sources's data, "files": [paths]}.
 
     Raises:
         ReportError: see `read_metrics`.
@@ -234,11 +350,12 @@ def report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None = None)
     out.mkdir(parents=True, exist_ok=True)
     loss = plot_loss({run_dir.name or str(run_dir): metrics}, out / "loss.png")
     thr = plot_throughput(metrics, out / "throughput.png")
+    src = plot_sources(metrics, out / "sources.png")
     text = summary_markdown(metrics, str(run_dir))
     from pipeline.common.atomic_io import write_text
     write_text(out / "summary.md", text)
-    files = [str(out / n) for n in ("loss.png", "throughput.png", "summary.md")]
-    return {"loss": loss, "throughput": thr, "files": files}
+    files = [str(out / n) for n in ("loss.png", "throughput.png", "sources.png", "summary.md")]
+    return {"loss": loss, "throughput": thr, "sources": src, "files": files}
 
 
 def main(argv=None) -> int:

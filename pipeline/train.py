@@ -69,10 +69,18 @@ the checkpoint's `shard_sets` records each set and the step it began at.
 metrics.jsonl (rank 0, appended; a resumed run appends again from its checkpoint step, so a
 reader keeps the last line per (kind, step)): one JSON object per line with `kind` "train"
 (step, loss, ar_loss, mdm_loss, lr, grad_norm, tokens_per_s, tflops_per_device, mfu, hfu,
-peak_memory_bytes, consumed_samples, consumed_tokens, step_time_s, skipped; at each log
-interval also straggler_rank, straggler_host, straggler_compute_s, median_compute_s,
-straggler_skew: `Trainer._stragglers`, `pipeline.training.metrics.StragglerTracker`) or "val" (step,
-val_loss, val_ar_loss, val_mdm_loss, val_batches).
+peak_memory_bytes, consumed_samples, consumed_tokens, step_time_s, skipped, the per-source
+accounting below; at each log interval also straggler_rank, straggler_host,
+straggler_compute_s, median_compute_s, straggler_skew: `Trainer._stragglers`,
+`pipeline.training.metrics.StragglerTracker`) or "val" (step, val_loss, val_ar_loss,
+val_mdm_loss, val_batches, val_tokens, val_loss_by_source).
+Per-source accounting, keyed by the loader's `source_names` (`data` for a loader without them):
+`tokens_by_source` (the step's non-padding tokens from each source, over all DP ranks; they add
+up to the step's tokens, the increase of consumed_tokens), `loss_by_source` (mean CE over each
+source's labelled tokens of the step, AR and MDM targets alike and without the MDM loss weights,
+over all DP ranks; null for a source without a labelled token in the step),
+`target_share_by_source` (the sources' target token shares, when known); a "val" line's
+`val_loss_by_source` is `loss_by_source` over the validation pass.
 """
 from __future__ import annotations
 
@@ -475,12 +483,17 @@ class Trainer:
         from pipeline.model.flops import step_flops
         from pipeline.objective import hybrid_loss
         from pipeline.training.schedule import record_lr
-        from pipeline.training.metrics import peak_memory_bytes
+        from pipeline.training.metrics import (peak_memory_bytes, source_losses, source_names,
+                                               source_tokens, target_shares)
 
         cfg, plan, eng = self.cfg, self.plan, self.engine
         step_no = self.step + 1
         t0 = t_work = time.perf_counter()   # t_work: after debug.slow_first_step_s's sleep
         per_micro: list = []          # detached [loss, ar, mdm] per micro-batch (on device)
+        names = source_names(self.train_loader)   # data sources, by source id
+        n_src = len(names)
+        per_source: list = []         # detached [CE sum x S, labelled x S] per micro-batch
+        src_tokens = torch.zeros(n_src, dtype=torch.long)   # this rank's tokens per source (CPU)
         keys_of: list[list[str]] = []
         tokens = rows = 0
         copy_tokens = dropped_copies = 0   # objective mode "dual": masked copies fed / left out
@@ -504,6 +517,7 @@ class Trainer:
             b = self._batch_to_device(batch)
             real = int(batch["real_tokens"])          # CPU tensors: no device sync
             tokens += real
+            src_tokens += source_tokens(batch, n_src)
             copy_tokens += int(batch.get("copy_tokens", 0))
             dropped_copies += int(batch.get("dropped_copies", 0))
             rows += int(batch["input_ids"].shape[0])
@@ -521,23 +535,30 @@ class Trainer:
                          copy_id=b.get("copy_id"), clean_limit=b.get("clean_limit"),  # "dual"
                          return_hidden=True, cu_seqlens=b.get("cu_seqlens"),
                          max_seqlen=b.get("max_seqlen"))
-            loss, stats = hybrid_loss(hidden, b, self.objective_cfg, **loss_kw)
+            loss, stats = hybrid_loss(hidden, b, self.objective_cfg, num_sources=n_src,
+                                      **loss_kw)
             if micro == 0 and self.info.rank == 0 and step_no in set(cfg.debug.nan_at_steps):
                 loss = loss * float("nan")
             per_micro.append(torch.stack([loss.detach().float(), stats["ar_loss"].float(),
                                           stats["mdm_loss"].float()]))
+            per_source.append(torch.cat([stats["ce_sum_by_source"],
+                                         stats["labelled_by_source"].double()]))
             eng.backward(loss)
             if micro < plan.grad_accum_steps - 1:
                 eng.step()
         vals = torch.stack(per_micro).double()                            # [GA, 3]
         finite = torch.isfinite(vals[:, 0])
+        by_src = torch.stack(per_source)                                  # [GA, 2S]
         # one all-reduce over the world: [loss, ar, mdm sums over finite micro-batches,
         # real tokens, rows, non-finite micro-batches, signal flag, model FLOPs, hardware FLOPs,
-        # copy tokens, dropped copies]
+        # copy tokens, dropped copies, tokens per source (S), CE sums per source (S) and
+        # labelled tokens per source (S) over finite micro-batches]
         sums = torch.cat([torch.where(finite[:, None], vals, torch.zeros_like(vals)).sum(0),
                           vals.new_tensor([tokens, rows, float((~finite).sum()),
                                            1.0 if self.signal_received else 0.0,
-                                           model_flops, hw_flops, copy_tokens, dropped_copies])])
+                                           model_flops, hw_flops, copy_tokens, dropped_copies,
+                                           *src_tokens.tolist()]),
+                          torch.where(finite[:, None], by_src, torch.zeros_like(by_src)).sum(0)])
         if cfg.debug.slow_rank == self.info.rank:   # fault injection: a straggler (debug section)
             time.sleep(cfg.debug.slow_rank_s
                        + cfg.debug.slow_rank_factor * (time.perf_counter() - t_work))
@@ -580,6 +601,8 @@ class Trainer:
         flops = sums[7].item() / tp / dt / plan.world_size   # model FLOP/s per device
         hw = sums[8].item() / tp / dt / plan.world_size      # hardware FLOP/s per device
         gnorm = eng.get_global_grad_norm()
+        src = sums[11:].div(tp).tolist()   # [tokens x S, CE sums x S, labelled x S], global
+        shares = target_shares(self.train_loader, n_src)
         metrics = {
             "kind": "train", "step": step_no,
             "loss": (sums[0].item() / tp / n_losses) if n_losses else float("nan"),
@@ -593,7 +616,11 @@ class Trainer:
             "peak_memory_bytes": peak_memory_bytes(),
             "consumed_samples": st.consumed_samples, "consumed_tokens": st.consumed_tokens,
             "step_time_s": dt, "skipped": not applied,
+            "tokens_by_source": {n: int(round(v)) for n, v in zip(names, src[:n_src])},
+            "loss_by_source": source_losses(src[n_src:2 * n_src], src[2 * n_src:], names),
         }
+        if shares is not None:
+            metrics["target_share_by_source"] = dict(zip(names, shares))
         if self.objective_cfg.mode == "dual":
             # fed tokens of the step (global): clean + copy = the step's non-padding tokens
             copies = int(round(sums[9].item() / tp))
@@ -643,7 +670,8 @@ class Trainer:
             self.watchdog.policy.validations_seen += 1
         return {"kind": "val", "step": self.step, "val_loss": figs["val_loss"],
                 "val_ar_loss": figs["val_ar_loss"], "val_mdm_loss": figs["val_mdm_loss"],
-                "val_batches": figs["val_batches"], "val_tokens": figs["val_tokens"]}
+                "val_batches": figs["val_batches"], "val_tokens": figs["val_tokens"],
+                "val_loss_by_source": figs["val_loss_by_source"]}
 
     def save(self) -> None:
         """Checkpoint now (collective) via `pipeline.checkpoint.save_checkpoint`."""

@@ -465,7 +465,8 @@ def test_existing_modes_build_the_batches_of_the_code_before_dual(tmp_path, opti
                                                     mask_id=MASK_ID,
                                                     cfg=old.ObjectiveConfig(**old_opts))
                               for i in r] for r in rows_of], 96, PAD_ID)
-        assert set(new_b) == set(old_b)
+        assert set(new_b) == set(old_b) | {"source"}   # per-source accounting (issue 42)
+        assert not new_b["source"].any()   # one source: id 0 everywhere
         for k, v in old_b.items():
             if isinstance(v, torch.Tensor):
                 assert v.dtype == new_b[k].dtype and torch.equal(v, new_b[k]), k

@@ -1,9 +1,11 @@
-"""pipeline.report: metrics.jsonl -> loss.png, throughput.png, summary.md.
+"""pipeline.report: metrics.jsonl -> loss.png, throughput.png, sources.png, summary.md.
 
 The PNGs are checked as files (signature, decodable, size) and by the data the plot drew,
 compared with a metrics.jsonl written here (not by pixels).
 """
 import json
+
+import numpy as np
 
 import pytest
 
@@ -71,7 +73,7 @@ def test_cli_writes_into_run_dir_by_default(tmp_path, capsys):
     run.mkdir()
     _write(run / "metrics.jsonl", [_train(s, 5.0 / s) for s in (1, 2)])
     assert rep.main([str(run)]) == 0
-    for name in ("loss.png", "throughput.png", "summary.md"):
+    for name in ("loss.png", "throughput.png", "sources.png", "summary.md"):
         assert (run / name).is_file()
     assert str(run / "loss.png") in capsys.readouterr().out
 
@@ -99,3 +101,53 @@ def test_bad_metrics_file_is_one_line_and_exit_2(tmp_path, capsys, content, need
     err = capsys.readouterr().err
     assert needle in err and err.count("\n") == 1 and "Traceback" not in err
     assert not (tmp_path / "loss.png").exists()
+
+
+def test_sources_plot_and_table_from_per_source_fields(tmp_path):
+    """sources.png draws each source's train and val loss and the realized token share
+    (cumulative tokens_by_source / cumulative tokens, computed here by hand) against the target;
+    summary.md's table has the last values. A source may be absent from a step (0 tokens, null
+    loss)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    toks = [{"web": 30, "code": 10}, {"web": 10, "code": 0}, {"web": 20, "code": 30}]
+    losses = [{"web": 3.0, "code": 4.0}, {"web": 2.5, "code": None}, {"web": 2.0, "code": 3.5}]
+    recs = []
+    for s, (t, lo) in enumerate(zip(toks, losses), 1):
+        recs.append(dict(_train(s, 5.0), tokens_by_source=t, loss_by_source=lo,
+                         target_share_by_source={"web": 0.75, "code": 0.25}))
+    recs.append({"kind": "val", "step": 3, "val_loss": 2.0, "val_ar_loss": 1.0,
+                 "val_mdm_loss": 1.0, "val_batches": 2,
+                 "val_loss_by_source": {"web": 1.75, "code": 2.25}})
+    _write(run / "metrics.jsonl", recs)
+    res = rep.report(run)
+    _check_png(run / "sources.png")
+    assert str(run / "sources.png") in res["files"]
+    src = res["sources"]
+    assert src["loss by source"]["train: web"] == ([1, 2, 3], [3.0, 2.5, 2.0])
+    assert src["loss by source"]["train: code"] == ([1, 3], [4.0, 3.5])   # null skipped
+    assert src["loss by source"]["val: code"] == ([3], [2.25])
+    cum_web, cum_all = np.cumsum([30, 10, 20]), np.cumsum([40, 10, 50])
+    steps, web = src["token share by source"]["web"]
+    assert steps == [1, 2, 3]
+    np.testing.assert_allclose(web, cum_web / cum_all)
+    np.testing.assert_allclose(src["token share by source"]["code"][1], 1 - cum_web / cum_all)
+    assert src["token share by source"]["web target"] == ([1, 2, 3], [0.75] * 3)
+    summary = (run / "summary.md").read_text()
+    assert "| web | 0.7500 | 0.6000 | 2.0000 | 1.7500 |" in summary
+    assert "| code | 0.2500 | 0.4000 | 3.5000 | 2.2500 |" in summary
+
+
+def test_sources_plot_of_one_source_and_of_a_run_without_the_fields(tmp_path):
+    one = {"train": [dict(_train(s, 2.0), tokens_by_source={"data": 100},
+                          loss_by_source={"data": 2.0}, target_share_by_source={"data": 1.0})
+                     for s in (1, 2)]}
+    got = rep.plot_sources(one, tmp_path / "one.png")
+    _check_png(tmp_path / "one.png")
+    assert got["token share by source"] == {"data": ([1, 2], [1.0, 1.0]),
+                                            "data target": ([1, 2], [1.0, 1.0])}
+    assert "| data | 1.0000 | 1.0000 | 2.0000 | n/a |" in rep.summary_markdown(one, "r")
+    old = {"train": [_train(1, 2.0)]}   # a run logged before per-source accounting
+    assert rep.plot_sources(old, tmp_path / "old.png") == {}
+    _check_png(tmp_path / "old.png")
+    assert "| source |" not in rep.summary_markdown(old, "r")

@@ -2,15 +2,75 @@
 
 Owns: `peak_flops_per_device` (the MFU and HFU denominator), `peak_memory_bytes`, `ConsoleLog`
 (the console line of a train or validation record, train losses averaged over the steps since
-the previous line, Megatron-style) and `StragglerTracker` (the slowest rank of a log interval,
-its skew, the straggler warning). What a record holds is the trainer's (`pipeline.train`);
-where records go is `pipeline.monitor`'s. Must not touch: metrics.jsonl, wandb.
+the previous line, Megatron-style), `StragglerTracker` (the slowest rank of a log interval,
+its skew, the straggler warning) and the per-source accounting helpers (`source_names`,
+`target_shares`, `source_tokens`, `source_losses`: a loader's data sources, the tokens of a
+batch per source, the per-source loss of summed CE). What a record holds is the trainer's
+(`pipeline.train`); where records go is `pipeline.monitor`'s. Must not touch: metrics.jsonl,
+wandb.
 """
 from __future__ import annotations
 
 import logging
 
 log = logging.getLogger("pipeline.train")
+
+
+def source_names(loader) -> tuple[str, ...]:
+    """Names of the loader's data sources, indexed by source id (a batch's `source` values):
+    its `source_names`, or ("data",) for a loader of one shard folder without them."""
+    return tuple(str(n) for n in (getattr(loader, "source_names", None) or ("data",)))
+
+
+def target_shares(loader, n: int) -> tuple[float, ...] | None:
+    """Target token share of each of the `n` sources (the normalized `data.sources[i].weight`,
+    the loader's `source_weights`); (1.0,) for one source without them; None when several
+    sources have none.
+
+    Raises:
+        ValueError: the loader gives a number of weights other than `n`.
+    """
+    w = getattr(loader, "source_weights", None)
+    if w is None:
+        return (1.0,) if n == 1 else None
+    if len(w) != n:
+        raise ValueError(f"the loader gives {len(w)} source weight(s) for {n} source name(s)")
+    return tuple(float(x) for x in w)
+
+
+def source_tokens(batch: dict, n: int):
+    """Non-padding tokens of a micro-batch per source (the batch's `real_tokens`, split).
+
+    Args:
+        batch: a collate dict on the CPU (`source`, `segment_ids`: LongTensor[B, T]; no
+            `source` = every token of source 0).
+        n: number of sources.
+
+    Returns:
+        LongTensor[n] (CPU), summing to `real_tokens`.
+
+    Raises:
+        ValueError: a token's source id is >= n (the loader's ids and names disagree).
+    """
+    import torch
+    real = batch["segment_ids"] > 0
+    src = batch.get("source")
+    if src is None:
+        counts = torch.zeros(n, dtype=torch.long)
+        counts[0] = real.sum()
+        return counts
+    counts = torch.bincount(src[real], minlength=n)
+    if counts.numel() > n:
+        raise ValueError(f"batch source id {counts.numel() - 1} >= the loader's {n} source "
+                         f"name(s)")
+    return counts
+
+
+def source_losses(ce_sums, labelled, names) -> dict:
+    """Per-source mean cross-entropy: {name: ce_sums[i] / labelled[i] (nats), None when the
+    source had no labelled token}. `ce_sums`, `labelled`: sequences of len(names) floats."""
+    return {name: (float(c) / float(k) if float(k) > 0 else None)
+            for name, c, k in zip(names, ce_sums, labelled)}
 
 
 def peak_flops_per_device(cfg) -> float | None:

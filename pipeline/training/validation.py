@@ -3,9 +3,10 @@ split, so the figure depends on the weights, the split, the seed and the objecti
 the data-parallel size or the micro-batch size).
 
 Owns: `loss_sums` / `loss_figures` (the additive parts of a micro-batch's loss and the figures
-of their total), `validation_loss` (one process: `pipeline.evaluate`, the experiment) and
-`run_validation` (the trainer's pass over every data-parallel rank). Must not touch: the loss
-itself (`pipeline.objective`), loader internals, logging.
+of their total; `source_sums`, the same per data source), `validation_loss` (one process:
+`pipeline.evaluate`, the experiment) and `run_validation` (the trainer's pass over every
+data-parallel rank). Must not touch: the loss itself (`pipeline.objective`), loader internals,
+logging.
 """
 from __future__ import annotations
 
@@ -28,6 +29,13 @@ def loss_sums(stats: dict) -> torch.Tensor:
     return torch.stack([stats["ar_loss"].double() * ar_t, ar_t,
                         stats["mdm_loss"].double() * seg, seg,
                         stats["real_tokens"].to(ar_t.device).double()])
+
+
+def source_sums(stats: dict) -> torch.Tensor:
+    """The additive per-source parts of one micro-batch, from `hybrid_loss(..., num_sources=S)`'s
+    stats: DoubleTensor[2S] = [CE sum over each source's labelled tokens x S, those tokens x S]
+    (`pipeline.training.metrics.source_losses` turns summed halves into per-source losses)."""
+    return torch.cat([stats["ce_sum_by_source"].double(), stats["labelled_by_source"].double()])
 
 
 def loss_figures(sums, cfg=None, prefix: str = "val_") -> dict:
@@ -84,7 +92,8 @@ def validation_loss(model, data_dir: str, split: str = "val", micro_batch_size: 
 
     Returns:
         {"val_loss", "val_ar_loss", "val_mdm_loss", "val_batches", "val_tokens"} (losses in
-        nats; tokens = real tokens seen).
+        nats; tokens = real tokens seen) and "val_loss_by_source" ({source name: mean CE over
+        its labelled tokens, unweighted, or None}; `pipeline.training.metrics.source_losses`).
 
     Raises:
         pipeline.data.DataError: unreadable folder or split, `row_length` shorter than the
@@ -92,6 +101,7 @@ def validation_loss(model, data_dir: str, split: str = "val", micro_batch_size: 
     """
     from pipeline.data import build_loader, read_manifest
     from pipeline.objective import hybrid_loss
+    from pipeline.training.metrics import source_losses, source_names
     if row_length is None:
         row_length = int(read_manifest(data_dir)["max_length"])
     loader = build_loader(data_dir, split, micro_batch_size, int(row_length), seed=seed,
@@ -100,6 +110,8 @@ def validation_loss(model, data_dir: str, split: str = "val", micro_batch_size: 
                           vocab_size=model.cfg.vocab_size)
     dev = next(model.parameters()).device
     sums = torch.zeros(5, dtype=torch.float64, device=dev)
+    names = source_names(loader)
+    by_src = torch.zeros(2 * len(names), dtype=torch.float64, device=dev)
     n = 0
     for batch in loader:
         if max_batches and n >= max_batches:
@@ -107,10 +119,13 @@ def validation_loss(model, data_dir: str, split: str = "val", micro_batch_size: 
         dual = {k: batch[k].to(dev) for k in ("copy_id", "clean_limit") if k in batch}
         logits = model(batch["input_ids"].to(dev), batch["position_ids"].to(dev),
                        segment_ids=batch["segment_ids"].to(dev), **dual)   # dual: mode "dual"
-        _, stats = hybrid_loss(logits.float(), batch, objective_cfg)
+        _, stats = hybrid_loss(logits.float(), batch, objective_cfg, num_sources=len(names))
         sums += loss_sums(stats)
+        by_src += source_sums(stats)
         n += 1
-    return {**loss_figures(sums.cpu(), objective_cfg), "val_batches": n}
+    by_src = by_src.cpu().tolist()
+    return {**loss_figures(sums.cpu(), objective_cfg), "val_batches": n,
+            "val_loss_by_source": source_losses(by_src[:len(names)], by_src[len(names):], names)}
 
 
 @torch.no_grad()
@@ -135,15 +150,20 @@ def run_validation(engine, make_loader: Callable, micro_batch_size: int, row_len
         device: where batches go. limit: micro-batches per rank at most (0 = all).
         progress: called before each micro-batch (the hang watchdog's progress tick).
     Returns:
-        {"val_loss", "val_ar_loss", "val_mdm_loss", "val_tokens"} (`loss_figures`) and
-        "val_batches" (micro-batches this rank evaluated).
+        {"val_loss", "val_ar_loss", "val_mdm_loss", "val_tokens"} (`loss_figures`),
+        "val_batches" (micro-batches this rank evaluated) and "val_loss_by_source" (as
+        `validation_loss`'s, over every rank; the sources are the loader's `source_names`).
     """
     import torch.distributed as dist
     from pipeline.objective import collate, hybrid_loss
+    from pipeline.training.metrics import source_losses, source_names
     engine.eval()
-    sums = torch.zeros(5, dtype=torch.float64, device=device)
     n = 0
     loader = make_loader()
+    names = source_names(loader)
+    S = len(names)
+    # [loss_sums (5), source_sums (2S)]: one all-reduce at the end
+    sums = torch.zeros(5 + 2 * S, dtype=torch.float64, device=device)
     it = iter(loader)
     while limit == 0 or n < limit:
         if progress is not None:
@@ -160,9 +180,13 @@ def run_validation(engine, make_loader: Callable, micro_batch_size: int, row_len
         hidden = engine(b["input_ids"], b["position_ids"], segment_ids=b["segment_ids"],
                         copy_id=b.get("copy_id"), clean_limit=b.get("clean_limit"),
                         return_hidden=True)
-        _, stats = hybrid_loss(hidden, b, objective_cfg, head=engine.module.head_logits)
-        sums += loss_sums(stats)
+        _, stats = hybrid_loss(hidden, b, objective_cfg, head=engine.module.head_logits,
+                               num_sources=S)
+        sums += torch.cat([loss_sums(stats), source_sums(stats)])
         n += 1
     dist.all_reduce(sums)
     engine.train()
-    return {**loss_figures((sums / tp_size).cpu(), objective_cfg), "val_batches": n}
+    sums = (sums / tp_size).cpu()
+    src = sums[5:].tolist()
+    return {**loss_figures(sums[:5], objective_cfg), "val_batches": n,
+            "val_loss_by_source": source_losses(src[:S], src[S:], names)}
