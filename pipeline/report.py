@@ -10,8 +10,8 @@ Writes into `--out` (default: RUN_DIR):
   against the optimizer step (one panel each).
 - `throughput.png`: tokens/s, MFU and peak memory against the step (a panel only for the
   figures the run logged: MFU is null on CPU).
-- `sources.png`: per data source, the training loss (`loss_by_source`) and validation loss
-  (`val_loss_by_source`) against the step, and the realized token share (cumulative
+- `sources.png`: per data source, the training and validation loss (`loss_by_source` of
+  the train and val lines) against the step, and the realized token share (cumulative
   `tokens_by_source` over cumulative tokens, from the first step that logged them) against the
   target share (`target_share_by_source`); "not logged" panels for a run without them.
 - `summary.md`: steps, first/last loss (window means), last validation losses, mean tokens/s,
@@ -230,11 +230,10 @@ def plot_sources(metrics: dict[str, list[dict]], path: str | os.PathLike) -> dic
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
     plotted: dict = {}
     loss_ax, share_ax = axes
-    names = _source_names(train + val, "tokens_by_source", "loss_by_source",
-                          "val_loss_by_source")
+    names = _source_names(train + val, "tokens_by_source", "loss_by_source")
     color = {n: f"C{i % 10}" for i, n in enumerate(names)}   # one colour per source
     for what, recs, key, style in (("train", train, "loss_by_source", {"markersize": 2}),
-                                   ("val", val, "val_loss_by_source",
+                                   ("val", val, "loss_by_source",
                                     {"markersize": 4, "linestyle": "--"})):
         for name in names:
             xs, ys = _by_source(recs, key, name)
@@ -271,8 +270,7 @@ def _source_table(metrics: dict[str, list[dict]]) -> list[str]:
     """Markdown table of the sources: target share, realized share, last train and val loss."""
     train, val = metrics.get("train", []), metrics.get("val", [])
     shares = realized_shares(train)
-    names = _source_names(train + val, "tokens_by_source", "loss_by_source",
-                          "val_loss_by_source")
+    names = _source_names(train + val, "tokens_by_source", "loss_by_source")
     if not names:
         return []
 
@@ -285,7 +283,7 @@ def _source_table(metrics: dict[str, list[dict]]) -> list[str]:
         real = shares.get(n, ([], []))[1]
         target = last(train, "target_share_by_source", n)
         lines.append(f"| {n} | {target} | {f'{real[-1]:.4f}' if real else 'n/a'} | "
-                     f"{last(train, 'loss_by_source', n)} | {last(val, 'val_loss_by_source', n)} |")
+                     f"{last(train, 'loss_by_source', n)} | {last(val, 'loss_by_source', n)} |")
     return lines
 
 

@@ -73,14 +73,14 @@ peak_memory_bytes, consumed_samples, consumed_tokens, step_time_s, skipped, the 
 accounting below; at each log interval also straggler_rank, straggler_host,
 straggler_compute_s, median_compute_s, straggler_skew: `Trainer._stragglers`,
 `pipeline.training.metrics.StragglerTracker`) or "val" (step, val_loss, val_ar_loss,
-val_mdm_loss, val_batches, val_tokens, val_loss_by_source).
+val_mdm_loss, val_batches, val_tokens, loss_by_source).
 Per-source accounting, keyed by the loader's `source_names` (`data` for a loader without them):
 `tokens_by_source` (the step's non-padding tokens from each source, over all DP ranks; they add
 up to the step's tokens, the increase of consumed_tokens), `loss_by_source` (mean CE over each
 source's labelled tokens of the step, AR and MDM targets alike and without the MDM loss weights,
 over all DP ranks; null for a source without a labelled token in the step),
 `target_share_by_source` (the sources' target token shares, when known); a "val" line's
-`val_loss_by_source` is `loss_by_source` over the validation pass.
+`loss_by_source` is the same over the validation pass.
 """
 from __future__ import annotations
 
@@ -671,7 +671,7 @@ class Trainer:
         return {"kind": "val", "step": self.step, "val_loss": figs["val_loss"],
                 "val_ar_loss": figs["val_ar_loss"], "val_mdm_loss": figs["val_mdm_loss"],
                 "val_batches": figs["val_batches"], "val_tokens": figs["val_tokens"],
-                "val_loss_by_source": figs["val_loss_by_source"]}
+                "loss_by_source": figs["loss_by_source"]}
 
     def save(self) -> None:
         """Checkpoint now (collective) via `pipeline.checkpoint.save_checkpoint`."""

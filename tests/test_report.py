@@ -118,7 +118,7 @@ def test_sources_plot_and_table_from_per_source_fields(tmp_path):
                          target_share_by_source={"web": 0.75, "code": 0.25}))
     recs.append({"kind": "val", "step": 3, "val_loss": 2.0, "val_ar_loss": 1.0,
                  "val_mdm_loss": 1.0, "val_batches": 2,
-                 "val_loss_by_source": {"web": 1.75, "code": 2.25}})
+                 "loss_by_source": {"web": 1.75, "code": 2.25}})
     _write(run / "metrics.jsonl", recs)
     res = rep.report(run)
     _check_png(run / "sources.png")

@@ -1,5 +1,5 @@
 """Per-source accounting (issue 42 item 5): collate's `source`, hybrid_loss's per-source sums,
-the trainer's `tokens_by_source` / `loss_by_source` / `val_loss_by_source`, wandb's keys.
+the trainer's `tokens_by_source` / `loss_by_source` / `loss_by_source`, wandb's keys.
 
 What is compared against what:
 - collate's `source` against a loop laying each sample's id over its fed length;
@@ -150,8 +150,8 @@ def test_wandb_items_flatten_per_source_fields():
                                  "train/tokens_by_source/code": 4,
                                  "train/loss_by_source/web": 2.0}
     assert wandb_items({"kind": "val", "step": 4, "val_loss": 1.0,
-                        "val_loss_by_source": {"web": 0.5}}) == {
-        "val_loss": 1.0, "val_loss_by_source/web": 0.5}
+                        "loss_by_source": {"web": 0.5}}) == {
+        "val_loss": 1.0, "loss_by_source/web": 0.5}
 
 
 # -- a real training run ----------------------------------------------------------------------
@@ -278,7 +278,7 @@ def test_training_run_logs_per_source_tokens_and_losses(tmp_path):
     assert sum(1 for m in train.values() for v in m["loss_by_source"].values() if v) >= 4
     ce, lab, tok = _by_hand(hf, [b for r in seen for b in r["val"]])
     assert sum(tok) == val[0]["val_tokens"] and all(lab)
-    assert val[0]["val_loss_by_source"] == pytest.approx(
+    assert val[0]["loss_by_source"] == pytest.approx(
         {n: c / k for n, c, k in zip(NAMES, ce, lab)}, rel=1e-5)
 
 

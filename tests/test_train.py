@@ -240,14 +240,19 @@ def test_tp2_dp2_matches_single_process(setup, reference):
             assert a["consumed_samples"] == b["consumed_samples"] == 4 * key[1]
             assert a["consumed_tokens"] == b["consumed_tokens"]
             assert a["lr"] == b["lr"]
-            # one shard folder: one source, "data", holding all the step's tokens
+            # the two sources' tokens add up to the step's tokens
             before = ref[("train", key[1] - 1)]["consumed_tokens"] if key[1] > 1 else 0
-            assert a["tokens_by_source"] == b["tokens_by_source"] == {
-                "data": a["consumed_tokens"] - before}
-            assert a["target_share_by_source"] == {"data": 1.0}
-        by_source = "loss_by_source" if key[0] == "train" else "val_loss_by_source"
-        assert list(a[by_source]) == ["data"]
-        assert abs(a[by_source]["data"] - b[by_source]["data"]) <= 1e-5 * b[by_source]["data"]
+            assert a["tokens_by_source"] == b["tokens_by_source"]
+            assert sorted(a["tokens_by_source"]) == ["math", "web"]
+            assert sum(a["tokens_by_source"].values()) == a["consumed_tokens"] - before
+            assert a["target_share_by_source"] == pytest.approx({"web": 2 / 3, "math": 1 / 3})
+            assert a["data_phase"] == 0
+        for name in ("web", "math"):   # null for a source without a labelled token in the step
+            x, y = a["loss_by_source"][name], b["loss_by_source"][name]
+            assert (x is None) == (y is None) and (x is None or abs(x - y) <= 1e-5 * y), (key, name)
+    tokens = {n: sum(ref[("train", s)]["tokens_by_source"][n] for s in range(1, MAX_STEPS + 1))
+              for n in ("web", "math")}
+    assert abs(tokens["web"] / sum(tokens.values()) - 2 / 3) < 0.1, tokens   # the shares held
     # the steps really trained (loss moved) and clipping was active at least once
     train = [ref[("train", s)] for s in range(1, MAX_STEPS + 1)]
     assert max(m["grad_norm"] for m in train) > 1.0
@@ -272,9 +277,11 @@ def test_wandb_offline_has_the_logged_metrics(reference):
         assert hist[step]["train/loss"] == ref[("train", step)]["loss"]
         assert hist[step]["train/consumed_samples"] == 4 * step
         for k in ("tokens_by_source", "loss_by_source"):   # dicts flattened by pipeline.monitor
-            assert hist[step][f"train/{k}/data"] == ref[("train", step)][k]["data"]
+            for name, v in ref[("train", step)][k].items():
+                if v is not None:
+                    assert hist[step][f"train/{k}/{name}"] == v
     assert hist[4]["val_loss"] == ref[("val", 4)]["val_loss"]
-    assert hist[4]["val_loss_by_source/data"] == ref[("val", 4)]["val_loss_by_source"]["data"]
+    assert hist[4]["loss_by_source/web"] == ref[("val", 4)]["loss_by_source"]["web"]
 
 
 def test_sigterm_then_kill9_resume_exactly(setup, reference):

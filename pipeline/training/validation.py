@@ -92,7 +92,7 @@ def validation_loss(model, data_dir: str, split: str = "val", micro_batch_size: 
 
     Returns:
         {"val_loss", "val_ar_loss", "val_mdm_loss", "val_batches", "val_tokens"} (losses in
-        nats; tokens = real tokens seen) and "val_loss_by_source" ({source name: mean CE over
+        nats; tokens = real tokens seen) and "loss_by_source" ({source name: mean CE over
         its labelled tokens, unweighted, or None}; `pipeline.training.metrics.source_losses`).
 
     Raises:
@@ -125,7 +125,7 @@ def validation_loss(model, data_dir: str, split: str = "val", micro_batch_size: 
         n += 1
     by_src = by_src.cpu().tolist()
     return {**loss_figures(sums.cpu(), objective_cfg), "val_batches": n,
-            "val_loss_by_source": source_losses(by_src[:len(names)], by_src[len(names):], names)}
+            "loss_by_source": source_losses(by_src[:len(names)], by_src[len(names):], names)}
 
 
 @torch.no_grad()
@@ -151,7 +151,7 @@ def run_validation(engine, make_loader: Callable, micro_batch_size: int, row_len
         progress: called before each micro-batch (the hang watchdog's progress tick).
     Returns:
         {"val_loss", "val_ar_loss", "val_mdm_loss", "val_tokens"} (`loss_figures`),
-        "val_batches" (micro-batches this rank evaluated) and "val_loss_by_source" (as
+        "val_batches" (micro-batches this rank evaluated) and "loss_by_source" (as
         `validation_loss`'s, over every rank; the sources are the loader's `source_names`).
     """
     import torch.distributed as dist
@@ -189,4 +189,4 @@ def run_validation(engine, make_loader: Callable, micro_batch_size: int, row_len
     sums = (sums / tp_size).cpu()
     src = sums[5:].tolist()
     return {**loss_figures(sums[:5], objective_cfg), "val_batches": n,
-            "val_loss_by_source": source_losses(src[:S], src[S:], names)}
+            "loss_by_source": source_losses(src[:S], src[S:], names)}
