@@ -153,7 +153,7 @@ def _run(model, rows: list, programs: list, max_len: int, temperature: float,
     device = _model_device(model)
     cache = KVCache.for_model(model, batch_size=len(rows), capacity=max_len)
     graphs = {} if cuda_graph and device.type == "cuda" else None
-    reqs: dict = {}   # row -> its program's pending `_Request` (pipeline.inference.decoding)
+    reqs: dict = {}   # row -> its program's pending `_Request` (pipeline.inference.rows)
     for b, prog in enumerate(programs):
         try:
             reqs[b] = next(prog)
