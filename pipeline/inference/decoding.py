@@ -1,125 +1,16 @@
-"""Plan-and-infill (ReFusion) decoding and plain autoregressive decoding, batched, with a KV cache.
+"""The decoding API: plan-and-infill (ReFusion) decoding (`refusion_generate`) and plain
+autoregressive decoding (`ar_generate`) of a batch of prompts with a KV cache, and their figures
+(`GenerationOutput`: tokens, forwards by kind, TPF, TPS).
 
-Owns: the decoding algorithms (`refusion_generate`, `ar_generate`) and their statistics (tokens,
-forwards by kind, TPF). The tests compare them with a cache-free oracle that recomputes the whole
-reorganized sequence at every forward (`tests/decoding_oracle.py`).
+The method, every verify mode, and where this code differs from the reference code
+(ML-GSAI/ReFusion `generate.py`) are docs/METHOD.md's ("Decoding: plan and infill", "Differences
+from the reference code"). Each prompt is a row decoded by a program (`pipeline.inference.rows`):
+verify "authors" and "correct" in `pipeline.inference.plan_infill`, "draft_ahead" and
+"draft_every" in `pipeline.inference.left_to_right`, AR decoding here; `pipeline.inference.driver`
+runs the programs, one batched forward per step. The tests compare them with a cache-free oracle
+that recomputes the whole reorganized sequence at every forward (`tests/decoding_oracle.py`).
 Must not touch: model weights, tokenizers, files, process groups (a caller with tensor
 parallelism > 1 runs the same call on every rank of the TP group; logits are all-gathered).
-
-The method is "Decoding: plan and infill" in docs/METHOD.md (ReFusion, arXiv 2512.13586). One decode
-step of a prompt ("row"):
-
-1. plan: feed the block's still-masked slots (mask ids at their original positions) after the
-   cache; argmax tokens (Gumbel-max sampling when temperature > 0) and their softmax
-   probabilities; a slot's score is the probability of its first token; select the slots with
-   score > slot_threshold, or the single best one.
-2. verify (fast path): feed the selected slots' drafts concatenated in slot order (plain causal);
-   token j is accepted when P(token j | everything before it) > token_threshold, the first token
-   of every slot always; the accepted prefix of the concatenation is computed. If it contains an
-   EOS, the tokens through that EOS are committed; else if it covers >= 1 whole slot, the leading
-   whole slots are committed (their keys/values from this forward are exact) and the rest is
-   planned again; else go to 3 with the per-slot acceptance found here.
-3. draft/verify rounds (the selected slots in parallel, each seeing only the committed prefix and
-   itself): draft = argmax at the masked (not yet accepted) positions; verify = causal
-   probabilities; a token is accepted when its probability > token_threshold or the token before
-   it was accepted before this round (so every round accepts at least one more token per slot);
-   acceptance is a prefix per slot. An accepted EOS in slot e drops the selected slots after e and
-   completes slot e. When every selected slot is complete, the slots' tokens, cut after the first
-   EOS, are committed in slot order with the keys/values of the last verify forward (each slot's
-   k/v computed against the prefix only: the reference code's cache, default) or re-encoded in
-   commit order (`exact_cache=True`: the re-encode rides along with the row's next forward, so
-   it costs tokens, not forwards).
-4. Once an EOS is committed at position q, masked slots after q are discarded; slots before q are
-   still decoded; the output is the committed tokens sorted by original position, ending at the
-   first EOS (inclusive).
-
-2'. `verify="correct"` (an option; the default "authors" is steps 2-3 above, the reference):
-   the plan drafts the open (not yet committed) offsets of the block's slots, which may now be
-   parts of slots; the selected slots' drafts are verified once, concatenated in slot order
-   (plain causal), and walked left to right. Each drafted token is judged by the AR head's
-   prediction for its position: the logits at the token before it in this forward when that
-   is its left neighbour, else the logits kept from the forward that encoded its committed left
-   neighbour (the prompt's last token for the first position). It is accepted when it is the
-   AR head's choice (argmax; its sample at temperature > 0) or its probability exceeds
-   token_threshold; at the first one that is not, the AR head's choice is committed in its
-   place (speculative decoding's correction token) and the walk stops; after a fully accepted
-   walk, the AR head's choice for the next position is committed too (the bonus token). A
-   correction or bonus token is encoded ahead of the row's next forward (carried). The rest of
-   a partly committed slot stays masked and is planned again. A draft whose left neighbour is
-   not decoded yet (a slot planned ahead of the ones before it) has no AR prediction and is
-   kept as drafted, as the authors' decoder keeps every slot's first token. Consequences: one
-   plan + one verify per step, each committing at least one token; no committed token is one
-   the AR head rejected while it could judge it; with one slot per block (left-to-right
-   slots), token_threshold >= 0.5 and greedy decoding, the output equals `ar_generate`'s token
-   for token (a token with probability > 0.5 is the argmax), at TPF = (accepted drafts +
-   1) / 2 per step. The keys/values are always those of the committed sequence in commit order
-   (`exact_cache` has no effect).
-
-2''. `verify="draft_ahead"` (an option; docs/METHOD.md "Drafting inside the verify forward"):
-   the corrected verify's rule with the plan folded into the verify forward, slots left to
-   right (`num_blocks` and `slot_threshold` are unused: the next slot is always the one to the
-   right). Each forward feeds, after the cache and the carried token, the drafts of the open
-   offsets of the current slot, then the masks of the next slot: the AR logits at the carried
-   token and the drafts judge the drafts (accept when the AR head's choice or probability >
-   token_threshold; at the first failure the AR head's choice is committed, after a full walk
-   the AR head's choice for the next offset: the bonus), while the mask logits, which see the
-   drafts, draft the next slot. The next forward's drafts are the predictions this forward made
-   for the offsets after the committed ones (the rest of a rejected slot's old drafts, then the
-   mask predictions). One forward per step, each committing accepted drafts + 1 token; the
-   first forward has no drafts (a plan: its AR logit at the prompt's last token gives the
-   first token). Greedy with token_threshold >= 0.5, the output equals `ar_generate`'s. Only
-   the carried token and the accepted drafts (a prefix of the fed tokens, in natural order)
-   are committed to the cache, so it holds exactly the keys/values of a causal forward of the
-   committed sequence; rejected drafts and the masks leave nothing behind.
-
-2'''. `verify="draft_every"` (an option; docs/METHOD.md "Drafting for every acceptance
-   length", after TiDAR, arXiv 2511.08923): draft_ahead's rule, one forward per step, but the
-   next slot is drafted for every possible outcome of the walk, so that a rejection costs no
-   forward that only re-drafts. With L the committed length (the carried token at L - 1) and
-   n <= k drafts at positions L .. L + n - 1 (k = slot_size; slots are the k positions after
-   the last committed token, not a fixed grid), each forward feeds, after the cache and the
-   carried token, the drafts (causal), then for each acceptance length a = 0 .. n a block of
-   k + 1 masks at positions L + a .. L + a + k: the first stands for the correction or bonus
-   token the walk commits at L + a (unknown when the forward is built), the other k draft
-   the next slot. Block a sees the cache, the carried token and drafts 0 .. a - 1, and is
-   causal within itself; blocks do not see each other, drafts see no block. After the walk
-   accepted a drafts, block a's last k predictions are the next step's drafts: made with
-   exactly the committed prefix, except for the token at L + a. Only the carried token and
-   the accepted drafts are committed (a prefix of the fed tokens), so the cache is exact and
-   no block leaves anything in it. Greedy with token_threshold >= 0.5, the output equals
-   `ar_generate`'s (and draft_ahead's). Tokens fed per forward: 1 + k + (k + 1)^2 at most.
-
-`mask_attention` (draft_ahead and draft_every; docs/METHOD.md "Mask attention"): "causal"
-(default) feeds a drafting block's masks causally among themselves, as mode refusion trains
-masked slots; "bidirectional" lets every mask of a block see every other mask of the same
-block, as mode dual trains its masked copies. A block is draft_ahead's masks of one forward
-(the next slot; at the first forward the first two slots) or one of draft_every's blocks of
-k + 1 masks. Nothing else changes (what a block sees before it, the drafts, the walk), so the
-greedy output with token_threshold >= 0.5 is still `ar_generate`'s.
-
-Where this differs from the reference code (ML-GSAI/ReFusion `generate.py`): prompts are batched
-(each row keeps its own state; each model forward serves every row's current phase, so rows at
-different progress share forwards); parallel slots share one batch row with a block-diagonal
-attention mask instead of copying the cache per slot, and each round re-feeds the selected
-slots whole (k tokens each) instead of caching their accepted tokens (same logits, more tokens
-per forward, no per-slot cache); EOS handling as in 4; TPF is generated tokens / forwards (the
-reference's per-step average is reported as `tpf_reference_style`). As in the reference, the
-acceptance that step 3 starts from is the one of the concatenated verify of step 2, so for the
-second and later selected slots it was computed with the earlier slots' drafts in context.
-
-Batch layout of a forward: row b feeds `carry_b + request_b` (carry = tokens to be encoded and
-committed ahead of the request: the prompt at the first forward, re-encoded slots in exact
-mode), right-padded to the longest row; rows that have finished leave the batch
-(`KVCache.select_rows`). The host sends the ids, positions, the mask among the new tokens (only
-when a request has one) and the previous forward's commit index to the device in one copy
-(`_pack`); the model writes the new keys/values into the cache in place and builds the mask
-over the cache on the device; nothing else goes back and forth but the decisions. Every tensor
-the model and the KV cache see is on the model's device (the cache in the model's dtype);
-logits stay there. Each request names what its row reads from the logits (`Need`: choices,
-probabilities of given tokens); they are computed there for every row at once and come back in
-one transfer per forward (`pipeline.inference.decisions`); the logits are freed before the next
-forward (a program keeps copies of single rows where it needs them later: verify "correct").
-`ar_generate(..., cuda_graph=True)` replays its one-token steps from a CUDA graph.
 """
 from __future__ import annotations
 
@@ -242,7 +133,7 @@ def _clock(device: torch.device) -> float:
 
 
 VERIFY_MODES = ("authors", "correct", "draft_ahead", "draft_every")
-# How the masks of one drafting block attend to each other (module docstring, "mask_attention").
+# How the masks of one drafting block attend to each other (docs/METHOD.md "Mask attention").
 MASK_ATTENTIONS = ("causal", "bidirectional")
 
 
@@ -260,6 +151,7 @@ def check_mask_attention(mask_attention: str, verify: str) -> None:
 
 def _ar_program(row: _Row, *, gen_length: int, eos_id: int | None
                 ) -> Generator[_Request, Decision, None]:
+    """AR decoding of one row: a prefill forward of the prompt, then one forward per token."""
     p0 = len(row.prompt)
     d = yield _Request("prefill", list(row.prompt), list(range(p0)), need=Need([p0 - 1]))
     row.commit = list(range(p0))
@@ -277,6 +169,8 @@ def _ar_program(row: _Row, *, gen_length: int, eos_id: int | None
 
 
 def _check(gen_length: int, slot_size: int, num_blocks: int) -> int:
+    """The generation region's length G (`gen_length` rounded up to whole slots). Raises
+    ValueError: a size < 1, or the slots are not a multiple of `num_blocks`."""
     if slot_size < 1 or gen_length < 1 or num_blocks < 1:
         raise ValueError("gen_length, slot_size and num_blocks must be >= 1")
     g = math.ceil(gen_length / slot_size) * slot_size
@@ -294,7 +188,8 @@ def refusion_generate(model, prompt_ids, gen_length: int, slot_size: int, num_bl
                       attention_mask: torch.Tensor | None = None,
                       seed: int = 0, verify: str = "authors",
                       mask_attention: str = "causal") -> GenerationOutput:
-    """Plan-and-infill decoding of a batch of prompts with a KV cache (module docstring).
+    """Plan-and-infill decoding of a batch of prompts with a KV cache (docs/METHOD.md "Decoding:
+    plan and infill").
 
     Args:
         model: `pipeline.model.Qwen3` in eval mode (any TP size; every TP rank calls this).
@@ -316,18 +211,15 @@ def refusion_generate(model, prompt_ids, gen_length: int, slot_size: int, num_bl
             instead of keeping each slot's prefix-only keys/values (the reference's choice).
         attention_mask: `Tensor[B, T]` marking real prompt tokens of a padded `prompt_ids`.
         seed: seed of the sampling generator (used only when temperature > 0).
-        verify: "authors" (default: the reference algorithm, module docstring steps 2-3) or
-            "correct" (step 2' of the module docstring: a rejected draft is replaced by the
-            AR head's own token; the KV cache is then always exact and `exact_cache` has no
-            effect) or "draft_ahead" (step 2'': the same rule, one forward per step, the next
-            slot drafted by masks fed after the drafts; slots left to right, `num_blocks`,
-            `slot_threshold` and `exact_cache` unused) or "draft_every" (step 2''': as
-            draft_ahead, with the next slot drafted for every acceptance length by a block of
-            masks each; the same options unused).
+        verify: "authors" (default: the reference algorithm, docs/METHOD.md "One step"),
+            "correct" ("The corrected verify": the KV cache is then always exact and
+            `exact_cache` has no effect), "draft_ahead" ("Drafting inside the verify forward")
+            or "draft_every" ("Drafting for every acceptance length"); the last two decode
+            slots left to right: `num_blocks`, `slot_threshold` and `exact_cache` are unused.
         mask_attention: "causal" (default) or "bidirectional": how the masks of one drafting
-            block attend to each other (module docstring, "mask_attention"); bidirectional
-            matches a model trained with `objective.mode=dual`. Verify draft_ahead and
-            draft_every only.
+            block attend to each other (docs/METHOD.md "Mask attention"; bidirectional matches
+            a model trained with `objective.mode=dual`). Verify draft_ahead and draft_every
+            only.
 
     Returns:
         `GenerationOutput` (generated ids per prompt, forwards by kind, TPF, TPS, the forward
@@ -415,6 +307,7 @@ def ar_generate(model, prompt_ids, gen_length: int, temperature: float, eos_id: 
 
 
 def _check_positions(model, prompts: list[list[int]], g: int) -> None:
+    """Raise ValueError when the longest prompt + `g` exceeds `max_position_embeddings`."""
     cfg = getattr(model, "cfg", None) or getattr(model, "config", None)
     limit = getattr(cfg, "max_position_embeddings", None)
     need = max(len(p) for p in prompts) + g

@@ -70,10 +70,11 @@ def _walk_and_commit(row: _Row, d_tok: list[int], d: Decision, *, p0: int, cur: 
 def _draft_ahead_program(row: _Row, *, gen_length: int, slot_size: int,
                          token_threshold: float, mask_id: int, eos_id: int | None,
                          bidirectional: bool = False) -> Generator[_Request, Decision, None]:
-    """verify="draft_ahead" (module docstring, step 2''): slots left to right, one forward per
-    step. Each forward feeds, after the cache and the carried token, the drafts of the open
-    offsets up to the end of the current slot, then masks up to the end of the next slot
-    (causal among themselves, or every mask seeing every other one when `bidirectional`)."""
+    """verify="draft_ahead" (docs/METHOD.md "Drafting inside the verify forward"): slots left to
+    right, one forward per step. Each forward feeds, after the cache and the carried token,
+    the drafts of the open offsets up to the end of the current slot, then masks up to the end
+    of the next slot (causal among themselves, or every mask seeing every other one when
+    `bidirectional`)."""
     k, p0, g = slot_size, len(row.prompt), gen_length
     cur = 0                              # first offset not committed (all before it are)
     draft: list[int] = []                # drafts of offsets cur, cur + 1, ... (< slot end)
@@ -103,18 +104,15 @@ def _draft_ahead_program(row: _Row, *, gen_length: int, slot_size: int,
 def _draft_every_program(row: _Row, *, gen_length: int, slot_size: int,
                          token_threshold: float, mask_id: int, eos_id: int | None,
                          bidirectional: bool = False) -> Generator[_Request, Decision, None]:
-    """verify="draft_every" (module docstring, step 2'''): one forward per step. With `L` the
-    committed length (the carried token at position L - 1 included) and `n <= k` drafts of
-    positions L .. L + n - 1, each forward feeds, after the cache and the carried token, the
-    drafts (causal), then for each acceptance length a = 0 .. n a block of k + 1 masks at
-    positions L + a .. L + a + k: the first stands for the AR head's correction or bonus token
-    at L + a (not known yet; its prediction is not used), the other k draft the next k
-    positions. Block a sees the cache, the carried token and drafts 0 .. a - 1 and is causal
-    within itself (as masked slots are fed in mode refusion's training), or, when
-    `bidirectional`, every mask of it sees every other one (as mode dual's masked copies);
-    blocks do not see each other and drafts do not see blocks. After the walk (`_walk_and_commit`) accepted a drafts, block a's
-    last k predictions are the next step's drafts. Blocks past a drafted EOS (which would end
-    the row) and positions past the generation region are not fed."""
+    """verify="draft_every" (docs/METHOD.md "Drafting for every acceptance length"): one
+    forward per step. With `L` the committed length (the carried token at position L - 1) and
+    `n <= k` drafts of positions L .. L + n - 1, each forward feeds, after the carried token,
+    the drafts (causal), then for each acceptance length a = 0 .. n a block of k + 1 masks at
+    positions L + a .. L + a + k (the first stands for the correction or bonus token at L + a,
+    the other k draft the next k positions), causal within itself or, when `bidirectional`,
+    both ways; block a sees the cache, the carried token and drafts 0 .. a - 1 only. After the
+    walk (`_walk_and_commit`) accepted a drafts, block a's last k predictions are the next
+    drafts. Blocks past a drafted EOS and positions past the generation region are not fed."""
     k, p0, g = slot_size, len(row.prompt), gen_length
     cur = 0                              # first offset not committed (all before it are)
     draft: list[int] = []                # drafts of offsets cur, cur + 1, ... (<= k of them)

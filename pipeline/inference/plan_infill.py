@@ -34,6 +34,10 @@ def _refusion_program(row: _Row, *, gen_length: int, slot_size: int, num_blocks:
                       slot_threshold: float, token_threshold: float, mask_id: int,
                       eos_id: int | None, exact_cache: bool, verify: str
                       ) -> Generator[_Request, Decision, None]:
+    """One row decoded with verify "authors" (docs/METHOD.md "One step") or "correct" ("The
+    corrected verify"): per step a plan forward of the current block's open slots, then a
+    verify forward (and, for "authors", draft/verify rounds); commits on `row`. `gen_length`
+    is G, whole slots (`decoding._check`)."""
     k = slot_size
     p0 = len(row.prompt)
     n_slots = gen_length // k

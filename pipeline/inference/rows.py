@@ -19,6 +19,10 @@ from pipeline.inference.decisions import Need
 
 @dataclass
 class _Request:
+    """What a row feeds in one forward, after its cache and carry: `kind` (the forward's kind,
+    counted in `row.forwards`), token ids and their position ids (equal lengths), the mask
+    among them and what the row reads from their logits (`need`)."""
+
     kind: str
     tokens: list[int]
     positions: list[int]
@@ -29,6 +33,9 @@ class _Request:
 
 @dataclass
 class _Row:
+    """One prompt's decode state, changed by its program (what to commit) and by the driver
+    (forwards counted, the carry fed)."""
+
     prompt: list[int]
     # Logical committed sequence in commit order (prompt first).
     tokens: list[int] = field(default_factory=list)
