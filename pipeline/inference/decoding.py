@@ -24,7 +24,7 @@ import torch
 
 from pipeline.inference.decisions import Decision, Need
 from pipeline.inference.driver import _model_device, _run
-from pipeline.inference.left_to_right import _draft_ahead_program, _draft_every_program
+from pipeline.inference.left_to_right import _left_to_right_program
 from pipeline.inference.plan_infill import _refusion_program
 from pipeline.inference.rows import _Request, _Row
 
@@ -246,10 +246,11 @@ def refusion_generate(model, prompt_ids, gen_length: int, slot_size: int, num_bl
         r.tokens.extend(r.prompt)
         r.positions.extend(range(len(r.prompt)))
     if left_to_right:
-        program = _draft_ahead_program if verify == "draft_ahead" else _draft_every_program
-        programs = [program(r, gen_length=g, slot_size=slot_size,
-                            token_threshold=token_threshold, mask_id=mask_id, eos_id=eos_id,
-                            bidirectional=mask_attention == "bidirectional") for r in rows]
+        programs = [_left_to_right_program(r, gen_length=g, slot_size=slot_size,
+                                           token_threshold=token_threshold, mask_id=mask_id,
+                                           eos_id=eos_id, every=verify == "draft_every",
+                                           bidirectional=mask_attention == "bidirectional")
+                    for r in rows]
     else:
         programs = [_refusion_program(r, gen_length=g, slot_size=slot_size,
                                       num_blocks=num_blocks, slot_threshold=slot_threshold,

@@ -1,6 +1,7 @@
 """Verify "draft_ahead" and "draft_every": slots left to right, one forward per step that
-verifies the drafts and drafts the next slot (`_draft_ahead_program`, `_draft_every_program`),
-and the walk that judges the drafts with the AR head (`_walk_and_commit`)."""
+verifies the drafts and drafts the next slot (`_left_to_right_program`, one program whose block
+policy tells the two apart), and the walk that judges the drafts with the AR head
+(`_walk_and_commit`)."""
 from __future__ import annotations
 
 from typing import Generator
@@ -67,82 +68,67 @@ def _walk_and_commit(row: _Row, d_tok: list[int], d: Decision, *, p0: int, cur: 
     return toks, False
 
 
-def _draft_ahead_program(row: _Row, *, gen_length: int, slot_size: int,
-                         token_threshold: float, mask_id: int, eos_id: int | None,
-                         bidirectional: bool = False) -> Generator[_Request, Decision, None]:
-    """verify="draft_ahead" (docs/METHOD.md "Drafting inside the verify forward"): slots left to
-    right, one forward per step. Each forward feeds, after the cache and the carried token,
-    the drafts of the open offsets up to the end of the current slot, then masks up to the end
-    of the next slot (causal among themselves, or every mask seeing every other one when
-    `bidirectional`)."""
+def _left_to_right_program(row: _Row, *, gen_length: int, slot_size: int,
+                           token_threshold: float, mask_id: int, eos_id: int | None,
+                           every: bool, bidirectional: bool = False
+                           ) -> Generator[_Request, Decision, None]:
+    """verify="draft_ahead" or, with `every`, "draft_every" (docs/METHOD.md "Drafting inside the
+    verify forward", "Drafting for every acceptance length"): one forward per step feeding,
+    after the carried token (position L - 1), the drafts of positions L .. L + n - 1 (causal),
+    then blocks of masks: block a, for a accepted drafts, at L + a, L + a + 1, ... (its first
+    mask stands for the correction or bonus token at L + a) sees the cache, the carried token
+    and drafts 0 .. a - 1, causal within itself or, when `bidirectional`, both ways. The block
+    policy: draft_every drafts the k = `slot_size` positions after L and feeds a block of k + 1
+    masks for every a = 0 .. n (none past a drafted EOS or the generation region); draft_ahead
+    drafts to the end of the slot of a fixed grid holding L and feeds one block, a = n, to the
+    end of the next slot. The next drafts are the predictions of the walk's outcome's block
+    (`_walk_and_commit`) after its first mask; without that block (draft_ahead's rejection at
+    a), the old drafts after a, then the block's predictions from its first mask on."""
     k, p0, g = slot_size, len(row.prompt), gen_length
     cur = 0                              # first offset not committed (all before it are)
-    draft: list[int] = []                # drafts of offsets cur, cur + 1, ... (< slot end)
+    draft: list[int] = []                # drafts of offsets cur, cur + 1, ...
     while cur < g:
-        end = min((cur // k + 1) * k, g)             # end of the slot holding `cur`
-        d_tok = draft[:end - cur]
-        n_mask = min(end + k, g) - cur - len(d_tok)  # rest of this slot, then the next slot
-        positions = [p0 + cur + i for i in range(len(d_tok) + n_mask)]
-        mask = None
-        if bidirectional and n_mask > 1:   # the masks form one block, both ways
+        if every:
+            d_tok = draft[:g - cur]
             n = len(d_tok)
-            mask = torch.ones(n + n_mask, n + n_mask, dtype=torch.bool).tril()
-            mask[n:, n:] = True
-        d = yield _Request("verify" if d_tok else "plan", d_tok + [mask_id] * n_mask,
-                           positions, mask, _walk_need(d_tok, len(positions)))
-        toks, finished = _walk_and_commit(row, d_tok, d, p0=p0, cur=cur, gen_length=g,
-                                          token_threshold=token_threshold, eos_id=eos_id,
-                                          mode="draft_ahead")
-        if finished:
-            return
-        # next drafts: the old drafts after the new `cur`, then this forward's mask predictions
-        ahead = d_tok + d.ids[len(d_tok) + 1:]   # predictions of offsets cur, cur + 1, ...
-        cur += len(toks)
-        draft = ahead[len(toks):]
-
-
-def _draft_every_program(row: _Row, *, gen_length: int, slot_size: int,
-                         token_threshold: float, mask_id: int, eos_id: int | None,
-                         bidirectional: bool = False) -> Generator[_Request, Decision, None]:
-    """verify="draft_every" (docs/METHOD.md "Drafting for every acceptance length"): one
-    forward per step. With `L` the committed length (the carried token at position L - 1) and
-    `n <= k` drafts of positions L .. L + n - 1, each forward feeds, after the carried token,
-    the drafts (causal), then for each acceptance length a = 0 .. n a block of k + 1 masks at
-    positions L + a .. L + a + k (the first stands for the correction or bonus token at L + a,
-    the other k draft the next k positions), causal within itself or, when `bidirectional`,
-    both ways; block a sees the cache, the carried token and drafts 0 .. a - 1 only. After the
-    walk (`_walk_and_commit`) accepted a drafts, block a's last k predictions are the next
-    drafts. Blocks past a drafted EOS and positions past the generation region are not fed."""
-    k, p0, g = slot_size, len(row.prompt), gen_length
-    cur = 0                              # first offset not committed (all before it are)
-    draft: list[int] = []                # drafts of offsets cur, cur + 1, ... (<= k of them)
-    while cur < g:
-        d_tok = draft[:g - cur]
-        n = len(d_tok)
-        last = d_tok.index(eos_id) if eos_id is not None and eos_id in d_tok else n
-        # block a: offset cur + a (the correction / bonus), then the drafts of offsets
-        # cur + a + 1 .. cur + a + k cut at the region's end (no block when none is left)
-        sizes = [min(k, g - cur - a - 1) for a in range(last + 1)]
-        sizes = [1 + sz if sz > 0 else 0 for sz in sizes]
-        starts = [n + sum(sizes[:a]) for a in range(len(sizes))]
-        t = n + sum(sizes)
+            last = d_tok.index(eos_id) if eos_id is not None and eos_id in d_tok else n
+            # block a: offset cur + a (the correction / bonus), then the drafts of offsets
+            # cur + a + 1 .. cur + a + k cut at the region's end (no block when none is left)
+            sizes = [min(k, g - cur - a - 1) for a in range(last + 1)]
+            blocks = [(a, 1 + sz if sz > 0 else 0) for a, sz in enumerate(sizes)]
+        else:
+            end = min((cur // k + 1) * k, g)         # end of the slot holding `cur`
+            d_tok = draft[:end - cur]
+            n = len(d_tok)
+            blocks = [(n, min(end + k, g) - cur - n)]  # rest of this slot, then the next slot
+        t = n + sum(sz for _, sz in blocks)
+        mask = None   # draft_ahead's one block after the drafts: causal unless bidirectional
+        if t > n and (every or (bidirectional and t - n > 1)):
+            mask = torch.zeros(t, t, dtype=torch.bool)
+            mask[:n, :n] = torch.ones(n, n, dtype=torch.bool).tril()
         positions = [p0 + cur + i for i in range(n)]
-        mask = torch.zeros(t, t, dtype=torch.bool)
-        mask[:n, :n] = torch.ones(n, n, dtype=torch.bool).tril()
-        for a, (o, sz) in enumerate(zip(starts, sizes)):
+        start, o = {}, n
+        for a, sz in blocks:
+            start[a] = o
             positions += [p0 + cur + a + j for j in range(sz)]
-            mask[o:o + sz, :a] = True
-            block = torch.ones(sz, sz, dtype=torch.bool)
-            mask[o:o + sz, o:o + sz] = block if bidirectional else block.tril()
+            if mask is not None:
+                mask[o:o + sz, :a] = True
+                block = torch.ones(sz, sz, dtype=torch.bool)
+                mask[o:o + sz, o:o + sz] = block if bidirectional else block.tril()
+            o += sz
         d = yield _Request("verify" if d_tok else "plan", d_tok + [mask_id] * (t - n),
-                           positions, mask if t > n else None, _walk_need(d_tok, t))
+                           positions, mask, _walk_need(d_tok, t))
         toks, finished = _walk_and_commit(row, d_tok, d, p0=p0, cur=cur, gen_length=g,
                                           token_threshold=token_threshold, eos_id=eos_id,
-                                          mode="draft_every")
+                                          mode="draft_every" if every else "draft_ahead")
         if finished:
             return
         m = len(toks) - 1                # accepted drafts (a correction or bonus follows)
         cur += len(toks)
-        if cur < g:                      # the block of the acceptance that happened
-            o = starts[m]
-            draft = d.ids[o + 2:o + sizes[m] + 1]   # entry i + 1 is fed token i
+        if cur >= g:
+            return
+        if m in start:                   # the block of the acceptance that happened
+            o = start[m]
+            draft = d.ids[o + 2:o + dict(blocks)[m] + 1]   # entry i + 1 is fed token i
+        else:                            # draft_ahead's rejection: old drafts, then the block
+            draft = d_tok[m + 1:] + d.ids[start[n] + 1:]
