@@ -25,7 +25,9 @@ With `--baseline FILE` (a `pipeline/inference/decoding.py` of another version, e
 REF:pipeline/inference/decoding.py > /tmp/decoding_before.py`, loaded beside ours as a module),
 every setting is also decoded with it, the timed decodes alternating (before, ours, before, ...),
 and the last column of our line is ours' tokens/s over the baseline's (median of the per-repeat
-ratios): a before/after speed figure from one run.
+ratios): a before/after speed figure from one run. Only that file is the other version's: what it
+imports from `pipeline.inference` (the driver; since issue 45 also the row programs of
+`plan_infill.py` and `left_to_right.py`) is this tree's.
 
 With `--vs-transformers`, a last line compares our AR decoding with transformers'
 `Qwen3ForCausalLM.generate` using its static KV cache (`cache_implementation="static"`), on the same weights (copied from our model)

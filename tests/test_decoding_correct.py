@@ -98,9 +98,9 @@ def trained_model(tp1, tmp_path_factory):
 @torch.no_grad()
 def _correct_reference(model, prompt, G, k, num_blocks, slot_threshold, token_threshold,
                        mask_id, eos):
-    """verify="correct", greedy, from the module docstring of pipeline.inference.decoding (step 2'),
-    without a cache: each forward recomputes prompt + committed tokens (commit order, original
-    positions, plain causal) + the step's tokens. Returns (output, Counter of forwards)."""
+    """verify="correct", greedy, from docs/METHOD.md "The corrected verify", without a cache:
+    each forward recomputes prompt + committed tokens (commit order, original positions, plain
+    causal) + the step's tokens. Returns (output, Counter of forwards)."""
     from collections import Counter
     P = len(prompt)
     seq = [(t, i) for i, t in enumerate(prompt)]       # (token, position) in commit order

@@ -1,125 +1,16 @@
-"""Plan-and-infill (ReFusion) decoding and plain autoregressive decoding, batched, with a KV cache.
+"""The decoding API: plan-and-infill (ReFusion) decoding (`refusion_generate`) and plain
+autoregressive decoding (`ar_generate`) of a batch of prompts with a KV cache, and their figures
+(`GenerationOutput`: tokens, forwards by kind, TPF, TPS).
 
-Owns: the decoding algorithms (`refusion_generate`, `ar_generate`) and their statistics (tokens,
-forwards by kind, TPF). The tests compare them with a cache-free oracle that recomputes the whole
-reorganized sequence at every forward (`tests/decoding_oracle.py`).
+The method, every verify mode, and where this code differs from the reference code
+(ML-GSAI/ReFusion `generate.py`) are docs/METHOD.md's ("Decoding: plan and infill", "Differences
+from the reference code"). Each prompt is a row decoded by a program (`pipeline.inference.rows`):
+verify "authors" and "correct" in `pipeline.inference.plan_infill`, "draft_ahead" and
+"draft_every" in `pipeline.inference.left_to_right`, AR decoding here; `pipeline.inference.driver`
+runs the programs, one batched forward per step. The tests compare them with a cache-free oracle
+that recomputes the whole reorganized sequence at every forward (`tests/decoding_oracle.py`).
 Must not touch: model weights, tokenizers, files, process groups (a caller with tensor
 parallelism > 1 runs the same call on every rank of the TP group; logits are all-gathered).
-
-The method is "Decoding: plan and infill" in docs/METHOD.md (ReFusion, arXiv 2512.13586). One decode
-step of a prompt ("row"):
-
-1. plan: feed the block's still-masked slots (mask ids at their original positions) after the
-   cache; argmax tokens (Gumbel-max sampling when temperature > 0) and their softmax
-   probabilities; a slot's score is the probability of its first token; select the slots with
-   score > slot_threshold, or the single best one.
-2. verify (fast path): feed the selected slots' drafts concatenated in slot order (plain causal);
-   token j is accepted when P(token j | everything before it) > token_threshold, the first token
-   of every slot always; the accepted prefix of the concatenation is computed. If it contains an
-   EOS, the tokens through that EOS are committed; else if it covers >= 1 whole slot, the leading
-   whole slots are committed (their keys/values from this forward are exact) and the rest is
-   planned again; else go to 3 with the per-slot acceptance found here.
-3. draft/verify rounds (the selected slots in parallel, each seeing only the committed prefix and
-   itself): draft = argmax at the masked (not yet accepted) positions; verify = causal
-   probabilities; a token is accepted when its probability > token_threshold or the token before
-   it was accepted before this round (so every round accepts at least one more token per slot);
-   acceptance is a prefix per slot. An accepted EOS in slot e drops the selected slots after e and
-   completes slot e. When every selected slot is complete, the slots' tokens, cut after the first
-   EOS, are committed in slot order with the keys/values of the last verify forward (each slot's
-   k/v computed against the prefix only: the reference code's cache, default) or re-encoded in
-   commit order (`exact_cache=True`: the re-encode rides along with the row's next forward, so
-   it costs tokens, not forwards).
-4. Once an EOS is committed at position q, masked slots after q are discarded; slots before q are
-   still decoded; the output is the committed tokens sorted by original position, ending at the
-   first EOS (inclusive).
-
-2'. `verify="correct"` (an option; the default "authors" is steps 2-3 above, the reference):
-   the plan drafts the open (not yet committed) offsets of the block's slots, which may now be
-   parts of slots; the selected slots' drafts are verified once, concatenated in slot order
-   (plain causal), and walked left to right. Each drafted token is judged by the AR head's
-   prediction for its position: the logits at the token before it in this forward when that
-   is its left neighbour, else the logits kept from the forward that encoded its committed left
-   neighbour (the prompt's last token for the first position). It is accepted when it is the
-   AR head's choice (argmax; its sample at temperature > 0) or its probability exceeds
-   token_threshold; at the first one that is not, the AR head's choice is committed in its
-   place (speculative decoding's correction token) and the walk stops; after a fully accepted
-   walk, the AR head's choice for the next position is committed too (the bonus token). A
-   correction or bonus token is encoded ahead of the row's next forward (carried). The rest of
-   a partly committed slot stays masked and is planned again. A draft whose left neighbour is
-   not decoded yet (a slot planned ahead of the ones before it) has no AR prediction and is
-   kept as drafted, as the authors' decoder keeps every slot's first token. Consequences: one
-   plan + one verify per step, each committing at least one token; no committed token is one
-   the AR head rejected while it could judge it; with one slot per block (left-to-right
-   slots), token_threshold >= 0.5 and greedy decoding, the output equals `ar_generate`'s token
-   for token (a token with probability > 0.5 is the argmax), at TPF = (accepted drafts +
-   1) / 2 per step. The keys/values are always those of the committed sequence in commit order
-   (`exact_cache` has no effect).
-
-2''. `verify="draft_ahead"` (an option; docs/METHOD.md "Drafting inside the verify forward"):
-   the corrected verify's rule with the plan folded into the verify forward, slots left to
-   right (`num_blocks` and `slot_threshold` are unused: the next slot is always the one to the
-   right). Each forward feeds, after the cache and the carried token, the drafts of the open
-   offsets of the current slot, then the masks of the next slot: the AR logits at the carried
-   token and the drafts judge the drafts (accept when the AR head's choice or probability >
-   token_threshold; at the first failure the AR head's choice is committed, after a full walk
-   the AR head's choice for the next offset: the bonus), while the mask logits, which see the
-   drafts, draft the next slot. The next forward's drafts are the predictions this forward made
-   for the offsets after the committed ones (the rest of a rejected slot's old drafts, then the
-   mask predictions). One forward per step, each committing accepted drafts + 1 token; the
-   first forward has no drafts (a plan: its AR logit at the prompt's last token gives the
-   first token). Greedy with token_threshold >= 0.5, the output equals `ar_generate`'s. Only
-   the carried token and the accepted drafts (a prefix of the fed tokens, in natural order)
-   are committed to the cache, so it holds exactly the keys/values of a causal forward of the
-   committed sequence; rejected drafts and the masks leave nothing behind.
-
-2'''. `verify="draft_every"` (an option; docs/METHOD.md "Drafting for every acceptance
-   length", after TiDAR, arXiv 2511.08923): draft_ahead's rule, one forward per step, but the
-   next slot is drafted for every possible outcome of the walk, so that a rejection costs no
-   forward that only re-drafts. With L the committed length (the carried token at L - 1) and
-   n <= k drafts at positions L .. L + n - 1 (k = slot_size; slots are the k positions after
-   the last committed token, not a fixed grid), each forward feeds, after the cache and the
-   carried token, the drafts (causal), then for each acceptance length a = 0 .. n a block of
-   k + 1 masks at positions L + a .. L + a + k: the first stands for the correction or bonus
-   token the walk commits at L + a (unknown when the forward is built), the other k draft
-   the next slot. Block a sees the cache, the carried token and drafts 0 .. a - 1, and is
-   causal within itself; blocks do not see each other, drafts see no block. After the walk
-   accepted a drafts, block a's last k predictions are the next step's drafts: made with
-   exactly the committed prefix, except for the token at L + a. Only the carried token and
-   the accepted drafts are committed (a prefix of the fed tokens), so the cache is exact and
-   no block leaves anything in it. Greedy with token_threshold >= 0.5, the output equals
-   `ar_generate`'s (and draft_ahead's). Tokens fed per forward: 1 + k + (k + 1)^2 at most.
-
-`mask_attention` (draft_ahead and draft_every; docs/METHOD.md "Mask attention"): "causal"
-(default) feeds a drafting block's masks causally among themselves, as mode refusion trains
-masked slots; "bidirectional" lets every mask of a block see every other mask of the same
-block, as mode dual trains its masked copies. A block is draft_ahead's masks of one forward
-(the next slot; at the first forward the first two slots) or one of draft_every's blocks of
-k + 1 masks. Nothing else changes (what a block sees before it, the drafts, the walk), so the
-greedy output with token_threshold >= 0.5 is still `ar_generate`'s.
-
-Where this differs from the reference code (ML-GSAI/ReFusion `generate.py`): prompts are batched
-(each row keeps its own state; each model forward serves every row's current phase, so rows at
-different progress share forwards); parallel slots share one batch row with a block-diagonal
-attention mask instead of copying the cache per slot, and each round re-feeds the selected
-slots whole (k tokens each) instead of caching their accepted tokens (same logits, more tokens
-per forward, no per-slot cache); EOS handling as in 4; TPF is generated tokens / forwards (the
-reference's per-step average is reported as `tpf_reference_style`). As in the reference, the
-acceptance that step 3 starts from is the one of the concatenated verify of step 2, so for the
-second and later selected slots it was computed with the earlier slots' drafts in context.
-
-Batch layout of a forward: row b feeds `carry_b + request_b` (carry = tokens to be encoded and
-committed ahead of the request: the prompt at the first forward, re-encoded slots in exact
-mode), right-padded to the longest row; rows that have finished leave the batch
-(`KVCache.select_rows`). The host sends the ids, positions, the mask among the new tokens (only
-when a request has one) and the previous forward's commit index to the device in one copy
-(`_pack`); the model writes the new keys/values into the cache in place and builds the mask
-over the cache on the device; nothing else goes back and forth but the decisions. Every tensor
-the model and the KV cache see is on the model's device (the cache in the model's dtype);
-logits stay there. Each request names what its row reads from the logits (`Need`: choices,
-probabilities of given tokens); they are computed there for every row at once and come back in
-one transfer per forward (`pipeline.inference.decisions`); the logits are freed before the next
-forward (a program keeps copies of single rows where it needs them later: verify "correct").
-`ar_generate(..., cuda_graph=True)` replays its one-token steps from a CUDA graph.
 """
 from __future__ import annotations
 
@@ -127,12 +18,15 @@ import math
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Generator, Sequence
+from typing import Generator
 
 import torch
 
-from pipeline.inference.decisions import NONE, OWN, Decision, Need
+from pipeline.inference.decisions import Decision, Need
 from pipeline.inference.driver import _model_device, _run
+from pipeline.inference.left_to_right import _left_to_right_program
+from pipeline.inference.plan_infill import _refusion_program
+from pipeline.inference.rows import _Request, _Row
 
 __all__ = ["GenerationOutput", "refusion_generate", "ar_generate", "split_prompts",
            "VERIFY_MODES"]
@@ -238,79 +132,8 @@ def _clock(device: torch.device) -> float:
     return time.perf_counter()
 
 
-# --------------------------------------------------------------------------------------------
-# Row programs: each yields a request (tokens to feed after the row's cache, and what it reads
-# from their logits: `Need`) and receives the answer (`Decision`, on the host); it records what
-# to commit from that forward in `row.commit`.
-
-
-@dataclass
-class _Request:
-    kind: str
-    tokens: list[int]
-    positions: list[int]
-    # BoolTensor[T, T], True = may attend (within the request); None = causal.
-    mask: torch.Tensor | None = None
-    need: Need = field(default_factory=Need)
-
-
-@dataclass
-class _Row:
-    prompt: list[int]
-    # Logical committed sequence in commit order (prompt first).
-    tokens: list[int] = field(default_factory=list)
-    positions: list[int] = field(default_factory=list)
-    # Tokens to encode and commit ahead of the next request (prompt / exact-mode re-encode).
-    carry: list[int] = field(default_factory=list)
-    carry_positions: list[int] = field(default_factory=list)
-    # Indices into the last request's tokens to commit to the cache, in this order.
-    commit: list[int] = field(default_factory=list)
-    forwards: Counter = field(default_factory=Counter)
-    # Per entry of `tokens`: the number of forwards this row had taken when it was committed.
-    commit_forward: list[int] = field(default_factory=list)
-    # Position of the last token carried into the latest forward (-1: nothing was carried).
-    carry_last: int = -1
-    eos_pos: int | None = None
-    ref_tpf_sum: float = 0.0
-    ref_tpf_steps: int = 0
-
-    def output(self, eos_id: int | None) -> list[int]:
-        """Generated ids sorted by position, ending at the first EOS (inclusive)."""
-        return [tok for tok, _ in self._generated(eos_id)]
-
-    def trace(self, eos_id: int | None) -> list[int]:
-        """Per token of `output`: the 1-based index (among this row's forwards) of the forward
-        after which it was committed."""
-        return [f for _, f in self._generated(eos_id)]
-
-    def _generated(self, eos_id: int | None) -> list[tuple[int, int]]:
-        p = len(self.prompt)
-        gen = sorted((pos, tok, f) for pos, tok, f in
-                     zip(self.positions[p:], self.tokens[p:], self.commit_forward))
-        out = []
-        for expect, (pos, tok, f) in enumerate(gen, start=p):
-            if pos != expect:
-                raise AssertionError(f"generated positions are not contiguous at {expect}")
-            out.append((tok, f))
-            if eos_id is not None and tok == eos_id:
-                break
-        return out
-
-
-def _block_causal(lengths: Sequence[int]) -> torch.Tensor:
-    """BoolTensor[T, T] (T = sum of lengths): causal inside each consecutive group, no attention
-    across groups. Used to infill parallel slots in one row, each seeing only the prefix."""
-    t = sum(lengths)
-    m = torch.zeros(t, t, dtype=torch.bool)
-    o = 0
-    for n in lengths:
-        m[o:o + n, o:o + n] = torch.ones(n, n, dtype=torch.bool).tril()
-        o += n
-    return m
-
-
 VERIFY_MODES = ("authors", "correct", "draft_ahead", "draft_every")
-# How the masks of one drafting block attend to each other (module docstring, "mask_attention").
+# How the masks of one drafting block attend to each other (docs/METHOD.md "Mask attention").
 MASK_ATTENTIONS = ("causal", "bidirectional")
 
 
@@ -326,352 +149,9 @@ def check_mask_attention(mask_attention: str, verify: str) -> None:
                          f"draft_every, got verify {verify!r}")
 
 
-def _select(score: list[float], slot_threshold: float) -> list[int]:
-    """Indices of the planned slots to infill: score > slot_threshold, else the single best."""
-    chosen = [i for i in range(len(score)) if score[i] > slot_threshold]
-    return chosen or [max(range(len(score)), key=score.__getitem__)]
-
-
-def _refusion_program(row: _Row, *, gen_length: int, slot_size: int, num_blocks: int,
-                      slot_threshold: float, token_threshold: float, mask_id: int,
-                      eos_id: int | None, exact_cache: bool, verify: str
-                      ) -> Generator[_Request, Decision, None]:
-    k = slot_size
-    p0 = len(row.prompt)
-    n_slots = gen_length // k
-    per_block = n_slots // num_blocks
-    filled = [False] * gen_length  # by offset from the generation start: committed
-    # verify="correct": offset -> logits of the AR head's prediction for that offset (computed at
-    # the committed token before it, with the context it was encoded in).
-    pred: dict[int, torch.Tensor] = {}
-
-    def start(s: int) -> int:
-        return p0 + s * k
-
-    def is_open(o: int) -> bool:
-        """Offset o still to decode: not committed and not after a committed EOS."""
-        return not filled[o] and (row.eos_pos is None or p0 + o < row.eos_pos)
-
-    def open_offsets(s: int) -> list[int]:
-        return [o for o in range(s * k, (s + 1) * k) if is_open(o)]
-
-    def commit_tokens(toks: list[int], poss: list[int]) -> None:
-        row.tokens.extend(toks)
-        row.positions.extend(poss)
-        row.commit_forward.extend([sum(row.forwards.values())] * len(toks))
-        for t, q in zip(toks, poss):
-            filled[q - p0] = True
-            if eos_id is not None and t == eos_id and (row.eos_pos is None or q < row.eos_pos):
-                row.eos_pos = q
-
-    for b in range(num_blocks):
-        block = range(b * per_block, (b + 1) * per_block)
-        while True:
-            masked = [s for s in block if open_offsets(s)]
-            if not masked:
-                break
-            # 1. plan: masks at the open offsets of the block's open slots
-            offs = [open_offsets(s) for s in masked]
-            first = [sum(map(len, offs[:i])) for i in range(len(offs))]
-            positions = [p0 + o for os_ in offs for o in os_]
-            score = [NONE] * len(positions)   # a slot's score: its first token's probability
-            for f in first:
-                score[f] = OWN
-            d = yield _Request("plan", [mask_id] * len(positions), positions,
-                               need=Need(list(range(len(positions))), score))
-            row.commit = []
-            if verify == "correct" and row.carry_last >= 0:
-                o = row.carry_last - p0 + 1   # the carried token's AR prediction of the next
-                if 0 <= o < gen_length and is_open(o):
-                    pred[o] = d.vector(-1)
-            x0 = d.ids
-            chosen = _select([d.probs[f] for f in first], slot_threshold)
-            sel = [masked[i] for i in chosen]
-            if verify == "correct":
-                d_off = [o for i in chosen for o in offs[i]]
-                d_tok = [x0[first[i] + j] for i in chosen for j in range(len(offs[i]))]
-                judges = _judges(d_off, pred)
-                d = yield _Request("verify", d_tok, [p0 + o for o in d_off],
-                                   need=Need([j for j in judges if j is not None]
-                                             + [len(d_tok) - 1],
-                                             [t for t, j in zip(d_tok, judges) if j is not None]
-                                             + [NONE]))
-                row.commit = []
-                _correct(row, d_off, d_tok, judges, d, pred, is_open, commit_tokens, p0=p0,
-                         gen_length=gen_length, token_threshold=token_threshold, eos_id=eos_id)
-                continue
-            # authors' verify: every slot is whole (masked or committed)
-            n = len(sel)
-            flat = torch.tensor([x0[i * k + j] for i in chosen for j in range(k)])
-            drafts = flat.view(n, k)   # LongTensor[n, k]
-            sel_pos = [start(s) + j for s in sel for j in range(k)]
-            # 2. verify the concatenation (fast path)
-            d = yield _Request("verify", flat.tolist(), sel_pos,
-                               need=Need(list(range(n * k - 1)), flat[1:].tolist()))
-            row.commit = []
-            q = torch.ones(n * k, dtype=torch.float64)
-            q[1:] = torch.tensor(d.probs, dtype=torch.float64)
-            acc = q > token_threshold
-            acc.view(n, k)[:, 0] = True
-            prefix = int(torch.cumprod(acc.long(), 0).sum())
-            eos_hits = ([i for i in range(prefix) if int(flat[i]) == eos_id]
-                        if eos_id is not None else [])
-            if eos_hits or prefix >= k:
-                m = eos_hits[0] + 1 if eos_hits else (prefix // k) * k
-                row.commit = list(range(m))
-                commit_tokens(flat[:m].tolist(), sel_pos[:m])
-                row.ref_tpf_sum += k * math.ceil(m / k) / 2
-                row.ref_tpf_steps += 1
-                continue
-            # 3. parallel draft/verify rounds, each slot against the prefix only
-            tags = torch.cumprod(acc.view(n, k).long(), 1).bool()
-            toks = drafts
-            n_chosen = n
-            rounds = 0
-            while not bool(tags.all()):
-                rounds += 1
-                n = len(sel)
-                mask = _block_causal([k] * n)
-                pos = [start(s) + j for s in sel for j in range(k)]
-                fed = torch.where(tags, toks, torch.full_like(toks, mask_id))
-                d = yield _Request("draft", fed.view(-1).tolist(), pos, mask,
-                                   need=Need(list(range(n * k)), greedy=True))
-                row.commit = []
-                toks = torch.where(tags, toks, torch.tensor(d.ids).view(n, k))
-                d = yield _Request("verify", toks.view(-1).tolist(), pos, mask,
-                                   need=Need([s * k + j for s in range(n) for j in range(k - 1)],
-                                             toks[:, 1:].reshape(-1).tolist()))
-                row.commit = []
-                q = torch.ones(n, k, dtype=torch.float64)
-                q[:, 1:] = torch.tensor(d.probs, dtype=torch.float64).view(n, k - 1)
-                force = torch.ones(n, k, dtype=torch.bool)
-                force[:, 1:] = tags[:, :-1]
-                tags = torch.cumprod(((q > token_threshold) | force).long(), 1).bool()
-                if eos_id is not None:
-                    hit = ((toks == eos_id) & tags).any(1).nonzero()
-                    if len(hit):
-                        e = int(hit[0])
-                        sel, toks, tags = sel[:e + 1], toks[:e + 1], tags[:e + 1]
-                        tags[e] = True
-                if rounds > k:
-                    raise AssertionError("draft/verify did not converge")
-            flat = toks.reshape(-1).tolist()
-            pos = [start(s) + j for s in sel for j in range(k)]
-            m = len(flat)
-            if eos_id is not None and eos_id in flat:
-                m = flat.index(eos_id) + 1
-            if exact_cache and len(sel) > 1:
-                row.carry.extend(flat[:m])
-                row.carry_positions.extend(pos[:m])
-            else:
-                row.commit = list(range(m))
-            commit_tokens(flat[:m], pos[:m])
-            row.ref_tpf_sum += k * n_chosen / (2 * rounds + 2)
-            row.ref_tpf_steps += 1
-        if not any(is_open(o) for o in range(gen_length)):
-            break
-
-
-def _accepted(d: int, a: int, p: float, token_threshold: float) -> bool:
-    """The AR head's verdict on the drafted token `d`: accepted when it is the AR head's choice
-    `a` (the argmax, or its sample at temperature > 0) or its probability `p` exceeds
-    `token_threshold`; else `a` is committed in its place (the correction)."""
-    return d == a or p > token_threshold
-
-
-def _judges(d_off: list[int], pred: dict) -> list:
-    """verify="correct": per draft (at offsets `d_off`, fed in this order), the logits that
-    judge it (a `Need` row): the token before it in this forward when that is its left
-    neighbour, else `pred[offset]` (kept from an earlier forward), else None (not judged)."""
-    return [i - 1 if i > 0 and d_off[i - 1] == o - 1 else pred.get(o)
-            for i, o in enumerate(d_off)]
-
-
-def _correct(row: _Row, d_off: list[int], d_tok: list[int], judges: list, d: Decision,
-             pred: dict, is_open, commit_tokens, *, p0: int, gen_length: int,
-             token_threshold: float, eos_id: int | None) -> None:
-    """verify="correct": what one verify forward of the drafts `d_tok` (at offsets `d_off`, fed
-    causally in this order after the cache) commits; `d` answers a `Need` of the judged drafts
-    (`judges`, `_judges`: choice and probability of the draft), then the last draft (choice).
-
-    A drafted token is judged by the AR head's prediction of its offset (`_judges`); a token
-    whose left neighbour is not decoded yet has no AR prediction and keeps its draft (as in the
-    authors' decoder). It is accepted as `_accepted` says; at the first token that is not, the
-    AR head's own choice is committed instead (the correction) and the walk stops. After a
-    fully accepted walk the AR head's choice for the next open offset is committed (the bonus).
-    The accepted drafts keep this forward's keys/values (fed in commit order: exact); a
-    correction or bonus token is carried into the row's next forward, whose logits at it give
-    `pred` of the offset after it."""
-    m, extra, e = 0, None, 0
-    for i, (o, t) in enumerate(zip(d_off, d_tok)):
-        if judges[i] is not None:
-            if not _accepted(t, d.ids[e], d.probs[e], token_threshold):
-                extra = (d.ids[e], o)
-                break
-            e += 1
-        m = i + 1
-        if eos_id is not None and t == eos_id:
-            break
-    row.commit = list(range(m))
-    commit_tokens(d_tok[:m], [p0 + o for o in d_off[:m]])
-    if extra is None and m == len(d_tok) and (eos_id is None or eos_id not in d_tok):
-        o = d_off[-1] + 1   # bonus: the token after the last accepted one
-        if o < gen_length and is_open(o):
-            extra = (d.ids[-1], o)
-    if extra is not None:
-        commit_tokens([extra[0]], [p0 + extra[1]])
-        row.carry, row.carry_positions = [extra[0]], [p0 + extra[1]]
-    for i in range(m):   # AR predictions of open offsets after accepted tokens, for later steps
-        o = d_off[i] + 1
-        if o < gen_length and is_open(o):
-            pred[o] = d.vector(i)   # a copy: the forward's logits are freed
-    for o in [o for o in pred if not is_open(o)]:
-        del pred[o]
-    row.ref_tpf_sum += (m + (extra is not None)) / 2
-    row.ref_tpf_steps += 1
-
-
-def _walk_need(d_tok: list[int], fed: int) -> Need:
-    """What a left-to-right step reads from a forward that fed the drafts `d_tok` first, then
-    `fed - len(d_tok)` masks: the choice at the carried token (entry 0) and at every fed token
-    (entry i + 1), with the probability of draft i at entry i."""
-    return Need([-1] + list(range(fed)), d_tok + [NONE] * (fed + 1 - len(d_tok)))
-
-
-def _walk_and_commit(row: _Row, d_tok: list[int], d: Decision, *, p0: int, cur: int,
-                     gen_length: int, token_threshold: float, eos_id: int | None,
-                     mode: str) -> tuple[list[int], bool]:
-    """One left-to-right step's verdict (verify="draft_ahead" and "draft_every"): the drafts
-    `d_tok` of offsets `cur, cur + 1, ...` were fed causally right after the carried token at
-    offset `cur - 1`; `d` answers `_walk_need`.
-
-    Walks the drafts with the AR head (`_accepted`: the carried token's logits judge the first
-    draft, draft i's logits the next); at the first failure the AR head's choice is committed
-    in its place; after a full walk, the AR head's choice for the next offset (the bonus) when
-    it is inside the generation region. Records the commit on `row`: the accepted drafts are
-    committed to the cache from this forward (`row.commit`, a prefix of the request), the
-    correction/bonus token is carried into the next forward; sets `row.eos_pos` on an EOS.
-
-    Returns:
-        (the committed tokens: accepted drafts + the correction or bonus token, in natural
-        order from offset `cur`; True when an EOS ended the row).
-    Raises:
-        AssertionError: the last forward carried no token at offset `cur - 1` (a driver bug).
-    """
-    if row.carry_last != p0 + cur - 1:
-        raise AssertionError(f"{mode}: no AR prediction for the first open offset")
-    # walk the drafts with the AR head; the first failure gets the AR head's choice
-    m, extra = 0, None
-    for i, t in enumerate(d_tok):
-        if not _accepted(t, d.ids[i], d.probs[i], token_threshold):
-            extra = d.ids[i]
-            break
-        m = i + 1
-        if eos_id is not None and t == eos_id:
-            break
-    done = eos_id is not None and eos_id in d_tok[:m]
-    if extra is None and not done and cur + m < gen_length:
-        extra = d.ids[m]   # the bonus token: the AR head's choice after the last accepted
-    row.commit = list(range(m))
-    toks = d_tok[:m] + ([extra] if extra is not None else [])
-    row.tokens.extend(toks)
-    row.positions.extend(p0 + cur + i for i in range(len(toks)))
-    row.commit_forward.extend([sum(row.forwards.values())] * len(toks))
-    row.ref_tpf_sum += len(toks)
-    row.ref_tpf_steps += 1
-    if done or (eos_id is not None and extra == eos_id):
-        row.eos_pos = p0 + cur + len(toks) - 1
-        return toks, True
-    if extra is not None:    # encoded ahead of the next forward, whose logits judge after it
-        row.carry, row.carry_positions = [extra], [p0 + cur + m]
-    return toks, False
-
-
-def _draft_ahead_program(row: _Row, *, gen_length: int, slot_size: int,
-                         token_threshold: float, mask_id: int, eos_id: int | None,
-                         bidirectional: bool = False) -> Generator[_Request, Decision, None]:
-    """verify="draft_ahead" (module docstring, step 2''): slots left to right, one forward per
-    step. Each forward feeds, after the cache and the carried token, the drafts of the open
-    offsets up to the end of the current slot, then masks up to the end of the next slot
-    (causal among themselves, or every mask seeing every other one when `bidirectional`)."""
-    k, p0, g = slot_size, len(row.prompt), gen_length
-    cur = 0                              # first offset not committed (all before it are)
-    draft: list[int] = []                # drafts of offsets cur, cur + 1, ... (< slot end)
-    while cur < g:
-        end = min((cur // k + 1) * k, g)             # end of the slot holding `cur`
-        d_tok = draft[:end - cur]
-        n_mask = min(end + k, g) - cur - len(d_tok)  # rest of this slot, then the next slot
-        positions = [p0 + cur + i for i in range(len(d_tok) + n_mask)]
-        mask = None
-        if bidirectional and n_mask > 1:   # the masks form one block, both ways
-            n = len(d_tok)
-            mask = torch.ones(n + n_mask, n + n_mask, dtype=torch.bool).tril()
-            mask[n:, n:] = True
-        d = yield _Request("verify" if d_tok else "plan", d_tok + [mask_id] * n_mask,
-                           positions, mask, _walk_need(d_tok, len(positions)))
-        toks, finished = _walk_and_commit(row, d_tok, d, p0=p0, cur=cur, gen_length=g,
-                                          token_threshold=token_threshold, eos_id=eos_id,
-                                          mode="draft_ahead")
-        if finished:
-            return
-        # next drafts: the old drafts after the new `cur`, then this forward's mask predictions
-        ahead = d_tok + d.ids[len(d_tok) + 1:]   # predictions of offsets cur, cur + 1, ...
-        cur += len(toks)
-        draft = ahead[len(toks):]
-
-
-def _draft_every_program(row: _Row, *, gen_length: int, slot_size: int,
-                         token_threshold: float, mask_id: int, eos_id: int | None,
-                         bidirectional: bool = False) -> Generator[_Request, Decision, None]:
-    """verify="draft_every" (module docstring, step 2'''): one forward per step. With `L` the
-    committed length (the carried token at position L - 1 included) and `n <= k` drafts of
-    positions L .. L + n - 1, each forward feeds, after the cache and the carried token, the
-    drafts (causal), then for each acceptance length a = 0 .. n a block of k + 1 masks at
-    positions L + a .. L + a + k: the first stands for the AR head's correction or bonus token
-    at L + a (not known yet; its prediction is not used), the other k draft the next k
-    positions. Block a sees the cache, the carried token and drafts 0 .. a - 1 and is causal
-    within itself (as masked slots are fed in mode refusion's training), or, when
-    `bidirectional`, every mask of it sees every other one (as mode dual's masked copies);
-    blocks do not see each other and drafts do not see blocks. After the walk (`_walk_and_commit`) accepted a drafts, block a's
-    last k predictions are the next step's drafts. Blocks past a drafted EOS (which would end
-    the row) and positions past the generation region are not fed."""
-    k, p0, g = slot_size, len(row.prompt), gen_length
-    cur = 0                              # first offset not committed (all before it are)
-    draft: list[int] = []                # drafts of offsets cur, cur + 1, ... (<= k of them)
-    while cur < g:
-        d_tok = draft[:g - cur]
-        n = len(d_tok)
-        last = d_tok.index(eos_id) if eos_id is not None and eos_id in d_tok else n
-        # block a: offset cur + a (the correction / bonus), then the drafts of offsets
-        # cur + a + 1 .. cur + a + k cut at the region's end (no block when none is left)
-        sizes = [min(k, g - cur - a - 1) for a in range(last + 1)]
-        sizes = [1 + sz if sz > 0 else 0 for sz in sizes]
-        starts = [n + sum(sizes[:a]) for a in range(len(sizes))]
-        t = n + sum(sizes)
-        positions = [p0 + cur + i for i in range(n)]
-        mask = torch.zeros(t, t, dtype=torch.bool)
-        mask[:n, :n] = torch.ones(n, n, dtype=torch.bool).tril()
-        for a, (o, sz) in enumerate(zip(starts, sizes)):
-            positions += [p0 + cur + a + j for j in range(sz)]
-            mask[o:o + sz, :a] = True
-            block = torch.ones(sz, sz, dtype=torch.bool)
-            mask[o:o + sz, o:o + sz] = block if bidirectional else block.tril()
-        d = yield _Request("verify" if d_tok else "plan", d_tok + [mask_id] * (t - n),
-                           positions, mask if t > n else None, _walk_need(d_tok, t))
-        toks, finished = _walk_and_commit(row, d_tok, d, p0=p0, cur=cur, gen_length=g,
-                                          token_threshold=token_threshold, eos_id=eos_id,
-                                          mode="draft_every")
-        if finished:
-            return
-        m = len(toks) - 1                # accepted drafts (a correction or bonus follows)
-        cur += len(toks)
-        if cur < g:                      # the block of the acceptance that happened
-            o = starts[m]
-            draft = d.ids[o + 2:o + sizes[m] + 1]   # entry i + 1 is fed token i
-
-
 def _ar_program(row: _Row, *, gen_length: int, eos_id: int | None
                 ) -> Generator[_Request, Decision, None]:
+    """AR decoding of one row: a prefill forward of the prompt, then one forward per token."""
     p0 = len(row.prompt)
     d = yield _Request("prefill", list(row.prompt), list(range(p0)), need=Need([p0 - 1]))
     row.commit = list(range(p0))
@@ -689,6 +169,8 @@ def _ar_program(row: _Row, *, gen_length: int, eos_id: int | None
 
 
 def _check(gen_length: int, slot_size: int, num_blocks: int) -> int:
+    """The generation region's length G (`gen_length` rounded up to whole slots). Raises
+    ValueError: a size < 1, or the slots are not a multiple of `num_blocks`."""
     if slot_size < 1 or gen_length < 1 or num_blocks < 1:
         raise ValueError("gen_length, slot_size and num_blocks must be >= 1")
     g = math.ceil(gen_length / slot_size) * slot_size
@@ -706,7 +188,8 @@ def refusion_generate(model, prompt_ids, gen_length: int, slot_size: int, num_bl
                       attention_mask: torch.Tensor | None = None,
                       seed: int = 0, verify: str = "authors",
                       mask_attention: str = "causal") -> GenerationOutput:
-    """Plan-and-infill decoding of a batch of prompts with a KV cache (module docstring).
+    """Plan-and-infill decoding of a batch of prompts with a KV cache (docs/METHOD.md "Decoding:
+    plan and infill").
 
     Args:
         model: `pipeline.model.Qwen3` in eval mode (any TP size; every TP rank calls this).
@@ -728,18 +211,15 @@ def refusion_generate(model, prompt_ids, gen_length: int, slot_size: int, num_bl
             instead of keeping each slot's prefix-only keys/values (the reference's choice).
         attention_mask: `Tensor[B, T]` marking real prompt tokens of a padded `prompt_ids`.
         seed: seed of the sampling generator (used only when temperature > 0).
-        verify: "authors" (default: the reference algorithm, module docstring steps 2-3) or
-            "correct" (step 2' of the module docstring: a rejected draft is replaced by the
-            AR head's own token; the KV cache is then always exact and `exact_cache` has no
-            effect) or "draft_ahead" (step 2'': the same rule, one forward per step, the next
-            slot drafted by masks fed after the drafts; slots left to right, `num_blocks`,
-            `slot_threshold` and `exact_cache` unused) or "draft_every" (step 2''': as
-            draft_ahead, with the next slot drafted for every acceptance length by a block of
-            masks each; the same options unused).
+        verify: "authors" (default: the reference algorithm, docs/METHOD.md "One step"),
+            "correct" ("The corrected verify": the KV cache is then always exact and
+            `exact_cache` has no effect), "draft_ahead" ("Drafting inside the verify forward")
+            or "draft_every" ("Drafting for every acceptance length"); the last two decode
+            slots left to right: `num_blocks`, `slot_threshold` and `exact_cache` are unused.
         mask_attention: "causal" (default) or "bidirectional": how the masks of one drafting
-            block attend to each other (module docstring, "mask_attention"); bidirectional
-            matches a model trained with `objective.mode=dual`. Verify draft_ahead and
-            draft_every only.
+            block attend to each other (docs/METHOD.md "Mask attention"; bidirectional matches
+            a model trained with `objective.mode=dual`). Verify draft_ahead and draft_every
+            only.
 
     Returns:
         `GenerationOutput` (generated ids per prompt, forwards by kind, TPF, TPS, the forward
@@ -766,10 +246,11 @@ def refusion_generate(model, prompt_ids, gen_length: int, slot_size: int, num_bl
         r.tokens.extend(r.prompt)
         r.positions.extend(range(len(r.prompt)))
     if left_to_right:
-        program = _draft_ahead_program if verify == "draft_ahead" else _draft_every_program
-        programs = [program(r, gen_length=g, slot_size=slot_size,
-                            token_threshold=token_threshold, mask_id=mask_id, eos_id=eos_id,
-                            bidirectional=mask_attention == "bidirectional") for r in rows]
+        programs = [_left_to_right_program(r, gen_length=g, slot_size=slot_size,
+                                           token_threshold=token_threshold, mask_id=mask_id,
+                                           eos_id=eos_id, every=verify == "draft_every",
+                                           bidirectional=mask_attention == "bidirectional")
+                    for r in rows]
     else:
         programs = [_refusion_program(r, gen_length=g, slot_size=slot_size,
                                       num_blocks=num_blocks, slot_threshold=slot_threshold,
@@ -827,6 +308,7 @@ def ar_generate(model, prompt_ids, gen_length: int, temperature: float, eos_id: 
 
 
 def _check_positions(model, prompts: list[list[int]], g: int) -> None:
+    """Raise ValueError when the longest prompt + `g` exceeds `max_position_embeddings`."""
     cfg = getattr(model, "cfg", None) or getattr(model, "config", None)
     limit = getattr(cfg, "max_position_embeddings", None)
     need = max(len(p) for p in prompts) + g

@@ -1,8 +1,17 @@
 """The batched decoding driver: one model forward per step serving every active row of a
 decode (`_run`), the host-to-device packing of a forward's inputs (`_pack`), the CUDA-graphed
-AR step (`_GraphedStep`). The row programs that say what each row feeds and reads, and the
-decoders' API, are `pipeline.inference.decoding`'s (its module docstring describes the batch
-layout); the decisions read from the logits are `pipeline.inference.decisions`'."""
+AR step (`_GraphedStep`). The decoders' API and AR program are `pipeline.inference.decoding`'s,
+the other row programs, which say what each row feeds and reads, `pipeline.inference.plan_infill`'s
+and `left_to_right`'s (their protocol: `pipeline.inference.rows`), the decisions read from the
+logits `pipeline.inference.decisions`'.
+
+Batch layout of a forward: row b feeds `carry_b + request_b` (carry: tokens encoded and
+committed ahead of the request: the prompt at the first forward, slots re-encoded with
+`exact_cache`, a correction or bonus token), right-padded to the longest row; rows that have
+finished leave the batch (`KVCache.select_rows`). Every tensor the model and the KV cache see
+is on the model's device (the cache in the model's dtype); the logits stay there and are freed
+before the next forward (a program keeps copies of the single rows it needs later: verify
+"correct")."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -153,7 +162,7 @@ def _run(model, rows: list, programs: list, max_len: int, temperature: float,
     device = _model_device(model)
     cache = KVCache.for_model(model, batch_size=len(rows), capacity=max_len)
     graphs = {} if cuda_graph and device.type == "cuda" else None
-    reqs: dict = {}   # row -> its program's pending `_Request` (pipeline.inference.decoding)
+    reqs: dict = {}   # row -> its program's pending `_Request` (pipeline.inference.rows)
     for b, prog in enumerate(programs):
         try:
             reqs[b] = next(prog)
