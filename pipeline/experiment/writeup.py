@@ -587,8 +587,11 @@ def report_markdown(exp, got: dict, runs: dict, tok=None, target: dict | None = 
             L.append(f"| {m} | {_f(v['val_loss'], '.4f')} | {_f(v['val_ar_loss'], '.4f')} | "
                      f"{_f(v['val_mdm_loss'], '.4f')} |")
         L.append("")
-    metric = ("exact match of the final answer (the number after `####`)"
-              if task.metric == "final_answer" else "exact match of the whole answer")
+    metric = {"final_answer": "exact match of the final answer (the number after `####`)",
+              "pass_at_1": "pass@1 in the exact-match columns (the answer passes all its "
+                           "assert tests, run in a sandboxed subprocess: "
+                           "`pipeline.inference.execution`)"}.get(
+                               task.metric, "exact match of the whole answer")
     L += [f"## Decoding `{task.main_set}` ({n_main} examples)", "",
           f"Greedy; {metric}; token accuracy against the reference ids; TPF = generated tokens "
           f"/ forwards; tokens/s at batch {task.decode_batch}; the last column: answers whose "
