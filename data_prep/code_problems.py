@@ -45,6 +45,7 @@ Output is byte-identical for the same options. Exit codes: 0 done; 2 bad options
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import random
@@ -251,9 +252,10 @@ def body_of(steps) -> str:
     return "\n".join("    " + ln for ln in lines)
 
 
+@functools.lru_cache(maxsize=None)
 def compile_body(steps):
     """The canonical function of a composition (signature + body compiled in-process: the
-    generator runs only its own code)."""
+    generator runs only its own code; no body mutates its argument, `make_problem` checks)."""
     g: dict = {}
     exec(compile(signature_of(steps) + "\n" + body_of(steps), "<canonical>", "exec"), g)
     return g["f"]
@@ -279,11 +281,11 @@ def _draw_input(t: str, rng: random.Random):
 
 
 def _outputs(fn, inputs) -> list:
-    """fn on each input (deep copies: bodies never mutate, but be safe); None where it raised."""
+    """("ok", fn(x)) for each input x; None where it raised."""
     out = []
     for x in inputs:
         try:
-            out.append(("ok", fn(json.loads(json.dumps(x)))))
+            out.append(("ok", fn(x)))
         except Exception:  # noqa: BLE001 - a probe the composition does not accept
             out.append(None)
     return out
@@ -345,6 +347,7 @@ def make_problem(steps: tuple) -> Problem | None:
     rng = random.Random("probes:" + key_of(steps))
     t = OPS[steps[0][0]].src
     inputs = [_draw_input(t, rng) for _ in range(PROBES)]
+    before = repr(inputs)
     outs = _outputs(compile_body(steps), inputs)
     usable = [i for i, o in enumerate(outs)
               if o is not None and len(repr(o[1])) <= MAX_REPR and len(repr(inputs[i])) <= MAX_REPR]
@@ -376,6 +379,8 @@ def make_problem(steps: tuple) -> Problem | None:
         best = max(usable, key=lambda i: (sum(i in m for m in left), -i))
         chosen.append(best)
         left = [m for m in left if best not in m]
+    if repr(inputs) != before:
+        raise AssertionError(f"{key_of(steps)}: a body changed its argument")
     if left:
         return None
     chosen.sort()
@@ -468,6 +473,14 @@ def check_held_out_pairs() -> None:
                                      f"in pairs; change UNSEEN_PAIR_FRACTION")
 
 
+def steps_in_train(train: list[Problem], problems: list[Problem]) -> float | None:
+    """Share of `problems` whose every step (operation with its parameter) occurs in some
+    `train` problem: what a model that composes trained steps line by line can solve."""
+    seen = {step_key(s) for p in train for s in p.steps}
+    ok = [all(step_key(s) in seen for s in p.steps) for p in problems]
+    return sum(ok) / len(ok) if ok else None
+
+
 def info(sizes: dict[str, int], seed: int, splits: dict[str, list[Problem]]) -> dict:
     """What `info.json` records."""
     def counts(v):
@@ -487,6 +500,8 @@ def info(sizes: dict[str, int], seed: int, splits: dict[str, list[Problem]]) -> 
             "valid_pairs": len(valid_pairs()),
             "pairs_in_train": len({q for p in splits.get("train", [])
                                    for q in zip(p.composition, p.composition[1:])}),
+            "unseen_steps_in_train": steps_in_train(splits.get("train", []),
+                                                    splits.get("test_unseen", [])),
             "held_out_fraction_per_pool": HELD_OUT_FRACTION,
             "unseen_pair_fraction": UNSEEN_PAIR_FRACTION,
             "tests_per_problem": f"{MIN_TESTS} to {MAX_TESTS} asserts, chosen among {PROBES} "

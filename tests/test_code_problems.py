@@ -172,6 +172,9 @@ def test_unseen_compositions_are_never_trained_but_their_operations_are(splits):
         # each operation of a held-out pair is trained in another pair, in the same place
         for a, b in pairs(p) & held:
             assert any(x == a for x, _ in train_pairs) and any(y == b for _, y in train_pairs)
+    # each step (operation with its parameter) of nearly every unseen problem is trained
+    # (all of them at the task's 20000 training problems)
+    assert cp.steps_in_train(splits["train"], splits["test_unseen"]) >= 0.9
     # most trainable pairs occur in train (3000 problems here; 20000 in the task)
     trainable = set(cp.valid_pairs()) - held
     assert len(train_pairs) >= 0.5 * len(trainable)
