@@ -385,3 +385,11 @@ def test_mbpp_examples_score_their_references_by_execution(tmp_path):
         shifted = [ex[(i + 1) % n]["reference"] for i in range(n)]
         right, _ = score_answers(shifted, ex, task.metric)
         assert not any(right)
+
+
+def test_decode_table_puts_the_body_match_beside_pass_at_1():
+    ar = _row("ar_continued", "ar", None, 1.0, 0.42, 0.9)
+    ar.update(metric="pass_at_1", text_match=0.31)
+    text = "\n".join(wu.decode_table([ar, _row("refusion", "ar", None, 1.0, 0.5, 0.8)]))
+    assert "| 0.420 (body 0.310) |" in text
+    assert "| 0.500 |" in text                   # other metrics: the cell as before
