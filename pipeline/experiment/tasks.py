@@ -443,8 +443,8 @@ class MbppTask(Task):
 
     Fixed before any decode result: the generator's sizes (`sizes`; 20,000 training problems
     of 1-3 composed operations, `data_prep/code_problems.py`), the metric (pass@1 by running
-    the tests, `EXEC_TIMEOUT_S` seconds and `EXEC_MEMORY_BYTES` per answer; whole-body exact
-    match as `text_match`), gen length 64 (the longest training answer is 64 tokens with its
+    the tests with the harness's default limits per answer; whole-body exact match as
+    `text_match`), gen length 64 (the longest training answer is 64 tokens with its
     EOS under the 1000-piece tokenizer), the decodes (`--grid default`: the paper's setting,
     k=4 in 4 blocks of 16, and draft_ahead / draft_every at k 4, 8; `--grid full` adds k 8 in
     4 blocks and one slot per block at k 4, 8), AR decoding of every arm on `unseen`. The
@@ -479,8 +479,6 @@ class MbppTask(Task):
                         "256-token rows, 1% of the training problems held out for the "
                         "validation loss")
     SET_FILES = {"test": "test.jsonl", "unseen": "test_unseen.jsonl", "dev": "dev.jsonl"}
-    EXEC_TIMEOUT_S = 5.0
-    EXEC_MEMORY_BYTES = 512 * 2 ** 20
 
     def problems_dir(self, out: Path) -> Path:
         return out / "problems"
@@ -519,14 +517,15 @@ class MbppTask(Task):
         return out_
 
     def settings_text(self) -> list[str]:
+        from pipeline.inference.execution import DEFAULT_MEMORY_BYTES, DEFAULT_TIMEOUT_S
         s = self.sizes
         return [f"- held-out sets: `test` = {s['test']} problems of the trained compositions, "
                 f"disjoint from training by problem key (operations + parameters); `unseen` = "
                 f"{s['test_unseen']} problems whose composition holds an ordered pair of "
                 f"operations never trained on (each operation trained in other pairs)",
                 f"- metric: pass@1 (greedy; signature + decoded body run against the problem's "
-                f"3-6 assert tests in a sandboxed subprocess, {self.EXEC_TIMEOUT_S:g} s and "
-                f"{self.EXEC_MEMORY_BYTES >> 20} MiB per answer); whole-body exact match and "
+                f"3-6 assert tests in a sandboxed subprocess, {DEFAULT_TIMEOUT_S:g} s and "
+                f"{DEFAULT_MEMORY_BYTES >> 20} MiB per answer); whole-body exact match and "
                 f"token accuracy beside it",
                 f"- gen length {self.gen_length}; `--grid default`: {self.paper_setting.label()} "
                 f"(the paper's setting), verify draft_ahead and draft_every at k {{4, 8}}, token "
