@@ -80,6 +80,13 @@ def test_exit_without_result_is_a_crash_not_a_pass():
     assert r.status == "crashed" and "SIGSEGV" in r.detail
 
 
+def test_cpu_limit_signal_counts_as_timeout():
+    # what RLIMIT_CPU sends (the wall clock, at most the CPU limit, normally ends a loop first)
+    r = ex.run_tests(SIG + "    import os, signal\n    os.kill(os.getpid(), signal.SIGXCPU)\n",
+                     TESTS)
+    assert r.status == "timeout" and "SIGXCPU" in r.detail
+
+
 def test_syntax_error_crashes_at_definition():
     r = ex.run_tests(SIG + "    return sum(xs\n", TESTS)
     assert r.status == "crashed" and r.failed_test == -1 and "SyntaxError" in r.detail

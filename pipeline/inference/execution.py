@@ -186,8 +186,12 @@ def _parse(out_path: Path, nonce: str, rc: int, tests: list[str], seconds: float
             return ExecResult("failed", i, tests[i].strip(), seconds)
         return ExecResult("crashed", i, rest[1] if len(rest) > 1 else "", seconds)
     if rc < 0:
-        sig = signal.Signals(-rc).name if -rc in signal.Signals._value2member_map_ else str(-rc)
-        if -rc == getattr(signal, "SIGXCPU", None) or -rc == signal.SIGKILL:
+        try:
+            sig = signal.Signals(-rc).name
+        except ValueError:
+            sig = f"signal {-rc}"
+        # SIGXCPU at RLIMIT_CPU's soft limit, SIGKILL at its hard one (the same second)
+        if -rc in (getattr(signal, "SIGXCPU", None), signal.SIGKILL):
             return ExecResult("timeout", None, f"CPU-time limit ({sig})", seconds)
         return ExecResult("crashed", None, f"killed by {sig}", seconds)
     return ExecResult("crashed", None, f"exited with code {rc} without a result", seconds)
