@@ -3,7 +3,8 @@
 # scaled-down ReFusion-vs-AR recipe (docs/EXPERIMENTS.md; not part of `make test`) on
 # TASK=math (GSM8K-form word problems, the default; four arms, about 1.6 hours on the
 # 2-core VM of run 5, 2.5 times that on run 4's: docs/EXPERIMENTS.md) or
-# TASK=code (stdlib functions, 47 minutes); EXPERIMENT_ARGS passes options, e.g. "--pretrain-steps 400"
+# TASK=code (stdlib functions, 47 minutes) or TASK=mbpp (MBPP-form code problems, pass@1 by running
+# their tests); EXPERIMENT_ARGS passes options, e.g. "--pretrain-steps 400"
 # or "--arms dual_all --seeds 1234,1235" (stages whose inputs are unchanged are reused).
 PYTHON ?= python3
 VENV ?= .venv

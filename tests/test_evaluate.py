@@ -434,3 +434,46 @@ def test_cli_validation_loss_equals_the_trainers_at_the_runs_row_length(tmp_path
         assert abs(short["val_mdm_loss"] - want["val_mdm_loss"]) > 0.1 * want["val_mdm_loss"]
     else:
         assert short["val_mdm_loss"] == pytest.approx(want["val_mdm_loss"], rel=1e-5)
+
+
+def test_score_answers_pass_at_1_runs_each_answers_tests():
+    """pass_at_1: signature + answer run against the example's tests (planted right, wrong,
+    hanging, crashing answers); text / final_answer metrics are unchanged."""
+    from pipeline.common.cli import UsageError
+    from pipeline.inference.evaluation import score_answers
+    ex = {"signature": "def f(xs):", "tests": ["assert f([1, 2]) == 3", "assert f([]) == 0"]}
+    texts = ["    return sum(xs)", "    return len(xs)", "    while True:\n        pass",
+             "    return xs[5]", "  return sum(xs)"]
+    right, extra = score_answers(texts, [ex] * len(texts), "pass_at_1")
+    assert right == [True, False, False, False, True]
+    assert extra == {"execution": {"passed": 2, "failed": 1, "timeout": 1, "crashed": 1}}
+    assert score_answers(["#### 4", "#### 5"], [{"reference": "x\n#### 4"}] * 2,
+                         "final_answer") == ([True, False], {})
+    with pytest.raises(UsageError, match="signature and tests"):
+        score_answers(["x"], [{"reference": "x"}], "pass_at_1")
+    with pytest.raises(UsageError, match="--metric"):
+        score_answers(["x"], [{"reference": "x"}], "bleu")
+
+
+def test_exact_match_eval_pass_at_1_scores_the_decoded_text(loaded, monkeypatch):
+    """exact_match_eval with metric pass_at_1: the decoded ids' text is what runs; pass@1 in
+    `exact_match`, whole-body equality in `text_match`, per-answer `correct` in the outputs.
+    (The fixture's tokenizer folds whitespace, so ids stand for the bodies through `decode`;
+    the task tokenizer's round trip of bodies: tests/test_code_problems.py.)"""
+    import argparse
+    from pipeline.inference import evaluation as ev
+    bodies = ["    return sum(xs)", "    s = 0\n    for x in xs:\n        s += x\n    return s",
+              "    return 0"]
+    monkeypatch.setattr(loaded, "decode", lambda ids: bodies[ids[0] - 10])
+    monkeypatch.setattr(ev, "decode_examples", lambda loaded_, prompts, args, mode: (
+        [[10 + i, loaded.eos_id] for i in range(len(bodies))],
+        {"tokens": 1, "forwards": 1, "seconds": 1.0, "tpf": 1.0, "tps": 1.0,
+         "commit_forward": [[] for _ in bodies]}))
+    ex = [{"prompt_ids": [5, 6], "reference": "    return sum(xs)", "signature": "def f(xs):",
+           "tests": ["assert f([1, 2]) == 3", "assert f([4]) == 4"]} for _ in bodies]
+    got = ev.exact_match_eval(loaded, ex, argparse.Namespace(), ["ar"], "pass_at_1",
+                              keep_outputs=True)["ar"]
+    assert got["exact_match"] == pytest.approx(2 / 3)
+    assert got["text_match"] == pytest.approx(1 / 3)
+    assert [o["correct"] for o in got["outputs"]] == [True, True, False]
+    assert got["execution"] == {"passed": 2, "failed": 1, "timeout": 0, "crashed": 0}

@@ -20,7 +20,7 @@ def _row(model, mode, setting, tpf, em, acc, tps=100.0, set_name="val", outputs=
     return r
 
 
-@pytest.mark.parametrize("name", ["code", "math"])
+@pytest.mark.parametrize("name", ["code", "math", "mbpp"])
 def test_jobs_are_unique_and_fit_the_generation_length(name):
     task = TASKS[name]
     jobs = task.jobs()
@@ -350,3 +350,46 @@ def test_eval_workers_take_unclaimed_items_and_leave_batch_1_to_the_parent(tmp_p
     assert all(d[0] == "decode" and d[3].batch_size == 1 for d in done)
     parent._clear_claims()
     assert not list(tmp_path.rglob("*.claim"))
+
+
+def test_mbpp_examples_score_their_references_by_execution(tmp_path):
+    """The mbpp task's examples (from data_prep/code_problems.py and its tokenizer): the
+    reference ids decode to the reference body; scored by the task's metric, the references
+    pass (pass@1 1.0) and another problem's body does not."""
+    import subprocess
+    import sys
+    from data_prep import code_problems as cp
+    from pipeline.inference.evaluation import score_answers
+    task = TASKS["mbpp"]
+    assert task.metric == "pass_at_1" and task.unseen_set == "unseen"
+    probs = task.problems_dir(tmp_path)
+    cp.write_splits(probs, {"train": 300, "test": 12, "dev": 4, "test_unseen": 8}, seed=0)
+    spm = task.spm(tmp_path)
+    spm.parent.mkdir(parents=True)
+    r = subprocess.run([sys.executable, "data_prep/train_tokenizer.py", "--input",
+                        str(probs / "train.jsonl"), "--output", str(spm), "--vocab-size", "500"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    from pipeline.tokenizer import load_tokenizer
+    tok = load_tokenizer(str(spm))
+    for set_name, n in (("test", 12), ("unseen", 8)):
+        ex = task.examples(tmp_path, set_name)
+        assert len(ex) == n
+        for e in ex:
+            assert e["reference_ids"][-1] == tok.info.eos_id
+            assert tok.sp.DecodeIds(e["reference_ids"][:-1]) == e["reference"]
+            assert e["query"].endswith("\n" + e["signature"]) and len(e["tests"]) >= 3
+            assert len(e["reference_ids"]) <= task.gen_length
+        right, extra = score_answers([e["reference"] for e in ex], ex, task.metric)
+        assert right == [True] * n and extra["execution"]["passed"] == n
+        shifted = [ex[(i + 1) % n]["reference"] for i in range(n)]
+        right, _ = score_answers(shifted, ex, task.metric)
+        assert not any(right)
+
+
+def test_decode_table_puts_the_body_match_beside_pass_at_1():
+    ar = _row("ar_continued", "ar", None, 1.0, 0.42, 0.9)
+    ar.update(metric="pass_at_1", text_match=0.31)
+    text = "\n".join(wu.decode_table([ar, _row("refusion", "ar", None, 1.0, 0.5, 0.8)]))
+    assert "| 0.420 (body 0.310) |" in text
+    assert "| 0.500 |" in text                   # other metrics: the cell as before

