@@ -1,7 +1,7 @@
 """bench/gpu_check.sh refuses to run without CUDA in one clear line (exit 2).
 
 Its reduced CPU smoke mode (GPU_CHECK_SMOKE=1) takes minutes on 2 cores, too long for the suite;
-README "GPU and SLURM settings" says how it was run.
+docs/PERFORMANCE.md "The one-GPU check" says how it was run.
 """
 import os
 import subprocess

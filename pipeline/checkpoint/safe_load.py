@@ -6,7 +6,7 @@ checkpoint folder by our code goes through it) and `check_checkpoint_files` (for
 DeepSpeed's converters then unpickle themselves). Must not touch: where files are
 (`pipeline.checkpoint.store`), what they mean (`store`, `reshard`, `consolidate`), DeepSpeed's
 own loaders (`engine.load_checkpoint` unpickles a run's checkpoint on resume with
-`weights_only=False`; README "Security").
+`weights_only=False`; docs/EVALUATION.md "Security").
 
 A pickle can name any importable function (`os.system`, `builtins.exec`) and have it called
 on load; `weights_only=True` only rebuilds tensors, containers, numbers and strings, plus the

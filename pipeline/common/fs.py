@@ -6,7 +6,7 @@ loader (`pipeline.data.shard_io`).
 """
 from __future__ import annotations
 
-# fsspec protocol -> the package that provides its filesystem (README "Remote data")
+# fsspec protocol -> the package that provides its filesystem (docs/TRAINING.md "Reading the shards")
 FS_PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "http": "aiohttp",
                "https": "aiohttp", "abfs": "adlfs", "az": "adlfs", "hf": "huggingface_hub",
                "sftp": "paramiko", "ssh": "paramiko"}
