@@ -216,3 +216,28 @@ def test_bad_mixtures_are_refused_in_one_line(dirs):
     with pytest.raises(DataError, match="trained on one folder.*data.phase above 0"):
         _loader(dirs).load_state_dict(one.state_dict())
     assert _loader(dirs, phase=1).load_state_dict(one.state_dict())["phase"] == 1
+
+
+@pytest.mark.parametrize("verify", ["error", "warn"])
+def test_a_damaged_shard_of_one_source_is_named(tmp_path, verify, capsys):
+    """Verification holds per source: a sample damaged in place in the second source's shard
+    stops the blend with one line naming that shard ("error"), or warns and trains on."""
+    rng = np.random.default_rng(4)
+    for name in ("a", "b"):
+        write_shards(str(tmp_path / name), {"train": random_samples(rng, 12, max_length=30)},
+                     samples_per_shard=6, key_prefix=f"{name}/")
+    shard = tmp_path / "b" / "train-000001.tar"
+    data = bytearray(shard.read_bytes())
+    at = data.index(b"\x93NUMPY") + 140    # a token of the first array (128-byte header)
+    data[at:at + 4] = (5 if data[at:at + 4] != b"\x05\x00\x00\x00" else 6).to_bytes(4, "little")
+    shard.write_bytes(bytes(data))
+    src = [Source("a", str(tmp_path / "a"), 1), Source("b", str(tmp_path / "b"), 1)]
+    loader = build_loader(src, "train", 2, ROW, seed=5, num_workers=0, pack=True,
+                          shuffle_buffer=10, verify_shards=verify)
+    if verify == "error":
+        with pytest.raises(DataError, match=r"b/train-000001\.tar") as err:
+            _take(loader, 12)
+        assert "\n" not in str(err.value)
+    else:
+        _take(loader, 12)
+        assert "b/train-000001.tar" in capsys.readouterr().err
