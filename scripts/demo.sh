@@ -129,6 +129,7 @@ stage_done "summary"
 # ---------------------------------------------------------------- 7. plots
 echo "== 7. plots"
 "$PY" -m pipeline.report "$RUN" --output "$OUT/report"
-echo "pictures: $OUT/report/loss.png (losses), $OUT/report/throughput.png (tokens/s, memory);" \
+echo "pictures: $OUT/report/loss.png (losses), $OUT/report/throughput.png (tokens/s, memory)," \
+  "$OUT/report/sources.png (loss and token share per data source);" \
   "summary: $OUT/report/summary.md"
 stage_done "plots"
