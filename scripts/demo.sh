@@ -70,7 +70,7 @@ stage_done "data"
 # $RUN/checkpoints (a rerun resumes from the latest one).
 RUN=${RUN:-$OUT/run}
 NPROC=${NPROC:-2}
-TRAIN_STEPS=${TRAIN_STEPS:-500}
+TRAIN_STEPS=${TRAIN_STEPS:-560}
 export DS_ACCELERATOR=${DS_ACCELERATOR:-cpu}
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/.cache/torch_extensions}
 export WANDB_MODE=${WANDB_MODE:-offline}

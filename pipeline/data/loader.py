@@ -49,6 +49,12 @@ the samples of one window; it does not depend on dp_size, micro_batch_size or nu
   refused at start-up in one line naming `python data_prep/shard.py index DIR`, which writes
   them: a DataError (exit 2) rather than a fallback to the tar walk, so no job silently pays
   ~45 us a sample per shard per worker at every start.
+Mixtures (`build_loader` given `mixture.Source`s): the folders' shards are numbered one after
+another; training reads the blend (`_BlendOrder`: window w is `shuffle_buffer` draws of
+`pipeline.data.mixture.draw` from the blend state at its start, each source's samples in its own
+one-folder order seeded by its name, each sample reorganized with its source's epoch), packed
+like a one-folder window; the cursor is (phase, window, row) with the blend state of the window
+(`_blend`); a one-pass loader reads the folders in turn. Batches carry each token's source.
 Signals: loader workers ignore SIGTERM, SIGINT and SIGUSR1 (`_worker_init`). SLURM preemption /
 scancel and a terminal's Ctrl-C signal every process of the job, workers included, and torch's
 own worker handler would make a worker die, killing the trainer's next `next()` before it can
