@@ -287,7 +287,52 @@ class CodeTask(Task):
                 f"threshold {{0.1, 0.5, 0.9}}, {self.num_blocks} blocks, verify authors"]
 
 
-class MathTask(Task):
+class _GeneratedTask(Task):
+    """A task whose problems come from an embedded generator (`generator`, a data_prep script
+    writing train / dev / test / test_unseen JSONL and info.json), a SentencePiece tokenizer
+    trained on its training problems, and shards of them; `example_fields`: record fields each
+    example keeps besides the prompt and reference (for the task's metric)."""
+    generator = ""
+    example_fields: tuple = ()
+    SET_FILES = {"test": "test.jsonl", "unseen": "test_unseen.jsonl", "dev": "dev.jsonl"}
+
+    def problems_dir(self, out: Path) -> Path:
+        return out / "problems"
+
+    def prepare(self, out: Path, run) -> bool:
+        shards, spm, probs = self.shards(out), self.spm(out), self.problems_dir(out)
+        if ((shards / "manifest.json").is_file() and spm.is_file()
+                and (probs / "info.json").is_file()):
+            return False
+        py = sys.executable
+        if not (probs / "info.json").is_file():
+            run([py, self.generator, "--output", str(probs), "--seed",
+                 str(self.seed)] + [a for s, n in self.sizes.items()
+                                    for a in (f"--{s.replace('_', '-')}", str(n))])
+        if not spm.is_file():
+            run([py, "data_prep/train_tokenizer.py", "--input", str(probs / "train.jsonl"),
+                 "--output", str(spm), "--vocab-size", str(self.vocab_pieces)])
+        run([py, "data_prep/shard.py", "--input", str(probs / "train.jsonl"), "--format", "auto",
+             "--tokenizer", str(spm), "--output", str(shards), "--max-length", "256",
+             "--val-fraction", "0.01", "--slot-sizes", "4,8,16,32", "--seed", "0",
+             "--workers", "2", "--no-progress", "--overwrite"])
+        return True
+
+    def examples(self, out: Path, set_name: str) -> list[dict]:
+        """As `Task.examples`, each also with the record's `example_fields`."""
+        from pipeline.tokenizer import load_tokenizer
+        tok = load_tokenizer(str(self.spm(out)))
+        path = self.problems_dir(out) / self.SET_FILES[set_name]
+        out_ = []
+        for line in path.read_text().splitlines():
+            r = json.loads(line)
+            out_.append({"prompt_ids": tok.prompt_ids(r["query"]), "reference": r["response"],
+                         "reference_ids": tok.encode(r["response"]) + [tok.info.eos_id],
+                         "query": r["query"], **{f: r[f] for f in self.example_fields}})
+        return out_
+
+
+class MathTask(_GeneratedTask):
     """Issue 20: GSM8K-form word problems (see the module docstring).
 
     Fixed before any decode result of the experiment's models: the generator's sizes and
@@ -376,41 +421,7 @@ class MathTask(Task):
                         "training problems, SentencePiece 1000 pieces, one problem per sample "
                         "(<= 256 tokens), 1% of the training problems held out for the "
                         "validation loss")
-    SET_FILES = {"test": "test.jsonl", "unseen": "test_unseen.jsonl", "dev": "dev.jsonl"}
-
-    def problems_dir(self, out: Path) -> Path:
-        return out / "problems"
-
-    def prepare(self, out: Path, run) -> bool:
-        shards, spm, probs = self.shards(out), self.spm(out), self.problems_dir(out)
-        if ((shards / "manifest.json").is_file() and spm.is_file()
-                and (probs / "info.json").is_file()):
-            return False
-        py = sys.executable
-        if not (probs / "info.json").is_file():
-            run([py, "data_prep/math_problems.py", "--output", str(probs), "--seed",
-                 str(self.seed)] + [a for s, n in self.sizes.items()
-                                    for a in (f"--{s.replace('_', '-')}", str(n))])
-        if not spm.is_file():
-            run([py, "data_prep/train_tokenizer.py", "--input", str(probs / "train.jsonl"),
-                 "--output", str(spm), "--vocab-size", str(self.vocab_pieces)])
-        run([py, "data_prep/shard.py", "--input", str(probs / "train.jsonl"), "--format", "auto",
-             "--tokenizer", str(spm), "--output", str(shards), "--max-length", "256",
-             "--val-fraction", "0.01", "--slot-sizes", "4,8,16,32", "--seed", "0",
-             "--workers", "2", "--no-progress", "--overwrite"])
-        return True
-
-    def examples(self, out: Path, set_name: str) -> list[dict]:
-        from pipeline.tokenizer import load_tokenizer
-        tok = load_tokenizer(str(self.spm(out)))
-        path = self.problems_dir(out) / self.SET_FILES[set_name]
-        out_ = []
-        for line in path.read_text().splitlines():
-            r = json.loads(line)
-            out_.append({"prompt_ids": tok.prompt_ids(r["query"]), "reference": r["response"],
-                         "reference_ids": tok.encode(r["response"]) + [tok.info.eos_id],
-                         "query": r["query"]})
-        return out_
+    generator = "data_prep/math_problems.py"
 
     def settings_text(self) -> list[str]:
         s = self.sizes
@@ -438,7 +449,7 @@ class MathTask(Task):
                 f"of ar_continued's exact match, else the largest exact match)"]
 
 
-class MbppTask(Task):
+class MbppTask(_GeneratedTask):
     """Issue 44: MBPP-form code problems judged by execution (see the module docstring).
 
     Fixed before any decode result: the generator's sizes (`sizes`; 20,000 training problems
@@ -478,43 +489,8 @@ class MbppTask(Task):
                         "training problems, SentencePiece 1000 pieces, problems packed into "
                         "256-token rows, 1% of the training problems held out for the "
                         "validation loss")
-    SET_FILES = {"test": "test.jsonl", "unseen": "test_unseen.jsonl", "dev": "dev.jsonl"}
-
-    def problems_dir(self, out: Path) -> Path:
-        return out / "problems"
-
-    def prepare(self, out: Path, run) -> bool:
-        shards, spm, probs = self.shards(out), self.spm(out), self.problems_dir(out)
-        if ((shards / "manifest.json").is_file() and spm.is_file()
-                and (probs / "info.json").is_file()):
-            return False
-        py = sys.executable
-        if not (probs / "info.json").is_file():
-            run([py, "data_prep/code_problems.py", "--output", str(probs), "--seed",
-                 str(self.seed)] + [a for s, n in self.sizes.items()
-                                    for a in (f"--{s.replace('_', '-')}", str(n))])
-        if not spm.is_file():
-            run([py, "data_prep/train_tokenizer.py", "--input", str(probs / "train.jsonl"),
-                 "--output", str(spm), "--vocab-size", str(self.vocab_pieces)])
-        run([py, "data_prep/shard.py", "--input", str(probs / "train.jsonl"), "--format", "auto",
-             "--tokenizer", str(spm), "--output", str(shards), "--max-length", "256",
-             "--val-fraction", "0.01", "--slot-sizes", "4,8,16,32", "--seed", "0",
-             "--workers", "2", "--no-progress", "--overwrite"])
-        return True
-
-    def examples(self, out: Path, set_name: str) -> list[dict]:
-        """As `Task.examples`, each with "signature" and "tests" (the pass@1 metric's)."""
-        from pipeline.tokenizer import load_tokenizer
-        tok = load_tokenizer(str(self.spm(out)))
-        path = self.problems_dir(out) / self.SET_FILES[set_name]
-        out_ = []
-        for line in path.read_text().splitlines():
-            r = json.loads(line)
-            out_.append({"prompt_ids": tok.prompt_ids(r["query"]), "reference": r["response"],
-                         "reference_ids": tok.encode(r["response"]) + [tok.info.eos_id],
-                         "query": r["query"], "signature": r["signature"],
-                         "tests": r["tests"]})
-        return out_
+    generator = "data_prep/code_problems.py"
+    example_fields = ("signature", "tests")   # the pass@1 metric's
 
     def settings_text(self) -> list[str]:
         from pipeline.inference.execution import DEFAULT_MEMORY_BYTES, DEFAULT_TIMEOUT_S
