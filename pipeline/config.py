@@ -783,8 +783,11 @@ def _validate(cfg: DictConfig, world_size: int | None) -> Plan:
     manifest = manifests[0]
     longest = max(int(m["max_length"]) for m in manifests)
     ml = cfg.data.max_length
-    need(ml is None or ml >= longest,
-         f"data.max_length={ml} is shorter than the shards' max_length {longest}")
+    if ml is not None and ml < longest:
+        k = max(range(len(sources)), key=lambda i: int(manifests[i]["max_length"]))
+        where = f" (data.sources[{k}] {sources[k].name!r}, {sources[k].dir})" if cfg.data.sources else ""
+        raise ConfigError(f"data.max_length={ml} is shorter than the shards' max_length "
+                          f"{longest}{where}")
     row = ml or longest
     mpe = fields.get("max_position_embeddings")
     need(mpe is None or row <= mpe,
