@@ -62,6 +62,9 @@ def test_refusals_before_any_step(mix, tmp_path):
                                   "train.eval_interval=0"))
     assert "data.sources[1] (math)" in line and "'web'" in line and "'math'" in line
     assert "tokenizer.hash 'fixture-0' vs 'other-1'" in line
+    line = _one_line_error(_train(config, tmp_path / "d", "data.max_length=16"))
+    assert line.endswith(f"data.max_length=16 is shorter than the shards' max_length 24 "
+                         f"(data.sources[0] 'web', {base / 'web'})")
     line = _one_line_error(_train(config, tmp_path / "c", f"data.dir={base / 'web'}"))
     assert line.endswith("data: set exactly one of data.dir (one shard folder) and data.sources "
                          "(a mixture); both are set")
