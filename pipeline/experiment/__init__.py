@@ -8,7 +8,8 @@ fixed choices (`tasks`: `code` and `math`), the identity of a stage's inputs and
 (it runs `pipeline.train`, `pipeline.export` and data_prep as subprocesses and calls
 `pipeline.inference.evaluation` and `pipeline.report` as libraries).
 """
-from pipeline.experiment.recipe import Experiment, StageError, main
+from pipeline.experiment.recipe import Experiment, main
+from pipeline.experiment.stage import StageError
 from pipeline.experiment.tasks import TASKS, Setting
 
 __all__ = ["Experiment", "StageError", "main", "TASKS", "Setting"]

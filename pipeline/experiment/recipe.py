@@ -54,9 +54,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -64,8 +62,10 @@ from pathlib import Path
 from pipeline.common.cli import EXIT_USAGE, hidden_alias
 from pipeline.common.atomic_io import write_json, write_text
 from pipeline.experiment import reuse
-from pipeline.experiment.tasks import (AR, ARM_OBJECTIVES, ARM_ROW_TOKENS, GRIDS, ROOT,
-                                      ROW_TOKENS, TASKS, Setting, Task)
+from pipeline.experiment.stage import (SKIPPED, StageError, _log, _run_many, boundary_run,
+                                      split_seed)
+from pipeline.experiment.tasks import (AR, ARM_OBJECTIVES, ARM_ROW_TOKENS, GRIDS, ROW_TOKENS,
+                                      TASKS, Setting, Task)
 
 VAL_LOSS_BATCHES = 40              # micro-batches of 4 samples (160 of the validation split)
 # Issue 34's target, fixed before any result (docs/EXPERIMENTS.md keeps the earlier ones): at
@@ -88,11 +88,6 @@ RUN_LABELS = {"pretrain_ar": "1. AR pretraining (from scratch)",
               "dual_refusion_ar16": "2i. dual objective, dual_masking=refusion, ar_weight=16"}
 
 
-def boundary_run(fraction: float) -> str:
-    """Run (and export) folder name of a `refusion_boundary` arm with this natural-order share."""
-    return f"refusion_boundary_f{fraction:g}"
-
-
 def choose_fraction(ar_em: dict, tpf: dict, baseline_em: float, ratio: float = SWEEP_EM_RATIO
                     ) -> float:
     """The sweep's rule (fixed in `pipeline.experiment.tasks` before any result): among the
@@ -112,19 +107,6 @@ def choose_fraction(ar_em: dict, tpf: dict, baseline_em: float, ratio: float = S
     if ok:
         return max(ok, key=lambda f: (tpf[f], -f))
     return max(fs, key=lambda f: (ar_em[f], -f))
-
-
-SKIPPED = "skipped"                # a stage's return value: the options do not ask for it
-
-
-class StageError(RuntimeError):
-    """A stage's command failed (message: the command and its exit code)."""
-
-
-def split_seed(name: str) -> tuple[str, int | None]:
-    """`refusion_seed1235` -> ("refusion", 1235); a name without the suffix -> (name, None)."""
-    m = re.fullmatch(r"(.+)_seed(\d+)", name)
-    return (m.group(1), int(m.group(2))) if m else (name, None)
 
 
 def parse_arms(text: str) -> list[str]:
@@ -158,37 +140,6 @@ def parse_seeds(text: str) -> list[int]:
     if not seeds or min(seeds) < 0 or len(set(seeds)) != len(seeds):
         raise UsageError(f"--seeds {text!r}: expected distinct integers >= 0")
     return seeds
-
-
-def _log(msg: str) -> None:
-    print(f"[experiment {time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def _env(threads: int) -> dict:
-    env = dict(os.environ)
-    env.update({"OMP_NUM_THREADS": str(threads), "DS_ACCELERATOR": env.get("DS_ACCELERATOR", "cpu"),
-                "WANDB_MODE": env.get("WANDB_MODE", "offline"),
-                "PYTHONWARNINGS": env.get("PYTHONWARNINGS", "ignore::FutureWarning"),
-                "PYTHONUNBUFFERED": "1",
-                "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))})
-    env.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions"))
-    return env
-
-
-def _run_many(cmds: list[list[str]], threads: int) -> None:
-    """Run commands concurrently from the repository root; raise StageError for the first
-    that failed (after all have ended)."""
-    from pipeline.parallel import free_port
-    procs = []
-    for cmd in cmds:
-        _log("$ " + " ".join(cmd))
-        env = _env(threads)
-        env["MASTER_PORT"] = str(free_port())   # a bare trainer's gloo rendezvous: one each
-        procs.append((cmd, subprocess.Popen(cmd, cwd=ROOT, env=env)))
-    failed = [(cmd, p.wait()) for cmd, p in procs]
-    for cmd, rc in failed:
-        if rc != 0:
-            raise StageError(f"exit code {rc}: {' '.join(cmd)}")
 
 
 class Experiment:
