@@ -62,6 +62,7 @@ from pathlib import Path
 from pipeline.common.cli import EXIT_USAGE, hidden_alias
 from pipeline.common.atomic_io import write_json, write_text
 from pipeline.experiment import reuse
+from pipeline.experiment.data import DataStage
 from pipeline.experiment.stage import (SKIPPED, StageError, _log, _run_many, boundary_run,
                                       split_seed)
 from pipeline.experiment.tasks import (AR, ARM_OBJECTIVES, ARM_ROW_TOKENS, GRIDS, ROW_TOKENS,
@@ -142,7 +143,7 @@ def parse_seeds(text: str) -> list[int]:
     return seeds
 
 
-class Experiment:
+class Experiment(DataStage):
     """The stages of one task over one output folder; see the module docstring.
 
     Args:
@@ -293,19 +294,6 @@ class Experiment:
     def eval_path(self, model: str, set_name: str, s: Setting) -> Path:
         return self.eval_dir / set_name / f"{model}__{s.name()}.json"
 
-    def examples(self, set_name: str) -> list[dict]:
-        """The held-out examples of a set (the first `limit_examples` when set)."""
-        if set_name not in self._examples:
-            ex = self.task.examples(self.out, set_name)
-            self._examples[set_name] = ex[:self.limit_examples] if self.limit_examples else ex
-        return self._examples[set_name]
-
-    # ---------------------------------------------------------------- 0. data
-    def stage_data(self):
-        if not self.task.prepare(self.out, lambda cmd: _run_many([cmd], self.threads)):
-            _log(f"data: {self.shards} exists, kept")
-            return False
-
     # ---------------------------------------------------------------- 1./2. training
     def _finished(self, name: str, steps: int) -> bool:
         from pipeline.checkpoint import find_latest
@@ -346,11 +334,6 @@ class Experiment:
         return ([("pretrain_ar", self.pretrain_steps, self.pretrain_overrides())]
                 + [(r, self.finetune_steps, self.finetune_overrides(r))
                    for r in self.stage2_runs()])
-
-    def data_fingerprint(self) -> str:
-        if self._data_fp is None:
-            self._data_fp = reuse.data_fingerprint(self.shards)
-        return self._data_fp
 
     def run_inputs(self, name: str, steps: int, overrides: list[str]) -> dict:
         """The inputs record of a run (`pipeline.experiment.reuse.run_inputs`); a stage-2 run's
