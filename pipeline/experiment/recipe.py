@@ -54,7 +54,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -63,6 +62,7 @@ from pipeline.common.cli import EXIT_USAGE, hidden_alias
 from pipeline.common.atomic_io import write_json, write_text
 from pipeline.experiment import reuse
 from pipeline.experiment.data import DataStage
+from pipeline.experiment.export import ExportStage
 from pipeline.experiment.training import TrainingStage
 from pipeline.experiment.stage import (SKIPPED, StageError, _log, _run_many, boundary_run,
                                       split_seed)
@@ -143,7 +143,7 @@ def parse_seeds(text: str) -> list[int]:
     return seeds
 
 
-class Experiment(DataStage, TrainingStage):
+class Experiment(DataStage, TrainingStage, ExportStage):
     """The stages of one task over one output folder; see the module docstring.
 
     Args:
@@ -286,28 +286,7 @@ class Experiment(DataStage, TrainingStage):
     def eval_path(self, model: str, set_name: str, s: Setting) -> Path:
         return self.eval_dir / set_name / f"{model}__{s.name()}.json"
 
-    def stage_export(self, name: str):
-        """Export a run's latest checkpoint to `hf_dir`, unless the export there came from this
-        run as it is (`reuse.check_export`); record its source (`source.json`)."""
-        from pipeline.checkpoint import find_latest
-        hf, run = self.hf_dir(name), self.run_dir(name)
-        if reuse.check_export(hf, run, self.key(name)):
-            _log(f"export {name}: {hf} is the export of this run, reused")
-            return False
-        _run_many([[sys.executable, "-m", "pipeline.export",
-                    str(run / "checkpoints"), str(hf), "--tokenizer",
-                    str(self.shards / "tokenizer"), "--dtype", "float32", "--overwrite"]],
-                  self.threads)
-        shutil.copy(self.shards / "tokenizer" / "tokenizer.model", hf / "tokenizer.model")
-        reuse.write_source(hf, run, self.key(name), find_latest(run / "checkpoints").name)
-
     # ---------------------------------------------------------------- 3. evaluation
-    def export_key(self, model: str) -> str | None:
-        """The key of the run the current export of `model` came from (its `source.json`), or
-        None (no export, or one from before these records)."""
-        src = self.hf_dir(model) / reuse.SOURCE
-        return json.loads(src.read_text()).get("key") if src.is_file() else None
-
     def _cached(self, path: Path, model: str) -> dict | None:
         """A cached result, if it was computed from the current export of `model`: the result
         records the export's run key (`model_key`) and it is the export's now; for a result or
