@@ -15,6 +15,11 @@ class DataStage:
     """Stage 0 of `recipe.Experiment` (see the module docstring)."""
 
     def stage_data(self):
+        """Make the task's data under `out` (`Task.prepare`); False when the shards were there.
+
+        Raises:
+            StageError: a data_prep command failed.
+        """
         if not self.task.prepare(self.out, lambda cmd: _run_many([cmd], self.threads)):
             _log(f"data: {self.shards} exists, kept")
             return False
@@ -27,6 +32,7 @@ class DataStage:
         return self._examples[set_name]
 
     def data_fingerprint(self) -> str:
+        """The shards' fingerprint (`reuse.data_fingerprint`), computed once per instance."""
         if self._data_fp is None:
             self._data_fp = reuse.data_fingerprint(self.shards)
         return self._data_fp

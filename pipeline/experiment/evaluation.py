@@ -220,6 +220,9 @@ class EvaluationStage:
         return False
 
     def stage_eval(self):
+        """Stage 3: the validation loss of every model (`VAL_LOSS_BATCHES`), then every decode of
+        `jobs()` not cached (`_cached`); in a worker, only unclaimed items and no batch-1 decode.
+        Returns False when everything was cached."""
         import torch
         from pipeline.training.validation import validation_loss
         from pipeline.inference.loading import load_for_inference

@@ -5,12 +5,16 @@
         [--pretrain-steps N] [--finetune-steps N] [--micro-batch-size B] [--threads T]
         [--nproc P] [--parallel [N]] [--sweep] [--natural-order-fraction F] [--only-report]
 
-Owns: the experiment's stages, their reuse decisions and timings. Must not touch:
-training, decoding, evaluation loops, plotting of one run (it calls `pipeline.train`,
+Owns: the CLI, the order of the stages and their timings (`Experiment.run`, `_timed`), the
+names and folders of runs, models and results (`Experiment`). Must not touch: training,
+decoding, evaluation loops, plotting of one run (it calls `pipeline.train`,
 `pipeline.export` and data_prep as subprocesses, `pipeline.evaluate` and `pipeline.report` as
-libraries). The task's fixed choices are in `pipeline.experiment.tasks`, what identifies a
-stage's inputs in `pipeline.experiment.reuse`, the diagnosis in
-`pipeline.experiment.diagnosis`, the report text and figures in `pipeline.experiment.writeup`.
+libraries). Each stage's work and reuse decision is a class `Experiment` mixes in:
+`pipeline.experiment.data` (0), `.training` (1, 2), `.export`, `.evaluation` (2b, 3, 3b),
+`.report` (4); what they share is in `.stage`. The task's fixed choices are in
+`pipeline.experiment.tasks`, what identifies a stage's inputs in `pipeline.experiment.reuse`,
+the diagnosis's measures in `pipeline.experiment.diagnosis`, the report text and figures in
+`pipeline.experiment.writeup`.
 
 Stages (each reused when its result exists and was made from the same inputs, so an
 interrupted run resumes with the same command, and a new arm or seed reuses the pretraining;
@@ -103,7 +107,10 @@ def parse_seeds(text: str) -> list[int]:
 
 
 class Experiment(DataStage, TrainingStage, ExportStage, EvaluationStage, ReportStage):
-    """The stages of one task over one output folder; see the module docstring.
+    """The stages of one task over one output folder; see the module docstring. Each stage's
+    methods come from its mixin (`DataStage`, `TrainingStage`, `ExportStage`, `EvaluationStage`,
+    `ReportStage`); this class holds the state they share, set here, and the names of runs,
+    models and results.
 
     Args:
         task: a `pipeline.experiment.tasks.Task` (or its name).
@@ -237,12 +244,15 @@ class Experiment(DataStage, TrainingStage, ExportStage, EvaluationStage, ReportS
         return boundary_run(self.fraction) + ("" if seed is None else f"_seed{seed}")
 
     def run_dir(self, name: str) -> Path:
+        """`<out>/runs/<run_name(name)>`: a run's folder (checkpoints, metrics, inputs)."""
         return self.out / "runs" / self.run_name(name)
 
     def hf_dir(self, name: str) -> Path:
+        """`<out>/hf/<run_name(name)>`: the export of a run."""
         return self.out / "hf" / self.run_name(name)
 
     def eval_path(self, model: str, set_name: str, s: Setting) -> Path:
+        """`<eval_dir>/<set>/<model>__<setting name>.json`: the cached result of a decode."""
         return self.eval_dir / set_name / f"{model}__{s.name()}.json"
 
     def run(self) -> Path:

@@ -107,6 +107,8 @@ class ReportStage:
         return runs
 
     def stage_report(self) -> Path:
+        """Write `loss.png`, `frontier.png` and `report.md` (atomically) under `out`; returns
+        the path of `report.md`."""
         from pipeline.experiment.writeup import plot_frontier, report_markdown
         from pipeline.report import plot_loss
         runs = self.training_runs()

@@ -51,6 +51,7 @@ class TrainingStage:
                     overrides)
 
     def train_command(self, name: str, steps: int, overrides: list[str]) -> list[str]:
+        """The `pipeline.train` command line of a run (torchrun when `nproc` > 1)."""
         launch = ([sys.executable] if self.nproc == 1 else
                   [sys.executable, "-m", "torch.distributed.run", "--standalone",
                    "--nproc_per_node", str(self.nproc)])
