@@ -201,7 +201,8 @@ def test_the_boundary_arm_its_runs_and_the_sweep_rule(tmp_path):
     """Issue 26's third arm: both ReFusion arms get every grid decode plus draft_ahead; the arm
     trains with boundary labels and its share, in a folder named by the share; `--sweep` adds
     one run per share; the sweep's rule picks the largest TPF among shares within 90% of AR."""
-    from pipeline.experiment.recipe import boundary_run, choose_fraction
+    from pipeline.experiment.evaluation import choose_fraction
+    from pipeline.experiment.stage import boundary_run
     t = TASKS["math"]
     jobs = t.jobs()
     for m in ("refusion", "refusion_boundary"):

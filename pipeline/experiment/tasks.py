@@ -89,7 +89,7 @@ AR = Setting()
 LEFT_TO_RIGHT = ("draft_ahead", "draft_every")
 GRIDS = ("default", "full")
 # The stage-2 arms `--arms` may name, with the objective options each trains with (besides the
-# options every stage-2 run shares, `recipe.Experiment.finetune_overrides`);
+# options every stage-2 run shares, `training.TrainingStage.finetune_overrides`);
 # `refusion_boundary` adds its natural-order share.
 ARM_OBJECTIVES = {
     "refusion": ("objective.mode=refusion",),
@@ -117,7 +117,7 @@ ARM_OBJECTIVES = {
 # Arms fed in longer rows: a dual-stream sample (clean tokens + masked copies of its slots) is
 # about twice a problem's length, so 256-token rows would hold one sample and pad the rest
 # (measured on the math shards: 75% real tokens against 95% for `refusion`). These arms take
-# rows of this many tokens and proportionally fewer rows per step (`recipe.Experiment.
+# rows of this many tokens and proportionally fewer rows per step (`training.TrainingStage.
 # train_overrides`), so every arm is fed the same tokens per step, padding included.
 ARM_ROW_TOKENS = {arm: 512 for arm, opts in ARM_OBJECTIVES.items() if "objective.mode=dual" in opts}
 ROW_TOKENS = 256          # the shards' max_length and the other arms' row length
@@ -381,7 +381,7 @@ class MathTask(_GeneratedTask):
                    for k in (4, 8, 16))
     # Issue 26: the third arm, its decodes (drafting inside the verify forward, lossless at
     # greedy / token threshold 0.9), tokens/s at batch 1, and the natural-order sweep; fixed
-    # before any result of the arm. The sweep's rule (`recipe.choose_fraction`): on `dev`, the
+    # before any result of the arm. The sweep's rule (`evaluation.choose_fraction`): on `dev`, the
     # largest TPF of draft_ahead k=8 among the shares whose AR decoding reaches 90% of
     # ar_continued's exact match; if none does, the largest exact match.
     # Issue 34 (docs/EXPERIMENTS.md, run 5): the dual-stream arm that met its target at both
