@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The main job: the ReFusion recipe of docs/EXPERIMENTS.md run 5 (objective dual, dual_masking
-# refusion, ar_weight 16) trained from scratch on a mixture of embedded math word problems (90%
-# of the tokens) and standard-library functions (10%), then the
+# refusion, ar_weight 16) trained from scratch on a mixture of embedded math word problems (95%
+# of the tokens) and standard-library functions (5%), then the
 # held-out problems decoded AR and with a lossless draft mode (verify draft_ahead: greedy, one
 # slot at a time, token threshold >= 0.5, so its answers are AR's token for token).
 # Stages: 1. data (problems, tokenizer, shards), 2. train, 3. export, 4. decode, 5. evaluate,
@@ -55,7 +55,7 @@ fi
 # covers characters the problems lack), CODE_LIMIT of them; CODE_WEIGHT of the training tokens.
 CODE_SHARDS=${CODE_SHARDS:-$OUT/stdlib_shards}
 CODE_LIMIT=${CODE_LIMIT:-2000}
-CODE_WEIGHT=${CODE_WEIGHT:-0.1}
+CODE_WEIGHT=${CODE_WEIGHT:-0.05}
 "$PY" data_prep/shard.py --input stdlib --format qa --tokenizer "$SPM_MODEL" \
   --output "$CODE_SHARDS" --max-length 256 --val-fraction 0.01 --limit "$CODE_LIMIT" \
   --slot-sizes 4,8,16,32 --seed 0 --workers "$DATA_WORKERS" --no-progress --overwrite
