@@ -37,7 +37,7 @@ thing the loop does for it.
 Start-up write check: before building anything, every rank writes a probe file where it will
 write (rank 0: the run folder and metrics.jsonl; every rank: the checkpoint folder), so a
 read-only filesystem or a folder this user may not write stops the job at once, not at the first
-checkpoint hours later (`Trainer._check_write_access`).
+checkpoint hours later (`pipeline.training.startup.check_write_access`).
 
 Exit codes: 0 done (or checkpointed after SIGTERM/SIGUSR1/SIGINT), 2 config error or a user error
 found after start-up (a folder the run writes is read-only or not permitted, found by the
@@ -63,7 +63,7 @@ line; training goes on (`pipeline.monitor`).
 Continuing on more data: after the shards are rebuilt with more input, a resume is refused
 (the loader state's shard set differs) unless `data.on_shard_change=new_pass`: then weights,
 optimizer and step continue (the lr schedule follows the run's settings from the resumed step,
-`Trainer._check_schedule`) and the loader starts a new epoch over the new set;
+`pipeline.training.startup.resumed_schedule`) and the loader starts a new epoch over the new set;
 the checkpoint's `shard_sets` records each set and the step it began at.
 
 metrics.jsonl (rank 0, appended; a resumed run appends again from its checkpoint step, so a
@@ -95,7 +95,9 @@ from pipeline.common.cli import (EXIT_DISK_FULL, EXIT_INTERRUPTED, EXIT_NONFINIT
                                  EXIT_PEER_LOST, EXIT_USAGE)
 from pipeline.training.job import (agent_store, launcher_env, lost_peer, report_error,
                                    reported_error_code)
-from pipeline.training.schedule import schedule_change, schedule_record
+from pipeline.training.schedule import schedule_record
+from pipeline.training.startup import (check_source_epochs, check_write_access, memory_check,
+                                       resumed_schedule, seed_everything, setup_logging)
 from pipeline.training.state import TrainError, TrainState
 
 log = logging.getLogger("pipeline.train")
@@ -186,9 +188,9 @@ class Trainer:
         deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo",
                                    auto_mpi_discovery=False)
         self.is_rank0 = info.rank == 0
-        _setup_logging(self.is_rank0)
+        setup_logging(self.is_rank0)
         self.device = info.device
-        _seed_everything(cfg.train.seed)
+        seed_everything(cfg.train.seed)
         self.objective_cfg = ObjectiveConfig(**OmegaConf.to_container(cfg.objective, resolve=True))
         if self.objective_cfg.mode == "dual":
             log.info("objective.mode=dual: training and validation forwards attend with the "
@@ -198,7 +200,7 @@ class Trainer:
         self.mcfg = ModelConfig.from_dict(dict(self.plan.model_fields), source="model")
         self.ckdir = self.plan.checkpoint_dir
         self.console = ConsoleLog(cfg.train.max_steps, cfg.train.log_interval)
-        self._check_write_access()
+        check_write_access(cfg.run_dir, self.ckdir, self.is_rank0)
         self._lock_run_dir()
         if self.is_rank0 and self.plan_lines:  # after the lock: a refused job prints only that
             print("\n".join(self.plan_lines), file=sys.stderr, flush=True)
@@ -246,8 +248,10 @@ class Trainer:
                          "(epoch %d) over the new set", self.step, change["from"],
                          change["from_dir"] or "an unrecorded folder", change["to"], cfg.data.dir,
                          change["samples_per_epoch"], change["epoch"])
-            self._check_schedule(state, explicit=None if change is None else (
-                f"data.phase={cfg.data.phase}" if "phase" in change else "data.on_shard_change=new_pass"))
+            self.state.lr_schedule = resumed_schedule(
+                self.state.lr_schedule, state["config"], cfg, self.step,
+                explicit=None if change is None else (f"data.phase={cfg.data.phase}" if "phase"
+                                                      in change else "data.on_shard_change=new_pass"))
             self.state.track_phase(cfg.data.phase, self.step, self.train_loader)
             # a validation a stop signal deferred at this step, if this run still validates there
             self.state.eval_pending = self.state.eval_pending and should_evaluate(
@@ -262,37 +266,9 @@ class Trainer:
             self.state.track_shard_set({"fingerprint": ld.fingerprint, "data_dir": ld.data_dir,
                                         "epoch": ld.epoch, "samples_per_epoch": ld.samples_per_epoch},
                                        change)
-        self._check_source_epochs()
+        check_source_epochs(self.train_loader, cfg, self.plan, self.step, self.is_rank0)
         self._init_wandb()
         self.peak_flops = peak_flops_per_device(cfg)
-
-    def _check_schedule(self, state: dict, explicit: str | None) -> None:
-        """The resumed run's learning-rate schedule against the checkpoint's
-        (`pipeline.training.schedule.schedule_change`; a checkpoint that predates the record
-        gives its saved run config's). A change that would move an lr is refused unless
-        `optim.override_schedule` or a new data pass or phase makes it explicit (`explicit`:
-        the setting that did, or None); then the new schedule applies from this step, said in
-        one line.
-
-        Raises:
-            TrainError: the schedule changed without either (one line naming the keys).
-        """
-        cfg = self.cfg
-        saved = self.state.lr_schedule or schedule_record(state["config"]["optim"],
-                                                          state["config"]["train"]["max_steps"])
-        now = schedule_record(cfg.optim, cfg.train.max_steps, from_step=saved.get("from_step", 0))
-        why = schedule_change(saved, now, self.step)
-        if why is None:
-            self.state.lr_schedule = now
-            return
-        if not (cfg.optim.override_schedule or explicit):
-            raise TrainError(f"optim: the learning-rate schedule differs from the checkpoint's "
-                             f"({why}); set optim.override_schedule=true to apply the new schedule "
-                             f"from step {self.step + 1}, or resume with the saved settings")
-        self.state.lr_schedule = {**now, "from_step": self.step}
-        log.info("learning-rate schedule changed from step %d (%s; %s)", self.step + 1, why,
-                 "optim.override_schedule" if cfg.optim.override_schedule
-                 else explicit)
 
     def _start_watchdog(self) -> None:
         """The hang watchdog (`pipeline.training.watchdog`; collective): a token agreed through
@@ -344,42 +320,6 @@ class Trainer:
         if self.watchdog is not None:
             self.watchdog.progress(phase, step)
 
-    def _check_write_access(self) -> None:
-        """Before anything is built: every rank writes a probe file where it will write
-        (`pipeline.common.diskspace.check_writable`): rank 0 in the run folder (run.lock,
-        metrics.jsonl, which it also opens for appending, wandb files), every rank in the
-        checkpoint folder (each writes its own files there; both folders are created if
-        missing). The ranks compare results, and any failure stops every rank with the same
-        one line naming the setting, the folder, the first failing rank, the cause (read-only
-        filesystem, permission denied, ...) and what to do: `NotWritableError` (exit 2, or 4
-        for a full disk or quota)."""
-        import torch.distributed as dist
-        from pipeline.common.diskspace import NotWritableError, check_writable
-        from pipeline.monitor import METRICS_FILE
-        from pipeline.training.watchdog import PROGRESS_DIR
-        # every rank: the watchdog's progress records (`pipeline.training.watchdog`)
-        targets = [("run_dir", os.path.join(str(self.cfg.run_dir), PROGRESS_DIR), ()),
-                   ("checkpoint.dir", self.ckdir, ())]
-        if self.is_rank0:
-            targets.insert(0, ("run_dir", self.cfg.run_dir, (METRICS_FILE,)))
-        mine = None
-        for setting, folder, files in targets:
-            failure = check_writable(folder, files)
-            if failure is not None:
-                mine = (setting, str(folder), failure)
-                break
-        box = [mine]
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            box = [None] * dist.get_world_size()
-            dist.all_gather_object(box, mine)
-        bad = [(r, m) for r, m in enumerate(box) if m is not None]
-        if bad:
-            rank, (setting, folder, failure) = bad[0]
-            more = f" (and {len(bad) - 1} more rank(s))" if len(bad) > 1 else ""
-            raise NotWritableError(
-                f"{setting} {folder} is not writable on rank {rank}{more}: {failure.cause}; "
-                f"{failure.remedy(setting)} (checked at start-up, nothing was trained)", failure)
-
     def _lock_run_dir(self) -> None:
         """One job per run directory (`pipeline.runlock`): rank 0 takes `<run_dir>/run.lock`;
         when a live job holds it, every rank raises TrainError (one line naming the holder)."""
@@ -394,32 +334,6 @@ class Trainer:
                             self.cfg.run_dir, held.get("host"), held.get("pid"),
                             held.get("slurm_job_id"), held["reason"])
         run_on_rank0(take, (RunLockError,), TrainError)
-
-    def _check_source_epochs(self) -> None:
-        """The passes over each source's training split the rest of the run makes at most
-        (`pipeline.data.mixture.epochs_needed`: every row of every remaining step full), one
-        log line per source on rank 0; a source whose `max_epochs` that exceeds is refused.
-
-        Raises:
-            TrainError: one line naming the source, its tokens and the passes it would need.
-        """
-        from pipeline.data.mixture import epochs_needed
-        cfg, ld = self.cfg, self.train_loader
-        steps = max(0, int(cfg.train.max_steps) - self.step)
-        fed = steps * self.plan.global_batch_size * self.plan.row_length
-        done = ld.source_epochs
-        need = epochs_needed([m["tokens"] for m in ld.sources], ld.source_weights, fed)
-        for m, e in zip(ld.sources, need):
-            total = done.get(m["name"], 0) + e
-            if self.is_rank0 and len(ld.sources) > 1:
-                log.info("data source %s: weight %.3g, %d tokens, <= %.2f passes by step %d",
-                         m["name"], m["weight"], m["tokens"], total, cfg.train.max_steps)
-            if m["max_epochs"] is not None and total > float(m["max_epochs"]):
-                raise TrainError(f"data.sources: source {m['name']!r} ({m['tokens']} tokens, weight "
-                                 f"{m['weight']:.3g}) would be read up to {total:.2f} times by step "
-                                 f"{cfg.train.max_steps}, more than its max_epochs "
-                                 f"{m['max_epochs']:g}; lower its weight or train.max_steps, or "
-                                 f"raise max_epochs")
 
     def _build_loader(self, split: str, train: bool):
         """A `pipeline.data` loader of `split` for this data-parallel rank (the TP ranks of a DP
@@ -776,76 +690,6 @@ def _rank_checkpoint_bytes(engine, tp_size: int, world_size: int) -> float:
     return 16.0 * n * tp_size / max(1, world_size)
 
 
-def _seed_everything(seed: int) -> None:
-    import random
-    import numpy as np
-    import torch
-    random.seed(seed)
-    np.random.seed(seed % 2 ** 32)
-    torch.manual_seed(seed)
-
-
-def _setup_logging(rank0: bool) -> None:
-    """Our INFO lines on rank 0's stdout; other ranks print warnings only. DeepSpeed's logger is
-    turned down to warnings (its per-step chatter; third-party warnings: `pipeline/__init__.py`)."""
-    logger = logging.getLogger("pipeline")
-    logger.handlers.clear()
-    h = logging.StreamHandler(sys.stdout)
-    h.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
-    logger.addHandler(h)
-    logger.setLevel(logging.INFO if rank0 else logging.WARNING)
-    logger.propagate = False
-    try:
-        from deepspeed.utils import logger as ds_logger
-        ds_logger.setLevel(logging.WARNING)
-    except Exception:
-        pass
-
-
-def _memory_check(cfg, plan, rank0: bool) -> list[str]:
-    """The per-GPU memory plan (`pipeline.training.memory_plan`) and, on CUDA, the refusal of a
-    plan above the device's memory before anything is built or loaded (`train.memory_check`:
-    error / warn / off; `train.gpu_memory_gib` or the CUDA device's total memory; no check on
-    the CPU).
-
-    Returns:
-        The lines rank 0 prints once it holds the run lock (`Trainer.setup`): the plan, and
-        with `warn` the warning line; [] on other ranks and with `off`.
-    Raises:
-        ConfigError: `train.memory_check=error` and the plan exceeds the memory (one line; rank
-            0 prints the plan first, as the refusal's reasons).
-    """
-    mode = str(cfg.train.memory_check)
-    if mode == "off":
-        return []
-    import torch
-
-    from pipeline.config import ConfigError
-    from pipeline.training.memory_plan import GIB, format_plan, plan_for_run
-    cuda = torch.cuda.is_available()
-    gib = cfg.train.gpu_memory_gib
-    gpu_bytes = int(gib * GIB) if gib is not None else (
-        torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", "0"))
-                                         % torch.cuda.device_count()).total_memory
-        if cuda else None)
-    mp = plan_for_run(cfg, tp=plan.tp_size, dp=plan.dp_size, model_fields=plan.model_fields,
-                      row_length=plan.row_length, device="cuda" if cuda else "cpu",
-                      gpu_bytes=gpu_bytes if cuda else None)
-    # not prefixed "pipeline.": those lines are the job's outcome (errors, warnings)
-    lines = format_plan(mp) if rank0 else []
-    if not cuda or gpu_bytes is None or mp.total <= gpu_bytes:
-        return lines
-    line = (f"train.memory_check: the memory plan needs {mp.total / GIB:.1f} GiB per GPU, more "
-            f"than the {gpu_bytes / GIB:.1f} GiB the GPU has (largest micro-batch that fits: "
-            f"{mp.max_micro_batch}); lower train.micro_batch_size or data.max_length, set "
-            f"train.activation_checkpointing, or train.memory_check=warn to run anyway")
-    if mode == "error":
-        if rank0:
-            print("\n".join(lines), file=sys.stderr, flush=True)
-        raise ConfigError(line)
-    return lines + ([f"pipeline.train: warning: {line}"] if rank0 else [])
-
-
 def main(argv: list[str] | None = None) -> int:
     """Parse `--config PATH [key=value ...]`, validate, train. Returns the exit code."""
     ap = argparse.ArgumentParser(prog="python -m pipeline.train",
@@ -858,7 +702,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         plan = validate(cfg)
-        plan_lines = _memory_check(cfg, plan, rank0)
+        plan_lines = memory_check(cfg, plan, rank0)
     except ConfigError as e:
         # Before any process group: under torchrun / pipeline.launch the agent's store dedupes
         # (so a config error only one rank sees is still printed, once); otherwise rank 0 prints.
