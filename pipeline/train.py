@@ -93,8 +93,8 @@ import time
 
 from pipeline.common.cli import (EXIT_DISK_FULL, EXIT_INTERRUPTED, EXIT_NONFINITE,
                                  EXIT_PEER_LOST, EXIT_USAGE)
-from pipeline.training.job import (agent_store, launcher_env, lost_peer, report_error,
-                                   reported_error_code)
+from pipeline.training.job import (agent_store, launcher_env, log_restart, lost_peer,
+                                   report_error, reported_error_code)
 from pipeline.training.schedule import schedule_record
 from pipeline.training.startup import (check_source_epochs, check_write_access, memory_check,
                                        resumed_schedule, seed_everything, setup_logging)
@@ -141,7 +141,6 @@ class Trainer:
         self.watchdog = None          # pipeline.training.watchdog.Watchdog, started in setup()
         self.state = TrainState()
         self._steps_here = 0          # steps run by this process (the first one may be slowed)
-        self._compute_s: list[float] = []   # this rank's compute time per step since the last log
         self.stragglers = None        # pipeline.training.metrics.StragglerTracker, set up in setup()
 
     @property
@@ -174,8 +173,10 @@ class Trainer:
         from pipeline.objective import ObjectiveConfig
         from pipeline.parallel import init_distributed, run_on_rank0
         from pipeline.training.engine import build_engine, initial_weights
-        from pipeline.training.metrics import ConsoleLog, peak_flops_per_device
+        from pipeline.training.metrics import (ConsoleLog, StragglerTracker, gather_hosts,
+                                               peak_flops_per_device)
         from pipeline.training.state import plan_for_resume
+        from pipeline.training.watchdog import rank_checkpoint_bytes, start_watchdog
 
         cfg = self.cfg
         self._install_signals()
@@ -204,7 +205,13 @@ class Trainer:
         self._lock_run_dir()
         if self.is_rank0 and self.plan_lines:  # after the lock: a refused job prints only that
             print("\n".join(self.plan_lines), file=sys.stderr, flush=True)
-        self._start_watchdog()
+        t = cfg.train
+        self.stragglers = StragglerTracker(gather_hosts(), float(t.straggler_factor),
+                                           int(t.straggler_intervals))
+        if self.is_rank0:
+            log_restart(str(cfg.run_dir))
+        self.watchdog = start_watchdog(cfg.run_dir, info.rank, info.world_size, t,
+                                       on_exit=self._release_lock)
 
         # Resume decided before building: a resumed run does not need initial weights.
         latest = run_on_rank0(lambda: ckpt.find_latest(self.ckdir) if cfg.checkpoint.resume
@@ -222,7 +229,7 @@ class Trainer:
             raise TrainError(f"init.hf_path: {_first_line(e)}") from None
 
         if self.watchdog is not None:  # the save allowance scales with this rank's share
-            self.watchdog.policy.rank_checkpoint_bytes = _rank_checkpoint_bytes(
+            self.watchdog.policy.rank_checkpoint_bytes = rank_checkpoint_bytes(
                 self.engine, info.tp_size, info.world_size)
         self.train_loader = self._build_loader(cfg.data.train_split, train=True)
         if latest is not None:
@@ -270,50 +277,10 @@ class Trainer:
         self._init_wandb()
         self.peak_flops = peak_flops_per_device(cfg)
 
-    def _start_watchdog(self) -> None:
-        """The hang watchdog (`pipeline.training.watchdog`; collective): a token agreed through
-        rank 0, the policy from `train.hang_timeout_s` / `train.hang_warmup_s`, the run lock
-        released before a hang exit. Also gathers every rank's host name (straggler lines) and,
-        on a restart by torchrun (`--max-restarts`), logs one line saying so."""
-        import json
-        import secrets
-        import socket
-        import torch.distributed as dist
-        from pipeline.parallel import broadcast_from_rank0
-        from pipeline.training.metrics import StragglerTracker
-        from pipeline.training.watchdog import HANG_FILE, HangPolicy, Watchdog
-        t = self.cfg.train
-        hosts = [socket.gethostname()]
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            hosts = [None] * dist.get_world_size()
-            dist.all_gather_object(hosts, socket.gethostname())
-        self.stragglers = StragglerTracker(hosts, float(t.straggler_factor),
-                                           int(t.straggler_intervals))
-        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-        if restart and self.is_rank0:
-            cause = ""
-            report = os.path.join(self.cfg.run_dir, HANG_FILE)
-            try:
-                with open(report) as f:
-                    hang = json.load(f)
-                if time.time() - float(hang.get("time_unix_s", 0)) < 3600:
-                    cause = f"; the last hang report ({report}): {hang.get('line')}"
-            except (OSError, ValueError):
-                pass
-            log.warning("restart %d of at most %s by the launcher (--max-restarts) after the "
-                        "previous workers failed%s", restart,
-                        os.environ.get("TORCHELASTIC_MAX_RESTARTS", "?"), cause)
-        policy = HangPolicy(hang_timeout_s=t.hang_timeout_s, warmup_s=float(t.hang_warmup_s))
-        if not policy.enabled:
-            return
-        token = broadcast_from_rank0(secrets.token_hex(8))
-
-        def release_lock():
-            if self.run_lock is not None:
-                self.run_lock.release()
-        self.watchdog = Watchdog(str(self.cfg.run_dir), self.info.rank, self.info.world_size,
-                                 policy, token, on_exit=release_lock)
-        self.watchdog.start()
+    def _release_lock(self) -> None:
+        """Release the run lock if this rank holds it (the watchdog calls it before a hang exit)."""
+        if self.run_lock is not None:
+            self.run_lock.release()
 
     def _progress(self, phase: str, step: int | None = None) -> None:
         """A progress tick for the hang watchdog (no I/O)."""
@@ -502,7 +469,7 @@ class Trainer:
                                f"update; nan_policy=skip is not supported with this ZeRO stage")
         dt = time.perf_counter() - t0
         self._steps_here += 1
-        self._compute_s.append(dt - t_wait)
+        self.stragglers.add(dt - t_wait)
         if self.watchdog is not None:
             self.watchdog.policy.record_step(dt)
         n_losses = (plan.dp_size * plan.grad_accum_steps) - sums[5].item() / tp
@@ -542,25 +509,6 @@ class Trainer:
                             "dropped_copies": int(round(sums[10].item() / tp))})
         return metrics, nonfinite, sig
 
-
-    def _stragglers(self) -> dict:
-        """Straggler figures of the log interval just ended (collective: one all-reduce of
-        one float per rank): every rank's mean compute time per step (the step's time minus its
-        wait in the step's all-reduce), judged by `pipeline.training.metrics.StragglerTracker`
-        (its record fields; one warning line for a persistent straggler)."""
-        import torch
-        import torch.distributed as dist
-        mine = sum(self._compute_s) / len(self._compute_s) if self._compute_s else 0.0
-        self._compute_s = []
-        world = self.info.world_size
-        per_rank = [mine]
-        if dist.is_initialized() and world > 1:
-            self._progress("collective")
-            v = torch.zeros(world, dtype=torch.float64)
-            v[self.info.rank] = mine
-            dist.all_reduce(v)
-            per_rank = v.tolist()
-        return self.stragglers.update(per_rank, self.step, warn=self.is_rank0)
 
     def evaluate(self) -> dict:
         """Validation loss over up to `train.eval_batches` micro-batches per DP rank (0 = the
@@ -646,8 +594,10 @@ class Trainer:
                               f"good checkpoint in {self.ckdir})", file=sys.stderr, flush=True)
                     code = EXIT_NONFINITE
                     break
-                if self.step % cfg.train.log_interval == 0:
-                    metrics.update(self._stragglers())
+                if self.step % cfg.train.log_interval == 0:   # the straggler report (collective)
+                    self._progress("collective")
+                    metrics.update(self.stragglers.collect(self.info.rank, self.info.world_size,
+                                                           self.step, warn=self.is_rank0))
                 metrics["data_phase"] = int(cfg.data.phase)
                 self._record(metrics)
                 if should_evaluate(self.step, cfg.train.eval_interval, sig):
@@ -681,14 +631,6 @@ class Trainer:
 # --------------------------------------------------------------------------------------------
 # Entry point
 # --------------------------------------------------------------------------------------------
-
-def _rank_checkpoint_bytes(engine, tp_size: int, world_size: int) -> float:
-    """Estimated bytes one rank writes in a checkpoint save: 16 bytes per parameter (16-bit
-    weights, fp32 master weights, two fp32 Adam moments) of the whole model (this rank's
-    tensor-parallel shard x `tp_size`), spread by ZeRO-3 over all `world_size` ranks."""
-    n = sum(int(getattr(p, "ds_numel", p.numel())) for p in engine.module.parameters())
-    return 16.0 * n * tp_size / max(1, world_size)
-
 
 def main(argv: list[str] | None = None) -> int:
     """Parse `--config PATH [key=value ...]`, validate, train. Returns the exit code."""

@@ -148,8 +148,21 @@ class ConsoleLog:
                  " | SKIPPED (non-finite loss)" if m["skipped"] else "")
 
 
+def gather_hosts() -> list[str]:
+    """Every rank's host name, indexed by global rank (collective: one all-gather; this host
+    alone without a process group)."""
+    import socket
+    import torch.distributed as dist
+    hosts = [socket.gethostname()]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        hosts = [None] * dist.get_world_size()
+        dist.all_gather_object(hosts, socket.gethostname())
+    return hosts
+
+
 class StragglerTracker:
-    """The straggler report of each log interval (the trainer gathers the figures).
+    """The straggler report of each log interval: this rank's compute time per step (`add`),
+    every rank's mean over the interval (`collect`, collective) judged by `update`.
 
     Args:
         hosts: host name of each global rank (list of str, indexed by rank).
@@ -162,6 +175,27 @@ class StragglerTracker:
         self.hosts, self.factor, self.intervals = list(hosts), factor, intervals
         self._run: tuple[int, int] = (-1, 0)   # (slowest rank, intervals in a row above factor)
         self.warned: set[int] = set()
+        self._compute_s: list[float] = []   # this rank's compute time per step since `collect`
+
+    def add(self, seconds: float) -> None:
+        """Note this rank's compute time of one step (seconds: the step's time minus its wait in
+        the step's all-reduce)."""
+        self._compute_s.append(float(seconds))
+
+    def collect(self, rank: int, world_size: int, step: int, warn: bool = True) -> dict:
+        """End the log interval (collective: one all-reduce of one float per rank): every rank's
+        mean compute time per step since the last call, judged by `update` (its record)."""
+        import torch
+        import torch.distributed as dist
+        mine = sum(self._compute_s) / len(self._compute_s) if self._compute_s else 0.0
+        self._compute_s = []
+        per_rank = [mine]
+        if dist.is_initialized() and world_size > 1:
+            v = torch.zeros(world_size, dtype=torch.float64)
+            v[rank] = mine
+            dist.all_reduce(v)
+            per_rank = v.tolist()
+        return self.update(per_rank, step, warn=warn)
 
     def update(self, per_rank: list[float], step: int, warn: bool = True) -> dict:
         """Judge one log interval.
