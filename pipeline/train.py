@@ -140,7 +140,6 @@ class Trainer:
         self.monitor = None           # pipeline.monitor.Monitor (metrics.jsonl, wandb), set up in setup()
         self.watchdog = None          # pipeline.training.watchdog.Watchdog, started in setup()
         self.state = TrainState()
-        self._steps_here = 0          # steps run by this process (the first one may be slowed)
         self.stragglers = None        # pipeline.training.metrics.StragglerTracker, set up in setup()
 
     @property
@@ -173,6 +172,7 @@ class Trainer:
         from pipeline.objective import ObjectiveConfig
         from pipeline.parallel import init_distributed, run_on_rank0
         from pipeline.training.engine import build_engine, initial_weights
+        from pipeline.training.faults import Faults
         from pipeline.training.metrics import (ConsoleLog, StragglerTracker, gather_hosts,
                                                peak_flops_per_device)
         from pipeline.training.state import plan_for_resume
@@ -201,6 +201,7 @@ class Trainer:
         self.mcfg = ModelConfig.from_dict(dict(self.plan.model_fields), source="model")
         self.ckdir = self.plan.checkpoint_dir
         self.console = ConsoleLog(cfg.train.max_steps, cfg.train.log_interval)
+        self.faults = Faults(cfg.debug, info.rank)
         check_write_access(cfg.run_dir, self.ckdir, self.is_rank0)
         self._lock_run_dir()
         if self.is_rank0 and self.plan_lines:  # after the lock: a refused job prints only that
@@ -369,7 +370,8 @@ class Trainer:
 
         cfg, plan, eng = self.cfg, self.plan, self.engine
         step_no = self.step + 1
-        t0 = t_work = time.perf_counter()   # t_work: after debug.slow_first_step_s's sleep
+        t0 = time.perf_counter()
+        self.faults.start_step()
         per_micro: list = []          # detached [loss, ar, mdm] per micro-batch (on device)
         names = source_names(self.train_loader)   # data sources, by source id
         n_src = len(names)
@@ -387,12 +389,7 @@ class Trainer:
                                                       chunk_tokens=t.loss_chunk_tokens)}
         for micro in range(plan.grad_accum_steps):
             self._progress("data", self.step)
-            if micro == 0 and self._steps_here == 0 and cfg.debug.slow_first_step_s:
-                time.sleep(cfg.debug.slow_first_step_s)   # fault injection (debug section)
-                t_work = time.perf_counter()
-            if cfg.debug.hang_rank == self.info.rank and step_no == cfg.debug.hang_at_step:
-                while True:   # fault injection: alive, stuck for good (debug.hang_rank)
-                    time.sleep(3600)
+            self.faults.before_batch(micro, step_no)
             batch = self._next_batch()
             keys_of.append(list(batch.get("keys", [])))
             b = self._batch_to_device(batch)
@@ -418,8 +415,7 @@ class Trainer:
                          max_seqlen=b.get("max_seqlen"))
             loss, stats = hybrid_loss(hidden, b, self.objective_cfg, num_sources=n_src,
                                       **loss_kw)
-            if micro == 0 and self.info.rank == 0 and step_no in set(cfg.debug.nan_at_steps):
-                loss = loss * float("nan")
+            loss = self.faults.loss(loss, micro, step_no)
             per_micro.append(torch.stack([loss.detach().float(), stats["ar_loss"].float(),
                                           stats["mdm_loss"].float()]))
             per_source.append(torch.cat([stats["ce_sum_by_source"],
@@ -440,9 +436,7 @@ class Trainer:
                                            model_flops, hw_flops, copy_tokens, dropped_copies,
                                            *src_tokens.tolist()]),
                           torch.where(finite[:, None], by_src, torch.zeros_like(by_src)).sum(0)])
-        if cfg.debug.slow_rank == self.info.rank:   # fault injection: a straggler (debug section)
-            time.sleep(cfg.debug.slow_rank_s
-                       + cfg.debug.slow_rank_factor * (time.perf_counter() - t_work))
+        self.faults.before_collective()
         self._progress("collective")
         t_wait = time.perf_counter()
         dist.all_reduce(sums)
@@ -468,7 +462,6 @@ class Trainer:
             raise RuntimeError(f"step {step_no}: the loss was non-finite but DeepSpeed applied the "
                                f"update; nan_policy=skip is not supported with this ZeRO stage")
         dt = time.perf_counter() - t0
-        self._steps_here += 1
         self.stragglers.add(dt - t_wait)
         if self.watchdog is not None:
             self.watchdog.policy.record_step(dt)
@@ -515,12 +508,11 @@ class Trainer:
         whole split, every sample exactly once whatever the DP size), weighted by tokens and
         segments over all ranks (`pipeline.training.validation.run_validation`), so the figure
         does not depend on the DP size or micro-batch size. Returns the "val" record."""
+        from pipeline.training.faults import slow_validation
         from pipeline.training.validation import run_validation
-        slow = float(self.cfg.debug.slow_eval_s)
 
         def tick():
-            if slow:
-                time.sleep(slow)   # fault injection (debug.slow_eval_s)
+            slow_validation(self.cfg.debug)
             self._progress("validation")
         self._progress("validation", self.step)
         figs = run_validation(self.engine, lambda: self._build_loader(self.cfg.data.val_split,
