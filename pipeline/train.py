@@ -359,28 +359,17 @@ class Trainer:
         after its all-reduce."""
         import functools
 
-        import torch
         import torch.distributed as dist
-        from pipeline.model import segment_lengths
-        from pipeline.model.flops import step_flops
         from pipeline.objective import hybrid_loss
         from pipeline.training.schedule import record_lr
-        from pipeline.training.metrics import (peak_memory_bytes, source_losses, source_names,
-                                               source_tokens, target_shares)
+        from pipeline.training.metrics import (NONFINITE, SIGNAL, StepTally, source_names,
+                                               target_shares)
 
         cfg, plan, eng = self.cfg, self.plan, self.engine
         step_no = self.step + 1
         t0 = time.perf_counter()
         self.faults.start_step()
-        per_micro: list = []          # detached [loss, ar, mdm] per micro-batch (on device)
-        names = source_names(self.train_loader)   # data sources, by source id
-        n_src = len(names)
-        per_source: list = []         # detached [CE sum x S, labelled x S] per micro-batch
-        src_tokens = torch.zeros(n_src, dtype=torch.long)   # this rank's tokens per source (CPU)
-        keys_of: list[list[str]] = []
-        tokens = rows = 0
-        copy_tokens = dropped_copies = 0   # objective mode "dual": masked copies fed / left out
-        model_flops = hw_flops = 0.0  # this rank's micro-batches (pipeline.model.flops)
+        tally = StepTally(self.mcfg, cfg.train.loss_impl, source_names(self.train_loader))
         t = cfg.train
         if t.loss_impl == "chunked":
             loss_kw = {"head": eng.module.head_logits, "chunk_tokens": t.loss_chunk_tokens}
@@ -391,51 +380,22 @@ class Trainer:
             self._progress("data", self.step)
             self.faults.before_batch(micro, step_no)
             batch = self._next_batch()
-            keys_of.append(list(batch.get("keys", [])))
+            tally.add_batch(batch)
             b = self._batch_to_device(batch)
-            real = int(batch["real_tokens"])          # CPU tensors: no device sync
-            tokens += real
-            src_tokens += source_tokens(batch, n_src)
-            copy_tokens += int(batch.get("copy_tokens", 0))
-            dropped_copies += int(batch.get("dropped_copies", 0))
-            rows += int(batch["input_ids"].shape[0])
-            seg_len = batch.get("segment_lengths")
-            labelled = batch.get("label_index")
-            mf, hf = step_flops(
-                self.mcfg, seg_len if seg_len is not None else segment_lengths(batch["segment_ids"]),
-                int(labelled.numel()) if labelled is not None
-                else int((batch["labels"] != -100).sum()),
-                batch["input_ids"].numel() - real, self.mcfg.recompute, t.loss_impl)
-            model_flops += mf
-            hw_flops += hf
             self._progress("forward_backward")
             hidden = eng(b["input_ids"], b["position_ids"], segment_ids=b["segment_ids"],
                          copy_id=b.get("copy_id"), clean_limit=b.get("clean_limit"),  # "dual"
                          return_hidden=True, cu_seqlens=b.get("cu_seqlens"),
                          max_seqlen=b.get("max_seqlen"))
-            loss, stats = hybrid_loss(hidden, b, self.objective_cfg, num_sources=n_src,
-                                      **loss_kw)
+            loss, stats = hybrid_loss(hidden, b, self.objective_cfg,
+                                      num_sources=len(tally.names), **loss_kw)
             loss = self.faults.loss(loss, micro, step_no)
-            per_micro.append(torch.stack([loss.detach().float(), stats["ar_loss"].float(),
-                                          stats["mdm_loss"].float()]))
-            per_source.append(torch.cat([stats["ce_sum_by_source"],
-                                         stats["labelled_by_source"].double()]))
+            tally.add_losses(loss, stats)
             eng.backward(loss)
             if micro < plan.grad_accum_steps - 1:
                 eng.step()
-        vals = torch.stack(per_micro).double()                            # [GA, 3]
-        finite = torch.isfinite(vals[:, 0])
-        by_src = torch.stack(per_source)                                  # [GA, 2S]
-        # one all-reduce over the world: [loss, ar, mdm sums over finite micro-batches,
-        # real tokens, rows, non-finite micro-batches, signal flag, model FLOPs, hardware FLOPs,
-        # copy tokens, dropped copies, tokens per source (S), CE sums per source (S) and
-        # labelled tokens per source (S) over finite micro-batches]
-        sums = torch.cat([torch.where(finite[:, None], vals, torch.zeros_like(vals)).sum(0),
-                          vals.new_tensor([tokens, rows, float((~finite).sum()),
-                                           1.0 if self.signal_received else 0.0,
-                                           model_flops, hw_flops, copy_tokens, dropped_copies,
-                                           *src_tokens.tolist()]),
-                          torch.where(finite[:, None], by_src, torch.zeros_like(by_src)).sum(0)])
+        # one all-reduce over the world: losses, counts, the non-finite and signal flags
+        sums = tally.packed(signal=bool(self.signal_received))
         self.faults.before_collective()
         self._progress("collective")
         t_wait = time.perf_counter()
@@ -443,11 +403,8 @@ class Trainer:
         sums = sums.cpu()
         t_wait = time.perf_counter() - t_wait   # waiting for the slowest rank, mostly
         self._progress("optimizer")
-        bad = [(i, keys_of[i]) for i in range(len(keys_of)) if not bool(finite[i])]
-        tp = plan.tp_size
-        nonfinite = sums[5].item() > 0
-        sig = sums[6].item() > 0
-        for micro, keys in bad:
+        nonfinite, sig = sums[NONFINITE].item() > 0, sums[SIGNAL].item() > 0
+        for micro, keys in tally.nonfinite_batches():
             print(f"pipeline.train: rank {self.info.rank}: non-finite loss at step {step_no}, "
                   f"micro-batch {micro}, batch keys {keys}", file=sys.stderr, flush=True)
         if nonfinite and cfg.train.nan_policy == "stop":
@@ -465,43 +422,18 @@ class Trainer:
         self.stragglers.add(dt - t_wait)
         if self.watchdog is not None:
             self.watchdog.policy.record_step(dt)
-        n_losses = (plan.dp_size * plan.grad_accum_steps) - sums[5].item() / tp
-        tokens = int(round(sums[3].item() / tp))  # global: sum over DP ranks (TP ranks repeat)
-        rows = int(round(sums[4].item() / tp))
         st = self.state
+        metrics = tally.record(
+            sums, step=step_no, tp=plan.tp_size, losses=plan.dp_size * plan.grad_accum_steps,
+            world_size=plan.world_size, step_time_s=dt, lr=lr,
+            grad_norm=eng.get_global_grad_norm(), applied=applied, peak_flops=self.peak_flops,
+            consumed_samples=st.consumed_samples, consumed_tokens=st.consumed_tokens,
+            shares=target_shares(self.train_loader, len(tally.names)),
+            dual=self.objective_cfg.mode == "dual")
         st.step = step_no
-        st.consumed_samples += rows
-        st.consumed_tokens += tokens
-        flops = sums[7].item() / tp / dt / plan.world_size   # model FLOP/s per device
-        hw = sums[8].item() / tp / dt / plan.world_size      # hardware FLOP/s per device
-        gnorm = eng.get_global_grad_norm()
-        src = sums[11:].div(tp).tolist()   # [tokens x S, CE sums x S, labelled x S], global
-        shares = target_shares(self.train_loader, n_src)
-        metrics = {
-            "kind": "train", "step": step_no,
-            "loss": (sums[0].item() / tp / n_losses) if n_losses else float("nan"),
-            "ar_loss": (sums[1].item() / tp / n_losses) if n_losses else float("nan"),
-            "mdm_loss": (sums[2].item() / tp / n_losses) if n_losses else float("nan"),
-            "lr": lr,
-            "grad_norm": float(gnorm) if gnorm is not None and applied else None,
-            "tokens_per_s": tokens / dt, "tflops_per_device": flops / 1e12,
-            "mfu": (flops / self.peak_flops) if self.peak_flops else None,
-            "hfu": (hw / self.peak_flops) if self.peak_flops else None,
-            "peak_memory_bytes": peak_memory_bytes(),
-            "consumed_samples": st.consumed_samples, "consumed_tokens": st.consumed_tokens,
-            "step_time_s": dt, "skipped": not applied,
-            "tokens_by_source": {n: int(round(v)) for n, v in zip(names, src[:n_src])},
-            "loss_by_source": source_losses(src[n_src:2 * n_src], src[2 * n_src:], names),
-        }
-        if shares is not None:
-            metrics["target_share_by_source"] = dict(zip(names, shares))
-        if self.objective_cfg.mode == "dual":
-            # fed tokens of the step (global): clean + copy = the step's non-padding tokens
-            copies = int(round(sums[9].item() / tp))
-            metrics.update({"clean_tokens": tokens - copies, "copy_tokens": copies,
-                            "dropped_copies": int(round(sums[10].item() / tp))})
+        st.consumed_samples, st.consumed_tokens = (metrics["consumed_samples"],
+                                                   metrics["consumed_tokens"])
         return metrics, nonfinite, sig
-
 
     def evaluate(self) -> dict:
         """Validation loss over up to `train.eval_batches` micro-batches per DP rank (0 = the
