@@ -529,8 +529,9 @@ def test_write_failure_causes_and_remedies(tmp_path, monkeypatch, mounts):
 
 
 def _write_access_on_ranks(rank, world_size, run_dir, ckdir, forbidden_rank):
-    """`pipeline.training.startup.check_write_access` on 2 gloo ranks: once as is, then with EACCES injected at
-    rank `forbidden_rank`'s probe of the checkpoint folder. Returns both outcomes."""
+    """`pipeline.training.startup.check_write_access` on 2 gloo ranks: once as is, then with
+    EACCES injected at rank `forbidden_rank`'s probe of the checkpoint folder. Returns both
+    outcomes."""
     import errno
     import tempfile
     import torch.distributed as dist

@@ -10,8 +10,8 @@ Why files and not the c10d store: under srun the store lives inside rank 0's pro
 stopped rank 0 would silence the channel the others need to report it; torchrun's agent store
 does not exist there. The run folder is already shared (metrics, checkpoints by default), is
 written by the ranks at start-up (`pipeline.training.startup.check_write_access`), and a hang
-report written there outlives the console. Cost: every rank rewrites one ~300-byte file every `beat_s`
-seconds (5 s by default: 200 small writes per second for 1,000 ranks); only two ranks (0 and
+report written there outlives the console. Cost: every rank rewrites one ~300-byte file every
+`beat_s` seconds (5 s by default: 200 small writes per second for 1,000 ranks); only two ranks (0 and
 the last) read all of them, every other rank checks one file (`hang.json`) per beat.
 
 How a hang is decided. Every rank runs the same sequence of phases (SPMD): set-up, then per
