@@ -2,85 +2,29 @@
 
 Owns: the orchestration of a run (`Trainer`: set-up order, the training step, the loop, checkpoint
 and validation cadence, auto-resume, SIGTERM/SIGUSR1/SIGINT handling, the NaN policy) and the
-entry point (`main`: config errors, a dead peer's one line, exit codes; reporting an error once
-across ranks is `pipeline.training.job`'s). The
-pieces it orchestrates live in `pipeline.training` (the engine builder and lr schedule, the run's
-state, validation, console lines) and below. Must not touch: the network (`pipeline.model`), the
-objective (`pipeline.objective`), shard reading (`pipeline.data`), the checkpoint format
-(`pipeline.checkpoint`), config validation (`pipeline.config`).
+entry point (`main`: config errors, a dead peer's one line, exit codes). The pieces it
+orchestrates live in `pipeline.training` (its `__init__` lists them) and below. Must not touch:
+the network (`pipeline.model`), the objective (`pipeline.objective`), shard reading
+(`pipeline.data`), the checkpoint format (`pipeline.checkpoint`), config validation
+(`pipeline.config`).
 
-Launch with `python -m pipeline.launch --nproc_per_node N -m pipeline.train ...` (torchrun's
-options; keeps the exit codes below and forwards signals), plain torchrun, or srun (one task per
-device; MASTER_ADDR/MASTER_PORT set by the launcher script); a bare `python -m pipeline.train`
-is one process on a free rendezvous port. One job per run directory (`pipeline.runlock`). The
-config is validated before any process group exists; a config error is one line on stderr and
-exit code 2.
+Said elsewhere, once: launching, resuming, signals and exit codes for users in README.md
+"Training"; the job's contract (metrics.jsonl fields, files in the run folder, resume checks) in
+ARCHITECTURE.md "Training job"; what each exit code means in `pipeline.common.cli`; hang
+detection in `pipeline.training.watchdog`.
 
 One optimizer step (all ranks):
   for each of the `grad_accum_steps` micro-batches: forward -> `hybrid_loss` -> backward
   (DeepSpeed scales by 1/GA and reduces gradients over the data-parallel group only, `mpu=`);
-  one all-reduce of [loss sums, token counts, non-finite flag, signal flag] over the world;
-  NaN policy; lr = `pipeline.training.schedule.record_lr(step)`; DeepSpeed step (clip, AdamW). The
-  loss of a step is the mean of its micro-batch losses over data-parallel ranks and accumulation steps, which is what its
-  gradient descends.
+  one all-reduce of [loss sums, token counts, non-finite flag, signal flag, ...] over the world
+  (`pipeline.training.metrics.StepTally`); NaN policy; lr = `schedule.record_lr(step)`;
+  DeepSpeed step (clip, AdamW). The loss of a step is the mean of its micro-batch losses over
+  data-parallel ranks and accumulation steps, which is what its gradient descends.
 
-Signals: SIGTERM, SIGUSR1 and SIGINT (Ctrl-C) on any rank finish the current step; all ranks
-agree through the step's all-reduce, checkpoint and exit 0. A second SIGINT aborts at once (no
-checkpoint, exit 130, one line). Loader workers ignore these signals (`pipeline.data.loader`), so a
-signal sent to the whole process group (SLURM preemption, scancel, Ctrl-C) reaches the trainer only.
-
-Hangs: every rank publishes its step and phase for the hang watchdog (`pipeline.training.
-watchdog`, started in `setup` after the run lock): data / forward_backward per micro-batch,
-collective, optimizer, validation per micro-batch, checkpoint. The tick calls are the only
-thing the loop does for it.
-
-Start-up write check: before building anything, every rank writes a probe file where it will
-write (rank 0: the run folder and metrics.jsonl; every rank: the checkpoint folder), so a
-read-only filesystem or a folder this user may not write stops the job at once, not at the first
-checkpoint hours later (`pipeline.training.startup.check_write_access`).
-
-Exit codes: 0 done (or checkpointed after SIGTERM/SIGUSR1/SIGINT), 2 config error or a user error
-found after start-up (a folder the run writes is read-only or not permitted, found by the
-start-up write check; a checkpoint or loader state from another layout, model shape or shard set;
-an HF folder that does not fit; wandb cannot start; another live job holds the run directory;
-the ranks cannot meet at MASTER_ADDR:MASTER_PORT within REFUSION_RENDEZVOUS_TIMEOUT), 3
-non-finite loss with `train.nan_policy=stop` (no checkpoint written for that step), 4 no space
-left or quota exceeded (at the start-up check or later), or any checkpoint or metrics.jsonl write
-that failed during the run (read-only, permission, ...): one line naming the folder or file, the
-failing rank, the cause (with the free space seen only for a full disk or quota) and what to do;
-the partial checkpoint folder removed, the previous one intact. 5 this rank stopped because
-another rank's process is gone (killed, crashed; one line per surviving rank instead of the
-collective's traceback; the launcher reports the dead rank). 6 the hang watchdog found a rank
-that made no progress within its allowance (`pipeline.training.watchdog`: one line per live rank
-naming the stuck rank(s), host, last step and phase and the silence; `<run_dir>/hang.json`; the
-stuck rank's Python stacks in `<run_dir>/stacks_rank_N.txt` when it could still write them).
-130 a second Ctrl-C. An error raised
-on one rank only is printed once by that rank; the other ranks exit with the same code without a
-traceback. Under torchrun the launcher turns these into its own exit 1 and a traceback;
-`python -m pipeline.launch` (same arguments) keeps them. A wandb failure mid-run is one warning
-line; training goes on (`pipeline.monitor`).
-
-Continuing on more data: after the shards are rebuilt with more input, a resume is refused
-(the loader state's shard set differs) unless `data.on_shard_change=new_pass`: then weights,
-optimizer and step continue (the lr schedule follows the run's settings from the resumed step,
-`pipeline.training.startup.resumed_schedule`) and the loader starts a new epoch over the new set;
-the checkpoint's `shard_sets` records each set and the step it began at.
-
-metrics.jsonl (rank 0, appended; a resumed run appends again from its checkpoint step, so a
-reader keeps the last line per (kind, step)): one JSON object per line with `kind` "train"
-(step, loss, ar_loss, mdm_loss, lr, grad_norm, tokens_per_s, tflops_per_device, mfu, hfu,
-peak_memory_bytes, consumed_samples, consumed_tokens, step_time_s, skipped, the per-source
-accounting below; at each log interval also straggler_rank, straggler_host,
-straggler_compute_s, median_compute_s, straggler_skew: `Trainer._stragglers`,
-`pipeline.training.metrics.StragglerTracker`) or "val" (step, val_loss, val_ar_loss,
-val_mdm_loss, val_batches, val_tokens, loss_by_source).
-Per-source accounting, keyed by the loader's `source_names` (`data` for a loader without them):
-`tokens_by_source` (the step's non-padding tokens from each source, over all DP ranks; they add
-up to the step's tokens, the increase of consumed_tokens), `loss_by_source` (mean CE over each
-source's labelled tokens of the step, AR and MDM targets alike and without the MDM loss weights,
-over all DP ranks; null for a source without a labelled token in the step),
-`target_share_by_source` (the sources' target token shares, when known); a "val" line's
-`loss_by_source` is the same over the validation pass.
+Signals: SIGTERM, SIGUSR1 and SIGINT on any rank finish the current step; all ranks agree through
+the step's all-reduce, checkpoint and exit 0; a second SIGINT aborts at once (exit 130). Loader
+workers ignore these signals (`pipeline.data.loader`). The loop's only calls for the hang
+watchdog are its progress ticks (`_progress`).
 """
 from __future__ import annotations
 
@@ -256,10 +200,10 @@ class Trainer:
                          "(epoch %d) over the new set", self.step, change["from"],
                          change["from_dir"] or "an unrecorded folder", change["to"], cfg.data.dir,
                          change["samples_per_epoch"], change["epoch"])
-            self.state.lr_schedule = resumed_schedule(
-                self.state.lr_schedule, state["config"], cfg, self.step,
-                explicit=None if change is None else (f"data.phase={cfg.data.phase}" if "phase"
-                                                      in change else "data.on_shard_change=new_pass"))
+            explicit = (None if change is None else f"data.phase={cfg.data.phase}"
+                        if "phase" in change else "data.on_shard_change=new_pass")
+            self.state.lr_schedule = resumed_schedule(self.state.lr_schedule, state["config"], cfg,
+                                                      self.step, explicit)
             self.state.track_phase(cfg.data.phase, self.step, self.train_loader)
             # a validation a stop signal deferred at this step, if this run still validates there
             self.state.eval_pending = self.state.eval_pending and should_evaluate(
