@@ -62,7 +62,6 @@ def _first_line(e: BaseException) -> str:
     return text.splitlines()[0] if text else type(e).__name__
 
 
-
 class Trainer:
     """One training run on this process (collective: every rank builds one).
 
@@ -178,37 +177,7 @@ class Trainer:
                 self.engine, info.tp_size, info.world_size)
         self.train_loader = self._build_loader(cfg.data.train_split, train=True)
         if latest is not None:
-            state = ckpt.load_latest(self.engine, self.ckdir, model_config=self.mcfg,
-                                     reshard=bool(cfg.checkpoint.reshard))
-            if state is None:
-                raise RuntimeError(f"{self.ckdir}: the latest checkpoint vanished while resuming")
-            self.state.load_state_dict(state)
-            change = self.train_loader.load_state_dict(
-                state["loader"], allow_reshard="resharded_from" in state,
-                on_shard_change=cfg.data.on_shard_change)
-            if change is not None and "phase" in change:   # data.phase raised: a new data phase
-                log.info("data phase %d from step %d (was %d): sources %s; positions kept (samples "
-                         "drawn before: %s); weights, optimizer and lr schedule continue",
-                         change["phase"], self.step + 1, change["from_phase"],
-                         ", ".join(f"{n} {w:.3g}" for n, w in zip(self.train_loader.source_names,
-                                                                    self.train_loader.source_weights)),
-                         change["positions"])
-            elif change is not None:  # data.on_shard_change=new_pass on a rebuilt shard set
-                log.info("the training shards changed since step %d (shard set %s of %s -> %s of "
-                         "%s, %d samples per epoch); data.on_shard_change=new_pass: weights, "
-                         "optimizer and lr schedule continue, the data starts a new pass "
-                         "(epoch %d) over the new set", self.step, change["from"],
-                         change["from_dir"] or "an unrecorded folder", change["to"], cfg.data.dir,
-                         change["samples_per_epoch"], change["epoch"])
-            explicit = (None if change is None else f"data.phase={cfg.data.phase}"
-                        if "phase" in change else "data.on_shard_change=new_pass")
-            self.state.lr_schedule = resumed_schedule(self.state.lr_schedule, state["config"], cfg,
-                                                      self.step, explicit)
-            self.state.track_phase(cfg.data.phase, self.step, self.train_loader)
-            # a validation a stop signal deferred at this step, if this run still validates there
-            self.state.eval_pending = self.state.eval_pending and should_evaluate(
-                self.step, cfg.train.eval_interval, False)
-            log.info("resumed from %s at step %d", state["checkpoint_dir"], self.step)
+            change = self._resume()
         else:
             change = None
             self.state.lr_schedule = schedule_record(cfg.optim, cfg.train.max_steps)
@@ -221,6 +190,45 @@ class Trainer:
         check_source_epochs(self.train_loader, cfg, self.plan, self.step, self.is_rank0)
         self._init_wandb()
         self.peak_flops = peak_flops_per_device(cfg)
+
+    def _resume(self) -> dict | None:
+        """Load the latest checkpoint into the engine, `self.state` and the train loader, check
+        the lr schedule against it (`startup.resumed_schedule`) and log what changed. Returns
+        the loader's change (`data.on_shard_change=new_pass` or a new `data.phase`), or None."""
+        from pipeline import checkpoint as ckpt
+        cfg = self.cfg
+        state = ckpt.load_latest(self.engine, self.ckdir, model_config=self.mcfg,
+                                 reshard=bool(cfg.checkpoint.reshard))
+        if state is None:
+            raise RuntimeError(f"{self.ckdir}: the latest checkpoint vanished while resuming")
+        self.state.load_state_dict(state)
+        change = self.train_loader.load_state_dict(
+            state["loader"], allow_reshard="resharded_from" in state,
+            on_shard_change=cfg.data.on_shard_change)
+        if change is not None and "phase" in change:   # data.phase raised: a new data phase
+            log.info("data phase %d from step %d (was %d): sources %s; positions kept (samples "
+                     "drawn before: %s); weights, optimizer and lr schedule continue",
+                     change["phase"], self.step + 1, change["from_phase"],
+                     ", ".join(f"{n} {w:.3g}" for n, w in zip(self.train_loader.source_names,
+                                                                self.train_loader.source_weights)),
+                     change["positions"])
+        elif change is not None:  # data.on_shard_change=new_pass on a rebuilt shard set
+            log.info("the training shards changed since step %d (shard set %s of %s -> %s of "
+                     "%s, %d samples per epoch); data.on_shard_change=new_pass: weights, "
+                     "optimizer and lr schedule continue, the data starts a new pass "
+                     "(epoch %d) over the new set", self.step, change["from"],
+                     change["from_dir"] or "an unrecorded folder", change["to"], cfg.data.dir,
+                     change["samples_per_epoch"], change["epoch"])
+        explicit = (None if change is None else f"data.phase={cfg.data.phase}"
+                    if "phase" in change else "data.on_shard_change=new_pass")
+        self.state.lr_schedule = resumed_schedule(self.state.lr_schedule, state["config"], cfg,
+                                                  self.step, explicit)
+        self.state.track_phase(cfg.data.phase, self.step, self.train_loader)
+        # a validation a stop signal deferred at this step, if this run still validates there
+        self.state.eval_pending = self.state.eval_pending and should_evaluate(
+            self.step, cfg.train.eval_interval, False)
+        log.info("resumed from %s at step %d", state["checkpoint_dir"], self.step)
+        return change
 
     def _release_lock(self) -> None:
         """Release the run lock if this rank holds it (the watchdog calls it before a hang exit)."""
