@@ -1,5 +1,6 @@
 """What the straggler report costs: the one all-reduce of one float per rank that the trainer
-runs at each log interval (`pipeline.train.Trainer._stragglers`), timed in N gloo processes.
+runs at each log interval (`pipeline.training.metrics.StragglerTracker.collect`), timed in N
+gloo processes.
 
     python bench/bench_straggler_gather.py [--procs 2] [--iters 500] [--step-s 0.2]
 
@@ -24,7 +25,7 @@ def _worker(rank: int, world: int, port: int, iters: int, out) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     times = []
     for i in range(iters + 20):
-        v = torch.zeros(world, dtype=torch.float64)   # what _stragglers sends: one slot per rank
+        v = torch.zeros(world, dtype=torch.float64)   # what collect sends: one slot per rank
         v[rank] = 0.123
         t0 = time.perf_counter()
         dist.all_reduce(v)

@@ -2,85 +2,29 @@
 
 Owns: the orchestration of a run (`Trainer`: set-up order, the training step, the loop, checkpoint
 and validation cadence, auto-resume, SIGTERM/SIGUSR1/SIGINT handling, the NaN policy) and the
-entry point (`main`: config errors, a dead peer's one line, exit codes; reporting an error once
-across ranks is `pipeline.training.job`'s). The
-pieces it orchestrates live in `pipeline.training` (the engine builder and lr schedule, the run's
-state, validation, console lines) and below. Must not touch: the network (`pipeline.model`), the
-objective (`pipeline.objective`), shard reading (`pipeline.data`), the checkpoint format
-(`pipeline.checkpoint`), config validation (`pipeline.config`).
+entry point (`main`: config errors, a dead peer's one line, exit codes). The pieces it
+orchestrates live in `pipeline.training` (its `__init__` lists them) and below. Must not touch:
+the network (`pipeline.model`), the objective (`pipeline.objective`), shard reading
+(`pipeline.data`), the checkpoint format (`pipeline.checkpoint`), config validation
+(`pipeline.config`).
 
-Launch with `python -m pipeline.launch --nproc_per_node N -m pipeline.train ...` (torchrun's
-options; keeps the exit codes below and forwards signals), plain torchrun, or srun (one task per
-device; MASTER_ADDR/MASTER_PORT set by the launcher script); a bare `python -m pipeline.train`
-is one process on a free rendezvous port. One job per run directory (`pipeline.runlock`). The
-config is validated before any process group exists; a config error is one line on stderr and
-exit code 2.
+Said elsewhere, once: launching, resuming, signals and exit codes for users in README.md
+"Training"; the job's contract (metrics.jsonl fields, files in the run folder, resume checks) in
+ARCHITECTURE.md "Training job"; what each exit code means in `pipeline.common.cli`; hang
+detection in `pipeline.training.watchdog`.
 
 One optimizer step (all ranks):
   for each of the `grad_accum_steps` micro-batches: forward -> `hybrid_loss` -> backward
   (DeepSpeed scales by 1/GA and reduces gradients over the data-parallel group only, `mpu=`);
-  one all-reduce of [loss sums, token counts, non-finite flag, signal flag] over the world;
-  NaN policy; lr = `pipeline.training.schedule.record_lr(step)`; DeepSpeed step (clip, AdamW). The
-  loss of a step is the mean of its micro-batch losses over data-parallel ranks and accumulation steps, which is what its
-  gradient descends.
+  one all-reduce of [loss sums, token counts, non-finite flag, signal flag, ...] over the world
+  (`pipeline.training.metrics.StepTally`); NaN policy; lr = `schedule.record_lr(step)`;
+  DeepSpeed step (clip, AdamW). The loss of a step is the mean of its micro-batch losses over
+  data-parallel ranks and accumulation steps, which is what its gradient descends.
 
-Signals: SIGTERM, SIGUSR1 and SIGINT (Ctrl-C) on any rank finish the current step; all ranks
-agree through the step's all-reduce, checkpoint and exit 0. A second SIGINT aborts at once (no
-checkpoint, exit 130, one line). Loader workers ignore these signals (`pipeline.data.loader`), so a
-signal sent to the whole process group (SLURM preemption, scancel, Ctrl-C) reaches the trainer only.
-
-Hangs: every rank publishes its step and phase for the hang watchdog (`pipeline.training.
-watchdog`, started in `setup` after the run lock): data / forward_backward per micro-batch,
-collective, optimizer, validation per micro-batch, checkpoint. The tick calls are the only
-thing the loop does for it.
-
-Start-up write check: before building anything, every rank writes a probe file where it will
-write (rank 0: the run folder and metrics.jsonl; every rank: the checkpoint folder), so a
-read-only filesystem or a folder this user may not write stops the job at once, not at the first
-checkpoint hours later (`Trainer._check_write_access`).
-
-Exit codes: 0 done (or checkpointed after SIGTERM/SIGUSR1/SIGINT), 2 config error or a user error
-found after start-up (a folder the run writes is read-only or not permitted, found by the
-start-up write check; a checkpoint or loader state from another layout, model shape or shard set;
-an HF folder that does not fit; wandb cannot start; another live job holds the run directory;
-the ranks cannot meet at MASTER_ADDR:MASTER_PORT within REFUSION_RENDEZVOUS_TIMEOUT), 3
-non-finite loss with `train.nan_policy=stop` (no checkpoint written for that step), 4 no space
-left or quota exceeded (at the start-up check or later), or any checkpoint or metrics.jsonl write
-that failed during the run (read-only, permission, ...): one line naming the folder or file, the
-failing rank, the cause (with the free space seen only for a full disk or quota) and what to do;
-the partial checkpoint folder removed, the previous one intact. 5 this rank stopped because
-another rank's process is gone (killed, crashed; one line per surviving rank instead of the
-collective's traceback; the launcher reports the dead rank). 6 the hang watchdog found a rank
-that made no progress within its allowance (`pipeline.training.watchdog`: one line per live rank
-naming the stuck rank(s), host, last step and phase and the silence; `<run_dir>/hang.json`; the
-stuck rank's Python stacks in `<run_dir>/stacks_rank_N.txt` when it could still write them).
-130 a second Ctrl-C. An error raised
-on one rank only is printed once by that rank; the other ranks exit with the same code without a
-traceback. Under torchrun the launcher turns these into its own exit 1 and a traceback;
-`python -m pipeline.launch` (same arguments) keeps them. A wandb failure mid-run is one warning
-line; training goes on (`pipeline.monitor`).
-
-Continuing on more data: after the shards are rebuilt with more input, a resume is refused
-(the loader state's shard set differs) unless `data.on_shard_change=new_pass`: then weights,
-optimizer and step continue (the lr schedule follows the run's settings from the resumed step,
-`Trainer._check_schedule`) and the loader starts a new epoch over the new set;
-the checkpoint's `shard_sets` records each set and the step it began at.
-
-metrics.jsonl (rank 0, appended; a resumed run appends again from its checkpoint step, so a
-reader keeps the last line per (kind, step)): one JSON object per line with `kind` "train"
-(step, loss, ar_loss, mdm_loss, lr, grad_norm, tokens_per_s, tflops_per_device, mfu, hfu,
-peak_memory_bytes, consumed_samples, consumed_tokens, step_time_s, skipped, the per-source
-accounting below; at each log interval also straggler_rank, straggler_host,
-straggler_compute_s, median_compute_s, straggler_skew: `Trainer._stragglers`,
-`pipeline.training.metrics.StragglerTracker`) or "val" (step, val_loss, val_ar_loss,
-val_mdm_loss, val_batches, val_tokens, loss_by_source).
-Per-source accounting, keyed by the loader's `source_names` (`data` for a loader without them):
-`tokens_by_source` (the step's non-padding tokens from each source, over all DP ranks; they add
-up to the step's tokens, the increase of consumed_tokens), `loss_by_source` (mean CE over each
-source's labelled tokens of the step, AR and MDM targets alike and without the MDM loss weights,
-over all DP ranks; null for a source without a labelled token in the step),
-`target_share_by_source` (the sources' target token shares, when known); a "val" line's
-`loss_by_source` is the same over the validation pass.
+Signals: SIGTERM, SIGUSR1 and SIGINT on any rank finish the current step; all ranks agree through
+the step's all-reduce, checkpoint and exit 0; a second SIGINT aborts at once (exit 130). Loader
+workers ignore these signals (`pipeline.data.loader`). The loop's only calls for the hang
+watchdog are its progress ticks (`_progress`).
 """
 from __future__ import annotations
 
@@ -93,9 +37,11 @@ import time
 
 from pipeline.common.cli import (EXIT_DISK_FULL, EXIT_INTERRUPTED, EXIT_NONFINITE,
                                  EXIT_PEER_LOST, EXIT_USAGE)
-from pipeline.training.job import (agent_store, launcher_env, lost_peer, report_error,
-                                   reported_error_code)
-from pipeline.training.schedule import schedule_change, schedule_record
+from pipeline.training.job import (agent_store, launcher_env, log_restart, lost_peer,
+                                   report_error, reported_error_code)
+from pipeline.training.schedule import schedule_record
+from pipeline.training.startup import (check_source_epochs, check_write_access, memory_check,
+                                       resumed_schedule, seed_everything, setup_logging)
 from pipeline.training.state import TrainError, TrainState
 
 log = logging.getLogger("pipeline.train")
@@ -114,7 +60,6 @@ def should_evaluate(step: int, eval_interval: int, stop_pending: bool) -> bool:
 def _first_line(e: BaseException) -> str:
     text = str(e).strip().strip("'\"")
     return text.splitlines()[0] if text else type(e).__name__
-
 
 
 class Trainer:
@@ -138,8 +83,6 @@ class Trainer:
         self.monitor = None           # pipeline.monitor.Monitor (metrics.jsonl, wandb), set up in setup()
         self.watchdog = None          # pipeline.training.watchdog.Watchdog, started in setup()
         self.state = TrainState()
-        self._steps_here = 0          # steps run by this process (the first one may be slowed)
-        self._compute_s: list[float] = []   # this rank's compute time per step since the last log
         self.stragglers = None        # pipeline.training.metrics.StragglerTracker, set up in setup()
 
     @property
@@ -172,8 +115,11 @@ class Trainer:
         from pipeline.objective import ObjectiveConfig
         from pipeline.parallel import init_distributed, run_on_rank0
         from pipeline.training.engine import build_engine, initial_weights
-        from pipeline.training.metrics import ConsoleLog, peak_flops_per_device
+        from pipeline.training.faults import Faults
+        from pipeline.training.metrics import (ConsoleLog, StragglerTracker, gather_hosts,
+                                               peak_flops_per_device)
         from pipeline.training.state import plan_for_resume
+        from pipeline.training.watchdog import rank_checkpoint_bytes, start_watchdog
 
         cfg = self.cfg
         self._install_signals()
@@ -186,9 +132,9 @@ class Trainer:
         deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo",
                                    auto_mpi_discovery=False)
         self.is_rank0 = info.rank == 0
-        _setup_logging(self.is_rank0)
+        setup_logging(self.is_rank0)
         self.device = info.device
-        _seed_everything(cfg.train.seed)
+        seed_everything(cfg.train.seed)
         self.objective_cfg = ObjectiveConfig(**OmegaConf.to_container(cfg.objective, resolve=True))
         if self.objective_cfg.mode == "dual":
             log.info("objective.mode=dual: training and validation forwards attend with the "
@@ -198,11 +144,18 @@ class Trainer:
         self.mcfg = ModelConfig.from_dict(dict(self.plan.model_fields), source="model")
         self.ckdir = self.plan.checkpoint_dir
         self.console = ConsoleLog(cfg.train.max_steps, cfg.train.log_interval)
-        self._check_write_access()
+        self.faults = Faults(cfg.debug, info.rank)
+        check_write_access(cfg.run_dir, self.ckdir, self.is_rank0)
         self._lock_run_dir()
         if self.is_rank0 and self.plan_lines:  # after the lock: a refused job prints only that
             print("\n".join(self.plan_lines), file=sys.stderr, flush=True)
-        self._start_watchdog()
+        t = cfg.train
+        self.stragglers = StragglerTracker(gather_hosts(), float(t.straggler_factor),
+                                           int(t.straggler_intervals))
+        if self.is_rank0:
+            log_restart(str(cfg.run_dir))
+        self.watchdog = start_watchdog(cfg.run_dir, info.rank, info.world_size, t,
+                                       on_exit=self._release_lock)
 
         # Resume decided before building: a resumed run does not need initial weights.
         latest = run_on_rank0(lambda: ckpt.find_latest(self.ckdir) if cfg.checkpoint.resume
@@ -220,39 +173,11 @@ class Trainer:
             raise TrainError(f"init.hf_path: {_first_line(e)}") from None
 
         if self.watchdog is not None:  # the save allowance scales with this rank's share
-            self.watchdog.policy.rank_checkpoint_bytes = _rank_checkpoint_bytes(
+            self.watchdog.policy.rank_checkpoint_bytes = rank_checkpoint_bytes(
                 self.engine, info.tp_size, info.world_size)
         self.train_loader = self._build_loader(cfg.data.train_split, train=True)
         if latest is not None:
-            state = ckpt.load_latest(self.engine, self.ckdir, model_config=self.mcfg,
-                                     reshard=bool(cfg.checkpoint.reshard))
-            if state is None:
-                raise RuntimeError(f"{self.ckdir}: the latest checkpoint vanished while resuming")
-            self.state.load_state_dict(state)
-            change = self.train_loader.load_state_dict(
-                state["loader"], allow_reshard="resharded_from" in state,
-                on_shard_change=cfg.data.on_shard_change)
-            if change is not None and "phase" in change:   # data.phase raised: a new data phase
-                log.info("data phase %d from step %d (was %d): sources %s; positions kept (samples "
-                         "drawn before: %s); weights, optimizer and lr schedule continue",
-                         change["phase"], self.step + 1, change["from_phase"],
-                         ", ".join(f"{n} {w:.3g}" for n, w in zip(self.train_loader.source_names,
-                                                                    self.train_loader.source_weights)),
-                         change["positions"])
-            elif change is not None:  # data.on_shard_change=new_pass on a rebuilt shard set
-                log.info("the training shards changed since step %d (shard set %s of %s -> %s of "
-                         "%s, %d samples per epoch); data.on_shard_change=new_pass: weights, "
-                         "optimizer and lr schedule continue, the data starts a new pass "
-                         "(epoch %d) over the new set", self.step, change["from"],
-                         change["from_dir"] or "an unrecorded folder", change["to"], cfg.data.dir,
-                         change["samples_per_epoch"], change["epoch"])
-            self._check_schedule(state, explicit=None if change is None else (
-                f"data.phase={cfg.data.phase}" if "phase" in change else "data.on_shard_change=new_pass"))
-            self.state.track_phase(cfg.data.phase, self.step, self.train_loader)
-            # a validation a stop signal deferred at this step, if this run still validates there
-            self.state.eval_pending = self.state.eval_pending and should_evaluate(
-                self.step, cfg.train.eval_interval, False)
-            log.info("resumed from %s at step %d", state["checkpoint_dir"], self.step)
+            change = self._resume()
         else:
             change = None
             self.state.lr_schedule = schedule_record(cfg.optim, cfg.train.max_steps)
@@ -262,123 +187,58 @@ class Trainer:
             self.state.track_shard_set({"fingerprint": ld.fingerprint, "data_dir": ld.data_dir,
                                         "epoch": ld.epoch, "samples_per_epoch": ld.samples_per_epoch},
                                        change)
-        self._check_source_epochs()
+        check_source_epochs(self.train_loader, cfg, self.plan, self.step, self.is_rank0)
         self._init_wandb()
         self.peak_flops = peak_flops_per_device(cfg)
 
-    def _check_schedule(self, state: dict, explicit: str | None) -> None:
-        """The resumed run's learning-rate schedule against the checkpoint's
-        (`pipeline.training.schedule.schedule_change`; a checkpoint that predates the record
-        gives its saved run config's). A change that would move an lr is refused unless
-        `optim.override_schedule` or a new data pass or phase makes it explicit (`explicit`:
-        the setting that did, or None); then the new schedule applies from this step, said in
-        one line.
-
-        Raises:
-            TrainError: the schedule changed without either (one line naming the keys).
-        """
+    def _resume(self) -> dict | None:
+        """Load the latest checkpoint into the engine, `self.state` and the train loader, check
+        the lr schedule against it (`startup.resumed_schedule`) and log what changed. Returns
+        the loader's change (`data.on_shard_change=new_pass` or a new `data.phase`), or None."""
+        from pipeline import checkpoint as ckpt
         cfg = self.cfg
-        saved = self.state.lr_schedule or schedule_record(state["config"]["optim"],
-                                                          state["config"]["train"]["max_steps"])
-        now = schedule_record(cfg.optim, cfg.train.max_steps, from_step=saved.get("from_step", 0))
-        why = schedule_change(saved, now, self.step)
-        if why is None:
-            self.state.lr_schedule = now
-            return
-        if not (cfg.optim.override_schedule or explicit):
-            raise TrainError(f"optim: the learning-rate schedule differs from the checkpoint's "
-                             f"({why}); set optim.override_schedule=true to apply the new schedule "
-                             f"from step {self.step + 1}, or resume with the saved settings")
-        self.state.lr_schedule = {**now, "from_step": self.step}
-        log.info("learning-rate schedule changed from step %d (%s; %s)", self.step + 1, why,
-                 "optim.override_schedule" if cfg.optim.override_schedule
-                 else explicit)
+        state = ckpt.load_latest(self.engine, self.ckdir, model_config=self.mcfg,
+                                 reshard=bool(cfg.checkpoint.reshard))
+        if state is None:
+            raise RuntimeError(f"{self.ckdir}: the latest checkpoint vanished while resuming")
+        self.state.load_state_dict(state)
+        change = self.train_loader.load_state_dict(
+            state["loader"], allow_reshard="resharded_from" in state,
+            on_shard_change=cfg.data.on_shard_change)
+        if change is not None and "phase" in change:   # data.phase raised: a new data phase
+            log.info("data phase %d from step %d (was %d): sources %s; positions kept (samples "
+                     "drawn before: %s); weights, optimizer and lr schedule continue",
+                     change["phase"], self.step + 1, change["from_phase"],
+                     ", ".join(f"{n} {w:.3g}" for n, w in zip(self.train_loader.source_names,
+                                                                self.train_loader.source_weights)),
+                     change["positions"])
+        elif change is not None:  # data.on_shard_change=new_pass on a rebuilt shard set
+            log.info("the training shards changed since step %d (shard set %s of %s -> %s of "
+                     "%s, %d samples per epoch); data.on_shard_change=new_pass: weights, "
+                     "optimizer and lr schedule continue, the data starts a new pass "
+                     "(epoch %d) over the new set", self.step, change["from"],
+                     change["from_dir"] or "an unrecorded folder", change["to"], cfg.data.dir,
+                     change["samples_per_epoch"], change["epoch"])
+        explicit = (None if change is None else f"data.phase={cfg.data.phase}"
+                    if "phase" in change else "data.on_shard_change=new_pass")
+        self.state.lr_schedule = resumed_schedule(self.state.lr_schedule, state["config"], cfg,
+                                                  self.step, explicit)
+        self.state.track_phase(cfg.data.phase, self.step, self.train_loader)
+        # a validation a stop signal deferred at this step, if this run still validates there
+        self.state.eval_pending = self.state.eval_pending and should_evaluate(
+            self.step, cfg.train.eval_interval, False)
+        log.info("resumed from %s at step %d", state["checkpoint_dir"], self.step)
+        return change
 
-    def _start_watchdog(self) -> None:
-        """The hang watchdog (`pipeline.training.watchdog`; collective): a token agreed through
-        rank 0, the policy from `train.hang_timeout_s` / `train.hang_warmup_s`, the run lock
-        released before a hang exit. Also gathers every rank's host name (straggler lines) and,
-        on a restart by torchrun (`--max-restarts`), logs one line saying so."""
-        import json
-        import secrets
-        import socket
-        import torch.distributed as dist
-        from pipeline.parallel import broadcast_from_rank0
-        from pipeline.training.metrics import StragglerTracker
-        from pipeline.training.watchdog import HANG_FILE, HangPolicy, Watchdog
-        t = self.cfg.train
-        hosts = [socket.gethostname()]
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            hosts = [None] * dist.get_world_size()
-            dist.all_gather_object(hosts, socket.gethostname())
-        self.stragglers = StragglerTracker(hosts, float(t.straggler_factor),
-                                           int(t.straggler_intervals))
-        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-        if restart and self.is_rank0:
-            cause = ""
-            report = os.path.join(self.cfg.run_dir, HANG_FILE)
-            try:
-                with open(report) as f:
-                    hang = json.load(f)
-                if time.time() - float(hang.get("time_unix_s", 0)) < 3600:
-                    cause = f"; the last hang report ({report}): {hang.get('line')}"
-            except (OSError, ValueError):
-                pass
-            log.warning("restart %d of at most %s by the launcher (--max-restarts) after the "
-                        "previous workers failed%s", restart,
-                        os.environ.get("TORCHELASTIC_MAX_RESTARTS", "?"), cause)
-        policy = HangPolicy(hang_timeout_s=t.hang_timeout_s, warmup_s=float(t.hang_warmup_s))
-        if not policy.enabled:
-            return
-        token = broadcast_from_rank0(secrets.token_hex(8))
-
-        def release_lock():
-            if self.run_lock is not None:
-                self.run_lock.release()
-        self.watchdog = Watchdog(str(self.cfg.run_dir), self.info.rank, self.info.world_size,
-                                 policy, token, on_exit=release_lock)
-        self.watchdog.start()
+    def _release_lock(self) -> None:
+        """Release the run lock if this rank holds it (the watchdog calls it before a hang exit)."""
+        if self.run_lock is not None:
+            self.run_lock.release()
 
     def _progress(self, phase: str, step: int | None = None) -> None:
         """A progress tick for the hang watchdog (no I/O)."""
         if self.watchdog is not None:
             self.watchdog.progress(phase, step)
-
-    def _check_write_access(self) -> None:
-        """Before anything is built: every rank writes a probe file where it will write
-        (`pipeline.common.diskspace.check_writable`): rank 0 in the run folder (run.lock,
-        metrics.jsonl, which it also opens for appending, wandb files), every rank in the
-        checkpoint folder (each writes its own files there; both folders are created if
-        missing). The ranks compare results, and any failure stops every rank with the same
-        one line naming the setting, the folder, the first failing rank, the cause (read-only
-        filesystem, permission denied, ...) and what to do: `NotWritableError` (exit 2, or 4
-        for a full disk or quota)."""
-        import torch.distributed as dist
-        from pipeline.common.diskspace import NotWritableError, check_writable
-        from pipeline.monitor import METRICS_FILE
-        from pipeline.training.watchdog import PROGRESS_DIR
-        # every rank: the watchdog's progress records (`pipeline.training.watchdog`)
-        targets = [("run_dir", os.path.join(str(self.cfg.run_dir), PROGRESS_DIR), ()),
-                   ("checkpoint.dir", self.ckdir, ())]
-        if self.is_rank0:
-            targets.insert(0, ("run_dir", self.cfg.run_dir, (METRICS_FILE,)))
-        mine = None
-        for setting, folder, files in targets:
-            failure = check_writable(folder, files)
-            if failure is not None:
-                mine = (setting, str(folder), failure)
-                break
-        box = [mine]
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            box = [None] * dist.get_world_size()
-            dist.all_gather_object(box, mine)
-        bad = [(r, m) for r, m in enumerate(box) if m is not None]
-        if bad:
-            rank, (setting, folder, failure) = bad[0]
-            more = f" (and {len(bad) - 1} more rank(s))" if len(bad) > 1 else ""
-            raise NotWritableError(
-                f"{setting} {folder} is not writable on rank {rank}{more}: {failure.cause}; "
-                f"{failure.remedy(setting)} (checked at start-up, nothing was trained)", failure)
 
     def _lock_run_dir(self) -> None:
         """One job per run directory (`pipeline.runlock`): rank 0 takes `<run_dir>/run.lock`;
@@ -394,32 +254,6 @@ class Trainer:
                             self.cfg.run_dir, held.get("host"), held.get("pid"),
                             held.get("slurm_job_id"), held["reason"])
         run_on_rank0(take, (RunLockError,), TrainError)
-
-    def _check_source_epochs(self) -> None:
-        """The passes over each source's training split the rest of the run makes at most
-        (`pipeline.data.mixture.epochs_needed`: every row of every remaining step full), one
-        log line per source on rank 0; a source whose `max_epochs` that exceeds is refused.
-
-        Raises:
-            TrainError: one line naming the source, its tokens and the passes it would need.
-        """
-        from pipeline.data.mixture import epochs_needed
-        cfg, ld = self.cfg, self.train_loader
-        steps = max(0, int(cfg.train.max_steps) - self.step)
-        fed = steps * self.plan.global_batch_size * self.plan.row_length
-        done = ld.source_epochs
-        need = epochs_needed([m["tokens"] for m in ld.sources], ld.source_weights, fed)
-        for m, e in zip(ld.sources, need):
-            total = done.get(m["name"], 0) + e
-            if self.is_rank0 and len(ld.sources) > 1:
-                log.info("data source %s: weight %.3g, %d tokens, <= %.2f passes by step %d",
-                         m["name"], m["weight"], m["tokens"], total, cfg.train.max_steps)
-            if m["max_epochs"] is not None and total > float(m["max_epochs"]):
-                raise TrainError(f"data.sources: source {m['name']!r} ({m['tokens']} tokens, weight "
-                                 f"{m['weight']:.3g}) would be read up to {total:.2f} times by step "
-                                 f"{cfg.train.max_steps}, more than its max_epochs "
-                                 f"{m['max_epochs']:g}; lower its weight or train.max_steps, or "
-                                 f"raise max_epochs")
 
     def _build_loader(self, split: str, train: bool):
         """A `pipeline.data` loader of `split` for this data-parallel rank (the TP ranks of a DP
@@ -477,27 +311,17 @@ class Trainer:
         after its all-reduce."""
         import functools
 
-        import torch
         import torch.distributed as dist
-        from pipeline.model import segment_lengths
-        from pipeline.model.flops import step_flops
         from pipeline.objective import hybrid_loss
         from pipeline.training.schedule import record_lr
-        from pipeline.training.metrics import (peak_memory_bytes, source_losses, source_names,
-                                               source_tokens, target_shares)
+        from pipeline.training.metrics import (NONFINITE, SIGNAL, StepTally, source_names,
+                                               target_shares)
 
         cfg, plan, eng = self.cfg, self.plan, self.engine
         step_no = self.step + 1
-        t0 = t_work = time.perf_counter()   # t_work: after debug.slow_first_step_s's sleep
-        per_micro: list = []          # detached [loss, ar, mdm] per micro-batch (on device)
-        names = source_names(self.train_loader)   # data sources, by source id
-        n_src = len(names)
-        per_source: list = []         # detached [CE sum x S, labelled x S] per micro-batch
-        src_tokens = torch.zeros(n_src, dtype=torch.long)   # this rank's tokens per source (CPU)
-        keys_of: list[list[str]] = []
-        tokens = rows = 0
-        copy_tokens = dropped_copies = 0   # objective mode "dual": masked copies fed / left out
-        model_flops = hw_flops = 0.0  # this rank's micro-batches (pipeline.model.flops)
+        t0 = time.perf_counter()
+        self.faults.start_step()
+        tally = StepTally(self.mcfg, cfg.train.loss_impl, source_names(self.train_loader))
         t = cfg.train
         if t.loss_impl == "chunked":
             loss_kw = {"head": eng.module.head_logits, "chunk_tokens": t.loss_chunk_tokens}
@@ -506,73 +330,33 @@ class Trainer:
                                                       chunk_tokens=t.loss_chunk_tokens)}
         for micro in range(plan.grad_accum_steps):
             self._progress("data", self.step)
-            if micro == 0 and self._steps_here == 0 and cfg.debug.slow_first_step_s:
-                time.sleep(cfg.debug.slow_first_step_s)   # fault injection (debug section)
-                t_work = time.perf_counter()
-            if cfg.debug.hang_rank == self.info.rank and step_no == cfg.debug.hang_at_step:
-                while True:   # fault injection: alive, stuck for good (debug.hang_rank)
-                    time.sleep(3600)
+            self.faults.before_batch(micro, step_no)
             batch = self._next_batch()
-            keys_of.append(list(batch.get("keys", [])))
+            tally.add_batch(batch)
             b = self._batch_to_device(batch)
-            real = int(batch["real_tokens"])          # CPU tensors: no device sync
-            tokens += real
-            src_tokens += source_tokens(batch, n_src)
-            copy_tokens += int(batch.get("copy_tokens", 0))
-            dropped_copies += int(batch.get("dropped_copies", 0))
-            rows += int(batch["input_ids"].shape[0])
-            seg_len = batch.get("segment_lengths")
-            labelled = batch.get("label_index")
-            mf, hf = step_flops(
-                self.mcfg, seg_len if seg_len is not None else segment_lengths(batch["segment_ids"]),
-                int(labelled.numel()) if labelled is not None
-                else int((batch["labels"] != -100).sum()),
-                batch["input_ids"].numel() - real, self.mcfg.recompute, t.loss_impl)
-            model_flops += mf
-            hw_flops += hf
             self._progress("forward_backward")
             hidden = eng(b["input_ids"], b["position_ids"], segment_ids=b["segment_ids"],
                          copy_id=b.get("copy_id"), clean_limit=b.get("clean_limit"),  # "dual"
                          return_hidden=True, cu_seqlens=b.get("cu_seqlens"),
                          max_seqlen=b.get("max_seqlen"))
-            loss, stats = hybrid_loss(hidden, b, self.objective_cfg, num_sources=n_src,
-                                      **loss_kw)
-            if micro == 0 and self.info.rank == 0 and step_no in set(cfg.debug.nan_at_steps):
-                loss = loss * float("nan")
-            per_micro.append(torch.stack([loss.detach().float(), stats["ar_loss"].float(),
-                                          stats["mdm_loss"].float()]))
-            per_source.append(torch.cat([stats["ce_sum_by_source"],
-                                         stats["labelled_by_source"].double()]))
+            loss, stats = hybrid_loss(hidden, b, self.objective_cfg,
+                                      num_sources=len(tally.names), **loss_kw)
+            loss = self.faults.loss(loss, micro, step_no)
+            tally.add_losses(loss, stats)
             eng.backward(loss)
             if micro < plan.grad_accum_steps - 1:
                 eng.step()
-        vals = torch.stack(per_micro).double()                            # [GA, 3]
-        finite = torch.isfinite(vals[:, 0])
-        by_src = torch.stack(per_source)                                  # [GA, 2S]
-        # one all-reduce over the world: [loss, ar, mdm sums over finite micro-batches,
-        # real tokens, rows, non-finite micro-batches, signal flag, model FLOPs, hardware FLOPs,
-        # copy tokens, dropped copies, tokens per source (S), CE sums per source (S) and
-        # labelled tokens per source (S) over finite micro-batches]
-        sums = torch.cat([torch.where(finite[:, None], vals, torch.zeros_like(vals)).sum(0),
-                          vals.new_tensor([tokens, rows, float((~finite).sum()),
-                                           1.0 if self.signal_received else 0.0,
-                                           model_flops, hw_flops, copy_tokens, dropped_copies,
-                                           *src_tokens.tolist()]),
-                          torch.where(finite[:, None], by_src, torch.zeros_like(by_src)).sum(0)])
-        if cfg.debug.slow_rank == self.info.rank:   # fault injection: a straggler (debug section)
-            time.sleep(cfg.debug.slow_rank_s
-                       + cfg.debug.slow_rank_factor * (time.perf_counter() - t_work))
+        # one all-reduce over the world: losses, counts, the non-finite and signal flags
+        sums = tally.packed(signal=bool(self.signal_received))
+        self.faults.before_collective()
         self._progress("collective")
         t_wait = time.perf_counter()
         dist.all_reduce(sums)
         sums = sums.cpu()
         t_wait = time.perf_counter() - t_wait   # waiting for the slowest rank, mostly
         self._progress("optimizer")
-        bad = [(i, keys_of[i]) for i in range(len(keys_of)) if not bool(finite[i])]
-        tp = plan.tp_size
-        nonfinite = sums[5].item() > 0
-        sig = sums[6].item() > 0
-        for micro, keys in bad:
+        nonfinite, sig = sums[NONFINITE].item() > 0, sums[SIGNAL].item() > 0
+        for micro, keys in tally.nonfinite_batches():
             print(f"pipeline.train: rank {self.info.rank}: non-finite loss at step {step_no}, "
                   f"micro-batch {micro}, batch keys {keys}", file=sys.stderr, flush=True)
         if nonfinite and cfg.train.nan_policy == "stop":
@@ -587,78 +371,32 @@ class Trainer:
             raise RuntimeError(f"step {step_no}: the loss was non-finite but DeepSpeed applied the "
                                f"update; nan_policy=skip is not supported with this ZeRO stage")
         dt = time.perf_counter() - t0
-        self._steps_here += 1
-        self._compute_s.append(dt - t_wait)
+        self.stragglers.add(dt - t_wait)
         if self.watchdog is not None:
             self.watchdog.policy.record_step(dt)
-        n_losses = (plan.dp_size * plan.grad_accum_steps) - sums[5].item() / tp
-        tokens = int(round(sums[3].item() / tp))  # global: sum over DP ranks (TP ranks repeat)
-        rows = int(round(sums[4].item() / tp))
         st = self.state
+        metrics = tally.record(
+            sums, step=step_no, tp=plan.tp_size, losses=plan.dp_size * plan.grad_accum_steps,
+            world_size=plan.world_size, step_time_s=dt, lr=lr,
+            grad_norm=eng.get_global_grad_norm(), applied=applied, peak_flops=self.peak_flops,
+            consumed_samples=st.consumed_samples, consumed_tokens=st.consumed_tokens,
+            shares=target_shares(self.train_loader, len(tally.names)),
+            dual=self.objective_cfg.mode == "dual")
         st.step = step_no
-        st.consumed_samples += rows
-        st.consumed_tokens += tokens
-        flops = sums[7].item() / tp / dt / plan.world_size   # model FLOP/s per device
-        hw = sums[8].item() / tp / dt / plan.world_size      # hardware FLOP/s per device
-        gnorm = eng.get_global_grad_norm()
-        src = sums[11:].div(tp).tolist()   # [tokens x S, CE sums x S, labelled x S], global
-        shares = target_shares(self.train_loader, n_src)
-        metrics = {
-            "kind": "train", "step": step_no,
-            "loss": (sums[0].item() / tp / n_losses) if n_losses else float("nan"),
-            "ar_loss": (sums[1].item() / tp / n_losses) if n_losses else float("nan"),
-            "mdm_loss": (sums[2].item() / tp / n_losses) if n_losses else float("nan"),
-            "lr": lr,
-            "grad_norm": float(gnorm) if gnorm is not None and applied else None,
-            "tokens_per_s": tokens / dt, "tflops_per_device": flops / 1e12,
-            "mfu": (flops / self.peak_flops) if self.peak_flops else None,
-            "hfu": (hw / self.peak_flops) if self.peak_flops else None,
-            "peak_memory_bytes": peak_memory_bytes(),
-            "consumed_samples": st.consumed_samples, "consumed_tokens": st.consumed_tokens,
-            "step_time_s": dt, "skipped": not applied,
-            "tokens_by_source": {n: int(round(v)) for n, v in zip(names, src[:n_src])},
-            "loss_by_source": source_losses(src[n_src:2 * n_src], src[2 * n_src:], names),
-        }
-        if shares is not None:
-            metrics["target_share_by_source"] = dict(zip(names, shares))
-        if self.objective_cfg.mode == "dual":
-            # fed tokens of the step (global): clean + copy = the step's non-padding tokens
-            copies = int(round(sums[9].item() / tp))
-            metrics.update({"clean_tokens": tokens - copies, "copy_tokens": copies,
-                            "dropped_copies": int(round(sums[10].item() / tp))})
+        st.consumed_samples, st.consumed_tokens = (metrics["consumed_samples"],
+                                                   metrics["consumed_tokens"])
         return metrics, nonfinite, sig
-
-
-    def _stragglers(self) -> dict:
-        """Straggler figures of the log interval just ended (collective: one all-reduce of
-        one float per rank): every rank's mean compute time per step (the step's time minus its
-        wait in the step's all-reduce), judged by `pipeline.training.metrics.StragglerTracker`
-        (its record fields; one warning line for a persistent straggler)."""
-        import torch
-        import torch.distributed as dist
-        mine = sum(self._compute_s) / len(self._compute_s) if self._compute_s else 0.0
-        self._compute_s = []
-        world = self.info.world_size
-        per_rank = [mine]
-        if dist.is_initialized() and world > 1:
-            self._progress("collective")
-            v = torch.zeros(world, dtype=torch.float64)
-            v[self.info.rank] = mine
-            dist.all_reduce(v)
-            per_rank = v.tolist()
-        return self.stragglers.update(per_rank, self.step, warn=self.is_rank0)
 
     def evaluate(self) -> dict:
         """Validation loss over up to `train.eval_batches` micro-batches per DP rank (0 = the
         whole split, every sample exactly once whatever the DP size), weighted by tokens and
         segments over all ranks (`pipeline.training.validation.run_validation`), so the figure
         does not depend on the DP size or micro-batch size. Returns the "val" record."""
+        from pipeline.training.faults import slow_validation
         from pipeline.training.validation import run_validation
-        slow = float(self.cfg.debug.slow_eval_s)
 
         def tick():
-            if slow:
-                time.sleep(slow)   # fault injection (debug.slow_eval_s)
+            slow_validation(self.cfg.debug)
             self._progress("validation")
         self._progress("validation", self.step)
         figs = run_validation(self.engine, lambda: self._build_loader(self.cfg.data.val_split,
@@ -732,8 +470,10 @@ class Trainer:
                               f"good checkpoint in {self.ckdir})", file=sys.stderr, flush=True)
                     code = EXIT_NONFINITE
                     break
-                if self.step % cfg.train.log_interval == 0:
-                    metrics.update(self._stragglers())
+                if self.step % cfg.train.log_interval == 0:   # the straggler report (collective)
+                    self._progress("collective")
+                    metrics.update(self.stragglers.collect(self.info.rank, self.info.world_size,
+                                                           self.step, warn=self.is_rank0))
                 metrics["data_phase"] = int(cfg.data.phase)
                 self._record(metrics)
                 if should_evaluate(self.step, cfg.train.eval_interval, sig):
@@ -768,84 +508,6 @@ class Trainer:
 # Entry point
 # --------------------------------------------------------------------------------------------
 
-def _rank_checkpoint_bytes(engine, tp_size: int, world_size: int) -> float:
-    """Estimated bytes one rank writes in a checkpoint save: 16 bytes per parameter (16-bit
-    weights, fp32 master weights, two fp32 Adam moments) of the whole model (this rank's
-    tensor-parallel shard x `tp_size`), spread by ZeRO-3 over all `world_size` ranks."""
-    n = sum(int(getattr(p, "ds_numel", p.numel())) for p in engine.module.parameters())
-    return 16.0 * n * tp_size / max(1, world_size)
-
-
-def _seed_everything(seed: int) -> None:
-    import random
-    import numpy as np
-    import torch
-    random.seed(seed)
-    np.random.seed(seed % 2 ** 32)
-    torch.manual_seed(seed)
-
-
-def _setup_logging(rank0: bool) -> None:
-    """Our INFO lines on rank 0's stdout; other ranks print warnings only. DeepSpeed's logger is
-    turned down to warnings (its per-step chatter; third-party warnings: `pipeline/__init__.py`)."""
-    logger = logging.getLogger("pipeline")
-    logger.handlers.clear()
-    h = logging.StreamHandler(sys.stdout)
-    h.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
-    logger.addHandler(h)
-    logger.setLevel(logging.INFO if rank0 else logging.WARNING)
-    logger.propagate = False
-    try:
-        from deepspeed.utils import logger as ds_logger
-        ds_logger.setLevel(logging.WARNING)
-    except Exception:
-        pass
-
-
-def _memory_check(cfg, plan, rank0: bool) -> list[str]:
-    """The per-GPU memory plan (`pipeline.training.memory_plan`) and, on CUDA, the refusal of a
-    plan above the device's memory before anything is built or loaded (`train.memory_check`:
-    error / warn / off; `train.gpu_memory_gib` or the CUDA device's total memory; no check on
-    the CPU).
-
-    Returns:
-        The lines rank 0 prints once it holds the run lock (`Trainer.setup`): the plan, and
-        with `warn` the warning line; [] on other ranks and with `off`.
-    Raises:
-        ConfigError: `train.memory_check=error` and the plan exceeds the memory (one line; rank
-            0 prints the plan first, as the refusal's reasons).
-    """
-    mode = str(cfg.train.memory_check)
-    if mode == "off":
-        return []
-    import torch
-
-    from pipeline.config import ConfigError
-    from pipeline.training.memory_plan import GIB, format_plan, plan_for_run
-    cuda = torch.cuda.is_available()
-    gib = cfg.train.gpu_memory_gib
-    gpu_bytes = int(gib * GIB) if gib is not None else (
-        torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", "0"))
-                                         % torch.cuda.device_count()).total_memory
-        if cuda else None)
-    mp = plan_for_run(cfg, tp=plan.tp_size, dp=plan.dp_size, model_fields=plan.model_fields,
-                      row_length=plan.row_length, device="cuda" if cuda else "cpu",
-                      gpu_bytes=gpu_bytes if cuda else None)
-    # not prefixed "pipeline.": those lines are the job's outcome (errors, warnings)
-    lines = format_plan(mp) if rank0 else []
-    if not cuda or gpu_bytes is None or mp.total <= gpu_bytes:
-        return lines
-    line = (f"train.memory_check: the memory plan needs {mp.total / GIB:.1f} GiB per GPU, more "
-            f"than the {gpu_bytes / GIB:.1f} GiB the GPU has (largest micro-batch that fits: "
-            f"{mp.max_micro_batch}); lower train.micro_batch_size or data.max_length, set "
-            f"train.activation_checkpointing, or train.memory_check=warn to run anyway")
-    if mode == "error":
-        if rank0:
-            print("\n".join(lines), file=sys.stderr, flush=True)
-        raise ConfigError(line)
-    return lines + ([f"pipeline.train: warning: {line}"] if rank0 else [])
-
-
 def main(argv: list[str] | None = None) -> int:
     """Parse `--config PATH [key=value ...]`, validate, train. Returns the exit code."""
     ap = argparse.ArgumentParser(prog="python -m pipeline.train",
@@ -858,7 +520,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         plan = validate(cfg)
-        plan_lines = _memory_check(cfg, plan, rank0)
+        plan_lines = memory_check(cfg, plan, rank0)
     except ConfigError as e:
         # Before any process group: under torchrun / pipeline.launch the agent's store dedupes
         # (so a config error only one rank sees is still printed, once); otherwise rank 0 prints.

@@ -54,7 +54,8 @@ def _trainer(info, data_dir, micro_batch_size, pack):
         train=SimpleNamespace(eval_batches=0, seed=7),
         debug=SimpleNamespace(slow_eval_s=0.0),
         data=SimpleNamespace(dir=data_dir, val_split="val", num_workers=0, pack=pack,
-                             packing="best_fit", shuffle_buffer=4, verify_shards="error"))
+                             packing="best_fit", shuffle_buffer=4, verify_shards="error",
+                             sources=None, phase=0))
     return t
 
 

@@ -231,11 +231,12 @@ def test_trainer_prints_the_plan_and_refuses_before_building(tmp_path, monkeypat
     refusal = [ln for ln in err.splitlines() if "config error" in ln]
     assert len(refusal) == 1 and "train.memory_check" in refusal[0] and "GiB" in refusal[0]
     from pipeline.config import load_config, validate
+    from pipeline.training.startup import memory_check
     cfg = load_config(config, [*base, "train.memory_check=warn"])   # printed once locked
-    lines = train._memory_check(cfg, validate(cfg), True)
+    lines = memory_check(cfg, validate(cfg), True)
     assert "memory plan per GPU" in lines[0] and "warning: train.memory_check" in lines[-1]
     cfg = load_config(config, [*base, "train.memory_check=off"])
-    assert train._memory_check(cfg, validate(cfg), True) == []
+    assert memory_check(cfg, validate(cfg), True) == []
     assert capsys.readouterr().err == ""
 
 

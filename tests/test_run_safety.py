@@ -529,17 +529,15 @@ def test_write_failure_causes_and_remedies(tmp_path, monkeypatch, mounts):
 
 
 def _write_access_on_ranks(rank, world_size, run_dir, ckdir, forbidden_rank):
-    """`Trainer._check_write_access` on 2 gloo ranks: once as is, then with EACCES injected at
-    rank `forbidden_rank`'s probe of the checkpoint folder. Returns both outcomes."""
+    """`pipeline.training.startup.check_write_access` on 2 gloo ranks: once as is, then with
+    EACCES injected at rank `forbidden_rank`'s probe of the checkpoint folder. Returns both
+    outcomes."""
     import errno
     import tempfile
-    from types import SimpleNamespace
     import torch.distributed as dist
     from pipeline.common import diskspace
-    from pipeline.train import Trainer
+    from pipeline.training.startup import check_write_access
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    t = Trainer.__new__(Trainer)
-    t.cfg, t.ckdir, t.is_rank0 = SimpleNamespace(run_dir=run_dir), ckdir, rank == 0
     out = []
     for inject in (False, True):
         if inject and rank == forbidden_rank:
@@ -551,7 +549,7 @@ def _write_access_on_ranks(rank, world_size, run_dir, ckdir, forbidden_rank):
                 return real(*a, dir=dir, **kw)
             diskspace.tempfile.mkstemp = forbidden
         try:
-            t._check_write_access()
+            check_write_access(run_dir, ckdir, rank == 0)
             out.append(None)
         except diskspace.NotWritableError as e:
             out.append((str(e), e.failure.errno))

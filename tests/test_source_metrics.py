@@ -9,7 +9,9 @@ What is compared against what:
 - a real training run (2 gloo DP ranks in-process, tiny Qwen3 from a Hugging Face folder,
   a negligible lr so the weights stay the folder's): each train and val line's per-source
   losses against transformers' Qwen3 logits of the batches the ranks saw (each packed segment
-  fed alone), per-source tokens against the batches, and their sum against the step's tokens.
+  fed alone), per-source tokens against the batches, and their sum against the step's tokens;
+- the trainer's per-step record (`StepTally`, with a non-finite micro-batch and TP repeats)
+  against the same figures summed straight from the micro-batches.
 """
 from __future__ import annotations
 
@@ -292,3 +294,71 @@ def test_source_names_and_target_shares_of_a_loader():
     assert target_shares(SimpleNamespace(source_names=("a", "b")), 2) is None
     with pytest.raises(ValueError, match="1 source weight"):
         target_shares(SimpleNamespace(source_weights=(1.0,)), 2)
+
+
+@pytest.mark.parametrize("mode", ["refusion", "dual"])
+def test_step_tally_record_against_the_micro_batches(mode):
+    """`StepTally` (the trainer's per-step figures): three micro-batches of 3 sources, the second
+    made non-finite, its packed vector doubled as the all-reduce over 2 TP ranks of one DP rank
+    gives it; the "train" record against the figures computed straight from the micro-batches:
+    losses the mean over finite micro-batches, tokens / rows / copies over all of them,
+    per-source tokens over all and per-source CE over finite ones, the consumed counters
+    advanced, the non-finite micro-batch's keys, the signal flag, FLOPs / s per device."""
+    from pipeline.model import ModelConfig
+    from pipeline.model.flops import segment_lengths, step_flops
+    from pipeline.training.metrics import NONFINITE, SIGNAL, StepTally
+    cfg = ObjectiveConfig(mode=mode)
+    mcfg = ModelConfig.from_dict(dict(TINY_MODEL))
+    names = ("a", "b", "c")
+    tally = StepTally(mcfg, "chunked", names)
+    batches, losses, stats_of = [], [], []
+    for i in range(3):
+        rows = _rows(20 + i, cfg, ROWS_OF, T)
+        batch = collate(rows, T, PAD_ID, sources=[[(b + j + i) % 3 for j in range(len(r))]
+                                                  for b, r in enumerate(rows)])
+        batch["keys"] = [f"m{i}-{b}" for b in range(len(rows))]
+        h, w = _hidden_head((len(rows), T), seed=i)
+        loss, stats = _loss("chunked", h, w, batch, cfg, 3)
+        if i == 1:
+            loss = loss * float("nan")
+        tally.add_batch(batch)
+        tally.add_losses(loss, stats)
+        batches.append(batch)
+        losses.append((float(loss), float(stats["ar_loss"]), float(stats["mdm_loss"])))
+        stats_of.append(stats)
+    sums = tally.packed(signal=True) * 2        # the all-reduce over 2 TP ranks
+    assert sums[NONFINITE].item() == 2 and sums[SIGNAL].item() == 2
+    assert tally.nonfinite_batches() == [(1, batches[1]["keys"])]
+    rec = tally.record(sums, step=7, tp=2, losses=3, world_size=2, step_time_s=0.5, lr=1e-3,
+                       grad_norm=1.5, applied=True, peak_flops=2e9, consumed_samples=10,
+                       consumed_tokens=100, shares=(0.5, 0.25, 0.25), dual=mode == "dual")
+    finite = [0, 2]
+    for k, name in enumerate(("loss", "ar_loss", "mdm_loss")):
+        assert rec[name] == pytest.approx(sum(losses[i][k] for i in finite) / 2, rel=1e-12)
+    tokens = sum(int(b["real_tokens"]) for b in batches)
+    rows = sum(int(b["input_ids"].shape[0]) for b in batches)
+    assert (rec["consumed_samples"], rec["consumed_tokens"]) == (10 + rows, 100 + tokens)
+    assert rec["tokens_per_s"] == pytest.approx(tokens / 0.5)
+    want_tokens = {n: sum(int(((b["source"] == s) & (b["segment_ids"] > 0)).sum())
+                          for b in batches) for s, n in enumerate(names)}
+    assert rec["tokens_by_source"] == want_tokens and sum(want_tokens.values()) == tokens
+    ce = [sum(float(stats_of[i]["ce_sum_by_source"][s]) for i in finite) for s in range(3)]
+    lab = [sum(int(stats_of[i]["labelled_by_source"][s]) for i in finite) for s in range(3)]
+    assert rec["loss_by_source"] == pytest.approx({n: c / k for n, c, k in zip(names, ce, lab)},
+                                                  rel=1e-12)
+    assert rec["target_share_by_source"] == {"a": 0.5, "b": 0.25, "c": 0.25}
+    flops = [step_flops(mcfg, segment_lengths(b["segment_ids"]),
+                        int((b["labels"] != IGNORE_INDEX).sum()),
+                        b["input_ids"].numel() - int(b["real_tokens"]), mcfg.recompute, "chunked")
+             for b in batches]
+    assert rec["tflops_per_device"] == pytest.approx(sum(f[0] for f in flops) / 0.5 / 2 / 1e12)
+    assert rec["mfu"] == pytest.approx(sum(f[0] for f in flops) / 0.5 / 2 / 2e9)
+    assert rec["hfu"] == pytest.approx(sum(f[1] for f in flops) / 0.5 / 2 / 2e9)
+    assert (rec["step"], rec["lr"], rec["grad_norm"], rec["skipped"]) == (7, 1e-3, 1.5, False)
+    if mode == "dual":
+        copies = sum(int(b["copy_tokens"]) for b in batches)
+        assert copies > 0 and rec["copy_tokens"] == copies
+        assert rec["clean_tokens"] == tokens - copies
+        assert rec["dropped_copies"] == sum(int(b.get("dropped_copies", 0)) for b in batches)
+    else:
+        assert "copy_tokens" not in rec

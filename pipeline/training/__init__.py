@@ -5,6 +5,12 @@
 - `schedule.py`: the learning-rate schedule (`lr_at`);
 - `state.py`: `TrainState` (progress counters, wandb run id, deferred validation, shard sets) with
   `state_dict()` / `load_state_dict()`, the checkpoint's client state, the resume plan;
+- `startup.py`: the start-up checks (memory plan, write probe, passes per data source, a resumed
+  run's lr schedule), seeds, logging;
 - `validation.py`: the validation loss (the trainer's pass over all ranks, and one process);
-- `metrics.py`: the MFU denominator, peak memory, the console lines.
+- `metrics.py`: a step's figures and its "train" record (`StepTally`), the MFU denominator, peak
+  memory, the console lines, the straggler report;
+- `faults.py`: fault injection in the step (the `debug` section);
+- `watchdog.py`: hang detection; `job.py`: what a process needs from its launcher;
+  `memory_plan.py`: the per-GPU memory plan.
 """

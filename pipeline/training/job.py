@@ -1,12 +1,18 @@
 """What a training process needs from its launcher, besides the process groups: the rank
 variables under srun (`launcher_env`), one user-facing error line for the whole job whichever
 rank raised it (`report_error` through the c10d or torchrun agent store), and telling a
-collective that failed because another rank's process is gone (`lost_peer`). Used by
+collective that failed because another rank's process is gone (`lost_peer`), the line that says
+a worker was restarted by torchrun (`log_restart`). Used by
 `pipeline.train`'s entry point; must not touch the training step or checkpoints."""
 from __future__ import annotations
 
+import json
+import logging
 import os
 import sys
+import time
+
+log = logging.getLogger("pipeline.train")
 
 
 def launcher_env() -> None:
@@ -23,6 +29,28 @@ def launcher_env() -> None:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("LOCAL_WORLD_SIZE", os.environ.get("SLURM_NTASKS_PER_NODE", "1")
                           if "SLURM_PROCID" in os.environ else os.environ["WORLD_SIZE"])
+
+
+def log_restart(run_dir) -> None:
+    """On a restart by torchrun (`--max-restarts`, TORCHELASTIC_RESTART_COUNT > 0): one warning
+    line saying so, with the previous attempt's hang report when `<run_dir>/hang.json` is less
+    than an hour old. Call on rank 0."""
+    from pipeline.training.watchdog import HANG_FILE
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if not restart:
+        return
+    cause = ""
+    report = os.path.join(run_dir, HANG_FILE)
+    try:
+        with open(report) as f:
+            hang = json.load(f)
+        if time.time() - float(hang.get("time_unix_s", 0)) < 3600:
+            cause = f"; the last hang report ({report}): {hang.get('line')}"
+    except (OSError, ValueError):
+        pass
+    log.warning("restart %d of at most %s by the launcher (--max-restarts) after the "
+                "previous workers failed%s", restart,
+                os.environ.get("TORCHELASTIC_MAX_RESTARTS", "?"), cause)
 
 
 _ERROR_KEY = "pipeline_train_error"

@@ -1,6 +1,7 @@
 """Step metrics of the training job: device peaks for MFU, peak memory, and the console line.
 
-Owns: `peak_flops_per_device` (the MFU and HFU denominator), `peak_memory_bytes`, `ConsoleLog`
+Owns: `StepTally` (a step's figures per micro-batch, its all-reduced vector, its "train"
+record), `peak_flops_per_device` (the MFU and HFU denominator), `peak_memory_bytes`, `ConsoleLog`
 (the console line of a train or validation record, train losses averaged over the steps since
 the previous line, Megatron-style), `StragglerTracker` (the slowest rank of a log interval,
 its skew, the straggler warning) and the per-source accounting helpers (`source_names`,
@@ -148,8 +149,21 @@ class ConsoleLog:
                  " | SKIPPED (non-finite loss)" if m["skipped"] else "")
 
 
+def gather_hosts() -> list[str]:
+    """Every rank's host name, indexed by global rank (collective: one all-gather; this host
+    alone without a process group)."""
+    import socket
+    import torch.distributed as dist
+    hosts = [socket.gethostname()]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        hosts = [None] * dist.get_world_size()
+        dist.all_gather_object(hosts, socket.gethostname())
+    return hosts
+
+
 class StragglerTracker:
-    """The straggler report of each log interval (the trainer gathers the figures).
+    """The straggler report of each log interval: this rank's compute time per step (`add`),
+    every rank's mean over the interval (`collect`, collective) judged by `update`.
 
     Args:
         hosts: host name of each global rank (list of str, indexed by rank).
@@ -162,6 +176,27 @@ class StragglerTracker:
         self.hosts, self.factor, self.intervals = list(hosts), factor, intervals
         self._run: tuple[int, int] = (-1, 0)   # (slowest rank, intervals in a row above factor)
         self.warned: set[int] = set()
+        self._compute_s: list[float] = []   # this rank's compute time per step since `collect`
+
+    def add(self, seconds: float) -> None:
+        """Note this rank's compute time of one step (seconds: the step's time minus its wait in
+        the step's all-reduce)."""
+        self._compute_s.append(float(seconds))
+
+    def collect(self, rank: int, world_size: int, step: int, warn: bool = True) -> dict:
+        """End the log interval (collective: one all-reduce of one float per rank): every rank's
+        mean compute time per step since the last call, judged by `update` (its record)."""
+        import torch
+        import torch.distributed as dist
+        mine = sum(self._compute_s) / len(self._compute_s) if self._compute_s else 0.0
+        self._compute_s = []
+        per_rank = [mine]
+        if dist.is_initialized() and world_size > 1:
+            v = torch.zeros(world_size, dtype=torch.float64)
+            v[rank] = mine
+            dist.all_reduce(v)
+            per_rank = v.tolist()
+        return self.update(per_rank, step, warn=warn)
 
     def update(self, per_rank: list[float], step: int, warn: bool = True) -> dict:
         """Judge one log interval.
@@ -196,3 +231,133 @@ class StragglerTracker:
         return {"straggler_rank": slowest, "straggler_host": host,
                 "straggler_compute_s": per_rank[slowest], "median_compute_s": median,
                 "straggler_skew": skew}
+
+
+# The step's one all-reduced vector (`StepTally.packed`), summed over the world: loss, ar, mdm
+# sums over finite micro-batches, real tokens, rows, non-finite micro-batches, signal flag, model
+# FLOPs, hardware FLOPs, copy tokens, dropped copies, then tokens per source (S), CE sums per
+# source (S) and labelled tokens per source (S) over finite micro-batches. TP ranks repeat their
+# DP rank's figures, so global figures are sums / TP size.
+NONFINITE, SIGNAL = 5, 6
+
+
+class StepTally:
+    """This rank's figures of one optimizer step, added up per micro-batch without reading a
+    device value on the host (FLOPs and token counts from the batch's CPU tensors), packed for
+    the step's all-reduce, and the step's "train" record (its fields: `pipeline.train`) read
+    from the all-reduced sums.
+
+    Args:
+        mcfg: the `ModelConfig` (for `pipeline.model.flops.step_flops`).
+        loss_impl: `train.loss_impl`.
+        names: the data sources' names, by source id (`source_names`).
+    """
+
+    def __init__(self, mcfg, loss_impl: str, names):
+        import torch
+        self.mcfg, self.loss_impl, self.names = mcfg, loss_impl, tuple(names)
+        self.per_micro: list = []     # detached [loss, ar, mdm] per micro-batch (on device)
+        self.per_source: list = []    # detached [CE sum x S, labelled x S] per micro-batch
+        self.keys_of: list[list[str]] = []   # each micro-batch's sample keys
+        self.src_tokens = torch.zeros(len(self.names), dtype=torch.long)  # tokens per source
+        self.tokens = self.rows = 0
+        self.copy_tokens = self.dropped_copies = 0   # objective mode "dual": copies fed / left out
+        self.model_flops = self.hw_flops = 0.0
+
+    def add_batch(self, batch: dict) -> None:
+        """Count a micro-batch (the loader's collate dict, on the CPU)."""
+        from pipeline.model import segment_lengths
+        from pipeline.model.flops import step_flops
+        self.keys_of.append(list(batch.get("keys", [])))
+        real = int(batch["real_tokens"])
+        self.tokens += real
+        self.src_tokens += source_tokens(batch, len(self.names))
+        self.copy_tokens += int(batch.get("copy_tokens", 0))
+        self.dropped_copies += int(batch.get("dropped_copies", 0))
+        self.rows += int(batch["input_ids"].shape[0])
+        seg_len = batch.get("segment_lengths")
+        labelled = batch.get("label_index")
+        mf, hf = step_flops(
+            self.mcfg, seg_len if seg_len is not None else segment_lengths(batch["segment_ids"]),
+            int(labelled.numel()) if labelled is not None
+            else int((batch["labels"] != -100).sum()),
+            batch["input_ids"].numel() - real, self.mcfg.recompute, self.loss_impl)
+        self.model_flops += mf
+        self.hw_flops += hf
+
+    def add_losses(self, loss, stats: dict) -> None:
+        """Keep a micro-batch's loss (scalar tensor) and `hybrid_loss`'s stats, detached."""
+        import torch
+        self.per_micro.append(torch.stack([loss.detach().float(), stats["ar_loss"].float(),
+                                           stats["mdm_loss"].float()]))
+        self.per_source.append(torch.cat([stats["ce_sum_by_source"],
+                                          stats["labelled_by_source"].double()]))
+
+    def packed(self, signal: bool):
+        """The vector to all-reduce (DoubleTensor[11 + 3S], on the losses' device; layout
+        above); `signal`: this rank received a stop signal."""
+        import torch
+        vals = torch.stack(self.per_micro).double()                       # [GA, 3]
+        self.finite = torch.isfinite(vals[:, 0])
+        by_src = torch.stack(self.per_source)                             # [GA, 2S]
+        finite = self.finite[:, None]
+        return torch.cat([torch.where(finite, vals, torch.zeros_like(vals)).sum(0),
+                          vals.new_tensor([self.tokens, self.rows, float((~self.finite).sum()),
+                                           1.0 if signal else 0.0, self.model_flops,
+                                           self.hw_flops, self.copy_tokens, self.dropped_copies,
+                                           *self.src_tokens.tolist()]),
+                          torch.where(finite, by_src, torch.zeros_like(by_src)).sum(0)])
+
+    def nonfinite_batches(self) -> list[tuple[int, list[str]]]:
+        """(micro-batch index, its sample keys) of this rank's non-finite losses (after
+        `packed`)."""
+        return [(i, keys) for i, keys in enumerate(self.keys_of) if not bool(self.finite[i])]
+
+    def record(self, sums, *, step: int, tp: int, losses: int, world_size: int,
+               step_time_s: float, lr: float, grad_norm, applied: bool,
+               peak_flops: float | None, consumed_samples: int, consumed_tokens: int,
+               shares, dual: bool) -> dict:
+        """The step's "train" record from the all-reduced `sums` (CPU).
+
+        Args:
+            step: the step's number (1-based). tp: TP size. losses: micro-batch losses of the
+                step over DP ranks (DP size x GA). world_size: processes.
+            step_time_s: the step's wall time. lr: the lr applied. grad_norm: DeepSpeed's (or
+                None). applied: DeepSpeed applied the update. peak_flops: FLOP/s of one device
+                (None: MFU/HFU null). consumed_samples / consumed_tokens: before this step.
+            shares: the sources' target token shares (`target_shares`) or None.
+            dual: objective mode "dual" (adds clean_tokens, copy_tokens, dropped_copies).
+        """
+        n_src = len(self.names)
+        n_losses = losses - sums[NONFINITE].item() / tp
+        tokens = int(round(sums[3].item() / tp))  # global: sum over DP ranks (TP ranks repeat)
+        rows = int(round(sums[4].item() / tp))
+        dt = step_time_s
+        flops = sums[7].item() / tp / dt / world_size   # model FLOP/s per device
+        hw = sums[8].item() / tp / dt / world_size      # hardware FLOP/s per device
+        src = sums[11:].div(tp).tolist()   # [tokens x S, CE sums x S, labelled x S], global
+        metrics = {
+            "kind": "train", "step": step,
+            "loss": (sums[0].item() / tp / n_losses) if n_losses else float("nan"),
+            "ar_loss": (sums[1].item() / tp / n_losses) if n_losses else float("nan"),
+            "mdm_loss": (sums[2].item() / tp / n_losses) if n_losses else float("nan"),
+            "lr": lr,
+            "grad_norm": float(grad_norm) if grad_norm is not None and applied else None,
+            "tokens_per_s": tokens / dt, "tflops_per_device": flops / 1e12,
+            "mfu": (flops / peak_flops) if peak_flops else None,
+            "hfu": (hw / peak_flops) if peak_flops else None,
+            "peak_memory_bytes": peak_memory_bytes(),
+            "consumed_samples": consumed_samples + rows,
+            "consumed_tokens": consumed_tokens + tokens,
+            "step_time_s": dt, "skipped": not applied,
+            "tokens_by_source": {n: int(round(v)) for n, v in zip(self.names, src[:n_src])},
+            "loss_by_source": source_losses(src[n_src:2 * n_src], src[2 * n_src:], self.names),
+        }
+        if shares is not None:
+            metrics["target_share_by_source"] = dict(zip(self.names, shares))
+        if dual:
+            # fed tokens of the step (global): clean + copy = the step's non-padding tokens
+            copies = int(round(sums[9].item() / tp))
+            metrics.update({"clean_tokens": tokens - copies, "copy_tokens": copies,
+                            "dropped_copies": int(round(sums[10].item() / tp))})
+        return metrics

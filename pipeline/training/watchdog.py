@@ -9,9 +9,9 @@ groups (it only runs one all-reduce when started), checkpoints.
 Why files and not the c10d store: under srun the store lives inside rank 0's process, so a
 stopped rank 0 would silence the channel the others need to report it; torchrun's agent store
 does not exist there. The run folder is already shared (metrics, checkpoints by default), is
-written by the ranks at start-up (`Trainer._check_write_access`), and a hang report written
-there outlives the console. Cost: every rank rewrites one ~300-byte file every `beat_s`
-seconds (5 s by default: 200 small writes per second for 1,000 ranks); only two ranks (0 and
+written by the ranks at start-up (`pipeline.training.startup.check_write_access`), and a hang
+report written there outlives the console. Cost: every rank rewrites one ~300-byte file every
+`beat_s` seconds (5 s by default: 200 small writes per second for 1,000 ranks); only two ranks (0 and
 the last) read all of them, every other rank checks one file (`hang.json`) per beat.
 
 How a hang is decided. Every rank runs the same sequence of phases (SPMD): set-up, then per
@@ -466,3 +466,30 @@ class Watchdog:
         except Exception:
             pass
         os._exit(EXIT_HUNG)
+
+
+def start_watchdog(run_dir: str, rank: int, world_size: int, train_cfg, on_exit=None
+                   ) -> Watchdog | None:
+    """The job's watchdog (collective): the policy from `train.hang_timeout_s` /
+    `train.hang_warmup_s`, a token agreed through rank 0, started; None when
+    `train.hang_timeout_s: 0` disables it. `on_exit`: as for `Watchdog` (the trainer releases
+    its run lock before a hang exit)."""
+    import secrets
+    from pipeline.parallel import broadcast_from_rank0
+    policy = HangPolicy(hang_timeout_s=train_cfg.hang_timeout_s,
+                        warmup_s=float(train_cfg.hang_warmup_s))
+    if not policy.enabled:
+        return None
+    token = broadcast_from_rank0(secrets.token_hex(8))
+    watchdog = Watchdog(str(run_dir), rank, world_size, policy, token, on_exit=on_exit)
+    watchdog.start()
+    return watchdog
+
+
+def rank_checkpoint_bytes(engine, tp_size: int, world_size: int) -> float:
+    """Estimated bytes one rank writes in a checkpoint save (`HangPolicy.rank_checkpoint_bytes`):
+    16 bytes per parameter (16-bit weights, fp32 master weights, two fp32 Adam moments) of the
+    whole model (this rank's tensor-parallel shard x `tp_size`), spread by ZeRO-3 over all
+    `world_size` ranks."""
+    n = sum(int(getattr(p, "ds_numel", p.numel())) for p in engine.module.parameters())
+    return 16.0 * n * tp_size / max(1, world_size)
