@@ -18,6 +18,10 @@ Figures (printed; medians over `--repeats` alternating runs, ratios within each 
   step, no checkpoint) on the 50 sources / on the one folder (target <= 1.10).
 
     .venv/bin/python bench/bench_mixture.py [--samples 20000] [--batches 300] [--repeats 5]
+
+6 December 2026, 2-core VM, nothing else running, defaults: throughput 0.998 (tokens 1.005),
+loader first batch 50 sources / one 2.44 (25 ms vs 10 ms), job start-up 50 / one 1.038
+(6.34 s vs 6.43 s).
 """
 from __future__ import annotations
 
