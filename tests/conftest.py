@@ -53,17 +53,16 @@ def tp1():
 
 
 # The modules that take longest (per-module sums of --durations in a whole-suite run with 3
-# workers on the 2-core machine, 6 December 15:36, nothing else running; 2617 s of test time
-# in all, 14 min 51 s wall), longest first.
+# workers on the 2-core machine, 6 December, nothing else running), longest first.
 # `make test` runs the suite in pytest-xdist workers, one module per worker at a time
 # (--dist loadfile, --no-loadscope-reorder): starting these first keeps the last worker from
 # finishing a long module alone after the others are done. Order only; nothing is skipped.
-LONGEST_FIRST = ("test_slurm.py", "test_hang.py", "test_run_safety.py", "test_train.py",
-                 "test_decoding_correct.py", "test_train_reshard.py", "test_generate.py",
-                 "test_memory_plan.py", "test_lr_schedule.py", "test_lm_eval.py",
-                 "test_data_batches.py", "test_rendezvous.py", "test_train_mixture.py",
-                 "test_export.py", "test_evaluate.py", "test_train_data_change.py",
-                 "test_export_checkpoint.py", "test_decoding.py", "test_code_problems.py")
+LONGEST_FIRST = ("test_slurm.py", "test_train.py", "test_hang.py", "test_run_safety.py",
+                 "test_memory_plan.py", "test_decoding_correct.py", "test_lm_eval.py",
+                 "test_generate.py", "test_train_reshard.py", "test_export.py",
+                 "test_rendezvous.py", "test_lr_schedule.py", "test_decoding.py",
+                 "test_export_checkpoint.py", "test_evaluate.py", "test_levers.py",
+                 "test_train_data_change.py")
 
 
 def pytest_collection_modifyitems(config, items):
