@@ -142,18 +142,24 @@ def plot_loss(runs: dict[str, dict[str, list[dict]]], path: str | os.PathLike) -
                         name = f"{label}: {vname}" if len(runs) > 1 else vname
                         ax.plot(xs, ys, marker="o", markersize=3, label=name, linewidth=1)
                         plotted.setdefault(title, {})[name] = (xs, ys)
-        ax.set_title(title)
-        ax.set_xlabel("step")
-        ax.set_ylabel("nats / token")
-        ax.grid(alpha=0.3)
-        if title in plotted:
-            ax.legend(fontsize=7)
-        else:
-            ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes)
+        _dress(ax, title, "nats / token", title in plotted)
     fig.tight_layout()
     save_figure(fig, Path(path))
     plt.close(fig)
     return plotted
+
+
+def _dress(ax, title: str, ylabel: str, drawn: bool) -> None:
+    """Title, step axis, grid and legend of a panel of curves against the step ("not logged"
+    in its middle when nothing was drawn)."""
+    ax.set_title(title)
+    ax.set_xlabel("step")
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    if drawn:
+        ax.legend(fontsize=7)
+    else:
+        ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes)
 
 
 def plot_throughput(metrics: dict[str, list[dict]], path: str | os.PathLike) -> dict:
@@ -252,14 +258,7 @@ def plot_sources(metrics: dict[str, list[dict]], path: str | os.PathLike) -> dic
                 plotted["token share by source"][f"{name} target"] = (txs, tys)
     for ax, title, unit in ((loss_ax, "loss by source", "nats / labelled token"),
                             (share_ax, "token share by source", "cumulative share of tokens")):
-        ax.set_title(title)
-        ax.set_xlabel("step")
-        ax.set_ylabel(unit)
-        ax.grid(alpha=0.3)
-        if title in plotted:
-            ax.legend(fontsize=7)
-        else:
-            ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes)
+        _dress(ax, title, unit, title in plotted)
     fig.tight_layout()
     save_figure(fig, Path(path))
     plt.close(fig)
