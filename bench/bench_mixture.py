@@ -38,6 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
+from bench_loader import throughput  # noqa: E402
 from pipeline.data import build_loader  # noqa: E402
 from pipeline.data.mixture import Source  # noqa: E402
 from shard_fixtures import random_segments, write_shards  # noqa: E402
@@ -65,16 +66,8 @@ def _first_batch_s(data, B: int, T: int) -> float:
 
 
 def _throughput(data, B: int, T: int, n: int) -> tuple[float, float]:
-    it = iter(build_loader(data, "train", B, T, num_workers=0, pack=True, seed=1))
-    next(it)
-    samples = tokens = 0
-    t0 = time.perf_counter()
-    for _ in range(n):
-        b = next(it)
-        samples += len(b["keys"])
-        tokens += int(b["real_tokens"])
-    dt = time.perf_counter() - t0
-    return samples / dt, tokens / dt
+    """(samples/s, real tokens/s) after the first batch, one process (`bench_loader`'s)."""
+    return throughput(data, B, T, 1000, 0, n, pack=True, seed=1)
 
 
 def _train_one_step_s(tmp: str, data: dict, tag: str) -> float:
