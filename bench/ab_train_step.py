@@ -103,7 +103,7 @@ def main() -> int:
     def grab(rows, max_length, pad_id):
         rows_list.append(([list(r) for r in rows], max_length, pad_id))
         return orig(rows, max_length, pad_id)
-    import pipeline.data.loader as L
+    import pipeline.data.rows as L
     L.collate = grab
     it = iter(loader)
     for _ in range(args.reps):

@@ -9,7 +9,7 @@ Figures (printed; `data.verify_shards=error` unless said):
   shard (`load_state_dict`, cursor at half the shard). The two folders share the tar (a link);
   it is in the page cache for both (it was just written), so version 1 is timed at its best
   (sha256 at memory speed; from disk or object storage it also pays the read).
-- read path: microseconds a sample of `_Reader.read` (one range read, key, tokens, json) over
+- read path: microseconds a sample of `Reader.read` (one range read, key, tokens, json) over
   `--read-samples` samples of that shard with verify off and error (version 2: the BLAKE2b-64 of
   the bytes read, `check_sample`), two readers called in turn on each sample; and the digest
   alone.
@@ -42,7 +42,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_launch import v1_twin  # noqa: E402
 from bench_shard_index import BYTES_READ, register_counting_fs, write_folder  # noqa: E402
-from pipeline.data import build_loader, loader as loader_mod, sample_index, shard_io  # noqa: E402
+from pipeline.data import build_loader, sample_index, shard_io  # noqa: E402
+from pipeline.data.order import Order  # noqa: E402
+from pipeline.data.reader import Reader  # noqa: E402
 
 
 
@@ -80,7 +82,7 @@ def time_open(folder: Path, max_length: int, resume: bool) -> float:
 
 
 def time_reads(folder: Path, n: int) -> dict:
-    """Seconds a sample of `_Reader.read` over the first n samples, verify "off" and "error"
+    """Seconds a sample of `Reader.read` over the first n samples, verify "off" and "error"
     (indexes read beforehand), the two readers called in turn on each sample so that both see
     the same load."""
     readers = {}
@@ -88,7 +90,7 @@ def time_reads(folder: Path, n: int) -> dict:
         fresh_process_state()
         spec = build_loader(str(folder), "train", 4, 4096, num_workers=0, shuffle=False,
                             verify_shards=verify).spec
-        readers[verify] = loader_mod._Reader(spec, loader_mod._Order(spec))
+        readers[verify] = Reader(spec, Order(spec))
         readers[verify].length(0)  # the index (and the size check) outside the timing
     spent = {"off": 0.0, "error": 0.0}
     clock = time.perf_counter

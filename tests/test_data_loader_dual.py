@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.data import DataError, build_loader, loader as loader_mod, sample_index, shard_io
+from pipeline.data import DataError, build_loader, sample_index, shard_io
+from pipeline.data import reader as reader_mod
 from pipeline.objective import ObjectiveConfig
 from shard_fixtures import random_samples, write_shards
 from test_data_loader import TENSORS, _take
@@ -56,8 +57,8 @@ def folders(tmp_path_factory):
 
 def _count_reads(monkeypatch):
     reads = []
-    real = loader_mod._Reader.read
-    monkeypatch.setattr(loader_mod._Reader, "read", lambda self, g: reads.append(g) or real(self, g))
+    real = reader_mod.Reader.read
+    monkeypatch.setattr(reader_mod.Reader, "read", lambda self, g: reads.append(g) or real(self, g))
     return reads
 
 

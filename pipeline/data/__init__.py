@@ -3,7 +3,8 @@
 - `format.py`: the shard folder format (manifest name and version, `check_tokenizer`,
   `DataError`), shared with `data_prep/`;
 - `shard_io.py`: shard folders at fsspec URLs (`read_manifest`), sha256 checks of shards;
-- `loader.py`: the resumable loader (global order, DP split, packing, ReFusion batches).
+- `loader.py`: the resumable loader (`build_loader`, `ShardLoader`, its state); the sample order
+  in `order.py`, packing and dealing rows to DP ranks in `rows.py`, reading in `reader.py`.
 
 The names below are the package's public API; import the rest from its module.
 """
