@@ -100,9 +100,9 @@ def main() -> int:
     rows_list = []
     orig = A_obj.collate
 
-    def grab(rows, max_length, pad_id):
+    def grab(rows, max_length, pad_id, **kw):
         rows_list.append(([list(r) for r in rows], max_length, pad_id))
-        return orig(rows, max_length, pad_id)
+        return orig(rows, max_length, pad_id, **kw)
     import pipeline.data.rows as L
     L.collate = grab
     it = iter(loader)
