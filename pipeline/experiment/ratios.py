@@ -9,8 +9,7 @@ touch: running anything (no model, no decoding); the rest of the report
 """
 from __future__ import annotations
 
-import re
-
+from pipeline.experiment.stage import split_seed
 from pipeline.experiment.tasks import Setting
 
 
@@ -75,13 +74,12 @@ def paired_bootstrap_ratio(a, b, resamples: int = 10_000, level: float = 0.95,
 
 def seed_of(model: str) -> int | None:
     """The seed suffix of a model name (`refusion_seed1235` -> 1235; none -> None)."""
-    m = re.fullmatch(r".+_seed(\d+)", model)
-    return int(m.group(1)) if m else None
+    return split_seed(model)[1]
 
 
 def arm_of(model: str) -> str:
     """A model's arm (its name without the `_seed<N>` suffix)."""
-    return re.sub(r"_seed\d+$", "", model)
+    return split_seed(model)[0]
 
 
 def baseline_of(model: str) -> str:

@@ -4,8 +4,8 @@ and the goal beyond it (`GOAL`).
 
 Owns: `ReportStage`, methods of `recipe.Experiment` (mixed in; they read `task`, `out`,
 `pretrain_steps`, `fraction`, set by its `__init__`, its names `jobs`, `models`,
-`eval_path`, `run_dir`, and the caches of `EvaluationStage`), the run labels of tables and
-figures (`RUN_LABELS`). Must not touch: the report's text and figures
+`eval_path`, `run_dir`, and the caches of `EvaluationStage`). Must not touch: the run labels
+(`tasks.ARM_LABELS`), the report's text and figures
 (`pipeline.experiment.writeup`), plotting one run's losses (`pipeline.report`), running any
 model.
 """
@@ -16,6 +16,7 @@ from pathlib import Path
 
 from pipeline.common.atomic_io import write_text
 from pipeline.experiment.stage import split_seed
+from pipeline.experiment.tasks import ARM_LABELS
 
 # Issue 34's target, fixed before any result (docs/EXPERIMENTS.md keeps the earlier ones): at
 # one setting of one ReFusion arm, at each of `seeds` seeds, TPF >= `tpf` with exact match >= `em_ratio`
@@ -25,15 +26,6 @@ from pipeline.experiment.stage import split_seed
 TARGET = {"tpf": 2.5, "em_ratio": 0.95, "lower": 0.90, "speedup": 1.5, "seeds": 2}
 GOAL = {"tpf": 3.0, "em_ratio": 0.98, "lower": 0.90, "speedup": 1.5, "seeds": 2}
 
-RUN_LABELS = {"pretrain_ar": "1. AR pretraining (from scratch)",
-              "refusion": "2a. ReFusion fine-tuning", "ar_continued": "2b. AR continued",
-              "refusion_boundary": "2c. ReFusion fine-tuning, boundary labels + natural order",
-              "dual_all": "2d. dual objective, dual_masking=all",
-              "dual_refusion": "2e. dual objective, dual_masking=refusion",
-              "dual_all_ar4": "2f. dual objective, dual_masking=all, ar_weight=4",
-              "dual_all_ar16": "2g. dual objective, dual_masking=all, ar_weight=16",
-              "dual_all_ar64": "2h. dual objective, dual_masking=all, ar_weight=64",
-              "dual_refusion_ar16": "2i. dual objective, dual_masking=refusion, ar_weight=16"}
 
 
 class ReportStage:
@@ -63,9 +55,9 @@ class ReportStage:
                 "sweep": json.loads(sweep.read_text()) if sweep.is_file() else None}
 
     def run_label(self, name: str) -> str:
-        """A run's label in tables and figures (`RUN_LABELS`, the share, the seed)."""
+        """A run's label in tables and figures (`ARM_LABELS`, the share, the seed)."""
         base, seed = split_seed(name)
-        label = RUN_LABELS.get(base, f"2. {base}")
+        label = ARM_LABELS.get(base, f"2. {base}")
         if base == "refusion_boundary":
             label = f"{label} (share {self.fraction:g})"
         return label + ("" if seed is None else f", seed {seed}")

@@ -114,6 +114,26 @@ ARM_OBJECTIVES = {
 }
 
 
+# Each run's label in the report's tables and figures (`report.ReportStage.run_label`).
+ARM_LABELS = {"pretrain_ar": "1. AR pretraining (from scratch)",
+              "refusion": "2a. ReFusion fine-tuning", "ar_continued": "2b. AR continued",
+              "refusion_boundary": "2c. ReFusion fine-tuning, boundary labels + natural order",
+              "dual_all": "2d. dual objective, dual_masking=all",
+              "dual_refusion": "2e. dual objective, dual_masking=refusion",
+              "dual_all_ar4": "2f. dual objective, dual_masking=all, ar_weight=4",
+              "dual_all_ar16": "2g. dual objective, dual_masking=all, ar_weight=16",
+              "dual_all_ar64": "2h. dual objective, dual_masking=all, ar_weight=64",
+              "dual_refusion_ar16": "2i. dual objective, dual_masking=refusion, ar_weight=16"}
+
+
+def arm_text(arm: str) -> str:
+    """An arm's label with its objective options, for the report's settings
+    (`2i. dual objective, ... (`objective.mode=dual`, ...)`)."""
+    opts = ARM_OBJECTIVES.get(arm, ())
+    return ARM_LABELS.get(arm, arm) + (" (" + ", ".join(f"`{o}`" for o in opts) + ")"
+                                       if opts else "")
+
+
 # Arms fed in longer rows: a dual-stream sample (clean tokens + masked copies of its slots) is
 # about twice a problem's length, so 256-token rows would hold one sample and pad the rest
 # (measured on the math shards: 75% real tokens against 95% for `refusion`). These arms take

@@ -14,22 +14,8 @@ from pathlib import Path
 from pipeline.experiment.ratios import (_f, ar_row, arm_of, baseline_of, batch_of,  # noqa: F401
                                         check_target, paired_bootstrap_ratio, ratio_rows,
                                         ratio_table, setting_of, target_lines)
-from pipeline.experiment.tasks import Setting, arm_setting
+from pipeline.experiment.tasks import Setting, arm_setting, arm_text
 
-RUN_TEXT = {"refusion": "2a. ReFusion fine-tuning (the paper's objective)",
-            "ar_continued": "2b. AR continued training",
-            "refusion_boundary": "2c. ReFusion fine-tuning with boundary labels and a "
-                                 "natural-order share",
-            "dual_all": "2d. the dual objective (`objective.dual_masking=all`)",
-            "dual_refusion": "2e. the dual objective (`objective.dual_masking=refusion`)",
-            "dual_all_ar4": "2f. the dual objective (`objective.dual_masking=all`, "
-                            "`objective.ar_weight=4`)",
-            "dual_all_ar16": "2g. the dual objective (`objective.dual_masking=all`, "
-                             "`objective.ar_weight=16`)",
-            "dual_all_ar64": "2h. the dual objective (`objective.dual_masking=all`, "
-                             "`objective.ar_weight=64`)",
-            "dual_refusion_ar16": "2i. the dual objective (`objective.dual_masking=refusion`, "
-                                  "`objective.ar_weight=16`)"}
 COLORS = {4: "tab:blue", 8: "tab:orange", 16: "tab:green", 32: "tab:purple"}
 MARKERS = {"authors": "o", "correct": "^", "draft_ahead": "D"}
 AR_FACE = {"refusion": "white", "ar_continued": "black", "refusion_boundary": "tab:red"}
@@ -355,7 +341,7 @@ def report_markdown(exp, got: dict, runs: dict, tok=None, target: dict | None = 
           f"- 1. AR pretraining from scratch: {exp.pretrain_steps} steps of "
           f"{exp.micro_batch_size} packed 256-token rows",
           "- stage 2 from the export, " + ", ".join(
-              f"{RUN_TEXT.get(a, a)}" for a in exp.arms) + f": {exp.finetune_steps} steps each, "
+              arm_text(a) for a in exp.arms) + f": {exp.finetune_steps} steps each, "
           "same batch, data order and lr schedule; seeds (`train.seed`): "
           + ", ".join(map(str, exp.seeds)) + f"; decoding grid `{exp.grid}`"]
     L += task.settings_text()
