@@ -362,3 +362,19 @@ def test_step_tally_record_against_the_micro_batches(mode):
         assert rec["dropped_copies"] == sum(int(b.get("dropped_copies", 0)) for b in batches)
     else:
         assert "copy_tokens" not in rec
+
+
+def test_validation_console_line_names_each_source_of_a_mixture(caplog):
+    from pipeline.training.metrics import ConsoleLog
+    rec = {"kind": "val", "step": 8, "val_loss": 2.5, "val_ar_loss": 1.0, "val_mdm_loss": 1.5,
+           "val_batches": 3}
+    log = ConsoleLog(max_steps=10, log_interval=1)
+    with caplog.at_level("INFO", logger="pipeline.train"):
+        log({**rec, "loss_by_source": {"math": 2.25, "code": None}})
+        log({**rec, "loss_by_source": {"shards": 2.5}})
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == [
+        "validation at step 8: loss 2.5000 | ar 1.0000 | mdm 1.5000 | by source: math 2.2500, "
+        "code n/a (3 micro-batches per DP rank)",
+        "validation at step 8: loss 2.5000 | ar 1.0000 | mdm 1.5000 (3 micro-batches per DP "
+        "rank)"]

@@ -74,6 +74,14 @@ def source_losses(ce_sums, labelled, names) -> dict:
             for name, c, k in zip(names, ce_sums, labelled)}
 
 
+def source_loss_text(by_source: dict | None) -> str:
+    """" | by source: a 1.2345, b n/a" for a validation line when there are two or more sources
+    (a `source_losses` dict); "" for one source or none."""
+    if not by_source or len(by_source) < 2:
+        return ""
+    return " | by source: " + ", ".join(f"{k} {_num(v, '.4f')}" for k, v in by_source.items())
+
+
 def peak_flops_per_device(cfg) -> float | None:
     """Peak FLOP/s of one device: `log.peak_tflops` when set, else the table of known parts by
     CUDA device name (`pipeline.model.PEAK_BF16_TFLOPS`), else None with one notice (CPU or
@@ -123,9 +131,10 @@ class ConsoleLog:
     def __call__(self, m: dict) -> None:
         """Print `m` (a record with `kind` "train" or "val") when its line is due."""
         if m["kind"] != "train":
-            log.info("validation at step %d: loss %s | ar %s | mdm %s (%d micro-batches per DP "
-                     "rank)", m["step"], _num(m["val_loss"], ".4f"), _num(m["val_ar_loss"], ".4f"),
-                     _num(m["val_mdm_loss"], ".4f"), m["val_batches"])
+            log.info("validation at step %d: loss %s | ar %s | mdm %s%s (%d micro-batches per "
+                     "DP rank)", m["step"], _num(m["val_loss"], ".4f"),
+                     _num(m["val_ar_loss"], ".4f"), _num(m["val_mdm_loss"], ".4f"),
+                     source_loss_text(m.get("loss_by_source")), m["val_batches"])
             return
         if not m["skipped"]:
             self._window.append((m["loss"], m["ar_loss"], m["mdm_loss"]))
