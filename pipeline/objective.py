@@ -214,10 +214,9 @@ class Reorganized:
         response_tokens: int, number of response tokens over all segments.
         copy_id: mode "dual" only (else None): int64[L], 0 at clean tokens, c >= 1 at the tokens
             of the sample's c-th masked copy (copies numbered in fed order).
-        clean_limit: mode "dual" only (else None): int64[L], the token attends to the clean
-            tokens of its segment whose position id is < clean_limit (a clean token: its own
-            position id + 1, i.e. causal; a copy's token: its slot's first position id), and,
-            for a copy's token, to the tokens of its own copy.
+        clean_limit: mode "dual" only (else None): int64[L], the token sees its segment's clean
+            tokens of position id < clean_limit (clean token: its own + 1; copy token: its
+            slot's first), as `attention.dual_mask` reads it.
         copy_tokens: tokens of the masked copies (mode "dual"; else 0).
         dropped_copies / dropped_copy_tokens: copies (and their tokens) left out so that the
             sample fits `max_length` (mode "dual"; else 0).
@@ -258,10 +257,8 @@ def reorganize_sample(tokens: np.ndarray, segments: Sequence[dict], key: str, *,
     Args:
         tokens: uint32/int[L] natural-order token ids.
         segments: `json["segments"]` of the shard sample (see ARCHITECTURE.md "Shard format").
-        key: the sample key (seeds the randomness with `seed` and `epoch`).
-        seed, epoch: see `sample_rng`.
-        mask_id: id of the mask token.
-        cfg: objective options.
+        key, seed, epoch: seed the sample's randomness (`sample_rng`).
+        mask_id: id of the mask token. cfg: objective options.
         max_length: mode "dual" only: the most tokens the sample may have (a row's length;
             copies dropped, the last slot first); None = keep every copy.
 
