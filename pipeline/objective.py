@@ -1,72 +1,29 @@
 """The ReFusion training objective: per-sample reorganization and the hybrid AR + MDM loss.
 
-Owns: turning one prepared sample (natural-order tokens, segments, slot boundaries) into the
-reorganized sequence the model is fed (docs/METHOD.md "One training sample", steps 1-5),
-packing reorganized samples into fixed-shape micro-batch tensors (with the label positions and
-varlen boundaries the training step needs, so that it reads nothing back from the device), and
-the loss ("Loss of a micro-batch"), including applying the output layer chunk by chunk on
-labelled positions only (`labelled_cross_entropy`) or handing the labelled positions and their
-loss coefficients to a fused output layer + cross-entropy (`hybrid_loss(..., head_loss=)`,
-`pipeline.model.linear_ce`).
-Must not touch: the model, process groups (it only *reads* megatron-core's `parallel_state`
-to pick the vocab-parallel cross-entropy), shard I/O (see `pipeline.data`).
+Owns: turning one prepared sample into the sequence the model is fed (docs/METHOD.md "One
+training sample"; the AR baseline, "The AR baseline"; boundary labels and natural-order
+segments, "Boundary labels and natural-order segments"; mode "dual", "The dual-stream arm"),
+collating reorganized samples into fixed-shape micro-batch tensors (with the label positions
+and varlen boundaries the training step needs, so it reads nothing back from the device), and
+the loss ("Loss of a micro-batch"), the output layer applied chunk by chunk on labelled
+positions only (`labelled_cross_entropy`) or fused with the cross-entropy
+(`hybrid_loss(..., head_loss=)`, `pipeline.model.linear_ce`).
+Must not touch: the model, process groups (it only reads megatron-core's `parallel_state` to
+pick the vocab-parallel cross-entropy), shard I/O (`pipeline.data`).
 
-Everything here is a pure function of its arguments: the randomness of a sample (its `t`,
-slot masks and clean-slot order) comes from `sample_rng(seed, key, epoch)`, so a resumed run
-and every tensor-parallel rank of a data-parallel group build bit-identical batches.
-
-Random draws, in this order, from `sample_rng(seed, key, epoch)` (numpy PCG64 seeded by
-`SeedSequence([seed, epoch, blake2b-128(key)])`; stable across processes and Python runs,
-unlike the salted builtin `hash`):
-  1. only when `ObjectiveConfig.slot_sizes` is set: one index per segment,
-     `rng.integers(len(slot_sizes), size=S)`, choosing that segment's slot size k;
-  2. `t = rng.random(S)`, one per segment; `p = (1 - eps) * t + eps`;
-  3. `u = rng.random(N)`, one per slot (all segments, natural order); slot masked iff `u < p`;
-  4. `o = rng.random(N)`, one per slot; the clean slots of a segment are fed in increasing `o`
-     (a uniformly random order);
-  5. only when `ObjectiveConfig.natural_order_fraction > 0`: `n = rng.random(S)`, one per
-     segment; a segment with `n < natural_order_fraction` is fed with every slot clean, in
-     natural order (its draws 2-4 are made and unused). Drawn last, so that a fraction of 0
-     leaves every sample bit-identical to a run without the option.
-Mode "ar" draws nothing.
-
-Boundary labels (`ObjectiveConfig.boundary_labels`, docs/METHOD.md "Boundary labels"; off by
-default, the paper's labels): the prompt's last token is labelled with the response's first
-token, and a clean slot's last token at offset q with x[q+1] when q+1 is inside the segment and
-the slot starting there is masked or clean and fed later (if it was fed earlier, the token is
-already visible and the label would be a copy: none). They are AR labels (weight 1, in the AR
-mean); the fed sequence is unchanged.
-
-Plain AR baseline (`mode="ar"`): every segment is fed in natural order, nothing is masked,
-and the response is one slot, so the loss is the ordinary next-token cross-entropy of the
-response: the last prompt token predicts the first response token (when the prompt is
-non-empty), each response token predicts the next, and the last token of the segment has no
-label (nothing follows it inside the segment; data_prep ends responses with EOS, so EOS is a
-target). MDM is 0. This is what an SFT/pretraining run of the same network on the same
-segments would optimize, so it is the like-for-like baseline.
-
-Dual-stream layout (`mode="dual"`, docs/METHOD.md "The dual-stream arm"; TiDAR's training
-layout, arXiv 2511.08923): each segment is fed as its clean tokens in natural order (prompt then
-response, labelled as in mode "ar": the last prompt token predicts the first response token,
-each response token the next one), then masked copies of some of its response slots, in slot
-order. A copy's tokens are all the mask id, keep the slot's original position ids and are
-labelled with the clean tokens (MDM). A clean token attends causally to the clean tokens of its
-segment; a copy token attends to the clean tokens of its segment before the slot's start and to
-every token of its own copy (bidirectionally), nothing else. That pattern is not causal over
-the fed order, so `collate` also ships each token's copy number and clean limit (`copy_id`,
-`clean_limit`), from which the model builds the pattern on the device
-(`pipeline.model.attention.dual_mask`).
-Which slots get a copy (`ObjectiveConfig.dual_masking`), and the draws:
-  - "all": every slot; p = 1 for every segment; no draw beyond draw 1 above (slot sizes, only
-    with `slot_sizes`);
-  - "refusion": draw 1 (only with `slot_sizes`), then draws 2 and 3 above: `t` per segment,
-    `p = (1 - eps) * t + eps`, `u` per slot; slot copied iff `u < p` (the slots mode "refusion"
-    would mask). Draws 4 and 5 are not made.
-A copied token's loss weight is 1 / (p * n_r) as a masked token's in mode "refusion" (p = 1 for
-"all"), so "refusion" is an inverse-probability subsample of "all". When the clean tokens plus
-the copies exceed `max_length` (`reorganize_sample(..., max_length=)`), copies are dropped, the
-last slot (in natural order, over all segments) first, until the sample fits; dropped copies are
-counted (`Reorganized.dropped_copies`, the batch's `dropped_copies`) and contribute nothing.
+Everything here is a pure function of its arguments; a sample's randomness comes from
+`sample_rng(seed, key, epoch)` (docs/METHOD.md "Determinism"), drawn in this order (changing it
+changes every batch):
+  1. only with `ObjectiveConfig.slot_sizes`: `rng.integers(len(slot_sizes), size=S)`, each
+     segment's slot size k;
+  2. `t = rng.random(S)`; `p = (1 - eps) * t + eps`;
+  3. `u = rng.random(N)`, one per slot (natural order over all segments); masked iff `u < p`;
+  4. `o = rng.random(N)`; a segment's clean slots are fed in increasing `o`;
+  5. only with `natural_order_fraction > 0`: `n = rng.random(S)`; natural order iff
+     `n < natural_order_fraction` (draws 2-4 are made and unused).
+Mode "ar" draws nothing. Mode "dual" makes draw 1 and, with `dual_masking="refusion"`, draws 2
+and 3 (slot copied iff `u < p`); with "all" p = 1. A copy token's weight is 1 / (p * n_r), as a
+masked token's in mode "refusion". Data_prep ends responses with EOS, so EOS is an AR target.
 """
 from __future__ import annotations
 
@@ -93,25 +50,16 @@ class ObjectiveConfig:
     """Options of the objective. Defaults are the paper's.
 
     Attributes:
-        mode: "refusion" (hybrid AR + MDM, the method), "ar" (plain next-token baseline,
-            see the module docstring) or "dual" (clean tokens in natural order, then masked
-            copies of response slots; module docstring, docs/METHOD.md "The dual-stream arm").
-        eps: lower bound of the mask probability, `p = (1 - eps) * t + eps` (docs/METHOD.md
-            "One training sample", step 1).
-        slot_sizes: None = use the slot boundaries stored in the shards (data_prep drew k per
-            sample from {4, 8, 16, 32}); a list of sizes = ignore them and re-slice each
-            segment's response into slots of a size drawn per (segment, epoch) from this list.
+        mode: "refusion" (the method), "ar" (the baseline) or "dual" (the dual-stream arm).
+        eps: lower bound of the mask probability, `p = (1 - eps) * t + eps`.
+        slot_sizes: None = the shards' slot boundaries; a list of sizes = re-slice each
+            segment's response into slots of a size drawn per (segment, epoch) from it.
         ar_weight / mdm_weight: loss = ar_weight * AR + mdm_weight * MDM.
-        boundary_labels: also train the AR head across slot boundaries (the prompt's last token
-            and clean slots' last tokens; module docstring, docs/METHOD.md "Boundary labels").
-            False = the paper's labels.
-        natural_order_fraction: share in [0, 1] of segments fed with every slot clean, in
-            natural order (draw 5 of the module docstring); with `boundary_labels` such a
-            segment is plain next-token training. Such segments count in the MDM term's B (as a
-            draw with nothing masked) and report p = 0. 0 = the paper's objective.
-        dual_masking: mode "dual" only: which response slots get a masked copy, "all" (every
-            slot) or "refusion" (slot copied iff u < p, mode "refusion"'s masking draws).
-            Other modes ignore it.
+        boundary_labels: AR labels across slot boundaries (False = the paper's labels).
+        natural_order_fraction: share in [0, 1] of segments fed all clean, in natural order.
+        dual_masking: mode "dual" only: "all" or "refusion" (which slots get a masked copy).
+    The meaning of each: docs/METHOD.md "Training objective". Raises ValueError (naming the
+    `objective.` field) on a bad value or combination.
     """
 
     mode: str = "refusion"
@@ -158,14 +106,10 @@ def _key_hash(key: str) -> int:
 
 
 def sample_rng(seed: int, key: str, epoch: int) -> np.random.Generator:
-    """The random generator of one sample: a pure function of (seed, sample key, epoch).
-
-    Args:
-        seed: run seed (non-negative int). key: the sample's `__key__`. epoch: 0-based epoch.
-
-    Returns:
-        numpy Generator (PCG64) seeded by SeedSequence([seed, epoch, blake2b-128(key)]).
-    """
+    """The random generator of one sample: numpy PCG64 seeded by
+    `SeedSequence([seed, epoch, blake2b-128(key)])` (stable across processes and Python runs,
+    unlike the salted builtin `hash`). seed, epoch: ints >= 0 (ValueError otherwise); key: the
+    sample's `__key__`."""
     return _hashed_rng(seed, epoch, _key_hash(key))
 
 
@@ -178,17 +122,14 @@ def _hashed_rng(seed: int, epoch: int, key_hash: int) -> np.random.Generator:
 
 def slot_layout(segments: Sequence[dict], rng: np.random.Generator | None,
                 cfg: ObjectiveConfig) -> tuple[np.ndarray, np.ndarray]:
-    """Slot boundaries of a sample: the stored ones, or re-sliced per `cfg`.
+    """Slot boundaries of a sample: the stored ones, or re-sliced per `cfg` (draw 1 from `rng`
+    with `cfg.slot_sizes`; `rng` may be None otherwise).
 
     Args:
         segments: the shard sample's `json["segments"]` (absolute offsets into `tokens`).
-        rng: the sample's generator (draw 1 of the module docstring happens here when
-            `cfg.slot_sizes` is set); may be None otherwise.
-        cfg: objective options.
-
     Returns:
-        (slot_start, slot_segment): `int64[N]` absolute start offset of every slot, in natural
-        order, and the index of the segment each slot belongs to.
+        (slot_start, slot_segment): `int64[N]` absolute start offset of every slot in natural
+        order, and each slot's segment index.
     """
     starts = np.array([s["start"] + s["prompt_length"] for s in segments], dtype=np.int64)
     ends = np.array([s["end"] for s in segments], dtype=np.int64)
@@ -212,14 +153,9 @@ def slot_layout(segments: Sequence[dict], rng: np.random.Generator | None,
 def dual_fed_length(num_tokens: int, key_hash: int, slot_size: np.ndarray,
                     slot_segment: np.ndarray, *, seed: int, epoch: int, cfg: ObjectiveConfig,
                     max_length: int | None = None) -> int:
-    """The fed length of a sample in mode "dual" (clean tokens + kept masked copies), equal to
-    `reorganize_sample(...).length`, computed from the sample's slot layout alone (no tokens),
-    so a packer need not read the sample (the slot layout of a version-3 sample index,
-    `pipeline.data.sample_index.SlotLayout`).
-
-    Makes the draws of `_dual_sample` from `sample_rng`'s generator (draw 1 with
-    `cfg.slot_sizes`; draws 2 and 3 with `dual_masking="refusion"`) and applies the same
-    `max_length` rule (the longest prefix of copies, in natural slot order, that fits).
+    """The fed length of a sample in mode "dual", equal to `reorganize_sample(...).length`,
+    from the sample's slot layout alone (a version-3 sample index's `SlotLayout`), so a packer
+    need not read the sample. Makes `_dual_sample`'s draws and applies its `max_length` rule.
 
     Args:
         num_tokens: L, the sample's tokens.
@@ -278,10 +214,9 @@ class Reorganized:
         response_tokens: int, number of response tokens over all segments.
         copy_id: mode "dual" only (else None): int64[L], 0 at clean tokens, c >= 1 at the tokens
             of the sample's c-th masked copy (copies numbered in fed order).
-        clean_limit: mode "dual" only (else None): int64[L], the token attends to the clean
-            tokens of its segment whose position id is < clean_limit (a clean token: its own
-            position id + 1, i.e. causal; a copy's token: its slot's first position id), and,
-            for a copy's token, to the tokens of its own copy.
+        clean_limit: mode "dual" only (else None): int64[L], the token sees its segment's clean
+            tokens of position id < clean_limit (clean token: its own + 1; copy token: its
+            slot's first), as `attention.dual_mask` reads it.
         copy_tokens: tokens of the masked copies (mode "dual"; else 0).
         dropped_copies / dropped_copy_tokens: copies (and their tokens) left out so that the
             sample fits `max_length` (mode "dual"; else 0).
@@ -316,22 +251,16 @@ class Reorganized:
 def reorganize_sample(tokens: np.ndarray, segments: Sequence[dict], key: str, *, seed: int,
                       epoch: int, mask_id: int, cfg: ObjectiveConfig,
                       max_length: int | None = None) -> Reorganized:
-    """Reorganize one shard sample (docs/METHOD.md "One training sample", steps 1-5), vectorized.
-
-    Each segment is handled inside its own span: prompt first (natural order), then the clean
-    slots as whole slots in a random order, then the masked slots in natural order with every
-    token replaced by `mask_id`. Position ids are original offsets from the segment start.
+    """Reorganize one shard sample (docs/METHOD.md "One training sample", steps 1-5, or the
+    mode's section), vectorized; each segment inside its own span.
 
     Args:
         tokens: uint32/int[L] natural-order token ids.
         segments: `json["segments"]` of the shard sample (see ARCHITECTURE.md "Shard format").
-        key: the sample key (seeds the randomness with `seed` and `epoch`).
-        seed, epoch: see `sample_rng`.
-        mask_id: id of the mask token.
-        cfg: objective options.
-        max_length: mode "dual" only: the most tokens the sample may have (a row's length);
-            copies are dropped, the last slot first, until the sample fits. None = keep every
-            copy. Other modes ignore it (they never lengthen a sample).
+        key, seed, epoch: seed the sample's randomness (`sample_rng`).
+        mask_id: id of the mask token. cfg: objective options.
+        max_length: mode "dual" only: the most tokens the sample may have (a row's length;
+            copies dropped, the last slot first); None = keep every copy.
 
     Returns:
         A `Reorganized` (arrays in fed order).
@@ -435,9 +364,8 @@ def _dual_sample(x: np.ndarray, key: str, rng: np.random.Generator, cfg: Objecti
                  mask_id: int, max_length: int | None, seg_start: np.ndarray, seg_end: np.ndarray,
                  resp_start: np.ndarray, slot_start: np.ndarray, slot_end: np.ndarray,
                  slot_seg: np.ndarray) -> Reorganized:
-    """Mode "dual" of `reorganize_sample` (module docstring, "Dual-stream layout"): per segment,
-    its clean tokens in natural order, then the masked copies of its copied slots in slot
-    order. Arguments: the validated sample (`x` int64[L]) and its slots, in natural order."""
+    """Mode "dual" of `reorganize_sample`. Arguments: the validated sample (`x` int64[L]) and its
+    slots, in natural order."""
     L = int(x.shape[0])
     n_seg, n_slot = int(seg_start.shape[0]), int(slot_start.shape[0])
     if max_length is not None and L > max_length:
@@ -501,13 +429,9 @@ def _dual_sample(x: np.ndarray, key: str, rng: np.random.Generator, cfg: Objecti
 
 def collate(rows: Sequence[Sequence[Reorganized]], max_length: int, pad_id: int,
             sources: Sequence[Sequence[int]] | None = None) -> dict:
-    """Lay reorganized samples into a fixed-shape micro-batch.
-
-    Row b holds the samples `rows[b]` one after another, then padding up to `max_length`.
-    Segment ids number the segments of a row 1, 2, ... (0 = padding); padding position ids
-    continue after the length L of the row's last segment (L, L+1, ...; docs/METHOD.md "One
-    training sample", step 4, not after the last fed token's position) and padding is never
-    labelled.
+    """Lay reorganized samples into a fixed-shape micro-batch: row b holds `rows[b]` one after
+    another, then padding (docs/METHOD.md step 4) up to `max_length`. Segment ids number a row's
+    segments 1, 2, ... (0 = padding).
 
     Args:
         rows: B lists of `Reorganized` (an empty list gives an all-padding row).
@@ -517,23 +441,10 @@ def collate(rows: Sequence[Sequence[Reorganized]], max_length: int, pad_id: int,
             of its folder in a data mixture, `pipeline.data.mixture`).
 
     Returns:
-        dict with `input_ids, position_ids, labels, segment_ids: LongTensor[B, T]`,
-        `loss_weight: FloatTensor[B, T]`, `is_masked: BoolTensor[B, T]`,
-        `num_segments: LongTensor[]` (B of the MDM term), `segment_p: FloatTensor[S]` (p of each
-        segment, row-major; S = num_segments), `response_tokens, real_tokens: LongTensor[]`,
-        `keys: list[str]` (row-major), `source: LongTensor[B, T]` (each token's source; 0 at
-        padding and without `sources`), and what the training step would otherwise compute on
-        the device and read back on the host (computed here, in the loader's worker processes):
-        `label_index: LongTensor[N_lab]` (flat `b * T + t` positions with a label, increasing;
-        the output layer's rows), `cu_seqlens: IntTensor[N_seq + 1]` and `max_seqlen: int` (the
-        varlen kernel's boundaries, equal to `pipeline.model.attention.varlen_boundaries(
-        segment_ids)`: every padding token a segment of its own), `segment_lengths:
-        LongTensor[S]` (tokens of each real segment, row-major; for FLOPs).
-        When the samples come from mode "dual" (`Reorganized.copy_id` set), also
-        `copy_id, clean_limit: LongTensor[B, T]` (0 at padding; the model builds the attention
-        pattern from them, `segment_ids` and `position_ids` on the device:
-        `pipeline.model.attention.dual_mask`), `copy_tokens, dropped_copies: LongTensor[]`
-        (masked-copy tokens fed, copies left out to fit).
+        the micro-batch dict, its keys, shapes and dtypes as ARCHITECTURE.md "Batch" lists them;
+        `segment_p`, `keys` and `segment_lengths` row-major, `label_index` increasing,
+        `cu_seqlens` equal to `attention.varlen_boundaries(segment_ids)`, `copy_id` and
+        `clean_limit` (mode "dual") 0 at padding.
 
     Raises:
         ValueError: a row's samples are longer than `max_length`.
@@ -630,10 +541,8 @@ def token_cross_entropy(logits_shard: torch.Tensor, labels: torch.Tensor) -> tor
     """Per-token cross-entropy in fp32, 0 where `labels == IGNORE_INDEX`.
 
     With megatron-core's `parallel_state` initialized, `logits_shard` is this rank's vocab
-    partition and the loss goes through `tensor_parallel.vocab_parallel_cross_entropy` (no
-    gather of the full logits). NOTE: that function overwrites fp32 logits in place (it keeps
-    the softmax there for backward); pass a clone if you still need them. Without a process
-    group, `logits_shard` must be the full logits and plain `F.cross_entropy` is used.
+    partition (`vocab_parallel_cross_entropy`, which overwrites fp32 logits in place: pass a
+    clone to keep them); otherwise the full logits (`F.cross_entropy`).
 
     Args:
         logits_shard: FloatTensor[B, T, V / tp] (any float dtype; computed in fp32).
@@ -687,11 +596,10 @@ def labelled_cross_entropy(hidden: torch.Tensor, head, labels: torch.Tensor,
                            label_index: torch.Tensor | None = None) -> torch.Tensor:
     """Per-token cross-entropy of the labelled positions, applying the output layer in chunks.
 
-    Only positions with a label go through `head` (prompt and padding tokens have none), in
-    chunks of `chunk_tokens`; each chunk's logits and their fp32 copy are freed after the chunk
-    and recomputed in backward (`torch.utils.checkpoint`), so no `[B, T, V / tp]` tensor is
-    ever alive. Same values and gradients as `token_cross_entropy(head(hidden), labels)` up to
-    float summation order.
+    Only labelled positions go through `head`, `chunk_tokens` at a time; a chunk's logits are
+    freed after it and recomputed in backward (`torch.utils.checkpoint`), so no
+    `[B, T, V / tp]` tensor is ever alive. Equals `token_cross_entropy(head(hidden), labels)` up
+    to float summation order.
 
     Args:
         hidden: FloatTensor[B, T, hidden], the final-norm hidden states
@@ -732,43 +640,29 @@ def labelled_cross_entropy(hidden: torch.Tensor, head, labels: torch.Tensor,
 def hybrid_loss(outputs: torch.Tensor, batch: dict, cfg: ObjectiveConfig | None = None, *,
                 head=None, chunk_tokens: int = LOSS_CHUNK_TOKENS, head_loss=None,
                 num_sources: int | None = None) -> tuple[torch.Tensor, dict]:
-    """The ReFusion loss of a micro-batch (docs/METHOD.md "Loss of a micro-batch").
-
-    AR  = mean CE over clean-slot tokens that have a label (all rows of the micro-batch);
-    MDM = (1 / num_segments) * sum over masked tokens of CE * loss_weight, where
-          loss_weight = 1 / (p * n_r) of the token's segment;
-    loss = ar_weight * AR + mdm_weight * MDM. An empty term is 0 (never NaN).
+    """The ReFusion loss of a micro-batch (docs/METHOD.md "Loss of a micro-batch"; `loss_weight`
+    carries 1 / (p * n_r)). An empty term is 0, never NaN.
 
     Args:
-        outputs: without `head`, FloatTensor[B, T, V / tp], vocab-parallel logits in fed order
-            (see `token_cross_entropy` for the in-place caveat); with `head`,
-            FloatTensor[B, T, hidden], final-norm hidden states, and the logits are computed
-            only at labelled positions, `chunk_tokens` at a time (`labelled_cross_entropy`:
-            the memory-lean form the trainer uses); with `head_loss`, the same hidden states
-            and the output layer + cross-entropy run fused.
+        outputs: without `head` / `head_loss`, FloatTensor[B, T, V / tp] vocab-parallel logits
+            in fed order (overwritten in place, `token_cross_entropy`); with either,
+            FloatTensor[B, T, hidden] final-norm hidden states.
         batch: a dict from `collate` (tensors are moved to the outputs' device); its
             `label_index`, when present, gives the labelled positions (no host sync).
         cfg: objective options (weights); default `ObjectiveConfig()`.
-        head: None, or the output layer `FloatTensor[N, hidden] -> FloatTensor[N, V / tp]`.
-        chunk_tokens: tokens per chunk with `head`.
+        head, chunk_tokens: None, or the output layer applied by `labelled_cross_entropy`.
         head_loss: None, or the fused output layer + weighted cross-entropy
             `(hidden FloatTensor[N, hidden], target LongTensor[N], coef FloatTensor[N]) ->
-            (sum coef * CE, CE detached FloatTensor[N])` (`Qwen3.head_loss`, its impl and chunk
-            size bound). The coefficients are the loss's own weights, known before the output
-            layer runs: `ar_weight / AR tokens` at AR-labelled positions and
-            `mdm_weight * loss_weight / num_segments` at masked ones, so the fused loss is the
-            same sum as below (same value and gradients up to float summation order).
-        num_sources: None, or S, the number of data sources: the stats then also hold the
-            per-source sums of the batch's `source` ids (all 0 when absent), read from the
-            detached per-token CE (loss and gradients unchanged).
+            (sum coef * CE, CE detached FloatTensor[N])` (`Qwen3.head_loss`); coef is the loss's
+            own weight per position (`ar_weight / AR tokens` or `mdm_weight * loss_weight /
+            num_segments`), so the value and gradients equal the unfused sum's.
+        num_sources: None, or S, the number of data sources: the stats then also hold sums per
+            `source` id (all 0 when absent) of the detached CE of labelled tokens, unweighted.
 
     Returns:
-        (loss: FloatTensor[] with grad, stats: dict of detached 0-dim tensors `ar_loss,
-        mdm_loss, ar_tokens, mdm_tokens, mask_ratio` (mean p over segments), `masked_fraction`
-        (masked / response tokens), `num_segments, real_tokens, response_tokens`; with
-        `num_sources`, also `ce_sum_by_source: DoubleTensor[S]` (CE summed over the labelled
-        tokens of each source, AR and MDM targets alike, without the MDM loss weights) and
-        `labelled_by_source: LongTensor[S]` (those tokens), on the outputs' device).
+        (loss: FloatTensor[] with grad, stats: dict of detached tensors on the outputs' device,
+        its keys as ARCHITECTURE.md "Batch" lists them; `mask_ratio` is the mean p over
+        segments, `masked_fraction` masked / response tokens).
 
     Raises:
         IndexError / RuntimeError: a `source` id >= num_sources (the caller checks ids).

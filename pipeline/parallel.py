@@ -13,24 +13,8 @@ Traps this module exists to avoid (each trains silently wrong):
 - `deepspeed.zero.Init(mpu=...)` alone partitions over the whole world: also pass
   `data_parallel_group=parallel_state.get_data_parallel_group()`.
 
-Device choice (the one home for it): a task may see fewer GPUs than its node-local rank
-(`srun --gpus-per-task=1` or `--gpu-bind` leave each task one visible GPU, numbered 0), so the
-device index is `LOCAL_RANK mod visible GPU count` (`local_device_index`). `bind_local_device`
-selects it and rewrites `LOCAL_RANK` to that index before any DeepSpeed call, because DeepSpeed
-uses `LOCAL_RANK` itself as a device index (engine `set_device`, `zero.Init`'s local device);
-the node-local rank stays in `ParallelInfo.local_rank` (and in `SLURM_LOCALID` under srun).
-
-With NCCL, megatron-core's extra gloo groups are not created (`create_gloo_process_groups`):
-nothing here uses them, and their TCP set-up can hang on multi-NIC nodes. With gloo (CPU) the
-default groups are gloo anyway and megatron's behaviour is left as it was.
-
-Rendezvous (`rendezvous_store`): with several processes and no torchrun agent, the ranks meet at
-rank 0's TCP store on MASTER_ADDR:MASTER_PORT. torch's own env:// rendezvous waits there for the
-whole collective timeout (30 minutes) and logs a C++ stack on every retry when MASTER_ADDR does
-not resolve or nobody listens. Here the store is made with a bounded wait instead
-(REFUSION_RENDEZVOUS_TIMEOUT seconds, default 60): an unresolvable MASTER_ADDR fails at once, an
-unreachable one (or a rank 0 whose peers never arrive) after the bound, each as one
-`RendezvousError`; once all ranks joined, the store gets the collective timeout as torch's does.
+This is the one home of the device choice (`local_device_index`, `bind_local_device`) and of
+the rendezvous (`rendezvous_store`, `attempt_store`; user's view: docs/TRAINING.md "On SLURM").
 """
 from __future__ import annotations
 
@@ -98,23 +82,19 @@ def rendezvous_timeout_s() -> float:
 
 def rendezvous_store(rank: int, world_size: int, timeout_s: float,
                      rendezvous_s: float | None = None) -> dist.TCPStore:
-    """The process group's TCP store at MASTER_ADDR:MASTER_PORT (rank 0 hosts it), reached within
-    `rendezvous_s` seconds instead of the collective timeout.
-
-    Rank 0 starts the store and waits until all `world_size` ranks have joined; every other rank
-    first waits (plain socket connects, once a second) until something listens there, then joins.
-    The store is the one torch's env:// rendezvous would make (multi-tenant TCPStore); after the
-    join its timeout becomes `timeout_s`.
+    """The process group's TCP store at MASTER_ADDR:MASTER_PORT (rank 0 hosts it), the one
+    torch's env:// rendezvous would make, but joined within `rendezvous_s` seconds: torch's own
+    waits the whole collective timeout (30 min) and logs a C++ stack per retry when
+    MASTER_ADDR does not resolve or nobody listens. Other ranks poll with plain socket connects
+    (once a second) until something listens; after the join the timeout becomes `timeout_s`.
 
     Args:
         rank / world_size: this process's global rank and the number of processes.
-        timeout_s: the collective timeout (seconds) the store keeps afterwards.
         rendezvous_s: the bound on the join (seconds); default `rendezvous_timeout_s()`.
-
     Raises:
         RendezvousError: MASTER_ADDR/MASTER_PORT unset or malformed, MASTER_ADDR does not
-            resolve, nothing listens at MASTER_ADDR:MASTER_PORT within the bound, the port cannot
-            be bound by rank 0, or not all ranks joined within the bound.
+            resolve (at once), rank 0 cannot bind the port, or nobody listens / not all ranks
+            joined within the bound.
     """
     if rendezvous_s is None:
         rendezvous_s = rendezvous_timeout_s()
@@ -172,21 +152,9 @@ NCCL_TRACE_ENTRIES = 2000
 def nccl_defaults(dump_dir: str, environ=None) -> dict[str, str]:
     """Switch on NCCL's error handling and flight recorder, writing its dump into `dump_dir`.
 
-    Sets, only where the variable is unset: TORCH_NCCL_ASYNC_ERROR_HANDLING=1 (a collective
-    that times out aborts its communicator and ends the process instead of hanging),
-    TORCH_NCCL_TRACE_BUFFER_SIZE=2000 (the last 2000 collectives of each rank are recorded),
-    TORCH_NCCL_DUMP_ON_TIMEOUT=1 and TORCH_NCCL_DEBUG_INFO_TEMP_FILE=<dump_dir>/nccl_trace_rank_
-    (on a timeout each rank writes `nccl_trace_rank_<rank>`: per collective its sequence
-    number, process group, op, sizes and state: scheduled, started or completed; the rank
-    whose last collective never started is the one the others wait for). Call before the
-    process group exists; only meaningful with NCCL (untested on this project's CPU machines).
-
-    Args:
-        dump_dir: the run folder (created if missing).
-        environ: the environment to update (default `os.environ`).
-
-    Returns:
-        The variables this call set (name -> value).
+    Sets, only where unset, the variables docs/ROBUSTNESS.md "NCCL" lists and explains, in
+    `environ` (default `os.environ`), and returns those it set (name -> value). `dump_dir`: the
+    run folder (created if missing). Call before the process group exists; NCCL only (untested).
     """
     env = os.environ if environ is None else environ
     wanted = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
@@ -210,12 +178,10 @@ def _env_int(*names: str, default: int) -> int:
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago (for a rendezvous on this host).
 
-    The port lies below the kernel's ephemeral range (`/proc/sys/net/ipv4/ip_local_port_range`,
-    32768-60999 by default), so no outgoing connection (a gloo mesh, another job's store
-    client) can be handed it between this call and the caller's bind; only another explicit
-    bind can race for it. Candidates are drawn at random from [10000, range start) and each is
-    checked by binding it; where the range cannot be read or leaves no room, the kernel picks
-    (port 0), as before.
+    Drawn at random from [10000, start of `/proc/sys/net/ipv4/ip_local_port_range`) and checked
+    by binding it: below the ephemeral range no outgoing connection (a gloo mesh, a store
+    client) can be handed it before the caller binds. Where the range cannot be read or leaves
+    no room, the kernel picks (port 0).
     """
     import random
     import socket
@@ -240,10 +206,8 @@ def free_port() -> int:
 
 
 def local_device_index(local_rank: int, visible_devices: int) -> int:
-    """The CUDA device index of a task: `local_rank mod visible_devices`.
-
-    With `--gpus-per-node` every task sees all GPUs of its node and gets `cuda:<local_rank>`;
-    with `--gpus-per-task=1` / `--gpu-bind` each task sees one GPU and gets `cuda:0`.
+    """The CUDA device index of a task: `local_rank mod visible_devices` (with
+    `--gpus-per-task=1` / `--gpu-bind` a task sees one GPU, numbered 0, whatever its local rank).
 
     Raises:
         ValueError: `visible_devices < 1` or `local_rank < 0`.
@@ -256,11 +220,10 @@ def local_device_index(local_rank: int, visible_devices: int) -> int:
 
 
 def bind_local_device(local_rank: int) -> torch.device:
-    """Select this process's device and make `LOCAL_RANK` name it (for DeepSpeed).
-
-    CUDA available: `torch.cuda.set_device(i)` with `i = local_device_index(local_rank,
-    torch.cuda.device_count())`, `os.environ["LOCAL_RANK"] = str(i)`, returns `cuda:i`.
-    CPU: returns `cpu` and leaves the environment alone.
+    """Select this process's device (`local_device_index`) and return it (`cuda:i` or `cpu`).
+    On CUDA, `LOCAL_RANK` is rewritten to `i` before any DeepSpeed call, because DeepSpeed uses it
+    as a device index (engine `set_device`, `zero.Init`); the node-local rank stays in
+    `ParallelInfo.local_rank`. On the CPU the environment is left alone.
     """
     if not torch.cuda.is_available():
         return torch.device("cpu")
@@ -273,10 +236,9 @@ def bind_local_device(local_rank: int) -> torch.device:
 def init_megatron_groups(tensor_parallel_size: int, backend: str, timeout_s: float) -> None:
     """megatron-core's TP/DP groups over the existing default group (no-op when they exist).
 
-    `backend` is the default group's backend (`dist.get_backend()`): one that includes NCCL
-    ("nccl", "cpu:gloo,cuda:nccl") skips megatron's extra gloo groups
-    (`create_gloo_process_groups=False`; a getter of a gloo group then raises AssertionError);
-    "gloo" keeps megatron's default (gloo groups created).
+    `backend` (`dist.get_backend()`) including NCCL skips megatron's extra gloo groups
+    (`create_gloo_process_groups=False`; their getters then raise AssertionError): nothing here
+    uses them and their TCP set-up can hang on multi-NIC nodes. "gloo" keeps megatron's default.
     """
     from megatron.core import parallel_state
 
@@ -292,13 +254,9 @@ def attempt_store(timeout_s: float) -> dist.Store:
     """A client of torchrun's agent store (MASTER_ADDR:MASTER_PORT) whose keys live under
     `refusion/attempt_<TORCHELASTIC_RESTART_COUNT>/`.
 
-    torchrun keeps its agent store across `--max-restarts` restarts, and torch's env://
-    rendezvous uses it without a per-attempt prefix: the restarted workers then read the dead
-    workers' addresses (measured with torch 2.13 and gloo: `new_group` fails with "Gloo
-    connectFullMesh failed ... Connection refused"). The prefix gives every attempt its own keys.
-
-    Args:
-        timeout_s: the store's timeout (seconds), the collective timeout.
+    torchrun keeps its agent store across `--max-restarts` restarts and env:// uses it without a
+    per-attempt prefix, so restarted workers would read the dead workers' addresses (gloo:
+    "connectFullMesh failed ... Connection refused"). timeout_s: the collective timeout.
     """
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or "0"
     base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
@@ -310,27 +268,18 @@ def init_distributed(tensor_parallel_size: int = 1, backend: str | None = None,
                      timeout_s: float = 1800.0) -> ParallelInfo:
     """Start torch.distributed (if needed) and megatron-core's TP/DP groups.
 
-    Reads the launcher's environment: torchrun (RANK, WORLD_SIZE, LOCAL_RANK) or srun
-    (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID); MASTER_ADDR/MASTER_PORT must be set for
-    more than one process (a single process without them uses 127.0.0.1 and a free port, so
-    that lone runs on a shared machine do not collide on 29500).
+    Reads torchrun's (RANK, WORLD_SIZE, LOCAL_RANK) or srun's (SLURM_PROCID, SLURM_NTASKS,
+    SLURM_LOCALID) environment; MASTER_ADDR/MASTER_PORT must be set for more than one process
+    (a lone process without them takes 127.0.0.1 and a free port, not 29500). Device:
+    `bind_local_device`; rendezvous: `rendezvous_store`, or under torchrun `attempt_store`.
 
     Args:
         tensor_parallel_size: size of each tensor-parallel group; must divide the world size.
         backend: "nccl" or "gloo"; default nccl when CUDA is available, else gloo.
         timeout_s: collective timeout in seconds.
 
-    The device is chosen (and LOCAL_RANK rewritten for DeepSpeed) by `bind_local_device`.
-    With more than one process and no torchrun agent store, the ranks meet through
-    `rendezvous_store` (bounded by REFUSION_RENDEZVOUS_TIMEOUT, default 60 s); under torchrun
-    through the agent's store with one key prefix per restart (`attempt_store`).
-
-    Returns:
-        ParallelInfo for this process.
-
-    Raises:
-        ValueError: the world size is not a multiple of `tensor_parallel_size`.
-        RendezvousError: the ranks could not meet (see `rendezvous_store`).
+    Returns ParallelInfo. Raises ValueError (world size not a multiple of
+    `tensor_parallel_size`) or RendezvousError (the ranks could not meet).
     """
     from megatron.core import parallel_state
 
@@ -382,11 +331,8 @@ def destroy_distributed() -> None:
 
 
 class MegatronMPU:
-    """The `mpu` object DeepSpeed expects, backed by megatron-core `parallel_state`.
-
-    DeepSpeed calls these to find the model-parallel (= tensor-parallel here) and
-    data-parallel groups; pass an instance as `deepspeed.initialize(..., mpu=MegatronMPU())`.
-    """
+    """The `mpu` object DeepSpeed expects (its model-parallel = our TP group, and the DP group),
+    backed by megatron-core `parallel_state`: `deepspeed.initialize(..., mpu=MegatronMPU())`."""
 
     @staticmethod
     def get_model_parallel_rank() -> int:
@@ -445,9 +391,8 @@ def run_on_rank0(fn, errors: tuple[type[BaseException], ...], raise_as):
     """Run `fn()` on rank 0 only and return its result on every rank (collective).
 
     When rank 0's call raises one of `errors`, every rank raises `raise_as(first line of the
-    message)` instead, so no rank is left waiting in a collective and the job stops with one
-    line. Other exceptions propagate on rank 0 (the other ranks then fail in their next
-    collective).
+    message)`, so no rank waits in a collective; other exceptions propagate on rank 0 only (the
+    others then fail in their next collective).
     """
     result, error = None, None
     if not dist.is_initialized() or dist.get_rank() == 0:

@@ -6,6 +6,12 @@ Owns: the readers of DeepSpeed's ZeRO files (`open_tp_ranks`, streaming ZeRO-3 r
 `os.preadv`), `consolidate_tp_ranks` / `consolidate_state_dict` (in memory), and
 `hf_export_state` (lazy Hugging Face tensors through `pipeline.model.hf`). Must not touch:
 saving or resuming (`pipeline.checkpoint.store`), the TP split rules (`pipeline.model.tp`).
+
+Every public function takes `checkpoint_dir`, a complete step folder or a checkpoint root (its
+latest is used), returns `info` = `read_checkpoint_info(checkpoint_dir)` with its result, and
+raises `CheckpointError` for no complete checkpoint, missing files, or shapes that do not match
+the recorded layout, and `UnsafeCheckpointError` (one) when a file names a type outside the
+allow-list of `pipeline.checkpoint.safe_load`.
 """
 from __future__ import annotations
 
@@ -61,20 +67,12 @@ class _Zero3RankReader:
     """fp32 master weights of one TP rank of a ZeRO-3 checkpoint, one parameter (or a range of
     its rows) at a time, without holding the rank's weights in memory.
 
-    Layout read (DeepSpeed 0.19's ZeRO-3 checkpoint, as `deepspeed.utils.zero_to_fp32` reads
-    it): each DP rank's `*_optim_states.pt` holds `optimizer_state_dict["fp32_flat_groups"]`,
-    one flat fp32 tensor per parameter group; the parameters of `param_shapes` (in the
-    `*_model_states.pt`, a list of ordered `{name: shape}` per group) follow each other in the
-    concatenation of the groups, each taking `ceil(numel / dp)` elements on every DP rank
-    (`zero3_partitioned_param_info`): DP rank d holds elements `[d * p, (d + 1) * p)` of the
-    flattened parameter, the last one zero-padded. DeepSpeed's own `lazy_mode` maps every
-    optimizer file once and keeps it mapped, so every page read stays resident until the end
-    (the rank's whole fp32 weights at the peak). Here the files are mapped with
-    `torch.load(mmap=True)` only to find each flat group's byte offset in the file (Linux:
-    the mapping's address in /proc/self/maps); the values are then read with `os.preadv`
-    straight into the output, so no mapped page is touched and the resident set stays near
-    the parameter being read. Without a known offset the values are copied from the map and
-    the files are unmapped whenever more than `remap_bytes` have been read through it.
+    Layout read: DeepSpeed 0.19's ZeRO-3 files, as `deepspeed.utils.zero_to_fp32` reads them
+    (`fp32_flat_groups` per DP rank; each parameter of `param_shapes` takes `ceil(numel / dp)`
+    elements on every DP rank, `zero3_partitioned_param_info`). DeepSpeed's `lazy_mode` keeps
+    every page read resident (the rank's whole fp32 weights at the peak); here the mapping only
+    locates each flat group in its file and `os.preadv` reads the values straight into the
+    output. Without a known offset, values are copied from the map, unmapped every `remap_bytes`.
 
     Raises:
         CheckpointError: files missing, not ZeRO-3, or a DP file count that does not match.
@@ -138,9 +136,8 @@ class _Zero3RankReader:
         return self._flat[dp]
 
     def _copy_flat(self, dp: int, start: int, out: torch.Tensor) -> None:
-        """out[:] = elements [start, start + len(out)) of DP rank dp's concatenated groups:
-        read from the file with pread where the group's byte offset in it is known (no page
-        of the memory map touched, so nothing stays resident), else copied from the map."""
+        """out[:] = elements [start, start + len(out)) of DP rank dp's concatenated groups
+        (pread where the offset is known, else copied from the map)."""
         groups, done, n = self._groups(dp), 0, out.numel()
         while done < n:
             pos = start + done
@@ -180,9 +177,8 @@ class _Zero3RankReader:
 
 
 def _file_offset(t: torch.Tensor, path: Path) -> int | None:
-    """Byte offset in `path` of the first element of `t`, a tensor memory-mapped from that
-    file by `torch.load(mmap=True)`: found through the mapping's range in /proc/self/maps
-    (Linux); None when it cannot be established (then the caller reads through the map)."""
+    """Byte offset in `path` of the first element of `t` (memory-mapped from it by
+    `torch.load(mmap=True)`), from /proc/self/maps (Linux); None when unknown."""
     try:
         real = os.path.realpath(path)
         ptr = t.data_ptr()
@@ -231,12 +227,9 @@ def _tp_rank_reader(step_dir: Path, tp_rank: int):
 def _per_tp_rank_state_dict(step_dir: Path, tp_rank: int) -> dict[str, torch.Tensor]:
     """fp32 state dict of one TP rank, merged over its DP ranks.
 
-    ZeRO 1-3: DeepSpeed's `get_fp32_state_dict_from_zero_checkpoint`, which expects the files
-    of one model-parallel rank only (it refuses a checkpoint with several), pointed at a temp
-    folder of symlinks to this rank's files (`zero_pp_rank_<dp>_mp_rank_<tp>_model_states.pt` for ZeRO-3 or
-    `mp_rank_<tp>_model_states.pt` for ZeRO 1-2, and `[bf16_]zero_pp_rank_<dp>_mp_rank_<tp>_
-    optim_states.pt`). ZeRO-0 (no optimizer partitions): the module state in
-    `mp_rank_<tp>_model_states.pt`, cast to fp32.
+    ZeRO 1-3: DeepSpeed's `get_fp32_state_dict_from_zero_checkpoint`, which refuses several
+    model-parallel ranks, pointed at a temp folder of symlinks to this TP rank's files. ZeRO-0:
+    the module state in `mp_rank_<tp>_model_states.pt`, cast to fp32.
     """
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
@@ -263,19 +256,8 @@ def _per_tp_rank_state_dict(step_dir: Path, tp_rank: int) -> dict[str, torch.Ten
 
 
 def read_checkpoint_info(checkpoint_dir: str | os.PathLike) -> dict:
-    """What a complete checkpoint records about itself.
-
-    Args:
-        checkpoint_dir: a complete step folder, or a checkpoint root (its latest is used).
-
-    Returns:
-        `refusion_layout.json` ({"tp_size", "dp_size", "params": {name: {"shape",
-        "partition_dim", "partition_stride"}}}) plus "model_config" (dict or None), "step" and
-        "checkpoint_dir" (str).
-
-    Raises:
-        CheckpointError: no complete checkpoint there.
-    """
+    """What a complete checkpoint records about itself: `refusion_layout.json` (ARCHITECTURE.md
+    "Checkpoints") plus "model_config" (dict or None), "step" and "checkpoint_dir" (str)."""
     step_dir = resolve_checkpoint_dir(checkpoint_dir)
     info = json.loads((step_dir / LAYOUT).read_text())
     meta = json.loads((step_dir / META).read_text())
@@ -289,18 +271,12 @@ def read_checkpoint_info(checkpoint_dir: str | os.PathLike) -> dict:
 def open_tp_ranks(checkpoint_dir: str | os.PathLike) -> tuple[list, dict]:
     """Per-parameter readers of each TP rank's fp32 weights, merged over the DP ranks.
 
-    A ZeRO-3 checkpoint is read one parameter at a time (`_Zero3RankReader`, no rank held in
-    memory); ZeRO 0-2 ranks are consolidated whole by DeepSpeed's zero_to_fp32.
+    ZeRO-3 is read one parameter at a time; ZeRO 0-2 ranks whole by DeepSpeed's zero_to_fp32.
 
     Returns:
         (readers: list indexed by TP rank, each with `shapes` ({native name: per-rank shape}),
         `read(name, start=None, stop=None) -> FloatTensor` (rows [start, stop) along dim 0)
-        and `close()`; info: `read_checkpoint_info`).
-
-    Raises:
-        CheckpointError: no complete checkpoint, missing files, or shapes that do not match
-            the recorded layout; `UnsafeCheckpointError` (one) when a file names a type
-            outside the allow-list of `pipeline.checkpoint.safe_load`.
+        and `close()`; info).
     """
     info = read_checkpoint_info(checkpoint_dir)
     step_dir = Path(info["checkpoint_dir"])
@@ -321,19 +297,8 @@ def open_tp_ranks(checkpoint_dir: str | os.PathLike) -> tuple[list, dict]:
 def consolidate_tp_ranks(checkpoint_dir: str | os.PathLike
                          ) -> tuple[list[dict[str, torch.Tensor]], dict]:
     """Per-TP-rank fp32 state dicts of a ZeRO (2 or 3) + TP checkpoint, each merged over its DP
-    ranks (all in memory; `open_tp_ranks` reads one parameter at a time).
-
-    Args:
-        checkpoint_dir: a complete step folder, or a checkpoint root (its latest is used).
-
-    Returns:
-        (shards: list indexed by TP rank of {native name: FloatTensor at the per-rank shape},
-        info: `read_checkpoint_info`).
-
-    Raises:
-        CheckpointError: no complete checkpoint, missing files, or shapes that do not match
-            the recorded layout.
-    """
+    ranks, all in memory: (shards: list indexed by TP rank of {native name: FloatTensor at the
+    per-rank shape}, info)."""
     readers, info = open_tp_ranks(checkpoint_dir)
     shards = [{name: rd.read(name) for name in rd.shapes} for rd in readers]
     for rd in readers:
@@ -345,18 +310,10 @@ def consolidate_state_dict(checkpoint_dir: str | os.PathLike
                            ) -> tuple[dict[str, torch.Tensor], dict]:
     """One full fp32 state dict (native names) from a ZeRO (2 or 3) + TP checkpoint.
 
-    `consolidate_tp_ranks`, then each parameter's TP shards merged along its recorded
-    partition dim and stride (`refusion_layout.json`, from megatron-core's attributes).
-    Correct for layers whose full weight is the plain (strided) concatenation of the rank
-    shards. Fused layers whose rank shard is itself a concatenation of parts (the Qwen3
-    model's `qkv_proj` = [q_r; k_r; v_r] and `gate_up_proj` = [gate_r; up_r]) need a
-    model-aware merge: `consolidate_to_hf` uses `pipeline.model.hf.merge_tp_state_dicts`.
+    TP shards merged along the recorded partition dim and stride: right for plain (strided)
+    splits only; fused `qkv_proj` / `gate_up_proj` need `pipeline.model.hf.merge_tp_state_dicts`.
 
-    Returns:
-        (state_dict: {native name: FloatTensor at the full shape}, info: `read_checkpoint_info`).
-
-    Raises:
-        CheckpointError: as `consolidate_tp_ranks`.
+    Returns (state_dict: {native name: FloatTensor at the full shape}, info).
     """
     shards, info = consolidate_tp_ranks(checkpoint_dir)
     full: dict[str, torch.Tensor] = {}
@@ -369,11 +326,9 @@ def consolidate_state_dict(checkpoint_dir: str | os.PathLike
 
 
 def _token_ids_from_run(step_dir: Path) -> dict:
-    """config.json token ids (bos/eos/pad/mask) from the shard manifest the run trained on,
-    found through the run config stored in rank 0's client_state (`config.data.dir`, or the
-    first of `data.sources`); {} when
-    it is not recorded or no longer readable (one warning line naming the cause: the export
-    then lacks these ids in config.json, and `--tokenizer` supplies them)."""
+    """config.json token ids (bos/eos/pad/mask) from the shard manifest of the run (rank 0's
+    client_state: `config.data.dir` or the first of `data.sources`); {} with one warning line
+    naming the cause when not recorded or unreadable (`--tokenizer` then supplies them)."""
     from pipeline.data.shard_io import read_manifest
     try:
         ours = load_checkpoint_file(step_dir / "refusion_rank_00000.pt")
@@ -390,25 +345,17 @@ def _token_ids_from_run(step_dir: Path) -> dict:
 
 
 def hf_export_state(checkpoint_dir: str | os.PathLike) -> tuple[dict, Any, dict]:
-    """Full Hugging Face tensors of a ZeRO (2 or 3) + TP training checkpoint, produced one at a
-    time.
-
-    `open_tp_ranks` (per-parameter fp32 readers per TP rank), then
-    `pipeline.model.hf.lazy_merged_state` (TP merge, fused qkv / gate_up split, native -> HF
-    names): nothing is read until a tensor is loaded, and loading one reads only its parts.
-
-    Args:
-        checkpoint_dir: a complete step folder, or a checkpoint root (its latest is used).
+    """Full Hugging Face tensors of a ZeRO (2 or 3) + TP training checkpoint, lazily
+    (`open_tp_ranks`, then `pipeline.model.hf.lazy_merged_state`): loading a tensor reads only
+    its parts.
 
     Returns:
         (state: {hf_name: `pipeline.model.hf.LazyTensor`} (fp32; `.load(dtype)` reads, merges and
         casts that tensor) as `Qwen3ForCausalLM.state_dict()` names them,
-        cfg: `pipeline.model.ModelConfig`, config_extra: token ids for config.json from the
-        run's shard manifest when still readable, else {}).
-
+        cfg: `pipeline.model.ModelConfig`, config_extra: `_token_ids_from_run`).
     Raises:
-        CheckpointError: no complete checkpoint, or no model config recorded with it; as
-            `open_tp_ranks` (`UnsafeCheckpointError` also for `refusion_rank_00000.pt`).
+        CheckpointError: also when no model config is recorded (`UnsafeCheckpointError` also
+            for `refusion_rank_00000.pt`).
     """
     from pipeline.model import ModelConfig
     from pipeline.model.hf import lazy_merged_state

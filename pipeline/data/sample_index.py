@@ -1,13 +1,11 @@
 """The per-shard sample index (`<shard>.idx`): where each sample of a tar lies, so readers never
 walk tar headers.
 
-Owns: the index file's layout (below), encoding and decoding it, checking it against its shard's
-manifest entry, building one by walking a tar (for shards written before indexes existed:
-`shard.py index`), the per-sample digest (its algorithm, computing the digests of a shard),
-and reading a sample's key from the member header inside its byte range.
-Must not touch: shard order, batches (`pipeline.data.loader`), checks of files and samples
-against the manifest and the index, and their modes and messages (`pipeline.data.shard_io`), writing files (callers write atomically). Imports nothing else of
-the package but `pipeline.data.format`.
+Owns: the layout (below), encoding, decoding and checking it, building one by walking a tar
+(`shard.py index`), the per-sample digest, and reading a sample's key from its member header.
+Must not touch: shard order, batches, the checks against the manifest and their modes and
+messages (`pipeline.data.shard_io`), writing files (callers write atomically). Imports nothing
+of the package but `pipeline.data.format`.
 
 Layout (little-endian), ARCHITECTURE.md "Shard format":
     bytes 0..7   magic b"RFSIDX\\x00\\x03" (the last byte is the layout version: 3; 1 and 2
@@ -29,34 +27,20 @@ Layout (little-endian), ARCHITECTURE.md "Shard format":
                     run), count uint16 (slots), flags uint16 (bit 0: the run's first slot
                     starts a segment)
 The sample's bytes are `[start, max(tokens_offset + tokens_size, json_offset + json_size))`;
-its key is the name in the member header that precedes the `json` data (512 bytes before
-`json_offset`), read from those bytes, so the index holds no strings. 44 bytes a sample: 5.5 MB
-for 125,000 samples, ~2.1% of a 256 MB shard of 2 KB samples. Why a raw record array and not
-`.npy`: the magic, the count and a fixed 16-byte header let a remote reader range-read any
-records (`offset = 16 + 44 * i`) and a local reader `np.memmap` it, and the layout is stated
-here in full (Megatron's `.idx` beside each `.bin` and Megatron-Energon's `<shard>.tar.idx`
-are the same idea).
+its key is the name in the member header 512 bytes before `json_offset`, read from those bytes,
+so the index holds no strings. A raw record array rather than `.npy`: a fixed 16-byte header
+lets a remote reader range-read any records (`offset = 16 + 44 * i`) and a local one `np.memmap`
+them (Megatron's `.idx` and Megatron-Energon's `<shard>.tar.idx` are the same idea).
 
-Why a digest per sample (version 2): the loader reads a shard by sample ranges in a shuffled
-order, so a whole-shard sha256 would need its own read of the shard by every process that
-touches it (1 + P reads of the data with P processes, and a start-up that grows with the shard
-size). With a digest in each record, a reader checks exactly the bytes it read, when it reads
-them; the index itself is covered by its sha256 in manifest.json, so the digests are as
-trustworthy as the manifest. BLAKE2b (Python's `hashlib`, RFC 7693) with an 8-byte digest: a
-damaged or foreign sample passes with probability 2^-64; it hashes a 2 KB sample in a few
-microseconds, less than the read itself. Data prep computes the digests from the bytes it
-writes (`data_prep/writer.py`); `shard.py index` computes them in one sequential pass that also
-checks the shard's sha256 against the manifest (`add_digests`), and turns version-1 indexes
-into version 2.
+Why a digest per sample (version 2): the loader reads shards by sample ranges in a shuffled
+order, so a whole-shard sha256 would cost every process its own read of each shard; a digest
+checks exactly the bytes read, and the index is covered by its sha256 in manifest.json.
+BLAKE2b-64 (RFC 7693): a damaged sample passes with probability 2^-64.
 
-Why slot layouts (version 3): objective mode "dual" feeds a sample as its clean tokens plus
-masked copies of some response slots, drawn per (seed, key, epoch), so the fed length a packer
-needs depends on the sample's slots and key, not on L alone. The layout is what that length
-needs (`pipeline.objective.dual_fed_length`), run-length coded (data prep's slots are k, k, ...,
-then the remainder: two runs a segment), 20 bytes a sample and 8 a run (~35 bytes a one-segment
-sample, 2.9 % of the bench's ~2.7 KB samples with the records): a packer takes every sample's fed
-length from the index, never from the sample (a packed sample would cost each loader process
-one read of the whole shuffle window).
+Why slot layouts (version 3): mode "dual"'s fed length depends on the sample's slots and key,
+not on L alone (`pipeline.objective.dual_fed_length`); run-length coded (data prep's slots are
+k, k, ..., remainder: two runs a segment), ~35 bytes a one-segment sample, so a packer never
+reads a sample.
 """
 from __future__ import annotations
 
@@ -86,12 +70,8 @@ _BLOCK = 8 << 20
 
 
 def sample_digest(data) -> int:
-    """The digest of a sample's bytes `[start, end)` as stored in a version-2 record: the
-    8-byte BLAKE2b (`hashlib.blake2b(digest_size=8)`, RFC 7693) read as a little-endian uint64.
-
-    Args:
-        data: the sample's bytes (bytes, bytearray or memoryview).
-    """
+    """The digest of a sample's bytes `[start, end)` (bytes, bytearray or memoryview) as a
+    version-2 record stores it: `hashlib.blake2b(digest_size=8)` as a little-endian uint64."""
     return int.from_bytes(hashlib.blake2b(data, digest_size=DIGEST_BYTES).digest(), "little")
 
 
@@ -135,9 +115,8 @@ def slot_runs(segments) -> np.ndarray:
 
 
 def layout_of_sample(record, data, where: str) -> tuple[bytes, np.ndarray]:
-    """(key hash, slot runs) of one sample from its bytes `[start, end)` and its record: the
-    key from the member header before its json, the runs from the json's segments
-    (`slot_runs`). For `shard.py index`, which builds version-3 layouts of older shards.
+    """(key hash, slot runs) of one sample from its bytes `[start, end)` and its record, for
+    `shard.py index` (version-3 layouts of older shards).
 
     Raises:
         DataError: one line naming `where` and the sample: no key header, json undecodable or
@@ -202,10 +181,8 @@ def index_name(shard_name: str) -> str:
 
 
 def encode(records: np.ndarray, layout: SlotLayout | None = None) -> bytes:
-    """The index file's bytes for `records`, sample order: a `DTYPE[N]` array with `layout`
-    (version 3, what data prep writes), a `DTYPE[N]` array alone (version 2) or a
-    `DTYPE_V1[N]` one (version 1); versions 1 and 2 are kept for tests and benches of old
-    folders.
+    """The index file's bytes for `records`, sample order: `DTYPE[N]` with `layout` (version 3),
+    `DTYPE[N]` alone (version 2) or `DTYPE_V1[N]` (version 1; 1 and 2 for tests of old folders).
 
     Raises:
         ValueError: a layout with records without digests, or of another sample count.
@@ -238,8 +215,7 @@ def decode(data: bytes, where: str, samples: int | None = None,
         records, or (records, layout) with `with_layout`.
 
     Raises:
-        DataError: one line starting with `where`: bad magic / version, a length that is not
-            16 + R N (R = 44 bytes, 36 in version 1; version 3: plus its layouts), N other
+        DataError: one line starting with `where`: bad magic / version or length, N other
             than `samples`, offsets that do not fit the shard, or a layout whose runs do not
             add up to a sample's tokens.
     """
@@ -332,9 +308,8 @@ def build(fileobj, where: str) -> tuple[np.ndarray, list[str]]:
     """Walk a tar's headers (data skipped by seeking) and return its index records (without
     digests: `DTYPE_V1[N]`; `add_digests` adds them) and keys.
 
-    For shards written before indexes (`shard.py index`) and for checks; data prep writes the
-    index while it writes the tar (`data_prep/writer.py`). The token count comes from each
-    `tokens.npy` header (a small read).
+    For `shard.py index` and checks (data prep writes the index with the tar). Token counts come
+    from each `tokens.npy` header (a small read).
 
     Raises:
         DataError: unreadable tar, a sample without tokens.npy or json, a tokens.npy that is

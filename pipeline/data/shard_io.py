@@ -1,47 +1,29 @@
 """Opening shard folders (any fsspec URL) and checking shards against their manifest.
 
 Owns: the fsspec filesystem of a data folder, reading and checking its manifest.json
-(`read_manifest`), with one-line errors for an unknown protocol or
-a missing filesystem package (`s3fs`, `gcsfs`, `aiohttp` for http(s)://) and for an HTTP
-server that does not answer range requests; shard integrity under `data.verify_shards =
-error | warn | off` (the size of a shard and the digest of each sample read, `check_shard_size`
-and `check_sample`; the whole-shard sha256 of a shard whose index has no digests,
-`verify_shard`); the wording of a damaged shard (truncated, swapped, or changed in place).
+(`read_manifest`), with one-line errors for an unknown protocol or a missing filesystem package
+(`s3fs`, `gcsfs`, `aiohttp` for http(s)://) and for an HTTP server that does not answer range
+requests; shard integrity under `data.verify_shards = error | warn | off` and the wording of a
+damaged shard (truncated, swapped, or changed in place).
 Must not touch: shard order, batches, loader state (`pipeline.data.loader`).
 
-How shards are verified (a random-access reader: a sample index, then the byte ranges of the
-samples of a window, in a shuffled order):
-- Sample index versions 2 and 3 (data prep and `shard.py index` write 3): each record carries the
-  digest of its sample's bytes (`pipeline.data.sample_index`), and the index file's sha256 is
-  in manifest.json. When a process first needs a shard it reads the index whole and checks its
-  sha256 (`read_sample_index`; 44 bytes a sample, ~10 ms of hashing for 125,000 samples) and
-  the shard's size against the manifest's `bytes` (`check_shard_size`: one stat, which catches
-  truncation and most swaps at once); then every sample it reads is checked against its digest
-  (`check_sample`: BLAKE2b of the bytes it read anyway, a few microseconds a sample). Nothing
-  else of the shard is read: opening a shard costs its index, whatever the shard's size, and a
-  pass reads each sample once. Verification is per sample read: a damaged sample stops the
-  reader (mode `error`) when, and only when, it is read; a process that never reads it (another
-  rank's or worker's rows, a pass cut short) does not see it. So a shard with a flipped byte is
-  reported by the first process to read the damaged sample, and samples read before are
-  known good (each was checked). `warn` prints one `warning:` line per shard and goes on with
-  the damaged sample; `off` checks nothing.
-- Sample index version 1 (folders indexed before digests existed): the shard is hashed whole
-  (sha256, 8 MiB sequential blocks) the first time a process touches it, before its sample
-  index is used, and compared with the manifest (`verify_shard`); the result is remembered per
-  process, so later windows, epochs and pieces of the same shard cost nothing. Each loader
-  process reads each shard it touches once more, whole (1 + P reads of the data with P
-  processes; a start-up that grows with the shard size). The loader notes this once and names
-  `python data_prep/shard.py index DIR`, which upgrades the indexes to version 3.
-- Read front to back (`iter_shard_samples`: evaluation's examples, `shard.py merge`), the same
-  checks in read order: the index and size when a shard is opened, then each sample against its
-  digest before it is handed out (versions 2 and 3), or the whole shard hashed before its first sample
-  (version 1); so a reader that stops early has checked every sample it returned.
-- Manifests without a `sha256` / `bytes` entry (older or hand-written ones) are not checked
-  against them; the digests of a version-2 or 3 index are checked all the same.
-- manifest.json itself: its recorded checksum of its own content (`read_manifest`,
-  `pipeline.data.format.CHECKSUM_FIELD`), when it has one.
-Sample indexes' layout and offsets are checked in every mode, `off` included. A shard damaged
-in its tar structure is reported in one line in every mode.
+How shards are verified (what a user sees, and the figures: data_prep/README.md "Shard
+verification: per-sample digests"):
+- Sample index version 2 or 3: when a process first needs a shard, the index's sha256
+  (`read_sample_index`) and the shard's size (`check_shard_size`, one stat) against the
+  manifest; then each sample read against its digest (`check_sample`). A damaged sample stops
+  (mode `error`) the process that reads it, when it reads it, and only that one.
+- Version 1 (no digests): the shard hashed whole (`verify_shard`) the first time a process
+  touches it, remembered per process, with one note naming `shard.py index`.
+- Read front to back (`iter_shard_samples`): the same checks in read order.
+- A manifest without `sha256` / `bytes` entries is not checked against them; manifest.json
+  against its own checksum when it has one (`pipeline.data.format.CHECKSUM_FIELD`).
+Sample indexes' layout and offsets are checked in every mode, `off` included; a shard damaged
+in its tar structure is reported in one line in every mode. The check functions share their
+arguments: `fs, path` (the shard), `mode` ("error": raise `DataError`, one line naming the shard
+and the likely cause; "warn": one `warning:` line on stderr per shard, then go on; "off"),
+`others` (the split's other shards' manifest values, read only on a mismatch to name a swapped
+shard), `training` (the message names `data.verify_shards`; False outside training).
 """
 from __future__ import annotations
 
@@ -97,8 +79,7 @@ def read_manifest(data_dir: str) -> dict:
 
     Raises:
         DataError: missing/unreadable manifest, unknown format_version, missing fields, or a
-            recorded checksum (`pipeline.data.format.CHECKSUM_FIELD`) that its content no
-            longer matches (a manifest without one, written before it existed, is not checked).
+            recorded checksum its content no longer matches.
     """
     fs, root = open_fs(data_dir)  # one-line DataError for a missing fsspec package
     path = f"{root}/{MANIFEST}"
@@ -139,10 +120,9 @@ def read_manifest(data_dir: str) -> dict:
 def fs_for_this_process(fs):
     """`fs`, or a fresh instance with the same options when `fs` was made in another process.
 
-    fsspec's async filesystems (http(s)://, s3://, gs://) hold an event loop and sessions that
-    a forked loader worker cannot use ("This class is not fork-safe"); a new instance made in
-    the worker has its own. In-memory stores are class-level, so a memory:// instance made
-    again still sees the parent's files.
+    fsspec's async filesystems (http(s)://, s3://, gs://) hold an event loop and sessions a
+    forked worker cannot use ("This class is not fork-safe"). memory:// stores are
+    class-level, so a new instance still sees the parent's files.
     """
     import os
     if getattr(fs, "_pid", os.getpid()) == os.getpid():
@@ -211,21 +191,10 @@ def _report(msg: str, mode: str, seen: set, key, note: str = "") -> None:
 
 def verify_shard(fs, path: str, expected: str | None, mode: str,
                  expected_bytes: int | None = None, others=(), training: bool = True) -> None:
-    """Check the sha256 of shard `path` against `expected` (manifest.json), once per process.
-
-    Args:
-        fs, path: the shard's filesystem and path.
-        expected: its `sha256` in manifest.json (hex); None = not recorded, not checked.
-        mode: "error" (raise), "warn" (one `warning:` line on stderr, once per shard) or "off".
-        expected_bytes: its `bytes` in manifest.json, for the message.
-        others: (shard name, sha256) pairs of the split's shards (read only on a mismatch),
-            to name a swapped shard.
-        training: the message names `data.verify_shards` (False: a reader outside training).
-
-    Raises:
-        DataError: (mode "error") one line naming the shard, both digests and the likely cause
-            (another shard's content, truncated, changed in place); or the shard is unreadable.
-    """
+    """Check the sha256 of shard `path` against `expected` (manifest.json hex; None: not
+    checked), once per process. expected_bytes: its manifest `bytes`, for the message; others:
+    (shard name, sha256) pairs. Raises DataError (mode "error": a mismatch; any mode: the shard
+    is unreadable)."""
     if mode == "off" or not expected:
         return
     key = (_protocol(fs), path, expected)
@@ -253,22 +222,9 @@ def verify_shard(fs, path: str, expected: str | None, mode: str,
 
 def check_shard_size(fs, path: str, expected_bytes: int | None, mode: str, others=(),
                      training: bool = True) -> None:
-    """Check the size of shard `path` against manifest.json, once per process (one stat): the
-    open-time check of a shard whose sample index has digests (version 2).
-
-    Args:
-        fs, path: the shard's filesystem and path.
-        expected_bytes: its `bytes` in manifest.json; None = not recorded, not checked.
-        mode: "error" (raise), "warn" (one `warning:` line on stderr, once per shard) or "off".
-        others: (shard name, bytes) pairs of the split's shards, read only on a mismatch, to
-            name a swapped shard.
-        training: as `verify_shard`.
-
-    Raises:
-        DataError: (mode "error") one line naming the shard, both sizes and the likely cause
-            (truncated, another shard's size, changed after data prep); a missing or
-            unreadable shard (any mode but "off").
-    """
+    """Check the size of shard `path` against its manifest `bytes` (`expected_bytes`; None: not
+    checked), once per process (one stat). others: (shard name, bytes) pairs. Raises DataError
+    (mode "error": a mismatch; any mode but "off": a missing or unreadable shard)."""
     if mode == "off" or expected_bytes is None:
         return
     key = (_protocol(fs), path, ("bytes", expected_bytes))
@@ -301,23 +257,14 @@ def check_sample(fs, path: str, sample: int, key: str, data, expected: int, mode
     sample index records (`pipeline.data.sample_index.sample_digest`).
 
     Args:
-        fs, path: the shard's filesystem and path.
         sample: the sample's position in the shard (0-based).
         key: its key as read from its bytes (`#<sample>` when unreadable), for the message.
-        data: the sample's bytes `[start, end)` as read (bytes).
-        expected: the record's `digest` (uint64).
-        mode: "error" (raise), "warn" (one `warning:` line on stderr per shard, then go on) or
-            "off" (nothing is computed).
+        data: the sample's bytes `[start, end)` as read. expected: the record's `digest` (uint64).
         index_name: the sample index's name, for the message.
-        swapped_with: None, or a callable returning the name of another shard of the manifest
-            whose index records these bytes at this position (or None); called only on a
-            mismatch, to name a swapped shard.
-        training: as `verify_shard`.
-
+        swapped_with: None, or a callable naming another shard whose index records these bytes
+            at this position (or None); called only on a mismatch.
     Raises:
-        DataError: (mode "error") on a mismatch: one line naming the shard, the sample's key
-            and position, and the likely cause (another shard's content, or the shard was
-            damaged in place or replaced by one of the same size).
+        DataError: (mode "error") a mismatch, naming the sample's key and position too.
     """
     if mode == "off":
         return
@@ -385,9 +332,8 @@ def read_sample_index(fs, root: str, entry: dict, mode: str, with_layout: bool =
     {`name`, `bytes`, `sha256`}); with `with_layout`, (records, `SlotLayout` or None before
     version 3).
 
-    The file is read whole in one request (44 bytes a sample); its sha256 is compared with the
-    manifest's in modes "error" (raise) and "warn" (one `warning:` line), not in "off". Its
-    layout and offsets are always checked (`sample_index.decode`).
+    Read whole in one request; the sha256 is checked in modes "error" and "warn", the layout and
+    offsets always (`sample_index.decode`).
 
     Raises:
         DataError: one line naming the index file: missing, unreadable, sha256 mismatch
@@ -461,19 +407,14 @@ def _digest_index(fs, root: str, entry: dict, verify: str):
 def iter_shard_samples(data_dir: str, entries: list[dict], verify: str = "error"):
     """Samples of shards read front to back: yields `{"__key__": key, ext: bytes, ...}`.
 
-    Every sample is checked before it is yielded, as the loader checks what it reads
-    (`data.verify_shards` semantics), so a reader that stops early has checked all it got: a
-    shard whose manifest entry names a sample index with digests (version 2 or 3) has its index
-    (sha256) and size checked when it is opened and each sample's bytes against its digest (`check_sample`); any
-    other shard with a recorded `sha256` is hashed whole before its first sample
-    (`verify_shard`, once per process).
+    Every sample is checked before it is yielded, as the loader checks what it reads (module
+    docstring), so a reader that stops early has checked all it got.
 
     Args:
         data_dir: the shard folder (local path or fsspec URL).
         entries: manifest.json entries of the shards (`name`, optionally `sha256`, `bytes`,
             `index`).
-        verify: "error" (raise), "warn" (one `warning:` line per shard, go on) or "off"
-            (nothing checked but the tar structure).
+        verify: the mode ("off": nothing checked but the tar structure).
 
     Raises:
         DataError: one line: missing filesystem package, missing/unreadable/damaged shard or

@@ -1,11 +1,9 @@
 """Attention of one layer: masks, the packed-sequence kernels, one `attention` function.
 
-Owns: the dense boolean masks (`build_attention_mask`; objective mode "dual"'s `dual_mask`,
-built on the device from per-token vectors, and its flex `dual_mask_mod`), the per-forward
-`AttentionPlan` (`plan_attention`: dense mask for "sdpa", FlexAttention block mask for "flex",
-`cu_seqlens` for "varlen"; `plan_decode_attention`: the KV-cache forward's mask, built on the device), the
-kernel choice and its fallbacks (`resolve_attention`), and `attention(q, k, v, plan)`. Must not
-touch: projections, RoPE, the KV cache's storage (`pipeline.model.kv_cache`).
+Owns: the masks (document-causal, mode "dual"'s, the KV-cache forward's), the per-forward
+`AttentionPlan` (`plan_attention`, `plan_decode_attention`), the kernel choice and its
+fallbacks (`resolve_attention`), and `attention(q, k, v, plan)`. Must not touch: projections,
+RoPE, the KV cache's storage (`pipeline.model.kv_cache`).
 """
 from __future__ import annotations
 
@@ -54,11 +52,10 @@ def decode_mask(length: torch.Tensor, t: int, columns: int, new: torch.Tensor | 
                 cached: torch.Tensor | None = None) -> torch.Tensor:
     """Mask of a KV-cache forward over the cache's storage layout, built on `length`'s device.
 
-    Row b's committed entries are storage columns `[0, length[b])` and its T new tokens sit at
-    columns `[length[b], length[b] + T)` (`pipeline.model.kv_cache`); the forward reads the
-    first `columns` columns. New token i may see: committed entries (where `cached` allows),
-    new token j where `new[b, i, j]` (default: j <= i, causal), nothing else. A query with
-    nothing to see is allowed to see itself (no NaN).
+    Row b's committed entries are storage columns `[0, length[b])`, its T new tokens columns
+    `[length[b], length[b] + T)`. New token i may see committed entries (where `cached`
+    allows) and new token j where `new[b, i, j]` (default j <= i); a query with nothing to see
+    sees itself (no NaN).
 
     Args:
         length: LongTensor[B], committed entries per row (on the device).
@@ -141,10 +138,9 @@ def resolve_attention(kind: str, device: torch.device, needs_grad: bool,
                       dtype: torch.dtype = torch.bfloat16) -> str:
     """The kernel a packed forward uses: "sdpa", "flex" or "varlen".
 
-    "auto" is varlen on CUDA in bf16/fp16, sdpa otherwise. varlen off CUDA or in fp32 (the
-    flash kernel takes half precision only), and flex on CPU when gradients are needed (torch
-    2.13 has no FlexAttention backward on CPU), fall back to sdpa with one notice line per
-    process.
+    "auto" is varlen on CUDA in bf16/fp16, sdpa otherwise. varlen off CUDA or in fp32, and flex
+    on the CPU with gradients (no CPU backward in torch 2.13), fall back to sdpa (one notice
+    line per process).
 
     Raises:
         ValueError: `kind` not in `ATTENTION_KINDS`.
@@ -167,10 +163,8 @@ def resolve_attention(kind: str, device: torch.device, needs_grad: bool,
 
 
 def document_causal_mask_mod(segment_ids: torch.Tensor):
-    """FlexAttention `mask_mod` of packed rows: query q may see key kv of the same row iff they
-    are in the same segment and kv <= q (causal over the fed order); padding (segment 0)
-    sees only itself. Same pattern as `build_attention_mask(segment_ids, ...)`, never
-    materialized. segment_ids: LongTensor[B, T]."""
+    """FlexAttention `mask_mod` of `build_attention_mask(segment_ids)`'s pattern (segment_ids:
+    LongTensor[B, T]), never materialized."""
     def mask_mod(b, h, q, kv):
         sq = segment_ids[b, q]
         return (kv <= q) & (sq == segment_ids[b, kv]) & ((sq != 0) | (q == kv))
@@ -179,15 +173,11 @@ def document_causal_mask_mod(segment_ids: torch.Tensor):
 
 def dual_mask(segment_ids: torch.Tensor, position_ids: torch.Tensor, copy_id: torch.Tensor,
               clean_limit: torch.Tensor) -> torch.Tensor:
-    """The attention pattern of objective mode "dual" rows (`pipeline.objective` module
-    docstring, "Dual-stream layout"), built where the vectors are (the device): no `[B, T, T]`
-    tensor crosses from the loader.
-
-    Query q may see key k of the same row iff both are in the same non-padding segment and
-    either k is clean (`copy_id[k] == 0`) with `position_ids[k] < clean_limit[q]`, or q is a
-    copy's token (`copy_id[q] > 0`) and k belongs to the same copy. Padding (segment 0) sees
-    only itself, as in `build_attention_mask`. No row is empty (a clean token sees itself, a copy
-    token its own copy).
+    """The attention pattern of objective mode "dual" rows (docs/METHOD.md "The dual-stream
+    arm"), built on the device, so no `[B, T, T]` tensor crosses from the loader: q may see k of
+    the same non-padding segment iff k is clean (`copy_id[k] == 0`) with `position_ids[k] <
+    clean_limit[q]`, or q is a copy's token and k in the same copy. Padding sees only itself; no
+    row is empty.
 
     Args:
         segment_ids, position_ids, copy_id, clean_limit: LongTensor[B, T] (any signed integer
@@ -224,12 +214,9 @@ def dual_mask_mod(segment_ids: torch.Tensor, position_ids: torch.Tensor, copy_id
 def varlen_boundaries(segment_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
     """`cu_seqlens` of packed rows for the varlen kernel, with the rows flattened to `[B * T]`.
 
-    A segment starts at each row start and wherever the segment id changes; every padding token
-    (segment 0) is a segment of its own (so it sees only itself, as in `build_attention_mask`).
-    Assumes (as `collate` guarantees) that each segment is contiguous in its row.
+    A segment starts at each row start and wherever the id changes; every padding token is a
+    segment of its own. Each segment must be contiguous in its row. segment_ids: LongTensor[B, T].
 
-    Args:
-        segment_ids: LongTensor[B, T].
     Returns:
         (IntTensor[N + 1] int32 offsets ending with B * T, longest segment in tokens).
     """
@@ -254,18 +241,14 @@ def plan_attention(kind: str, segment_ids: torch.Tensor, needs_grad: bool,
         segment_ids: LongTensor[B, T], 0 = padding, each segment contiguous in its row.
         needs_grad: the forward will be differentiated (picks the CPU fallback of flex).
         dtype: dtype of q, k, v (varlen needs bf16/fp16).
-        cu_seqlens, max_seqlen: `varlen_boundaries(segment_ids)` computed beforehand (the
-            loader's collate does, in its worker processes); with both given, "varlen" takes
-            them as they are (no host sync in the step). Other kinds ignore them.
+        cu_seqlens, max_seqlen: `varlen_boundaries(segment_ids)` computed beforehand (collate's),
+            taken as given by "varlen" (no host sync); other kinds ignore them.
         dual: None, or `(position_ids, copy_id, clean_limit)`, LongTensor[B, T] each on
-            `segment_ids`' device: attend with `dual_mask`'s pattern ("flex": `dual_mask_mod`;
-            "varlen" and "auto" cannot express it and use "sdpa").
+            `segment_ids`' device: `dual_mask`'s pattern ("flex": `dual_mask_mod`; "varlen" and
+            "auto" cannot express it and use "sdpa").
     Returns:
-        AttentionPlan. Only "sdpa" builds a dense `[B, 1, T, T]` mask (`build_attention_mask`
-        or `dual_mask`, on the device); "flex" builds a BlockMask from the `mask_mod`
-        (`_block_mask_builder`: compiled on CUDA; the eager builder used on CPU evaluates the
-        mask densely inside torch); "varlen" uses the given `cu_seqlens` or builds them (one
-        host sync for the longest segment).
+        AttentionPlan: "sdpa" a dense `[B, 1, T, T]` mask, "flex" a BlockMask
+        (`_block_mask_builder`), "varlen" the given `cu_seqlens` or new ones (one host sync).
     """
     b, t = segment_ids.shape
     if dual is not None and kind != "flex":
@@ -297,9 +280,8 @@ _compiled_block_mask = None
 
 
 def _block_mask_builder(device: torch.device):
-    """`create_block_mask`, compiled on CUDA (as the FlexAttention docs advise: the compiled
-    builder fuses evaluating `mask_mod` with the per-block reduction, instead of the eager
-    builder's full `[B, 1, T, T]` boolean tensor); eager elsewhere (CPU tests)."""
+    """`create_block_mask`, compiled on CUDA (the FlexAttention docs' advice: no dense
+    `[B, 1, T, T]` tensor while building), eager elsewhere."""
     global _compiled_block_mask
     from torch.nn.attention.flex_attention import create_block_mask
     if device.type != "cuda":
@@ -325,10 +307,8 @@ def _flex(q, k, v, block_mask):
 
 @functools.lru_cache(maxsize=None)
 def _varlen_kwargs(varlen_attn) -> dict:
-    """Causal (and GQA where supported) keywords for this torch's `varlen_attn`: torch 2.13
-    takes `window_size=(-1, 0)` and `enable_gqa`; 2.9-2.12 take `is_causal` and no GQA flag
-    (measured on torch 2.11 on an H200, bench/gpu_check.sh). Cached: read once per process,
-    not per layer and forward."""
+    """Causal (and GQA where supported) keywords for this torch's `varlen_attn` (2.13:
+    `window_size=(-1, 0)`, `enable_gqa`; 2.9-2.12: `is_causal`), read once per process."""
     import inspect
     params = inspect.signature(varlen_attn).parameters
     kw = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
@@ -376,10 +356,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def _decode_backends(device: torch.device):
-    """SDPA backends of KV-cache forwards: on CUDA only the memory-efficient kernel (math as the
-    fallback, e.g. float64). It takes an arbitrary bias and needs no per-shape setup, whereas
-    torch may otherwise pick cuDNN attention, which builds an execution plan for every new
-    key length (the cache grows every step). Elsewhere: torch's own choice."""
+    """SDPA backends of KV-cache forwards: on CUDA the memory-efficient kernel (math as the
+    fallback), not cuDNN, which builds a plan per new key length (the cache grows every step).
+    Elsewhere: torch's own choice."""
     if device.type != "cuda":
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel

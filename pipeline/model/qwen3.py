@@ -6,33 +6,15 @@ Must not touch: the ReFusion objective (`pipeline.objective`), checkpoint format
 Face names (`pipeline.model.hf`), the split of each parameter over the tensor-parallel group
 (`pipeline.model.tp`, the one table), process-group creation (`pipeline.parallel`), optimizers.
 
-The definition reads like a single-device Qwen3 (Qwen3 technical report; transformers'
-`Qwen3ForCausalLM` is the reference it is tested against): token embedding -> N x [RMSNorm ->
-GQA attention with per-head RMSNorm on q and k and RoPE -> residual -> RMSNorm -> SwiGLU MLP ->
-residual] -> RMSNorm -> LM head. Only the linear layers and the embedding are megatron-core
-tensor-parallel layers, so TP=1 and TP>1 share one code path:
-- `qkv_proj`: ColumnParallelLinear; rank r holds its q heads, then its k heads, then its v heads
-  (`[q_r; k_r; v_r]` along the output dim), so each rank attends over its own heads;
-- `o_proj`, `down_proj`: RowParallelLinear (input is parallel, output all-reduced);
-- `gate_up_proj`: ColumnParallelLinear holding `[gate_r; up_r]`;
-- `embed_tokens`: VocabParallelEmbedding; `lm_head`: `OutputLayer`, a ColumnParallelLinear over
-  the vocab (or the embedding weight when tied); logits stay vocab-parallel (`[B, T, V / tp]`),
-  see `gather_logits`. Its `loss_inputs` entry runs the fused output layer + cross-entropy
-  (`pipeline.model.linear_ce`) inside the layer's own forward, so ZeRO-3 gathers its weight.
-At TP=1 without autograd (decoding, evaluation) these layers run a plain `F.linear` /
-`F.embedding` inside their own forward, skipping megatron's region functions, identities there
-(`_megatron_layers`).
-megatron-core runs on the CPU with these flags (its CUDA-only paths fail there):
-use_cpu_initialization=True, gradient_accumulation_fusion=False, gather_output=False, no
-sequence parallelism.
-
-Training levers that live here (all default off; the trainer sets them from the run config):
-activation checkpointing `cfg.recompute` ("none" | "selective" | "full", see `ModelConfig`),
-regional `torch.compile` of the decoder layers (`compile_layers`), precomputed varlen boundaries
-(`forward(..., cu_seqlens=, max_seqlen=)`, built by the loader's collate so that no step reads a
-device value on the host), and the output-layer kernel (`head_loss`).
-
-Tensors are batch-first: `[B, T, hidden]`.
+The definition reads like a single-device Qwen3 (Qwen3 technical report; tested against
+transformers' `Qwen3ForCausalLM`): embedding -> N x [RMSNorm -> GQA attention with q/k RMSNorm
+and RoPE -> residual -> RMSNorm -> SwiGLU MLP -> residual] -> RMSNorm -> LM head. Only the
+linear layers and the embedding are megatron-core TP layers (Column/RowParallelLinear,
+VocabParallelEmbedding; fused `qkv_proj` and `gate_up_proj` as `pipeline.model.tp` lays them
+out), so TP=1 and TP>1 share one code path; logits stay vocab-parallel (`[B, T, V / tp]`,
+`gather_logits`). On the CPU megatron-core needs use_cpu_initialization=True,
+gradient_accumulation_fusion=False, gather_output=False and no sequence parallelism (its
+CUDA-only paths fail there). Tensors are batch-first: `[B, T, hidden]`.
 """
 from __future__ import annotations
 
@@ -79,14 +61,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm as a module (`rms_norm`; `impl` is the function, replaced by its compiled form by
-    `Qwen3.compile_layers`).
-
-    With `reduce_grad_over_tp=True` (q/k norms: each TP rank normalizes only its own heads) the
-    weight enters through megatron's `copy_to_tensor_model_parallel_region`, so its gradient is
-    all-reduced over the TP group and every rank holds the full gradient of this replicated
-    weight (Megatron does the same for QK-layernorm grads).
-    """
+    """RMSNorm as a module (`impl`: `rms_norm` or its compiled form). With
+    `reduce_grad_over_tp=True` (q/k norms: each TP rank normalizes its own heads) the weight's
+    gradient is all-reduced over the TP group (`copy_to_tensor_model_parallel_region`, as
+    Megatron does for QK-layernorm)."""
 
     def __init__(self, dim: int, eps: float, dtype: torch.dtype = torch.float32,
                  reduce_grad_over_tp: bool = False):
@@ -135,14 +113,10 @@ def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
 @functools.lru_cache(maxsize=None)
 def _megatron_layers():
     """megatron-core's `(ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)`, each
-    with one shortcut: at TP=1 and without autograd (decoding, evaluation) a linear layer's
-    `forward(x)` is `(F.linear(x, weight), None)` and the embedding's is `F.embedding(x,
-    weight)`. There megatron's region functions (copy to / reduce from the TP region) are
-    identities, yet each is an autograd Function call and looks up the TP group (with a
-    deprecation warning per call), which costs more than the matrix multiply of a one-token
-    decode step of a small model. The shortcut sits inside the module's own forward, so module
-    hooks (ZeRO-3's gather) still run; every other case is megatron's forward unchanged. All of
-    the model's linear layers are bias-free, so the bias returned is None as megatron's."""
+    running plain `F.linear` / `F.embedding` at TP=1 without autograd (decoding): there
+    megatron's region functions are identities, yet cost more than a small model's one-token
+    matrix multiply. The shortcut sits inside the module's forward, so hooks (ZeRO-3's gather)
+    still run; every other case is megatron's forward unchanged (bias-free: bias None)."""
     from megatron.core.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
                                                VocabParallelEmbedding)
 
@@ -265,9 +239,8 @@ class Block(nn.Module):
         self.mlp = MLP(cfg, mcfg, init_method, out_init_method)
 
     def forward(self, x, cos, sin, plan, cache_layer=None, selective: bool = False):
-        """selective: recompute the two norms, the attention core and the SwiGLU activation in
-        backward (`Qwen3` "selective" recompute); the norms then keep only their input (the
-        residual stream, alive anyway) instead of their fp32 intermediates."""
+        """selective: recompute the two norms (keeping only their input, the residual stream),
+        the attention core and the SwiGLU activation in backward."""
         norm = partial(_checkpointed, self.input_layernorm) if selective else self.input_layernorm
         x = x + self.self_attn(norm(x), cos, sin, plan, cache_layer, selective)
         norm = (partial(_checkpointed, self.post_attention_layernorm) if selective
@@ -282,9 +255,8 @@ def _checkpointed(fn, *args):
 @functools.lru_cache(maxsize=None)
 def _output_layer_class():
     """`OutputLayer`: megatron-core's ColumnParallelLinear over the vocab, plus a `loss_inputs`
-    entry that runs `pipeline.model.linear_ce.linear_cross_entropy` on this layer's weight.
-    Computing the loss inside the layer's own forward is what makes ZeRO-3 gather the
-    (partitioned) weight for it and hand its gradient back, as for the plain logits."""
+    entry running `linear_ce.linear_cross_entropy` inside the layer's own forward, so that
+    ZeRO-3 gathers the weight for it and hands its gradient back."""
     ColumnParallelLinear = _megatron_layers()[0]
 
     class OutputLayer(ColumnParallelLinear):
@@ -315,13 +287,10 @@ class Qwen3(nn.Module):
     """Qwen3 causal LM with megatron-core tensor-parallel layers.
 
     Needs megatron-core `parallel_state` initialized (`pipeline.parallel.init_distributed`;
-    TP=1 is fine). Parameter names (native): `embed_tokens.weight`,
-    `layers.{i}.{input_layernorm,post_attention_layernorm}.weight`,
-    `layers.{i}.self_attn.{qkv_proj,o_proj,q_norm,k_norm}.weight`,
-    `layers.{i}.mlp.{gate_up_proj,down_proj}.weight`, `norm.weight`, `lm_head.weight` (when
-    tied, the head holds the embedding Parameter itself: `named_parameters()` lists it once as
-    `embed_tokens.weight`, `state_dict()` has both keys). `pipeline.model.tp` says how each is
-    split and which Hugging Face tensors it is made of.
+    TP=1 is fine). Parameter names and splits: `pipeline.model.tp`. When tied, the head holds
+    the embedding Parameter itself (`named_parameters()` lists it once, `state_dict()` has both
+    keys). Training levers (default off, set by the trainer): `cfg.recompute`,
+    `compile_layers`, precomputed varlen boundaries, `head_loss`.
 
     Args:
         cfg: network shape; validated against the TP size (ValueError).
@@ -360,11 +329,9 @@ class Qwen3(nn.Module):
         """Give every TP-partitioned weight megatron-core's attributes (`tensor_model_parallel`,
         `partition_dim`, `partition_stride`) whether or not megatron initialized it.
 
-        megatron-core sets them only inside its weight initialization (skipped with
-        `init_weights=False`); DeepSpeed's gradient norm (clipping) counts a parameter without
-        them on TP rank 0 only, which silently leaves the other ranks' shards out of the norm.
-        The split dims come from the tensor-parallel table (`pipeline.model.tp`); checkpoint
-        layouts record them from these attributes.
+        megatron-core sets them only in its weight initialization (skipped with
+        `init_weights=False`), and DeepSpeed's gradient norm counts a parameter without them on
+        TP rank 0 only, silently leaving the other ranks' shards out. Split dims: `model.tp`.
         """
         from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
         for name, w in self.named_parameters():
@@ -386,32 +353,21 @@ class Qwen3(nn.Module):
             position_ids: LongTensor[B, T], original position of each token (drives RoPE).
             segment_ids: LongTensor[B, T] or None; packed segments (attend causally within the
                 own segment only; 0 = padding, attends only to itself).
-            attention_mask: BoolTensor[B, 1, T, S] or None, True = may attend, with
-                `S = kv_cache.width + T` (`T` without a cache): the first `width` columns are
-                the cache's columns, the last T the new tokens. With a cache, `S = T` also
-                works and means: every committed entry visible, the mask among the new tokens
-                as given (for width 0 the two readings agree). Takes precedence over
-                `segment_ids`. Cache columns past a row's `length` are masked out regardless.
-                A query row with no True entry is allowed to attend to itself (no NaN).
-            kv_cache: KVCache or None. With a cache, the new keys/values are written into the
-                cache in place as its pending entries (see `KVCache.commit`) and attention
-                covers the valid cached entries plus the new tokens, with a mask built on the
-                device (`plan_decode_attention`; GQA without repeating keys/values). Without a
-                mask the new tokens are causal among themselves and see all valid cached
-                entries.
-            return_hidden: return the final-norm hidden states instead of logits, so that the
-                caller applies the output layer (`head_logits`, `head_loss`) only where it needs
-                logits (e.g. chunked over labelled tokens, `pipeline.objective.hybrid_loss`).
-            cu_seqlens, max_seqlen: the varlen kernel's segment boundaries of `segment_ids`
-                (IntTensor[N + 1] on the model's device, int), as `objective.collate` computes
-                them; None computes them here (`attention.varlen_boundaries`, one host sync).
-                Used by packed forwards with the "varlen" kernel only.
+            attention_mask: BoolTensor[B, 1, T, S] or None, True = may attend, over
+                `S = kv_cache.width + T` columns (cache, then new tokens; `S = T` with a cache:
+                every committed entry visible). Takes precedence over `segment_ids`; semantics:
+                `attention.plan_decode_attention`.
+            kv_cache: KVCache or None: the new keys/values become its pending entries
+                (`KVCache.commit`); without a mask the new tokens are causal among themselves
+                and see every valid cached entry.
+            return_hidden: return the final-norm hidden states instead, for `head_logits` /
+                `head_loss` applied only where logits are needed.
+            cu_seqlens, max_seqlen: `segment_ids`' varlen boundaries (IntTensor[N + 1] on the
+                model's device, int; `objective.collate`'s); None computes them here (one host
+                sync). Used by packed forwards with the "varlen" kernel only.
             copy_id, clean_limit: LongTensor[B, T] or None (both or neither, with `segment_ids`,
-                no mask, no cache): objective mode "dual" rows (`objective.collate`); the model
-                attends with their pattern, built on the device (`attention.dual_mask`; a
-                `mask_mod` with `cfg.attention` "flex", SDPA otherwise).
-        Packed forwards (`segment_ids`, no mask, no cache) attend with the kernel of
-        `cfg.attention` (see `plan_attention`); the others use SDPA.
+                no mask, no cache): mode "dual" rows (`attention.dual_mask`).
+        Packed forwards attend with `cfg.attention`'s kernel (`plan_attention`), others SDPA.
         Raises:
             ValueError: a mask of the wrong shape; `copy_id` / `clean_limit` without the other,
                 without `segment_ids`, or with a mask or cache.
@@ -483,32 +439,18 @@ class Qwen3(nn.Module):
     def head_loss(self, hidden: torch.Tensor, target: torch.Tensor, coef: torch.Tensor,
                   impl: str = "fused", chunk_tokens: int = 2048
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The output layer fused with the weighted cross-entropy (`pipeline.model.linear_ce`).
-
-        Args:
-            hidden: FloatTensor[N, hidden], final-norm hidden states of the positions to score.
-            target: LongTensor[N], token ids. coef: FloatTensor[N], loss coefficient per row.
-            impl: "fused" or "torch"; chunk_tokens: rows of logits alive at a time.
-        Returns:
-            (loss: FloatTensor[] = sum coef * CE, ce: FloatTensor[N] detached, fp32).
-        """
+        """The output layer fused with the weighted cross-entropy: `linear_ce.linear_cross_entropy`
+        (its `hidden`, `target`, `coef`, `impl`, `chunk_tokens`, result and errors) on this
+        layer's weight, this rank's vocab rows and the TP group."""
         return self.lm_head(hidden, loss_inputs=(target, coef, impl, int(chunk_tokens)))
 
     def compile_layers(self, enabled: bool = True, **compile_kwargs) -> None:
-        """Regional `torch.compile` of the decoder layers' elementwise regions: `rms_norm` (every
-        norm), `rope_qk` and `swiglu` are replaced by their compiled forms (fused forward and
-        backward kernels; separate kernels per op in eager). The matrix multiplies and attention
-        kernels are single kernels already and stay as they are. One compilation per region
-        and shape serves every layer (`dynamic=False` unless given). Parameter names and the
-        state dict are unchanged; every `recompute` mode works (checkpointed regions call the
-        compiled functions again in backward).
-
-        Why regions and not `torch.compile` of whole blocks (torchtitan's per-block compile):
-        under DeepSpeed ZeRO-3 every submodule call runs DeepSpeed's gather/release hooks, which
-        DeepSpeed marks `torch.compiler.disable`, so a whole-block compile breaks into the same
-        pieces at each projection, and dynamo also compiles DeepSpeed's hook frames (measured on
-        the CPU: recompile-limit warnings in DeepSpeed's code). Compiling the regions between the
-        hooks keeps DeepSpeed out of the compiler.
+        """Regional `torch.compile` of the decoder layers' elementwise regions (`rms_norm`,
+        `rope_qk`, `swiglu`; one compilation per region and shape, `dynamic=False` unless
+        given); names, state dict and every `recompute` mode unchanged. Regions rather than
+        whole blocks (torchtitan's way): ZeRO-3's gather/release hooks on every submodule are
+        `torch.compiler.disable`d, so a block compile breaks at each projection and dynamo
+        compiles DeepSpeed's hook frames (recompile-limit warnings on the CPU).
 
         Args:
             enabled: False puts the eager functions back (benchmarks compare both).
@@ -530,13 +472,9 @@ class Qwen3(nn.Module):
 
 
 class _GatherLastDim(torch.autograd.Function):
-    """All-gather along the last dim over the TP group; backward keeps this rank's slice.
-
-    (megatron-core's `gather_from_tensor_model_parallel_region` allocates on CUDA, so it cannot
-    run on CPU; this is the same operation with torch.distributed directly.) The backward
-    assumes, as Megatron's does, that every TP rank computes the same function of the gathered
-    tensor.
-    """
+    """All-gather along the last dim over the TP group; backward keeps this rank's slice
+    (megatron-core's `gather_from_tensor_model_parallel_region`, which allocates on CUDA, with
+    torch.distributed directly)."""
 
     @staticmethod
     def forward(ctx, x, group):
