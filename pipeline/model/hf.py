@@ -1,18 +1,10 @@
 """Hugging Face Qwen3 folders <-> our native tensor-parallel parameters (the state-dict adapter).
 
-Owns: reading config.json into `ModelConfig`; per-rank loading that reads only the slices a
-rank needs (safetensors `safe_open` + `get_slice`, single file or sharded with
-`model.safetensors.index.json`); merging per-rank native tensors back into full Hugging Face
-tensors; writing a Hugging Face folder (config.json, safetensors, tokenizer files through
-`pipeline.tokenizer.save_tokenizer`). Which native parameter is made of which Hugging Face
-tensors, and how each is split over the tensor-parallel group, is `pipeline.model.tp`'s table:
-this module only reads it. Must not touch: the network definition, training checkpoints (their
-layout belongs to `pipeline.checkpoint`), process groups.
-
-Vocabulary: the checkpoint's embedding rows are kept (151936 for Qwen3; 151671 for the authors'
-ReFusion release) and padded with zero rows up to a multiple of the TP size when needed
-(`padded_vocab_size`). The ReFusion tokens `<|beginoftext|>` / `<|mask|>` then take ids 151669 /
-151670, which are existing rows of a Qwen3 checkpoint.
+Per-rank loading reads only the slices a rank needs (safetensors `get_slice`, single file or
+sharded). Which native parameter is made of which Hugging Face tensors, and how each is split
+over the TP group, is `pipeline.model.tp`'s table: this module only reads it. The vocabulary
+rule (checkpoint rows kept, zero-padded to a multiple of the TP size, `padded_vocab_size`):
+docs/METHOD.md "Qwen3 facts" (Tokens). API overview: ARCHITECTURE.md "HF I/O API".
 """
 from __future__ import annotations
 
@@ -56,10 +48,9 @@ def read_hf_config(src) -> dict:
 
 
 def config_from_hf(src, tp_size: int = 1) -> ModelConfig:
-    """`ModelConfig` from a Hugging Face Qwen3 `config.json` (folder path or parsed dict).
-
-    The vocab is the checkpoint's embedding rows padded to a multiple of `tp_size`. Accepts the
-    authors' ReFusion folders (Qwen3 with extra keys such as `mask_token_id`).
+    """`ModelConfig` from a Hugging Face Qwen3 `config.json` (folder path or parsed dict),
+    vocab padded to a multiple of `tp_size`; accepts the authors' ReFusion folders (extra keys
+    such as `mask_token_id`).
 
     Raises:
         ValueError: not a Qwen3 config, or a feature we do not implement (attention bias,
@@ -107,12 +98,9 @@ def config_from_hf(src, tp_size: int = 1) -> ModelConfig:
 
 
 def hf_config_dict(cfg: ModelConfig, vocab_size: int | None = None, **extra) -> dict:
-    """A Qwen3 `config.json` dict for `cfg` (the keys `transformers.Qwen3Config` reads).
-
-    Args:
-        vocab_size: rows to declare (default `cfg.vocab_size`).
-        **extra: more keys (e.g. `bos_token_id`, `eos_token_id`, `mask_token_id`, `dtype`).
-    """
+    """A Qwen3 `config.json` dict for `cfg` (the keys `transformers.Qwen3Config` reads),
+    declaring `vocab_size` rows (default `cfg.vocab_size`), plus the `extra` keys (e.g.
+    `mask_token_id`, `dtype`)."""
     d = {
         "architectures": list(QWEN3_ARCHITECTURES),
         "model_type": "qwen3",
@@ -218,8 +206,7 @@ def _read_tp_param(st: "SafetensorsFolder", src, spec: ParamSpec, tp_rank: int,
 
 def tp_param_reader(src, cfg: ModelConfig, tp_rank: int, tp_size: int):
     """`read(native_name) -> Tensor`: this TP rank's slice of one parameter, read from the HF
-    folder `src` (as `iter_tp_shard` yields it, as stored), the files reopened per call so
-    that pages read through their memory maps do not stay resident.
+    folder `src` as `iter_tp_shard` yields it (as stored; files reopened per call).
 
     Raises (from `read`):
         KeyError: an unknown parameter, or an HF tensor missing from the checkpoint.
@@ -240,16 +227,13 @@ def iter_tp_shard(src, cfg: ModelConfig, tp_rank: int, tp_size: int,
     """Yield `(native_name, tensor)` for this TP rank, reading only the needed slices.
 
     Every tensor has exactly the shape of the matching parameter of `Qwen3(cfg)` on rank
-    `tp_rank` of a TP group of `tp_size` (so the trainer can copy it into a ZeRO-3 partitioned
-    parameter under `deepspeed.zero.GatheredParameters`). Embedding/head rows beyond the
-    checkpoint's rows (vocab padding) are zeros. One parameter is held at a time: the
-    safetensors files are reopened per parameter, so that pages read through their memory
-    maps do not stay resident (peak memory: about one parameter slice).
+    `tp_rank` of a TP group of `tp_size`; vocab padding rows are zeros. One parameter is held
+    at a time: the safetensors files are reopened per parameter, so that pages read through
+    their memory maps do not stay resident (peak memory: about one parameter slice).
 
     Args:
-        src: Hugging Face folder (config.json + safetensors), or an object with the same read
-            interface as `SafetensorsFolder` (`name in src`, `src.get_slice(name)`, `close()`),
-            e.g. in-memory full tensors (`pipeline.checkpoint.reshard`).
+        src: Hugging Face folder, or an object with `SafetensorsFolder`'s read interface
+            (e.g. a `TensorSource`).
         cfg: the model config (e.g. `config_from_hf(src, tp_size)`).
         dtype: cast to this dtype (default: as stored).
     Raises:
@@ -310,11 +294,10 @@ RankReader = Callable[[str, int, "int | None", "int | None"], torch.Tensor]
 
 
 class TensorSource:
-    """Full Hugging Face tensors held in memory (or produced on demand as `LazyTensor`s), seen
-    through the read interface of `SafetensorsFolder` (`name in src`, `src.get_slice(name)`
+    """Full Hugging Face tensors held in memory (or `LazyTensor`s, produced on each
+    `get_slice(...)[...]`), read like a `SafetensorsFolder` (`name in src`, `get_slice(name)`
     indexed `[a:b]` / `[:, a:b]`, `get_shape()`, `close()`), so `iter_tp_shard` can cut them for
-    any TP rank (resharding, seeded initialisation, loading a consolidated checkpoint). A lazy
-    tensor is produced on each `get_slice(...)[...]` and sliced."""
+    any TP rank."""
 
     class _Slice:
         def __init__(self, value):
@@ -357,7 +340,7 @@ def lazy_merged_state(read: RankReader, shapes: dict[str, tuple[int, ...]], dtyp
         shapes: `{native_name: per-rank shape}` (the same on every rank).
         dtype: the dtype `read` returns.
         vocab_rows: keep only the first `vocab_rows` embedding/head rows (drop TP padding);
-            default keeps `cfg.vocab_size`.
+            default `cfg.vocab_size`.
     Returns:
         `{hf_name: LazyTensor}` named as `Qwen3ForCausalLM.state_dict()` (no `lm_head.weight`
         when tied), in `param_specs` order.
@@ -432,17 +415,10 @@ def lazy_merged_state(read: RankReader, shapes: dict[str, tuple[int, ...]], dtyp
 
 def merge_tp_state_dicts(shards: list[dict[str, torch.Tensor]], cfg: ModelConfig,
                          vocab_rows: int | None = None) -> dict[str, torch.Tensor]:
-    """Merge per-TP-rank native state dicts (index = TP rank) into full HF tensors.
+    """`lazy_merged_state`'s result (same rules, same `vocab_rows`), every tensor
+    materialized, from `shards`: the native state dicts of TP ranks 0..tp-1 (names as
+    `Qwen3.named_parameters`).
 
-    The in-memory form of `lazy_merged_state` (same rules), every tensor materialized.
-
-    Args:
-        shards: native state dicts of TP ranks 0..tp-1 (names as `Qwen3.named_parameters`).
-        vocab_rows: keep only the first `vocab_rows` embedding/head rows (drop TP padding);
-            default keeps `cfg.vocab_size`.
-    Returns:
-        `{hf_name: tensor}` as `Qwen3ForCausalLM.state_dict()` names them (no `lm_head.weight`
-        when tied).
     Raises:
         KeyError: a parameter is missing from a shard.
     """
@@ -503,9 +479,8 @@ def write_safetensors(path, entries: dict[str, LazyTensor], metadata: dict | Non
     Byte for byte what `safetensors.torch.save_file` writes for the same tensors (checked by
     tests/test_hf_io.py): an 8-byte little-endian header length, the JSON header (compact;
     `__metadata__` first, then the tensors in data order, padded with spaces to a multiple of
-    8 bytes), then the raw little-endian data ordered as safetensors orders it (by its dtype
-    order, descending, then by name). Only the tensor being written is held in memory (peak: its size, plus what its
-    producer needs to build it).
+    8 bytes), then the raw little-endian data ordered by safetensors' dtype order, descending,
+    then by name. Peak memory: the tensor being written plus what its producer needs.
 
     Args:
         path: output file.
@@ -568,13 +543,11 @@ def save_hf_folder(state: dict, cfg: ModelConfig, out, *,
     """Write a Hugging Face Qwen3 folder atomically (temp folder, then rename).
 
     Writes `config.json`, `model.safetensors` (or `model-0000k-of-0000n.safetensors` shards plus
-    `model.safetensors.index.json` when larger than `max_shard_bytes` bytes; the split is
-    huggingface_hub's `split_torch_state_dict_into_shards`), and, with `tokenizer_src` (a
-    folder or a SentencePiece file, see `save_tokenizer`), the tokenizer files (`added_tokens`
-    added to a Hugging Face tokenizer), and `mask_token_id` in config.json.
-    Tensors are produced, cast and written one at a time (`write_safetensors`), so a state of
-    `LazyTensor`s is never held in memory as a whole. On any error (ENOSPC included) the
-    temporary folder is removed and `out` is untouched.
+    `model.safetensors.index.json` when larger than `max_shard_bytes` bytes; huggingface_hub's
+    `split_torch_state_dict_into_shards`), and, with `tokenizer_src` (see `save_tokenizer`), the
+    tokenizer files with `added_tokens`, and `mask_token_id` in config.json. Tensors are
+    written one at a time (`write_safetensors`). On any error (ENOSPC included) the temporary
+    folder is removed and `out` is untouched.
 
     Args:
         state: full HF tensors (`{hf_name: Tensor | LazyTensor}`, e.g. `lazy_merged_state`).
