@@ -1,16 +1,11 @@
 """The data-prep pipeline behind `python data_prep/shard.py`: tokenize a corpus into ReFusion
 webdataset shards.
 
-Owns: the shard-writing pipeline (read -> normalize -> decontaminate -> dedup -> split ->
-tokenize -> chunk or pack -> slot boundaries -> tar shards + manifest.json), resume and the summary line, for the
-whole corpus (the one-machine command) or one work unit of a plan (data_prep/plan.py), and what
-the stages share: the recorded options (`options`), the tokenizer's copy (`save_tokenizer`),
-the empty and skip-share checks and their exceptions (`NoSamples`, `TooManySkipped`). The
-command line is data_prep/cli.py; data_prep/shard.py is only its entry point.
-Must not touch: the command line and exit codes (data_prep/cli.py), the plan and the merge
-(data_prep/plan.py, data_prep/merge.py), the objective (pipeline/objective.py reorganizes
-slots at training time) or the loader (pipeline/data/loader.py reads what this writes). The
-output format is ARCHITECTURE.md "Shard format".
+The pipeline: read -> normalize -> decontaminate -> dedup -> split -> tokenize -> chunk or
+pack -> slot boundaries -> tar shards + manifest.json, for the whole corpus (the one-machine
+command) or one work unit of a plan (data_prep/plan.py). Who owns the neighbouring stages:
+ARCHITECTURE.md "data preparation"; the output format: ARCHITECTURE.md "Shard format"; the
+user's view of skips, resume, input identity and memory: data_prep/README.md.
 
 Determinism (reruns are byte-identical, whatever `--workers`):
 - a record's identity is the sha256 of its normalized content; exact duplicates are dropped;
@@ -25,40 +20,16 @@ Determinism (reruns are byte-identical, whatever `--workers`):
   `data_prep.units.cut_units` (--unit-bytes), as in a run on many machines, and a packed
   sample's segments carry their item keys; tar members have mtime 0, fixed owner and mode
   (USTAR).
-Resume (data_prep/resume.py decides what a used folder gets): a shard is written to a
-temporary name and renamed when complete, then listed in
-`manifest.partial.json` with the input position that follows it. A rerun with the same
-options keeps every listed shard whose file exists with the recorded size, skips the input
-records those shards hold (they are not tokenized again), and writes the rest. The partial
-manifest is replaced by `manifest.json` at the end. (A resumed run still reads and hashes
-every input record, which is cheap next to tokenization, so duplicates and splits come out
-the same.) The hidden option `--stop-after-shards N` stops as if killed after N shards, for
-resume tests.
-Inputs: both manifests record each input's identity (`sources.input_identity`: size,
-modification time, ETag where reported, and the sha256 of its bytes once read to its end).
-A rerun whose inputs differ (`sources.input_changes`) is refused in one line (exit code 2) or,
-with `--overwrite`, starts over; a resumed run checks each input's sha256 again as it reads it
-(`InputChanged`), so the kept shards and the new ones come from the same bytes.
-Memory: the duplicate filter and the key-collision check share one `data_prep.dedup.DigestSet`
-(16-byte digests in a sorted numpy array plus a small buffer); data prep's peak RSS grows by
-about 40 bytes per accepted record (measured by `bench/bench_data_prep.py --memory`: 42.7 B
-unpacked, 40.2 B packed; before: 462 and 97, a Python set of digests plus a set of keys, and
-tarfile's list of every member written to the open shard). A long text travels as pieces
-(`pipeline.tokenizer.text_pieces`; a text file over `sources.STREAM_TEXT_BYTES` is streamed) and its
-max-length chunks are cut as the pieces' tokens arrive (`writer.TextChunks`), so no stage holds
-a whole long document's tokens (data_prep/README.md "Memory" has the measured figures).
-Chat records: one item per response turn (`pipeline.tokenizer.chat_samples`); an item longer than
-max_length is dropped and counted as `over_length_turns` (a turn count, through the writers'
-skip counts so resume restores it).
-Skips: the first record skipped for each shape reason is described on one `warning:` line;
-a reason covering more than `--max-skip-fraction` of the input records ends the run with exit
-code 2 after the manifest is written (`duplicate`, `over_length`, `over_length_turns`: a note).
-`--limit N` stops after the N-th accepted record (one that is written: after dedup and the
-over-length filter), in input order; skip counts cover exactly the records before it.
-Special-token strings in content are encoded as text (pipeline/tokenizer.py); records that
-held one are counted in manifest["counts"]["special_token_text"].
-The output folder's writes: data_prep/writer.py (a full disk or quota: one line, exit code 4,
-the partial shard removed, complete shards kept for the rerun).
+Resume (data_prep/resume.py decides what a used folder gets): a shard is renamed into place
+when complete and listed in `manifest.partial.json` with the input position that follows it;
+a rerun keeps listed shards whose file has the recorded size and does not tokenize their
+records again, but still reads and hashes every input record (cheap next to tokenization), so
+duplicates and splits come out the same; a resumed run checks each input's sha256 again as it
+reads it (`InputChanged`). `--stop-after-shards N` (hidden) stops as if killed, for tests.
+Memory: the duplicate filter and the key-collision check share one `data_prep.dedup.DigestSet`;
+a long text travels as pieces (`pipeline.tokenizer.text_pieces`) and its max-length chunks are
+cut as the pieces' tokens arrive (`writer.TextChunks`), so no stage holds a whole long
+document's tokens.
 """
 from __future__ import annotations
 
@@ -181,10 +152,9 @@ def tokenize_record(tok: Tokenizer, kind: str, payload: tuple, max_length: int,
     """Tokens of one normalized record (or, for a text, one piece of it).
 
     qa / chat: `([(uint32[n], prompt_length)], n_dropped)` or a skip reason. qa: one item
-    `prompt + response + [eos]`; longer than max_length -> "over_length". chat: one item per
-    response turn (`pipeline.tokenizer.chat_samples`), turns longer than max_length
-    dropped and counted. Long contents are encoded in pieces and given up as soon as they are
-    too long, so memory does not grow with them.
+    `prompt + response + [eos]`, "over_length" when longer than max_length. chat: one item per
+    response turn (`pipeline.tokenizer.chat_samples`), over-long turns dropped and counted.
+    Long contents are given up as soon as their pieces are too long.
     text: `payload = (piece,)`; the piece's ids, uint32[n] (`first`: the text's first piece);
     EOS and max-length chunks are added by `writer.TextChunks` in the main process.
     """
@@ -225,11 +195,9 @@ def _tokenize_batch(batch, max_length: int, chat_turns: str, tok: Tokenizer | No
 
 def options(args, sources: list[Source], decon: EvalSets | None = None) -> dict:
     """The options a shard folder records (`manifest.json` `options`, part of its resume
-    fingerprint), from the parsed command line `args` and the resolved `sources`: inputs,
-    format, lengths, slots, seed, split, packing, shard limits, fields, chat turns;
-    `unit_bytes` with --pack, the interpreter's version when the stdlib corpus is read,
-    `decontaminate` (`decon.spec`: n, fields, each evaluation file's name and sha256) with
-    --decontaminate."""
+    fingerprint), from the parsed command line `args` and the resolved `sources`; with --pack
+    also `unit_bytes`, with the stdlib corpus the interpreter's version, with --decontaminate
+    `decon.spec` (n, fields, each evaluation file's name and sha256)."""
     opts = {
         "inputs": list(args.input), "format": args.format, "max_length": args.max_length,
         "slot_sizes": list(args.slot_sizes), "seed": args.seed,
@@ -254,13 +222,11 @@ class Record:
     """One accepted record (or one piece of a long text) as it travels from reading to the
     writers (in input order).
 
-    skips_before: stage-A skip reasons (malformed_json, duplicate, ...) met since the previous
-    record; they are counted when this record is consumed, so a `--limit` stop counts exactly
-    the records before the stopping point, whatever `--workers`. special_text: the record's
-    content holds a special-token string (counted as `special_token_text`). tokenize: False for
-    a record held by a kept shard (resume), which is not tokenized again.
-    A text comes as pieces (`piece` 0, 1, ..., `last` on the final one; pipeline.tokenizer
-    "long texts"): `skips_before` is on its first piece, `special_text` on its last;
+    skips_before: stage-A skip reasons met since the previous record, counted when this record
+    is consumed, so a `--limit` stop counts exactly the records before it, whatever
+    `--workers`. special_text: the content holds a special-token string. tokenize: False for a
+    record held by a kept shard (resume). A text comes as pieces (`piece` 0, 1, ..., `last` on
+    the final one): `skips_before` is on its first piece, `special_text` on its last;
     `unsafe_cut`: this piece ends where no space allowed a cut. Other kinds are one piece.
     """
     split: str
@@ -338,11 +304,8 @@ def _stage_a(reads, fmt: str, fields: Fields, val_fraction: float,
     Skip reasons met after the last record are appended to `tail` (in input order) when the
     inputs end; the first record skipped for each reason with a description fills
     `details[reason]` ("<record id>: <what it had and what was expected>"). `digests[name]`:
-    sha256 of each input read to its
-    end; when `recorded_sha` (a resumed run's) holds another value for it, raises
-    InputChanged. Memory: the duplicate filter (`data_prep.dedup.DigestSet`) keeps ~16 bytes
-    per accepted record (module docstring); a text is held a piece at a time (a text file),
-    or as the one string its JSON line / Parquet cell is.
+    sha256 of each input read to its end; raises InputChanged when `recorded_sha` (a resumed
+    run's) holds another value for it.
     """
     seen = DigestSet(width=16, key_bytes=_KEY_HEX // 2)
     n_split = {s: 0 for s in SPLITS}
@@ -510,16 +473,13 @@ def summary(where: str, manifest: dict) -> str:
 def run(args, unit=None) -> dict:
     """Run the pipeline for parsed `args`; returns the manifest (also written to the output).
 
-    unit: None for the whole corpus (the one-machine command), or one work unit of a plan
-    (`data_prep.plan.UnitJob`: its output folder, sources, record readers, options, tokenizer
-    and the list its per-record log goes to). A unit's run also writes `records.npz` (one row
-    per record that passed the unit's duplicate filter, for the merge's global dedup:
-    data_prep/merge.py), saves no tokenizer, re-tokenizes the records of kept shards on
-    resume (their outcome is logged) and leaves the empty and skip-share checks to the merge.
+    unit: None for the whole corpus, or one work unit of a plan (`data_prep.plan.UnitJob`). A
+    unit's run also writes `records.npz` (`RecordLog`), saves no tokenizer, re-tokenizes the
+    records of kept shards on resume (their outcome is logged) and leaves the empty and
+    skip-share checks to the merge.
 
-    Raises UserError / InputError / TokenizerError for user errors (one line each), NoSamples
-    after writing the manifest when every record was skipped, and TooManySkipped after
-    writing it when a skip reason covers more than `args.max_skip_fraction` of the input.
+    Raises UserError / InputError / TokenizerError for user errors (one line each), and, after
+    writing the manifest, NoSamples or TooManySkipped.
     """
     t0 = time.time()
     fields = Fields(args.query_field, args.response_field, args.text_field, args.messages_field)
