@@ -28,8 +28,9 @@ class ModelSection:
     """Network shape: a preset YAML (`configs/model/*.yaml`, fields of
     `pipeline.model.ModelConfig`) and/or inline fields that override it. `attention`: the
     attention kernel of packed forwards, auto|sdpa|flex|varlen (what each picks:
-    `pipeline.model.resolve_attention`; decoding always uses SDPA); None keeps the preset's value (else auto). Not part
-    of the checkpointed shape: a run may resume with another kernel."""
+    `pipeline.model.resolve_attention`; decoding always uses SDPA); None keeps the preset's
+    value (else auto). Not part of the checkpointed shape: a run may resume with another
+    kernel."""
     preset: Optional[str] = None
     inline: Dict[str, Any] = field(default_factory=dict)
     attention: Optional[str] = None
@@ -150,7 +151,7 @@ class TrainSection:
       first steps pay the compilation).
 
     Hangs, stragglers, collectives (`pipeline.training.watchdog`; seconds; the allowances of
-    saves and validation, with worked numbers: docs/ROBUSTNESS.md):
+    saves and validation, with worked numbers: docs/ROBUSTNESS.md "Timeouts"):
     - `hang_timeout_s`: how long a phase of a training step (data, forward/backward, the step's
       all-reduce, optimizer) may go without progress before the job counts as hung (exit 6,
       one line per live rank naming the stuck rank(s), `<run_dir>/hang.json`). null (default)
@@ -272,7 +273,7 @@ class DebugSection:
     `slow_rank` (-1 = none) sleeps `slow_rank_s` plus `slow_rank_factor` times its own time in
     the step so far, in every step before the step's all-reduce (a straggler). `hang_rank`
     (-1 = none) stops making progress forever at step `hang_at_step` (1-based; its process
-    stays alive, as on a GPU hang). How the tests use them: docs/ROBUSTNESS.md."""
+    stays alive, as on a GPU hang). Their use: docs/ROBUSTNESS.md "Fault injection"."""
     nan_at_steps: List[int] = field(default_factory=list)
     slow_first_step_s: float = 0.0
     slow_save_s: float = 0.0
