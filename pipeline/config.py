@@ -1,8 +1,9 @@
 """Run configuration: the schema of `configs/*.yaml`, command-line overrides, validation.
 
-Every check that can be done before a process group or tensor exists lives here (batch
-arithmetic, TP divisibility, files that must exist, vocabulary vs. tokenizer); it reads only
-small JSON/YAML files. Usage: `validate(load_config(path, overrides), world_size)`.
+Owns: `RunConfig`, merging YAML + `key=value` overrides, and every check that can be done
+before a process group or tensor exists (batch arithmetic, TP divisibility, files that must
+exist, vocabulary vs. tokenizer). Must not touch: process groups, models, data loading (it
+reads only small JSON/YAML files). Usage: `validate(load_config(path, overrides), world_size)`.
 
 Batch arithmetic (Megatron names): global batch = micro-batch x gradient-accumulation steps x
 data-parallel size, data-parallel size = world size / tensor-parallel size. Give either

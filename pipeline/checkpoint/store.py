@@ -1,8 +1,9 @@
 """Training checkpoints: save, find the latest complete one, load (on the same layout or, through
 `pipeline.checkpoint.reshard`, another one), keep the last K.
 
-The one home of the on-disk layout below, the `latest` pointer, retention and per-rank RNG
-state; the data loader's state is an opaque part of `client_state`.
+Owns: the on-disk layout below, the `latest` pointer, retention, per-rank RNG state. Must not
+touch: the training loop, signals, the loader's internals (its state is an opaque part of
+`client_state`), Hugging Face names, offline reading (`pipeline.checkpoint.consolidate`).
 
 Layout of `root_dir` (a filesystem every rank sees, e.g. the cluster's shared filesystem):
 

@@ -2,8 +2,9 @@
 against the model), `ShardLoader` (one data-parallel rank's micro-batches, its worker processes,
 and the loader state with exact, also layout-changing, resumption).
 
-The sample order is `pipeline.data.order`'s, packing and dealing rows to DP ranks
-`pipeline.data.rows`', reading samples `pipeline.data.reader`'s.
+Owns: the loader state, worker processes, `build_loader`. The sample order is
+`pipeline.data.order`'s, packing and dealing rows to DP ranks `pipeline.data.rows`', reading
+samples `pipeline.data.reader`'s. Must not touch: the model, the loss, process groups.
 
 Signals: loader workers ignore SIGTERM, SIGINT and SIGUSR1 (`_worker_init`): SLURM preemption
 and Ctrl-C signal every process of the job, and torch's own worker handler would make a worker

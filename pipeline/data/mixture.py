@@ -1,7 +1,9 @@
 """Data mixtures: several shard folders ("sources") read as one training stream, each with a
 share of the tokens.
 
-`pipeline.data.loader` walks the blend window by window and packs it (ARCHITECTURE.md
+Owns: `Source`, the blend rule, the blend state and what a new data phase keeps of it, the
+epochs each source needs. Must not touch: shards, packing, process groups
+(`pipeline.data.loader` walks the blend window by window and packs it; ARCHITECTURE.md
 "Mixtures").
 
 The blend. Weights are token shares (normalized to sum 1). The blend is a sequence of draws;
