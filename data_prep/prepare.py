@@ -3,9 +3,12 @@ webdataset shards.
 
 The pipeline: read -> normalize -> decontaminate -> dedup -> split -> tokenize -> chunk or
 pack -> slot boundaries -> tar shards + manifest.json, for the whole corpus (the one-machine
-command) or one work unit of a plan (data_prep/plan.py). Who owns the neighbouring stages:
-ARCHITECTURE.md "data preparation"; the output format: ARCHITECTURE.md "Shard format"; the
-user's view of skips, resume, input identity and memory: data_prep/README.md.
+command) or one work unit of a plan (data_prep/plan.py). Owns: that pipeline, resume, the
+summary line, and what the stages share (`options`, `save_tokenizer`, the empty and skip-share
+checks). Must not touch: the command line (cli.py), the plan and the merge, the objective, the
+loader (ARCHITECTURE.md "data preparation" names each owner). The output format:
+ARCHITECTURE.md "Shard format"; the user's view of skips, resume, input identity and memory:
+data_prep/README.md.
 
 Determinism (reruns are byte-identical, whatever `--workers`):
 - a record's identity is the sha256 of its normalized content; exact duplicates are dropped;
@@ -88,12 +91,9 @@ def input_records(manifest: dict) -> int:
 
 
 def check_skip_share(manifest: dict, max_fraction: float) -> None:
-    """Compare each skip reason's share of the input records with `max_fraction`.
-
-    A filter reason (`duplicate`, `over_length`, `over_length_turns`) over it gets a one-line
-    `note:` on stderr; any other reason over it raises TooManySkipped (one line naming each
-    reason, its count and share).
-    """
+    """Compare each skip reason's share of the input records with `max_fraction`: a filter
+    reason (`duplicate`, `over_length`, `over_length_turns`) over it gets a one-line `note:` on
+    stderr; any other raises TooManySkipped (one line naming each reason, its count and share)."""
     total = input_records(manifest)
     if not total:
         return
@@ -151,13 +151,10 @@ def tokenize_record(tok: Tokenizer, kind: str, payload: tuple, max_length: int,
                     chat_turns: str = "all", first: bool = True):
     """Tokens of one normalized record (or, for a text, one piece of it).
 
-    qa / chat: `([(uint32[n], prompt_length)], n_dropped)` or a skip reason. qa: one item
-    `prompt + response + [eos]`, "over_length" when longer than max_length. chat: one item per
-    response turn (`pipeline.tokenizer.chat_samples`), over-long turns dropped and counted.
-    Long contents are given up as soon as their pieces are too long.
-    text: `payload = (piece,)`; the piece's ids, uint32[n] (`first`: the text's first piece);
-    EOS and max-length chunks are added by `writer.TextChunks` in the main process.
-    """
+    qa / chat: `([(uint32[n], prompt_length)], n_dropped)` or a skip reason ("over_length"; chat:
+    `pipeline.tokenizer.chat_samples`), given up as soon as the pieces are too long. text:
+    `payload = (piece,)`, the piece's ids, uint32[n] (`first`: the text's first piece); EOS and
+    max-length chunks are added by `writer.TextChunks` in the main process."""
     if kind == "text":
         return np.asarray(encode_piece(tok, payload[0], first), dtype=np.uint32)
     if kind == "qa":
@@ -219,16 +216,13 @@ def options(args, sources: list[Source], decon: EvalSets | None = None) -> dict:
 
 @dataclass
 class Record:
-    """One accepted record (or one piece of a long text) as it travels from reading to the
-    writers (in input order).
-
-    skips_before: stage-A skip reasons met since the previous record, counted when this record
-    is consumed, so a `--limit` stop counts exactly the records before it, whatever
-    `--workers`. special_text: the content holds a special-token string. tokenize: False for a
-    record held by a kept shard (resume). A text comes as pieces (`piece` 0, 1, ..., `last` on
-    the final one): `skips_before` is on its first piece, `special_text` on its last;
-    `unsafe_cut`: this piece ends where no space allowed a cut. Other kinds are one piece.
-    """
+    """One accepted record (or one piece of a long text) on its way from reading to the writers,
+    in input order. skips_before: stage-A skip reasons met since the previous record, counted
+    when this record is consumed (so a `--limit` stop counts exactly the records before it,
+    whatever `--workers`); on a text's first piece. special_text: the content holds a
+    special-token string; on a text's last piece. tokenize: False for a record held by a kept
+    shard (resume). A text comes as pieces (`piece` 0, 1, ..., `last` on the final one);
+    `unsafe_cut`: this piece ends where no space allowed a cut."""
     split: str
     index: int      # within its split, after dedup
     key: str
@@ -247,13 +241,10 @@ class Record:
 
 class RecordLog:
     """What became of each record that passed a unit's duplicate filter, in input order, for
-    the merge's global dedup (data_prep/merge.py).
-
-    Columns of `records.npz`: `digest` uint8[n, 16] (the record digest's first 16 bytes),
-    `outcome` uint16[n] (0 = written, i = the skip reason `outcomes[i]`, e.g. over_length),
-    `dropped` uint32[n] (chat turns dropped as over_length_turns), `special` uint8[n] (1 = held
-    special-token text), `cuts` uint32[n] (unsafe piece cuts). About 30 bytes per record.
-    """
+    the merge's global dedup (data_prep/merge.py). Columns of `records.npz`: `digest` uint8[n, 16]
+    (the record digest's first 16 bytes), `outcome` uint16[n] (0 = written, i = the skip reason
+    `outcomes[i]`), `dropped` uint32[n] (chat turns dropped as over_length_turns), `special`
+    uint8[n] (1 = held special-token text), `cuts` uint32[n] (unsafe piece cuts)."""
     NAME = "records.npz"
 
     def __init__(self):
@@ -289,24 +280,17 @@ class InputChanged(UserError):
 def _stage_a(reads, fmt: str, fields: Fields, val_fraction: float,
              tok: Tokenizer, tail: list, details: dict, digests: dict,
              recorded_sha: dict, whole_texts: bool, decon: EvalSets | None = None):
-    """Read, normalize, decontaminate, dedup and split records; yields `Record`s in input
-    order, a text as its pieces (`pipeline.tokenizer.text_pieces`; one piece when `whole_texts`).
+    """Read, normalize, decontaminate, dedup and split the records of `reads` (`(source,
+    iterator of (record id, raw record))` per input, in order: a whole file's
+    `sources.iter_records` or a work unit's pieces); yields `Record`s in input order, a text as
+    its pieces (`pipeline.tokenizer.text_pieces`; one piece when `whole_texts`).
 
-    decon: with --decontaminate, a record sharing an n-gram with an evaluation item
-    (data_prep/decontaminate.py) is skipped as `(CONTAMINATED, file indices)` in the skip
-    lists (the caller counts the reason and each file). The check comes before the duplicate
-    filter, so every copy of such a record is dropped as contaminated and never enters the
-    filter: a work unit's counts then add up to the one-process run's without the merge.
-
-    reads: `(source, iterator of (record id, raw record))` per input, in order (a whole file's
-    `sources.iter_records`, or a work unit's pieces, data_prep/plan.py).
-
-    Skip reasons met after the last record are appended to `tail` (in input order) when the
-    inputs end; the first record skipped for each reason with a description fills
-    `details[reason]` ("<record id>: <what it had and what was expected>"). `digests[name]`:
-    sha256 of each input read to its end; raises InputChanged when `recorded_sha` (a resumed
-    run's) holds another value for it.
-    """
+    decon: with --decontaminate, a contaminated record is skipped as `(CONTAMINATED, file
+    indices)` (the caller counts the reason and each file), before the duplicate filter, so a
+    work unit's counts add up to the one-process run's. Skip reasons met after the last record go
+    to `tail`; the first record skipped for each described reason fills `details[reason]`
+    ("<record id>: <what it had and what was expected>"); `digests[name]`: sha256 of each input
+    read to its end; raises InputChanged when `recorded_sha` (a resumed run's) differs."""
     seen = DigestSet(width=16, key_bytes=_KEY_HEX // 2)
     n_split = {s: 0 for s in SPLITS}
     skips: list[str] = []
@@ -472,15 +456,13 @@ def summary(where: str, manifest: dict) -> str:
 
 def run(args, unit=None) -> dict:
     """Run the pipeline for parsed `args`; returns the manifest (also written to the output).
-
-    unit: None for the whole corpus, or one work unit of a plan (`data_prep.plan.UnitJob`). A
-    unit's run also writes `records.npz` (`RecordLog`), saves no tokenizer, re-tokenizes the
+    `unit`: None for the whole corpus, or one work unit of a plan (`data_prep.plan.UnitJob`),
+    whose run also writes `records.npz` (`RecordLog`), saves no tokenizer, re-tokenizes the
     records of kept shards on resume (their outcome is logged) and leaves the empty and
     skip-share checks to the merge.
 
     Raises UserError / InputError / TokenizerError for user errors (one line each), and, after
-    writing the manifest, NoSamples or TooManySkipped.
-    """
+    writing the manifest, NoSamples or TooManySkipped."""
     t0 = time.time()
     fields = Fields(args.query_field, args.response_field, args.text_field, args.messages_field)
     if unit is None:
