@@ -35,12 +35,8 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 1024 ** 3
 
 
 def read_hf_config(src) -> dict:
-    """The parsed `config.json` of a Hugging Face folder.
-
-    Raises:
-        FileNotFoundError: `src/config.json` missing.
-        ValueError: not valid JSON (names the file).
-    """
+    """The parsed `config.json` of a Hugging Face folder. Raises FileNotFoundError (missing) or
+    ValueError (not valid JSON; names the file)."""
     path = Path(src) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path}: not found (expected a Hugging Face model folder)")
@@ -134,11 +130,8 @@ def hf_config_dict(cfg: ModelConfig, vocab_size: int | None = None, **extra) -> 
 
 class SafetensorsFolder:
     """Lazy read access to the tensors of a HF folder (`model.safetensors` or a sharded set with
-    `model.safetensors.index.json`); nothing is read until `get_slice(...)[...]`.
-
-    Raises:
-        FileNotFoundError: no safetensors weights in the folder (names the folder).
-    """
+    `model.safetensors.index.json`); nothing is read until `get_slice(...)[...]`. Raises
+    FileNotFoundError: no safetensors weights in the folder (names it)."""
 
     def __init__(self, src):
         self.root = Path(src)
@@ -209,11 +202,8 @@ def _read_tp_param(st: "SafetensorsFolder", src, spec: ParamSpec, tp_rank: int,
 
 def tp_param_reader(src, cfg: ModelConfig, tp_rank: int, tp_size: int):
     """`read(native_name) -> Tensor`: this TP rank's slice of one parameter, read from the HF
-    folder `src` as `iter_tp_shard` yields it (as stored; files reopened per call).
-
-    Raises (from `read`):
-        KeyError: an unknown parameter, or an HF tensor missing from the checkpoint.
-    """
+    folder `src` as `iter_tp_shard` yields it (as stored; files reopened per call). `read` raises
+    KeyError: an unknown parameter, or an HF tensor missing from the checkpoint."""
     specs = {s.native: s for s in param_specs(cfg)}
     st = SafetensorsFolder(src)
 
