@@ -194,12 +194,9 @@ def list_complete(root_dir: str | os.PathLike) -> list[tuple[int, Path]]:
 
 
 def find_latest(root_dir: str | os.PathLike) -> Path | None:
-    """The folder of the latest complete checkpoint under `root_dir`, or None.
-
-    The `latest` pointer wins when it names a complete checkpoint; otherwise (pointer missing,
-    or naming a folder that is gone or incomplete) the complete checkpoint with the highest
-    step is used, with a warning.
-    """
+    """The folder of the latest complete checkpoint under `root_dir`, or None: the one `latest`
+    names when complete, else (pointer missing, or naming a folder that is gone or incomplete)
+    the complete one with the highest step, with a warning."""
     root = Path(root_dir)
     pointer = root / LATEST
     if pointer.is_file():
@@ -213,11 +210,8 @@ def find_latest(root_dir: str | os.PathLike) -> Path | None:
 
 
 def resolve_checkpoint_dir(path: str | os.PathLike) -> Path:
-    """A complete step folder from either a step folder or a checkpoint root.
-
-    Raises:
-        CheckpointError: `path` is neither a complete step folder nor a root holding one.
-    """
+    """A complete step folder from either a step folder or a checkpoint root. Raises
+    CheckpointError: `path` is neither a complete step folder nor a root holding one."""
     p = Path(path)
     if (p / META).is_file():
         return p
