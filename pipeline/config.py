@@ -507,10 +507,7 @@ def model_fields(cfg: DictConfig, tp: int) -> Dict[str, Any]:
     """The merged `ModelConfig` fields of a run (preset, inline, `train.activation_checkpointing`,
     `model.attention`) without the rest of `validate` (no shard folder needed: the memory
     planner). With `init.source=hf`, a preset and no readable `init.hf_path`, the preset alone.
-
-    Raises:
-        ConfigError: one line naming the key.
-    """
+    Raises ConfigError: one line naming the key."""
     try:
         if (cfg.init.source == "hf" and cfg.model.preset
                 and not (cfg.init.hf_path and os.path.isfile(os.path.join(str(cfg.init.hf_path),
