@@ -1,16 +1,14 @@
 """The data-prep pipeline behind `python data_prep/shard.py`: tokenize a corpus into ReFusion
 webdataset shards.
 
-Owns: the shard-writing pipeline (read -> normalize -> decontaminate -> dedup -> split ->
-tokenize -> chunk or pack -> slot boundaries -> tar shards + manifest.json), resume and the summary line, for the
-whole corpus (the one-machine command) or one work unit of a plan (data_prep/plan.py), and what
-the stages share: the recorded options (`options`), the tokenizer's copy (`save_tokenizer`),
-the empty and skip-share checks and their exceptions (`NoSamples`, `TooManySkipped`). The
-command line is data_prep/cli.py; data_prep/shard.py is only its entry point.
-Must not touch: the command line and exit codes (data_prep/cli.py), the plan and the merge
-(data_prep/plan.py, data_prep/merge.py), the objective (pipeline/objective.py reorganizes
-slots at training time) or the loader (pipeline/data/loader.py reads what this writes). The
-output format is ARCHITECTURE.md "Shard format".
+The pipeline: read -> normalize -> decontaminate -> dedup -> split -> tokenize -> chunk or
+pack -> slot boundaries -> tar shards + manifest.json, for the whole corpus (the one-machine
+command) or one work unit of a plan (data_prep/plan.py). Owns: that pipeline, resume, the
+summary line, and what the stages share (`options`, `save_tokenizer`, the empty and skip-share
+checks). Must not touch: the command line (cli.py), the plan and the merge, the objective, the
+loader (ARCHITECTURE.md "data preparation" names each owner). The output format:
+ARCHITECTURE.md "Shard format"; the user's view of skips, resume, input identity and memory:
+data_prep/README.md.
 
 Determinism (reruns are byte-identical, whatever `--workers`):
 - a record's identity is the sha256 of its normalized content; exact duplicates are dropped;
@@ -25,40 +23,16 @@ Determinism (reruns are byte-identical, whatever `--workers`):
   `data_prep.units.cut_units` (--unit-bytes), as in a run on many machines, and a packed
   sample's segments carry their item keys; tar members have mtime 0, fixed owner and mode
   (USTAR).
-Resume (data_prep/resume.py decides what a used folder gets): a shard is written to a
-temporary name and renamed when complete, then listed in
-`manifest.partial.json` with the input position that follows it. A rerun with the same
-options keeps every listed shard whose file exists with the recorded size, skips the input
-records those shards hold (they are not tokenized again), and writes the rest. The partial
-manifest is replaced by `manifest.json` at the end. (A resumed run still reads and hashes
-every input record, which is cheap next to tokenization, so duplicates and splits come out
-the same.) The hidden option `--stop-after-shards N` stops as if killed after N shards, for
-resume tests.
-Inputs: both manifests record each input's identity (`sources.input_identity`: size,
-modification time, ETag where reported, and the sha256 of its bytes once read to its end).
-A rerun whose inputs differ (`sources.input_changes`) is refused in one line (exit code 2) or,
-with `--overwrite`, starts over; a resumed run checks each input's sha256 again as it reads it
-(`InputChanged`), so the kept shards and the new ones come from the same bytes.
-Memory: the duplicate filter and the key-collision check share one `data_prep.dedup.DigestSet`
-(16-byte digests in a sorted numpy array plus a small buffer); data prep's peak RSS grows by
-about 40 bytes per accepted record (measured by `bench/bench_data_prep.py --memory`: 42.7 B
-unpacked, 40.2 B packed; before: 462 and 97, a Python set of digests plus a set of keys, and
-tarfile's list of every member written to the open shard). A long text travels as pieces
-(`pipeline.tokenizer.text_pieces`; a text file over `sources.STREAM_TEXT_BYTES` is streamed) and its
-max-length chunks are cut as the pieces' tokens arrive (`writer.TextChunks`), so no stage holds
-a whole long document's tokens (data_prep/README.md "Memory" has the measured figures).
-Chat records: one item per response turn (`pipeline.tokenizer.chat_samples`); an item longer than
-max_length is dropped and counted as `over_length_turns` (a turn count, through the writers'
-skip counts so resume restores it).
-Skips: the first record skipped for each shape reason is described on one `warning:` line;
-a reason covering more than `--max-skip-fraction` of the input records ends the run with exit
-code 2 after the manifest is written (`duplicate`, `over_length`, `over_length_turns`: a note).
-`--limit N` stops after the N-th accepted record (one that is written: after dedup and the
-over-length filter), in input order; skip counts cover exactly the records before it.
-Special-token strings in content are encoded as text (pipeline/tokenizer.py); records that
-held one are counted in manifest["counts"]["special_token_text"].
-The output folder's writes: data_prep/writer.py (a full disk or quota: one line, exit code 4,
-the partial shard removed, complete shards kept for the rerun).
+Resume (data_prep/resume.py decides what a used folder gets): a shard is renamed into place
+when complete and listed in `manifest.partial.json` with the input position that follows it;
+a rerun keeps listed shards whose file has the recorded size and does not tokenize their
+records again, but still reads and hashes every input record (cheap next to tokenization), so
+duplicates and splits come out the same; a resumed run checks each input's sha256 again as it
+reads it (`InputChanged`). `--stop-after-shards N` (hidden) stops as if killed, for tests.
+Memory: the duplicate filter and the key-collision check share one `data_prep.dedup.DigestSet`;
+a long text travels as pieces (`pipeline.tokenizer.text_pieces`) and its max-length chunks are
+cut as the pieces' tokens arrive (`writer.TextChunks`), so no stage holds a whole long
+document's tokens.
 """
 from __future__ import annotations
 
@@ -117,12 +91,9 @@ def input_records(manifest: dict) -> int:
 
 
 def check_skip_share(manifest: dict, max_fraction: float) -> None:
-    """Compare each skip reason's share of the input records with `max_fraction`.
-
-    A filter reason (`duplicate`, `over_length`, `over_length_turns`) over it gets a one-line
-    `note:` on stderr; any other reason over it raises TooManySkipped (one line naming each
-    reason, its count and share).
-    """
+    """Compare each skip reason's share of the input records with `max_fraction`: a filter
+    reason (`duplicate`, `over_length`, `over_length_turns`) over it gets a one-line `note:` on
+    stderr; any other raises TooManySkipped (one line naming each reason, its count and share)."""
     total = input_records(manifest)
     if not total:
         return
@@ -180,14 +151,10 @@ def tokenize_record(tok: Tokenizer, kind: str, payload: tuple, max_length: int,
                     chat_turns: str = "all", first: bool = True):
     """Tokens of one normalized record (or, for a text, one piece of it).
 
-    qa / chat: `([(uint32[n], prompt_length)], n_dropped)` or a skip reason. qa: one item
-    `prompt + response + [eos]`; longer than max_length -> "over_length". chat: one item per
-    response turn (`pipeline.tokenizer.chat_samples`), turns longer than max_length
-    dropped and counted. Long contents are encoded in pieces and given up as soon as they are
-    too long, so memory does not grow with them.
-    text: `payload = (piece,)`; the piece's ids, uint32[n] (`first`: the text's first piece);
-    EOS and max-length chunks are added by `writer.TextChunks` in the main process.
-    """
+    qa / chat: `([(uint32[n], prompt_length)], n_dropped)` or a skip reason ("over_length"; chat:
+    `pipeline.tokenizer.chat_samples`), given up as soon as the pieces are too long. text:
+    `payload = (piece,)`, the piece's ids, uint32[n] (`first`: the text's first piece); EOS and
+    max-length chunks are added by `writer.TextChunks` in the main process."""
     if kind == "text":
         return np.asarray(encode_piece(tok, payload[0], first), dtype=np.uint32)
     if kind == "qa":
@@ -225,11 +192,9 @@ def _tokenize_batch(batch, max_length: int, chat_turns: str, tok: Tokenizer | No
 
 def options(args, sources: list[Source], decon: EvalSets | None = None) -> dict:
     """The options a shard folder records (`manifest.json` `options`, part of its resume
-    fingerprint), from the parsed command line `args` and the resolved `sources`: inputs,
-    format, lengths, slots, seed, split, packing, shard limits, fields, chat turns;
-    `unit_bytes` with --pack, the interpreter's version when the stdlib corpus is read,
-    `decontaminate` (`decon.spec`: n, fields, each evaluation file's name and sha256) with
-    --decontaminate."""
+    fingerprint), from the parsed command line `args` and the resolved `sources`; with --pack
+    also `unit_bytes`, with the stdlib corpus the interpreter's version, with --decontaminate
+    `decon.spec` (n, fields, each evaluation file's name and sha256)."""
     opts = {
         "inputs": list(args.input), "format": args.format, "max_length": args.max_length,
         "slot_sizes": list(args.slot_sizes), "seed": args.seed,
@@ -251,18 +216,13 @@ def options(args, sources: list[Source], decon: EvalSets | None = None) -> dict:
 
 @dataclass
 class Record:
-    """One accepted record (or one piece of a long text) as it travels from reading to the
-    writers (in input order).
-
-    skips_before: stage-A skip reasons (malformed_json, duplicate, ...) met since the previous
-    record; they are counted when this record is consumed, so a `--limit` stop counts exactly
-    the records before the stopping point, whatever `--workers`. special_text: the record's
-    content holds a special-token string (counted as `special_token_text`). tokenize: False for
-    a record held by a kept shard (resume), which is not tokenized again.
-    A text comes as pieces (`piece` 0, 1, ..., `last` on the final one; pipeline.tokenizer
-    "long texts"): `skips_before` is on its first piece, `special_text` on its last;
-    `unsafe_cut`: this piece ends where no space allowed a cut. Other kinds are one piece.
-    """
+    """One accepted record (or one piece of a long text) on its way from reading to the writers,
+    in input order. skips_before: stage-A skip reasons met since the previous record, counted
+    when this record is consumed (so a `--limit` stop counts exactly the records before it,
+    whatever `--workers`); on a text's first piece. special_text: the content holds a
+    special-token string; on a text's last piece. tokenize: False for a record held by a kept
+    shard (resume). A text comes as pieces (`piece` 0, 1, ..., `last` on the final one);
+    `unsafe_cut`: this piece ends where no space allowed a cut."""
     split: str
     index: int      # within its split, after dedup
     key: str
@@ -281,13 +241,10 @@ class Record:
 
 class RecordLog:
     """What became of each record that passed a unit's duplicate filter, in input order, for
-    the merge's global dedup (data_prep/merge.py).
-
-    Columns of `records.npz`: `digest` uint8[n, 16] (the record digest's first 16 bytes),
-    `outcome` uint16[n] (0 = written, i = the skip reason `outcomes[i]`, e.g. over_length),
-    `dropped` uint32[n] (chat turns dropped as over_length_turns), `special` uint8[n] (1 = held
-    special-token text), `cuts` uint32[n] (unsafe piece cuts). About 30 bytes per record.
-    """
+    the merge's global dedup (data_prep/merge.py). Columns of `records.npz`: `digest` uint8[n, 16]
+    (the record digest's first 16 bytes), `outcome` uint16[n] (0 = written, i = the skip reason
+    `outcomes[i]`), `dropped` uint32[n] (chat turns dropped as over_length_turns), `special`
+    uint8[n] (1 = held special-token text), `cuts` uint32[n] (unsafe piece cuts)."""
     NAME = "records.npz"
 
     def __init__(self):
@@ -323,27 +280,17 @@ class InputChanged(UserError):
 def _stage_a(reads, fmt: str, fields: Fields, val_fraction: float,
              tok: Tokenizer, tail: list, details: dict, digests: dict,
              recorded_sha: dict, whole_texts: bool, decon: EvalSets | None = None):
-    """Read, normalize, decontaminate, dedup and split records; yields `Record`s in input
-    order, a text as its pieces (`pipeline.tokenizer.text_pieces`; one piece when `whole_texts`).
+    """Read, normalize, decontaminate, dedup and split the records of `reads` (`(source,
+    iterator of (record id, raw record))` per input, in order: a whole file's
+    `sources.iter_records` or a work unit's pieces); yields `Record`s in input order, a text as
+    its pieces (`pipeline.tokenizer.text_pieces`; one piece when `whole_texts`).
 
-    decon: with --decontaminate, a record sharing an n-gram with an evaluation item
-    (data_prep/decontaminate.py) is skipped as `(CONTAMINATED, file indices)` in the skip
-    lists (the caller counts the reason and each file). The check comes before the duplicate
-    filter, so every copy of such a record is dropped as contaminated and never enters the
-    filter: a work unit's counts then add up to the one-process run's without the merge.
-
-    reads: `(source, iterator of (record id, raw record))` per input, in order (a whole file's
-    `sources.iter_records`, or a work unit's pieces, data_prep/plan.py).
-
-    Skip reasons met after the last record are appended to `tail` (in input order) when the
-    inputs end; the first record skipped for each reason with a description fills
-    `details[reason]` ("<record id>: <what it had and what was expected>"). `digests[name]`:
-    sha256 of each input read to its
-    end; when `recorded_sha` (a resumed run's) holds another value for it, raises
-    InputChanged. Memory: the duplicate filter (`data_prep.dedup.DigestSet`) keeps ~16 bytes
-    per accepted record (module docstring); a text is held a piece at a time (a text file),
-    or as the one string its JSON line / Parquet cell is.
-    """
+    decon: with --decontaminate, a contaminated record is skipped as `(CONTAMINATED, file
+    indices)` (the caller counts the reason and each file), before the duplicate filter, so a
+    work unit's counts add up to the one-process run's. Skip reasons met after the last record go
+    to `tail`; the first record skipped for each described reason fills `details[reason]`
+    ("<record id>: <what it had and what was expected>"); `digests[name]`: sha256 of each input
+    read to its end; raises InputChanged when `recorded_sha` (a resumed run's) differs."""
     seen = DigestSet(width=16, key_bytes=_KEY_HEX // 2)
     n_split = {s: 0 for s in SPLITS}
     skips: list[str] = []
@@ -509,18 +456,13 @@ def summary(where: str, manifest: dict) -> str:
 
 def run(args, unit=None) -> dict:
     """Run the pipeline for parsed `args`; returns the manifest (also written to the output).
+    `unit`: None for the whole corpus, or one work unit of a plan (`data_prep.plan.UnitJob`),
+    whose run also writes `records.npz` (`RecordLog`), saves no tokenizer, re-tokenizes the
+    records of kept shards on resume (their outcome is logged) and leaves the empty and
+    skip-share checks to the merge.
 
-    unit: None for the whole corpus (the one-machine command), or one work unit of a plan
-    (`data_prep.plan.UnitJob`: its output folder, sources, record readers, options, tokenizer
-    and the list its per-record log goes to). A unit's run also writes `records.npz` (one row
-    per record that passed the unit's duplicate filter, for the merge's global dedup:
-    data_prep/merge.py), saves no tokenizer, re-tokenizes the records of kept shards on
-    resume (their outcome is logged) and leaves the empty and skip-share checks to the merge.
-
-    Raises UserError / InputError / TokenizerError for user errors (one line each), NoSamples
-    after writing the manifest when every record was skipped, and TooManySkipped after
-    writing it when a skip reason covers more than `args.max_skip_fraction` of the input.
-    """
+    Raises UserError / InputError / TokenizerError for user errors (one line each), and, after
+    writing the manifest, NoSamples or TooManySkipped."""
     t0 = time.time()
     fields = Fields(args.query_field, args.response_field, args.text_field, args.messages_field)
     if unit is None:

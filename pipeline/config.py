@@ -1,13 +1,9 @@
 """Run configuration: the schema of `configs/*.yaml`, command-line overrides, validation.
 
-Owns: the structured config (`RunConfig`), merging YAML + `key=value` overrides, and every
-check that can be done before a process group or tensor exists (batch arithmetic, TP
-divisibility, files that must exist, vocabulary vs. tokenizer). Must not touch: process
-groups, models, data loading (it only reads small JSON/YAML files to validate).
-
-Usage:
-    cfg = load_config("configs/tiny.yaml", ["train.max_steps=10"])
-    plan = validate(cfg, world_size=4)        # raises ConfigError with a one-line message
+Owns: `RunConfig`, merging YAML + `key=value` overrides, and every check that can be done
+before a process group or tensor exists (batch arithmetic, TP divisibility, files that must
+exist, vocabulary vs. tokenizer). Must not touch: process groups, models, data loading (it
+reads only small JSON/YAML files). Usage: `validate(load_config(path, overrides), world_size)`.
 
 Batch arithmetic (Megatron names): global batch = micro-batch x gradient-accumulation steps x
 data-parallel size, data-parallel size = world size / tensor-parallel size. Give either
@@ -32,10 +28,10 @@ class ConfigError(ValueError):
 class ModelSection:
     """Network shape: a preset YAML (`configs/model/*.yaml`, fields of
     `pipeline.model.ModelConfig`) and/or inline fields that override it. `attention`: the
-    attention kernel of packed training/evaluation forwards, one of auto|sdpa|flex|varlen
-    (`pipeline.model.resolve_attention`; auto = varlen on CUDA in bf16, else sdpa; flex trains
-    on CPU through sdpa with a notice; decoding always uses SDPA). None keeps the preset's value
-    (else auto). It is not part of the checkpointed shape: a run may resume with another kernel."""
+    attention kernel of packed forwards, auto|sdpa|flex|varlen (what each picks:
+    `pipeline.model.resolve_attention`; decoding always uses SDPA); None keeps the preset's
+    value (else auto). Not part of the checkpointed shape: a run may resume with another
+    kernel."""
     preset: Optional[str] = None
     inline: Dict[str, Any] = field(default_factory=dict)
     attention: Optional[str] = None
@@ -55,9 +51,8 @@ class SourceSection:
     """One corpus of a data mixture (`data.sources`, `pipeline.data.mixture`): `name` (unique;
     the key of its metrics), `dir` (its shard folder), `weight` (its share of the training
     tokens, > 0; the weights are normalized to sum 1: a token share, not a sample share),
-    `max_epochs` (at most this many passes over its training split: a run that would need
-    more, computed at start-up from the manifests' token counts and `train.max_steps`, is
-    refused; null = no limit)."""
+    `max_epochs` (at most this many passes over its training split, checked at start-up;
+    null = no limit)."""
     name: str = MISSING
     dir: str = MISSING
     weight: float = MISSING
@@ -74,22 +69,17 @@ class DataSection:
     the batches); `shuffle_buffer`: window of the shuffle and of packing, in samples.
     `verify_shards`: "error" (default) stops with one line naming a shard (and sample) that
     differs from manifest.json, "warn" prints that line and trains on, "off" skips the check
-    (each sample's digest from the shard's sample index is checked when it is read, and the
-    shard's size when first opened; shards with version-1 indexes are hashed whole once per
-    loader process: `pipeline.data.shard_io`).
+    (what is checked when: `pipeline.data.shard_io`).
     `on_shard_change`: what a resumed run does when the training split's shard set differs from
-    the one its checkpoint was taken on (shards rebuilt with more input): "refuse" (default:
-    one line, exit 2) or "new_pass": keep weights, optimizer, step and lr schedule and start a
-    new epoch over the new set (same tokenizer required; the checkpoint's `shard_sets` records
-    each set and the step it began at; `pipeline.data.ShardLoader.load_state_dict`).
-    `sources`: a data mixture instead of `dir` (exactly one of the two; `dir` is the one-source
-    shorthand): a list of `SourceSection`, every source with the same tokenizer, read with the
-    settings above (each source's `train_split` is blended by token share; validation reads
-    every source's `val_split`; ARCHITECTURE.md "Mixtures"). `phase`: the data phase; a resume
-    with other sources or weights (or a changed shard set of a source) is refused unless
-    `phase` is raised: a new phase keeps every source's read position, the weights,
-    optimizer, step and lr schedule (the schedule may change with it, as with
-    `optim.override_schedule`), and is recorded in the checkpoint (`data_phases`) and metrics."""
+    its checkpoint's: "refuse" (default: one line, exit 2) or "new_pass": keep weights,
+    optimizer, step and lr schedule and start a new epoch over the new set (same tokenizer;
+    `pipeline.data.ShardLoader.load_state_dict`).
+    `sources`: a data mixture instead of `dir` (exactly one of the two), a list of
+    `SourceSection` with one tokenizer, read with the settings above (ARCHITECTURE.md
+    "Mixtures"). `phase`: the data phase; a resume with other sources or weights (or a changed
+    shard set of a source) is refused unless `phase` is raised: a new phase keeps every
+    source's read position, weights, optimizer, step and lr schedule (which may change with it,
+    as with `optim.override_schedule`)."""
     dir: Optional[str] = None
     sources: List[SourceSection] = field(default_factory=list)
     phase: int = 0
@@ -110,19 +100,15 @@ class OptimSection:
     over `warmup_steps`, then `schedule` "cosine" (to `min_lr` at `train.max_steps`) or "wsd"
     (warmup-stable-decay: `lr` until the last `decay_steps` steps, or the last
     `decay_fraction` of `train.max_steps` when `decay_steps` is null, which decay to `min_lr`
-    with `decay_shape` "linear", "1-sqrt" or "cosine"). Checkpoints record the schedule; a
-    resume whose schedule would change the lr of a step already taken or of the next one
-    (e.g. a larger `train.max_steps` under cosine, another `lr`) is refused in one line unless
-    `override_schedule: true` (the new schedule applies from the resumed step) or the run starts
-    a new pass on changed shards (`data.on_shard_change=new_pass`). A wsd run extended before
-    its decay began keeps every lr it applied.
+    with `decay_shape` "linear", "1-sqrt" or "cosine"). A resume whose schedule would change
+    the lr of a step already taken or of the next one (e.g. a larger `train.max_steps` under
+    cosine) is refused in one line unless `override_schedule: true` (the new schedule applies
+    from the resumed step) or `data.on_shard_change=new_pass` starts a new pass.
     `grad_clip`: max global gradient L2 norm (0 disables). `impl`: "torch" uses
-    torch.optim.AdamW (no C++ build; ZeRO's `zero_allow_untested_optimizer`), "deepspeed" lets
-    DeepSpeed build its own AdamW (FusedAdam on GPU, DeepSpeedCPUAdam with optimizer offload).
-    `fused` (with impl=torch): torch's fused AdamW kernel (`torch.optim.AdamW(fused=True)`: the
-    update of all parameters in a few kernels instead of the default multi-tensor loop; CUDA,
-    and the CPU in torch >= 2.4; same arithmetic, `pipeline.training.engine.make_torch_adamw`).
-    Off by default until GPU measurements say otherwise (docs/PERFORMANCE.md)."""
+    torch.optim.AdamW (no C++ build), "deepspeed" lets DeepSpeed build its own AdamW (FusedAdam
+    on GPU, DeepSpeedCPUAdam with optimizer offload). `fused` (with impl=torch):
+    `torch.optim.AdamW(fused=True)`, same arithmetic (`pipeline.training.engine.make_torch_adamw`);
+    off by default (docs/PERFORMANCE.md)."""
     lr: float = 2e-5
     min_lr: float = 0.0
     warmup_steps: int = 0
@@ -155,31 +141,23 @@ class TrainSection:
     docs/PERFORMANCE.md "What to set on a cluster" says when to change them):
     - `activation_checkpointing`: "none" (default), "selective" (recompute the norms, the
       attention core and the SwiGLU activation in backward; no matrix multiply twice) or "full"
-      (recompute each block); true/false are the old boolean spelling of full/none. Sets the model's
-      `recompute`, overriding the preset's value.
+      (recompute each block); true/false spell full/none. Overrides the preset's `recompute`.
     - `loss_impl`: how the output layer + cross-entropy run over the labelled positions:
-      "chunked" (default: chunks of `loss_chunk_tokens` rows, each recomputed in backward, fp32
-      logits per chunk; megatron's vocab-parallel cross-entropy), "fused" (ours, any TP size:
-      gradients computed in the forward pass, no recompute of the head, no fp32 copy of a
-      chunk's logits; `pipeline.model.linear_ce`) or "torch" (`torch.nn.functional.
-      linear_cross_entropy`, torch >= 2.13, TP=1 only).
+      "chunked" (default: `loss_chunk_tokens` rows at a time, recomputed in backward; megatron's
+      vocab-parallel cross-entropy), "fused" (any TP size, gradients in the forward pass;
+      `pipeline.model.linear_ce`) or "torch" (`torch.nn.functional.linear_cross_entropy`,
+      torch >= 2.13, TP=1 only).
     - `loss_chunk_tokens`: rows of logits alive at a time in the output layer (all impls).
     - `compile`: regional `torch.compile` of each decoder block (`Qwen3.compile_layers`; the
       first steps pay the compilation).
 
-    Hangs, stragglers, collectives (`pipeline.training.watchdog`; seconds):
+    Hangs, stragglers, collectives (`pipeline.training.watchdog`; seconds; the allowances of
+    saves and validation, with worked numbers: docs/ROBUSTNESS.md "Timeouts"):
     - `hang_timeout_s`: how long a phase of a training step (data, forward/backward, the step's
       all-reduce, optimizer) may go without progress before the job counts as hung (exit 6,
       one line per live rank naming the stuck rank(s), `<run_dir>/hang.json`). null (default)
       derives it from the step times after warm-up: max(120 s, 10 x median step time);
-      0 switches the watchdog off. A checkpoint save gets max(3 x the last save, min(60 s,
-      3 x the step allowance) + this rank's checkpoint bytes / 10 MB/s), the bytes being 16
-      per parameter over all ranks; a validation micro-batch 3 x `hang_timeout_s`, or
-      max(120 s, 30 x median step time) when derived. The tiny CPU run (a 2.2 MB checkpoint)
-      gets 120 s per step phase and validation micro-batch and 60.1 s per save, so a hang
-      after warm-up ends it within about 125 s. configs/qwen3_8b.yaml (8.19e9 parameters,
-      32 ranks: 4.1 GB per rank) gets 60 + 410 = 470 s per save until 3 x a measured save is
-      more; with e.g. a 6 s median step 120 s per step phase, 180 s per validation micro-batch.
+      0 switches the watchdog off.
     - `hang_warmup_s`: the allowance of the set-up (engine build, DeepSpeed op builds,
       checkpoint load), the first 3 steps after each start (compilation, first loader fill)
       and the first validation of each start.
@@ -226,27 +204,24 @@ class TrainSection:
 
 @dataclass
 class DeepSpeedSection:
-    """DeepSpeed numerics and ZeRO communication sizes (`pipeline.train.deepspeed_config`).
+    """DeepSpeed numerics and ZeRO communication sizes (`pipeline.training.engine`, which
+    explains each choice).
 
     `fp32_grad_accum`: with `train.precision=bf16`, accumulate gradients over micro-batches and
-    reduce them over the data-parallel group in fp32 (DeepSpeed `data_types.grad_accum_dtype`
-    and `communication_data_type`), as Megatron does; false keeps both in bf16 (DeepSpeed's
-    default: half the gradient-partition memory and traffic, but bf16's 8-bit mantissa drops
-    small per-rank contributions). Ignored with fp32. With `train.zero_stage=0` only the
-    all-reduce becomes fp32 (DeepSpeed 0.19 accumulates in the parameter dtype without ZeRO).
+    reduce them over the data-parallel group in fp32, as Megatron does; false keeps both in
+    bf16 (DeepSpeed's default: half the memory and traffic, but small per-rank contributions
+    are lost). Ignored with fp32. With `train.zero_stage=0` only the all-reduce becomes fp32.
 
     Sizes are in elements (parameters), not bytes; null derives them from the model's hidden
     size h as DeepSpeed's Hugging Face integration does for "auto" (DeepSpeed's fixed defaults,
-    5e8 / 5e7 / 1e5, fit neither a tiny nor an 8B model: a 5e8-element fp32 reduce bucket is
-    2 GB per GPU). Qwen3-8B (h = 4096): 16.8M, 15.1M, 40,960.
+    5e8 / 5e7 / 1e5, fit neither a tiny nor an 8B model; Qwen3-8B: 16.8M, 15.1M, 40,960).
     - `reduce_bucket_size` (h^2): gradient elements reduced per bucket (ZeRO 1-3).
     - `prefetch_bucket_size` (0.9 h^2): parameter elements all-gathered ahead of use (ZeRO-3).
     - `param_persistence_threshold` (10 h): parameters with fewer elements are not
       partitioned (norm weights stay whole on every rank; ZeRO-3).
     - `max_live_parameters` / `max_reuse_distance` (null = DeepSpeed's 1e9): gathered
       parameter elements kept alive / reuse distance before release (ZeRO-3); the larger of the
-      two, plus the largest weight, bounds the gathered weights per GPU (the memory plan's line;
-      Qwen3-8B at TP 2: 2.4 GiB in bf16 at 1e9).
+      two, plus the largest weight, bounds the gathered weights per GPU (the memory plan's line).
     """
     fp32_grad_accum: bool = True
     reduce_bucket_size: Optional[int] = None
@@ -262,9 +237,8 @@ class CheckpointSection:
     `interval` in optimizer steps (0 = only at the end and on a signal); `keep` = how many
     recent checkpoints to retain; `resume` = continue from the latest one when it exists;
     `reshard` = allow resuming a ZeRO-3 checkpoint saved with another world size or
-    `train.tensor_parallel_size` (converted once by `pipeline.checkpoint.reshard`; the run's global batch
-    is kept and gradient accumulation recomputed for the new data-parallel size). Off by
-    default, so an accidental layout change stops with one line."""
+    `train.tensor_parallel_size` (`pipeline.checkpoint.reshard`; the global batch is kept).
+    Off by default, so an accidental layout change stops with one line."""
     dir: Optional[str] = None
     interval: int = 1000
     keep: int = 3
@@ -298,12 +272,9 @@ class DebugSection:
     start (data phase), `slow_save_s` in each checkpoint save after DeepSpeed's files are
     written (the `.partial` folder exists), `slow_eval_s` in each validation micro-batch;
     `slow_rank` (-1 = none) sleeps `slow_rank_s` plus `slow_rank_factor` times its own time in
-    the step so far (`slow_first_step_s` not counted), in every step before the step's
-    all-reduce (a straggler: named in metrics.jsonl and the straggler warning; the factor keeps
-    its skew above a threshold however loaded the machine is). `hang_rank` (-1 = none) stops
-    making progress forever at step `hang_at_step` (1-based; its process stays alive and its
-    main thread sleeps, as on a GPU hang): the hang watchdog must name it, and it writes its
-    stacks."""
+    the step so far, in every step before the step's all-reduce (a straggler). `hang_rank`
+    (-1 = none) stops making progress forever at step `hang_at_step` (1-based; its process
+    stays alive, as on a GPU hang). Their use: docs/ROBUSTNESS.md "Fault injection"."""
     nan_at_steps: List[int] = field(default_factory=list)
     slow_first_step_s: float = 0.0
     slow_save_s: float = 0.0
@@ -352,11 +323,8 @@ class Plan:
 
 def data_sources(data) -> list:
     """The run's data as `pipeline.data.mixture.Source`s: `data.sources` in order, or the one
-    folder `data.dir` (named after its last path component, weight 1).
-
-    Args:
-        data: the `data` section (DictConfig or the dict a checkpoint's saved config holds).
-    """
+    folder `data.dir` (named after its last path component, weight 1). `data`: the `data`
+    section (DictConfig or the dict a checkpoint's saved config holds)."""
     from pipeline.data.mixture import Source, folder_name
     srcs = data.get("sources") or []
     if srcs:
@@ -370,14 +338,8 @@ def _one_line(e: Exception) -> str:
 
 
 def load_config(path: str, overrides: List[str] | None = None) -> DictConfig:
-    """Read a run YAML, merge it over the `RunConfig` schema, then apply `key=value` overrides.
-
-    Args:
-        path: YAML file.
-        overrides: omegaconf dotlist, e.g. ["train.max_steps=10", "wandb.mode=offline"].
-
-    Returns:
-        A DictConfig typed by `RunConfig` (unknown keys rejected, values type-checked).
+    """Read the YAML at `path`, merge it over the `RunConfig` schema, then apply `overrides`
+    (omegaconf dotlist, e.g. ["train.max_steps=10"]). Returns a DictConfig typed by `RunConfig`.
 
     Raises:
         ConfigError: missing/unreadable file, unknown key, wrong type (one-line message).
@@ -545,10 +507,7 @@ def model_fields(cfg: DictConfig, tp: int) -> Dict[str, Any]:
     """The merged `ModelConfig` fields of a run (preset, inline, `train.activation_checkpointing`,
     `model.attention`) without the rest of `validate` (no shard folder needed: the memory
     planner). With `init.source=hf`, a preset and no readable `init.hf_path`, the preset alone.
-
-    Raises:
-        ConfigError: one line naming the key.
-    """
+    Raises ConfigError: one line naming the key."""
     try:
         if (cfg.init.source == "hf" and cfg.model.preset
                 and not (cfg.init.hf_path and os.path.isfile(os.path.join(str(cfg.init.hf_path),
@@ -561,14 +520,8 @@ def model_fields(cfg: DictConfig, tp: int) -> Dict[str, Any]:
 
 
 def validate(cfg: DictConfig, world_size: int | None = None) -> Plan:
-    """Check a run config against the launch (world size) and the files it names.
-
-    Args:
-        cfg: from `load_config`.
-        world_size: number of processes; default from WORLD_SIZE / SLURM_NTASKS (else 1).
-
-    Returns:
-        Plan with the derived numbers.
+    """Check `cfg` (from `load_config`) against the launch's `world_size` (default
+    WORLD_SIZE / SLURM_NTASKS, else 1) and the files it names; returns the `Plan`.
 
     Raises:
         ConfigError: the first problem found, as one line naming the key.

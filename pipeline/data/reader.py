@@ -1,19 +1,13 @@
 """Random access to a split's samples by global id, through each shard's sample index.
 
-- Reading: each shard's sample index (`<shard>.idx`, `pipeline.data.sample_index`; one read
-  of 44 bytes a sample when a process first needs the shard, never a walk of tar headers)
-  gives each sample's byte range, read in one request, and its digest, checked on that read
-  (`data.verify_shards`, `pipeline.data.shard_io`: per sample read, no whole-shard hash).
-  Unpacked, a worker reads only the samples of its own rows. Packed, the rows depend on the
-  lengths of the whole window, which every worker takes from the indexes (no read per
-  sample), then it reads only the samples of its own rows. Objective mode "dual" packs by the
-  fed length, clean tokens plus masked copies, which depends on each sample's slots and its
-  (seed, key, epoch) draws: `objective.dual_fed_length` computes it from the slot layout a
-  version-3 index holds (key hash, slot sizes), so there too a worker reads only its own rows'
-  samples; for a shard whose index has no layouts (version 1 or 2) each worker reads and
-  reorganizes every sample of the window (one note per process names `shard.py index`, which
-  adds them). TP ranks of a DP rank each build the loader and read the same samples
-  (ARCHITECTURE.md "Loader" says why they do not share them). A manifest whose shards have
+- Reading: each shard's sample index (`<shard>.idx`, `pipeline.data.sample_index`, read once
+  when a process first needs the shard, never a walk of tar headers) gives each sample's byte
+  range, read in one request, and its digest, checked on that read (`data.verify_shards`,
+  `pipeline.data.shard_io`). A worker reads only the samples of its own rows; packing takes
+  the lengths (and in objective mode "dual" the fed lengths) from the indexes
+  (`pipeline.data.rows.window_rows`, and its exception for indexes without slot layouts). TP
+  ranks of a DP rank each build the loader and read the same samples (ARCHITECTURE.md "Loader"
+  says why they do not share them). A manifest whose shards have
   no index entry (a folder made before indexes) is
   refused at start-up in one line naming `python data_prep/shard.py index DIR`, which writes
   them: a DataError (exit 2) rather than a fallback to the tar walk, so no job silently pays
@@ -46,10 +40,8 @@ def open_shard(fs, path: str):
 
 
 class Reader:
-    """Random access to samples by global id: each shard's sample index
-    (`pipeline.data.sample_index`, read when the shard is first needed) gives every sample's
-    byte range, read in one request from an open-file cache; no tar header is parsed but the
-    one inside a sample's range that names its key."""
+    """Random access to samples by global id (module docstring), from an open-file cache; no
+    tar header is parsed but the one inside a sample's range that names its key."""
 
     def __init__(self, spec: Spec, order: Order):
         self.spec, self.order = spec, order

@@ -34,25 +34,15 @@ PACKINGS = ("next_fit", "best_fit")
 
 
 def best_fit_decreasing(lengths, capacity: int) -> list[list[int]]:
-    """Best-fit-decreasing bin packing: indices into `lengths` grouped into rows of at most
-    `capacity` tokens.
-
-    Items are taken longest first (ties: lower index first); each goes into the open row with
-    the least room that still holds it, or starts a new row. Rows are returned in creation
-    order, each row's items in insertion order. Deterministic. Cost O(n log n).
+    """Best-fit-decreasing bin packing (module docstring, "Rows"): indices into `lengths` (ints,
+    each <= `capacity` tokens) grouped into rows of at most `capacity` tokens; ties longest-first
+    by lower index; rows in creation order, each row's items in insertion order. Deterministic,
+    O(n log n). Raises ValueError: an item longer than `capacity`.
 
     Why not a library packer: TRL's `pack_dataset(strategy="bfd")` and NeMo's
-    first-fit-decreasing pack a whole (Arrow / in-memory) dataset offline; our loader packs
-    one shuffle window at a time while streaming and must be resumable at any row, so it
-    needs the rows of one window as a pure function of that window, which is these few lines.
-
-    Args:
-        lengths: sequence of int (tokens per item), each <= capacity.
-        capacity: tokens per row.
-
-    Raises:
-        ValueError: an item longer than `capacity`.
-    """
+    first-fit-decreasing pack a whole (Arrow / in-memory) dataset offline; our loader packs one
+    shuffle window at a time while streaming and must be resumable at any row, so it needs the
+    rows of one window as a pure function of that window, which is these few lines."""
     order = sorted(range(len(lengths)), key=lambda i: (-int(lengths[i]), i))
     rows: list[list[int]] = []
     room: list[tuple[int, int]] = []   # sorted (free tokens, row index) of rows with room

@@ -2,9 +2,6 @@
 `pipeline.lm_eval` and the experiment: the decoding options, their checks, the settings recorded
 with results, one batch decoded with the chosen mode, and small input/output checks.
 
-Owns: option names and defaults (`add_decoding_args`), their ranges (`check_decoding_args`),
-the statement that a lossless mode's settings are not lossless (`lossless_note`),
-`decode_batch`, `warm_up`, `load_model_from_args`, `read_prompts_jsonl`, `check_json_out`.
 Must not touch: the algorithms (`pipeline.inference.decoding`), loading
 (`pipeline.inference.loading`), printing (each CLI prints its own output).
 """
@@ -113,10 +110,9 @@ def add_decoding_args(p: argparse.ArgumentParser) -> None:
 
 
 def load_model_from_args(args, load=None) -> Loaded:
-    """`load_for_inference` (or `load`, same signature) with the `--model`, `--tokenizer`,
-    `--device` and `--dtype` of `args` (and `args.data_tokenizer`, when set, as the tokenizer
-    to fall back on); writes the resolved device and dtype back into `args`
-    (recorded in the JSON settings). Raises UsageError."""
+    """`load_for_inference` (or `load`, same signature) with `args`' `--model`, `--tokenizer`,
+    `--device`, `--dtype` (and `args.data_tokenizer` as the fallback tokenizer); writes the
+    resolved device and dtype back into `args`. Raises UsageError."""
     extra = ({"fallback_tokenizer": args.data_tokenizer}
              if getattr(args, "data_tokenizer", None) else {})
     loaded = (load or load_for_inference)(args.model, args.tokenizer,
@@ -140,9 +136,8 @@ def decoding_settings(args, mode) -> dict:
 
 def check_decoding_args(args, refusion: bool = True) -> None:
     """Raise UsageError for out-of-range decoding options (`refusion`: also the slot/block
-    layout, which ar mode does not use). Thresholds: token threshold in [0, 1] (1 = never
-    accept a drafted token by probability), slot threshold >= 0 (>= 1 = one slot per step,
-    the best one)."""
+    layout): token threshold in [0, 1] (1 = never accept a drafted token by probability), slot
+    threshold >= 0 (>= 1 = one slot per step, the best one)."""
     for name in ("gen_length", "slot_size", "num_blocks", "batch_size"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1")
@@ -218,8 +213,8 @@ def read_prompts_jsonl(path) -> list[dict]:
 
 
 def check_json_out(path) -> None:
-    """Raise UsageError when `--output path` (the JSON results file) cannot be written as a file (checked before any
-    decoding, so that no results are lost): a folder, or a parent that is a file."""
+    """Raise UsageError, before any decoding, when `--output path` (the JSON results file)
+    cannot be written as a file: a folder, or a parent that is a file."""
     if path is None:
         return
     path = Path(path)

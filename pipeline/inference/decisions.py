@@ -1,13 +1,10 @@
 """What the row programs read from a forward's logits: computed on the logits' device for every
 row of the batch, brought to the host in one transfer per forward.
 
-Owns: the request side (`Need`: which logits rows a program reads, the token whose probability
-it needs at each), the driver side (`plan_needs` before the forward: host index arrays for the
-forward's one host-to-device copy; `decide` after it: choices (argmax, or Gumbel-max sampling)
-and softmax probabilities, then `device_to_host`, the one device-to-host copy) and the answer
-(`Decision`). The forward's logits are not kept: a program copies the few vectors it keeps
-(`Decision.vector`) while it handles its decision.
-Must not touch: the decoding algorithms (`pipeline.inference.decoding`), the model, the cache.
+A program states what it reads (`Need`); the driver lays the needs out before the forward
+(`plan_needs`) and answers them after it (`decide` -> `Decision`). The forward's logits are not
+kept: a program copies the few vectors it keeps (`Decision.vector`) while it handles its
+decision. Must not touch: the decoding algorithms, the model, the cache.
 """
 from __future__ import annotations
 

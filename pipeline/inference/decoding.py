@@ -7,10 +7,8 @@ The method, every verify mode, and where this code differs from the reference co
 from the reference code"). Each prompt is a row decoded by a program (`pipeline.inference.rows`):
 verify "authors" and "correct" in `pipeline.inference.plan_infill`, "draft_ahead" and
 "draft_every" in `pipeline.inference.left_to_right`, AR decoding here; `pipeline.inference.driver`
-runs the programs, one batched forward per step. The tests compare them with a cache-free oracle
-that recomputes the whole reorganized sequence at every forward (`tests/decoding_oracle.py`).
-Must not touch: model weights, tokenizers, files, process groups (a caller with tensor
-parallelism > 1 runs the same call on every rank of the TP group; logits are all-gathered).
+runs the programs, one batched forward per step. Must not touch: model weights, tokenizers,
+files, process groups (with TP > 1 every rank of the TP group makes the same call).
 """
 from __future__ import annotations
 
@@ -42,15 +40,14 @@ class GenerationOutput:
         tokens: per prompt, the generated ids (`list[int]`, natural order, prompt excluded, ending
             at the first EOS inclusive when one was generated).
         forwards: per prompt, `Counter` of model forwards that row took part in, by kind
-            ("plan", "verify", "draft", "ar"; the prompt prefill rides along with the first plan
-            in refusion mode and is its own "prefill" forward in ar mode).
+            ("plan", "verify", "draft", "ar", "prefill"; how they count: docs/METHOD.md "TPF,
+            TPS and the other figures").
         batch_forwards: number of model forward calls for the whole batch.
         seconds: wall-clock seconds of the whole call, the model's device synchronized at both
-            ends (CUDA work is asynchronous).
-        tpf_reference_style: per prompt, the reference code's "TPF" (per-step average of
-            slot_size x slots committed / forwards of that step); None in ar mode. With
-            verify="correct": tokens committed per step / 2; "draft_ahead" and
-            "draft_every": tokens committed per forward.
+            ends.
+        tpf_reference_style: per prompt, the reference code's "TPF" (METHOD.md, same section);
+            None in ar mode. With verify="correct": tokens committed per step / 2;
+            "draft_ahead" and "draft_every": tokens committed per forward.
         commit_forward: per prompt, aligned with `tokens`: the 1-based index of the prompt's
             forward after which each token was committed (tokens sharing an index were
             accepted together: the parallel infill made visible).
@@ -92,20 +89,10 @@ class GenerationOutput:
 
 
 def split_prompts(prompt_ids, attention_mask=None) -> list[list[int]]:
-    """Normalize prompts to a list of id lists.
-
-    Args:
-        prompt_ids: `LongTensor[B, T]` (left or right padded, with `attention_mask`), or a
-            sequence of 1-D `LongTensor[P_b]` / `list[int]`.
-        attention_mask: `Tensor[B, T]`, 1/True on real tokens (required to drop padding from a
-            padded 2-D tensor; without it every position is a prompt token).
-
-    Returns:
-        `list[list[int]]`, one list of prompt ids per row (padding removed).
-
-    Raises:
-        ValueError: a prompt is empty.
-    """
+    """Normalize prompts to `list[list[int]]`, one list of prompt ids per row, padding removed.
+    `prompt_ids`: `LongTensor[B, T]` (left or right padded, with `attention_mask`: `Tensor[B, T]`,
+    1/True on real tokens; without it every position is a prompt token), or a sequence of 1-D
+    `LongTensor[P_b]` / `list[int]`. Raises ValueError: a prompt is empty."""
     rows: list[list[int]] = []
     if isinstance(prompt_ids, torch.Tensor):
         if prompt_ids.dim() == 1:
@@ -125,8 +112,7 @@ def split_prompts(prompt_ids, attention_mask=None) -> list[list[int]]:
 
 
 def _clock(device: torch.device) -> float:
-    """`time.perf_counter()` after the device's queued work has finished (CUDA kernels run
-    asynchronously: without the synchronization a wall time would miss work still queued)."""
+    """`time.perf_counter()` after the device's queued (asynchronous CUDA) work has finished."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()
@@ -188,48 +174,34 @@ def refusion_generate(model, prompt_ids, gen_length: int, slot_size: int, num_bl
                       attention_mask: torch.Tensor | None = None,
                       seed: int = 0, verify: str = "authors",
                       mask_attention: str = "causal") -> GenerationOutput:
-    """Plan-and-infill decoding of a batch of prompts with a KV cache (docs/METHOD.md "Decoding:
-    plan and infill").
+    """Plan-and-infill decoding of a batch of prompts with a KV cache; returns a
+    `GenerationOutput`. The method and each option's role: docs/METHOD.md "Decoding: plan and
+    infill" and the sections named below.
 
     Args:
-        model: `pipeline.model.Qwen3` in eval mode (any TP size; every TP rank calls this).
-        prompt_ids: `LongTensor[B, T]` (left or right padded; give `attention_mask`) or a list
-            of 1-D `LongTensor[P_b]` / `list[int]`.
+        model: `pipeline.model.Qwen3` in eval mode (any TP size).
+        prompt_ids, attention_mask: as `split_prompts`.
         gen_length: tokens to generate at most; "authors" and "correct" round it up to a
-            multiple of `slot_size` (their plan grid is whole slots), "draft_ahead" and
-            "draft_every" do not (their output equals `ar_generate`'s at every length).
-        slot_size: k, tokens per slot.
-        num_blocks: the generation region is decoded in this many left-to-right blocks; the
-            number of slots must be a multiple of it.
+            multiple of `slot_size` (k, tokens per slot); "draft_ahead" and "draft_every" do not.
+        num_blocks: left-to-right blocks of the generation region (divides the slot count).
         slot_threshold: a slot is selected when its first token's probability exceeds this
             (> 1: exactly one slot per step).
         token_threshold: a drafted token is accepted when its causal probability exceeds this
-            (0 (< every probability): whole slots accepted at once).
-        temperature: Gumbel-max sampling temperature of the plan step (0 = argmax).
+            (0: whole slots accepted at once).
+        temperature: Gumbel-max sampling temperature (0 = argmax); `seed` seeds it.
         mask_id / eos_id: the mask token id; the end-of-sequence id (None: never stop early).
         exact_cache: re-encode slots infilled in parallel in commit order (exact KV cache)
             instead of keeping each slot's prefix-only keys/values (the reference's choice).
-        attention_mask: `Tensor[B, T]` marking real prompt tokens of a padded `prompt_ids`.
-        seed: seed of the sampling generator (used only when temperature > 0).
-        verify: "authors" (default: the reference algorithm, docs/METHOD.md "One step"),
-            "correct" ("The corrected verify": the KV cache is then always exact and
-            `exact_cache` has no effect), "draft_ahead" ("Drafting inside the verify forward")
-            or "draft_every" ("Drafting for every acceptance length"); the last two decode
-            slots left to right: `num_blocks`, `slot_threshold` and `exact_cache` are unused.
-        mask_attention: "causal" (default) or "bidirectional": how the masks of one drafting
-            block attend to each other (docs/METHOD.md "Mask attention"; bidirectional matches
-            a model trained with `objective.mode=dual`). Verify draft_ahead and draft_every
-            only.
-
-    Returns:
-        `GenerationOutput` (generated ids per prompt, forwards by kind, TPF, TPS, the forward
-        that committed each token).
-
+        verify: "authors" (default, the reference algorithm: "One step"), "correct" ("The
+            corrected verify": the cache is always exact), "draft_ahead" ("Drafting inside the
+            verify forward") or "draft_every" ("Drafting for every acceptance length"); the
+            last two go slot by slot: `num_blocks`, `slot_threshold`, `exact_cache` unused.
+        mask_attention: "causal" (default) or "bidirectional" ("Mask attention"; verify
+            draft_ahead and draft_every only).
     Raises:
-        ValueError: inconsistent sizes, an unknown `verify` or `mask_attention`, a
-            bidirectional `mask_attention` with verify "authors" or "correct", or the prompt +
-            generation exceeds the model's `max_position_embeddings`.
-    """
+        ValueError: inconsistent sizes, an unknown `verify` or `mask_attention`, a bidirectional
+            `mask_attention` with verify "authors" or "correct", or the prompt + generation
+            exceeds the model's `max_position_embeddings`."""
     if verify not in VERIFY_MODES:
         raise ValueError(f"verify must be one of {', '.join(VERIFY_MODES)}, got {verify!r}")
     check_mask_attention(mask_attention, verify)
@@ -271,25 +243,15 @@ def refusion_generate(model, prompt_ids, gen_length: int, slot_size: int, num_bl
 def ar_generate(model, prompt_ids, gen_length: int, temperature: float, eos_id: int | None,
                 attention_mask: torch.Tensor | None = None, seed: int = 0,
                 cuda_graph: bool = False) -> GenerationOutput:
-    """Plain autoregressive decoding (one token per forward after a prefill) with the same model
-    and KV cache: the baseline for TPF/TPS/accuracy.
-
-    Args:
-        model, prompt_ids, attention_mask, seed: as `refusion_generate`.
-        gen_length: tokens to generate at most (stops earlier at EOS, which is kept).
-        temperature: sampling temperature (0 = greedy).
-        eos_id: end-of-sequence id, or None.
-        cuda_graph: on CUDA, replay the one-token steps from a CUDA graph captured at the first
-            of them (the cache then attends over its full storage width); the capture is
-            checked against the eager logits of its step, and decoding stays eager if they
-            differ. Ignored elsewhere.
-
-    Returns:
-        `GenerationOutput` (forwards by kind: "prefill", "ar").
+    """Plain autoregressive decoding (a prefill, then one token per forward) with the same model
+    and KV cache: the baseline for TPF/TPS/accuracy; returns a `GenerationOutput` (forwards
+    "prefill", "ar"). `model`, `prompt_ids`, `attention_mask`, `seed`: as `refusion_generate`;
+    at most `gen_length` tokens (stops after an EOS `eos_id`, kept); `temperature` 0 = greedy.
+    `cuda_graph`: on CUDA, replay the one-token steps from a captured graph
+    (`driver._GraphedStep`, checked against the eager logits); ignored elsewhere.
 
     Raises:
-        ValueError: gen_length < 1, or prompt + generation exceeds `max_position_embeddings`.
-    """
+        ValueError: gen_length < 1, or prompt + generation exceeds `max_position_embeddings`."""
     if gen_length < 1:
         raise ValueError("gen_length must be >= 1")
     prompts = split_prompts(prompt_ids, attention_mask)

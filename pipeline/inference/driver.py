@@ -150,13 +150,11 @@ def _run(model, rows: list, programs: list, max_len: int, temperature: float,
          generator, cuda_graph: bool = False) -> int:
     """Drive the row programs to completion; returns the number of forward calls.
 
-    Per forward, the host builds the ids, positions, the mask among the new tokens (only when
-    a request has one), the previous forward's commit index and the index of what the rows
-    read (`plan_needs`), copies them to the device in one transfer (`_pack`), commits there,
-    and runs the model; the mask over the cache is built on the device (`Qwen3.forward`). The
-    rows' decisions (`decide`: choices at `temperature` with `generator`, probabilities) come
-    back in one transfer; the logits are freed before the next forward. `cuda_graph` (CUDA
-    only): replay one-token-per-row steps from a captured graph (`_GraphedStep`)."""
+    Per forward, the host builds the `_Batch` inputs, copies them in one transfer (`_pack`),
+    commits on the device and runs the model (the mask over the cache is built on the device,
+    `Qwen3.forward`); the rows' decisions (`decide` at `temperature` with `generator`) come
+    back in one transfer. `cuda_graph` (CUDA only): replay one-token-per-row steps from a
+    captured graph (`_GraphedStep`)."""
     from pipeline.model import KVCache
 
     device = _model_device(model)

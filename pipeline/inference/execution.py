@@ -1,10 +1,9 @@
 """Running generated code against its tests in a sandboxed subprocess (pass@1 by execution).
 
 Owns: `run_tests` (one program: code + assert tests, in a fresh `python -I` process with a
-scratch directory as its cwd, resource limits, no network, a wall-clock limit that kills the
-process group), `run_batch` (many programs, a bounded number of processes at once) and
-`pass_at_1`. Must not touch: decoding, the tasks' data (the code and tests come from the
-caller), printing.
+scratch directory as its cwd and a wall-clock limit that kills its process group), `run_batch`
+(a bounded number of processes at once), `pass_at_1`. Must not touch: decoding, the tasks'
+data, printing.
 
 The sandbox stops mistakes, not an adversary: the limits are `resource.setrlimit` (address
 space, CPU seconds, file size, and no new processes where the user is not exempt from
@@ -116,21 +115,12 @@ def _child_env() -> dict:
 
 def run_tests(code: str, tests: list[str], timeout_s: float = DEFAULT_TIMEOUT_S,
               memory_bytes: int = DEFAULT_MEMORY_BYTES) -> ExecResult:
-    """Run `code` then each of `tests` (Python statements, usually `assert f(...) == ...`) in
-    a sandboxed subprocess (module docstring).
-
-    Args:
-        code: the program under test (e.g. signature + body), str.
-        tests: the test statements, run in order in the code's namespace; the first that
-            fails ends the run.
-        timeout_s: wall-clock seconds for the whole run (also the CPU-seconds limit, rounded
-            up); the process group is killed when it is reached.
-        memory_bytes: the address-space limit (RLIMIT_AS) set before the code runs.
-    Returns:
-        `ExecResult`; never raises for anything the code does.
-    Raises:
-        ValueError: timeout_s <= 0 or memory_bytes <= 0.
-    """
+    """`ExecResult` of running `code` (str), then each of `tests` (statements, usually
+    `assert f(...) == ...`, in order in the code's namespace; the first failure ends the run) in
+    a sandboxed subprocess (module docstring); never raises for anything the code does.
+    `timeout_s`: wall-clock seconds for the whole run (also the CPU-seconds limit, rounded up);
+    `memory_bytes`: the address-space limit (RLIMIT_AS). Raises ValueError: timeout_s <= 0 or
+    memory_bytes <= 0."""
     if timeout_s <= 0 or memory_bytes <= 0:
         raise ValueError(f"run_tests: timeout_s and memory_bytes must be > 0, got {timeout_s}, "
                          f"{memory_bytes}")
@@ -199,12 +189,8 @@ def _parse(out_path: Path, nonce: str, rc: int, tests: list[str], seconds: float
 
 def run_batch(programs: list[tuple[str, list[str]]], timeout_s: float = DEFAULT_TIMEOUT_S,
               memory_bytes: int = DEFAULT_MEMORY_BYTES, workers: int = 2) -> list[ExecResult]:
-    """`run_tests` for every (code, tests) pair, at most `workers` subprocesses at a time.
-
-    Returns:
-        one `ExecResult` per program, in order. Raises ValueError as `run_tests`, or for
-        workers < 1.
-    """
+    """`run_tests` for every (code, tests) pair, at most `workers` subprocesses at a time; one
+    `ExecResult` per program, in order. Raises ValueError as `run_tests`, or for workers < 1."""
     if workers < 1:
         raise ValueError(f"run_batch: workers must be >= 1, got {workers}")
     if not programs:

@@ -73,17 +73,14 @@ def _left_to_right_program(row: _Row, *, gen_length: int, slot_size: int,
                            every: bool, bidirectional: bool = False
                            ) -> Generator[_Request, Decision, None]:
     """verify="draft_ahead" or, with `every`, "draft_every" (docs/METHOD.md "Drafting inside the
-    verify forward", "Drafting for every acceptance length"): one forward per step feeding,
-    after the carried token (position L - 1), the drafts of positions L .. L + n - 1 (causal),
-    then blocks of masks: block a, for a accepted drafts, at L + a, L + a + 1, ... (its first
-    mask stands for the correction or bonus token at L + a) sees the cache, the carried token
-    and drafts 0 .. a - 1, causal within itself or, when `bidirectional`, both ways. The block
-    policy: draft_every drafts the k = `slot_size` positions after L and feeds a block of k + 1
-    masks for every a = 0 .. n (none past a drafted EOS or the generation region); draft_ahead
-    drafts to the end of the slot of a fixed grid holding L and feeds one block, a = n, to the
-    end of the next slot. The next drafts are the predictions of the walk's outcome's block
-    (`_walk_and_commit`) after its first mask; without that block (draft_ahead's rejection at
-    a), the old drafts after a, then the block's predictions from its first mask on."""
+    verify forward", "Drafting for every acceptance length", which lay out what a step feeds):
+    after the carried token at L - 1, the drafts of L .. L + n - 1, then blocks of masks, block
+    a (a accepted drafts) starting at L + a, causal within itself or, when `bidirectional`, both
+    ways. The block policy: draft_every feeds a block of k + 1 masks for every a = 0 .. n;
+    draft_ahead drafts to the end of the slot of a fixed grid holding L and feeds one block,
+    a = n, to the end of the next slot. The next drafts are the predictions of the walk's
+    outcome's block after its first mask; without that block (draft_ahead's rejection at a), the
+    old drafts after a, then the block's predictions from its first mask on."""
     k, p0, g = slot_size, len(row.prompt), gen_length
     cur = 0                              # first offset not committed (all before it are)
     draft: list[int] = []                # drafts of offsets cur, cur + 1, ...

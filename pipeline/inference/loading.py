@@ -1,19 +1,10 @@
 """Loading a model for inference: a Hugging Face folder or a training checkpoint, with its
 tokenizer, on the chosen device and dtype.
 
-Owns: `load_model` / `load_for_inference` (meta-device build, weights copied in one tensor at a
-time), the device choice (`resolve_device`, `default_dtype`, `synchronize`), finding the
-tokenizer next to the weights, and `prompt_ids` (a prompt as the data pipeline wraps queries).
-Used by decoding and evaluation CLIs (`pipeline.generate`, `pipeline.evaluate`,
-`pipeline.lm_eval`), the experiment and the benches. Must not touch: the decoding algorithms
-(`pipeline.inference.decoding`), command-line options (`pipeline.inference.cli`).
-
-`model_path` is a Hugging Face Qwen3 folder, or a training checkpoint (a step folder or a
-checkpoint root, recognised by `pipeline.checkpoint`; its fp32 master weights are consolidated
-one tensor at a time straight into the model, no Hugging Face folder is written). The device
-"auto" is CUDA when available (`cuda:<LOCAL_RANK mod GPUs>`), else the CPU; the parameter dtype
-defaults to bfloat16 on CUDA, float32 on the CPU. The tokenizer comes from the model folder:
-Hugging Face tokenizer files, else a SentencePiece `tokenizer.model`.
+Owns: `load_model` / `load_for_inference`, the device choice (`resolve_device`,
+`default_dtype`, `synchronize`), finding the tokenizer next to the weights, `prompt_ids` (a
+prompt as the data pipeline wraps queries). Must not touch: the decoding algorithms, the
+command-line options (`pipeline.inference.cli`).
 """
 from __future__ import annotations
 
@@ -29,13 +20,8 @@ from pipeline.common.cli import UsageError
 
 @dataclass
 class Loaded:
-    """A model ready for decoding.
-
-    Attributes:
-        model: `pipeline.model.Qwen3` in eval mode.
-        tokenizer: `pipeline.tokenizer.Tokenizer` (`info.mask_id`, `info.eos_id`).
-        folder: the HF folder the weights were read from.
-    """
+    """A model ready for decoding: `model` (`pipeline.model.Qwen3`, eval mode), `tokenizer`
+    (`pipeline.tokenizer.Tokenizer`), `folder` (the HF folder or checkpoint path read)."""
 
     model: torch.nn.Module
     tokenizer: object
@@ -89,18 +75,10 @@ def _find_tokenizer(folder: Path) -> str | None:
 
 
 def resolve_device(spec: str | torch.device | None = "auto") -> torch.device:
-    """The device a `--device` value names.
-
-    Args:
-        spec: "auto" or None (CUDA when `torch.cuda.is_available()`, as `cuda:<LOCAL_RANK
-            modulo the visible GPUs>` or `cuda:0`; else the CPU), "cpu", "cuda", "cuda:N", or a
-            `torch.device`.
-    Returns:
-        `torch.device` ("cuda" without an index becomes the current CUDA device).
-    Raises:
-        UsageError: an unknown value, CUDA asked for where none is available, or an index past
-            the visible GPUs.
-    """
+    """The `torch.device` a `--device` value `spec` names: "auto" or None (CUDA when available,
+    as `cuda:<LOCAL_RANK modulo the visible GPUs>` or `cuda:0`; else the CPU), "cpu", "cuda" (the
+    current CUDA device), "cuda:N", or a `torch.device`. Raises UsageError: an unknown value, CUDA
+    asked for where none is available, or an index past the visible GPUs."""
     if isinstance(spec, torch.device):
         spec = str(spec)
     spec = "auto" if spec is None else str(spec).strip().lower()
@@ -141,25 +119,19 @@ def synchronize(device) -> None:
 
 def load_model(model_path, dtype: torch.dtype | None = None, *,
                device: str | torch.device | None = None):
-    """The weights of a HF folder or a training checkpoint in `pipeline.model.Qwen3` (TP=1),
-    without a tokenizer (`load_for_inference` adds it).
+    """(model in eval mode, its `ModelConfig`, a tokenizer path found with the weights or None):
+    the weights of `model_path` (a HF Qwen3 folder, or a checkpoint step folder / root) in
+    `pipeline.model.Qwen3` (TP=1) on `device` (as `resolve_device`) in `dtype` (None:
+    `default_dtype`); `load_for_inference` adds the tokenizer.
 
-    The model is built on the meta device and materialized directly on `device` in `dtype`;
-    the weights are then copied in one tensor at a time (cast and moved on the copy), so no
-    full-size host copy is made. A checkpoint is consolidated tensor by tensor
-    (`pipeline.checkpoint.hf_export_state`: fp32 master weights, merged over DP and TP ranks)
-    straight into the parameters: no Hugging Face folder is written.
+    The model is built on the meta device and materialized on `device`; the weights are copied in
+    one tensor at a time (cast and moved on the copy), so no full-size host copy is made. A
+    checkpoint's fp32 master weights are consolidated tensor by tensor
+    (`pipeline.checkpoint.hf_export_state`) straight into the parameters: no Hugging Face folder
+    is written.
 
-    Args:
-        model_path: HF Qwen3 folder, or a checkpoint step folder / root.
-        dtype: parameter dtype (None: `default_dtype(device)`).
-        device: as `resolve_device`.
-    Returns:
-        (model in eval mode, its `ModelConfig`, a tokenizer path found with the weights or None).
     Raises:
-        UsageError: a missing path, an unreadable HF folder or checkpoint, an unavailable
-            device.
-    """
+        UsageError: a missing path, an unreadable HF folder or checkpoint, an unavailable device."""
     from pipeline.model import Qwen3
     from pipeline.model.hf import TensorSource, config_from_hf, iter_tp_shard, load_hf_into_model
     from pipeline.model.weights import copy_into_model, empty_model
@@ -206,32 +178,17 @@ def load_model(model_path, dtype: torch.dtype | None = None, *,
 def load_for_inference(model_path, tokenizer_path=None, dtype: torch.dtype | None = None, *,
                        device: str | torch.device | None = None,
                        fallback_tokenizer: str | None = None) -> Loaded:
-    """Load a HF folder or a training checkpoint into `pipeline.model.Qwen3` (TP=1), with its
-    tokenizer.
+    """`Loaded`: a HF folder or training checkpoint in `pipeline.model.Qwen3` (TP=1;
+    `load_model` with the same `model_path`, `dtype`, `device`) with its tokenizer; starts a
+    single-process gloo group and megatron-core's parallel state when none exists.
 
-    Starts a single-process gloo group and megatron-core's parallel state when none exists.
-    The weights: `load_model` (meta-device build, materialized on `device` in `dtype`, weights
-    copied in one tensor at a time; a checkpoint is consolidated straight into the model, no
-    temporary Hugging Face folder).
-
-    Args:
-        model_path: HF Qwen3 folder, or a checkpoint step folder / root.
-        tokenizer_path: tokenizer folder or SentencePiece file (default: the model folder's;
-            for a checkpoint, a `tokenizer/` next to it or inside it, if any).
-        dtype: parameter dtype (None: bf16 on CUDA, fp32 on the CPU; `default_dtype`).
-        device: "auto" / None (CUDA when available), "cpu", "cuda", "cuda:N" or a
-            `torch.device` (`resolve_device`).
-        fallback_tokenizer: a local tokenizer folder or file to use when neither
-            `tokenizer_path` nor the model gives one (`pipeline.evaluate`: the tokenizer saved
-            with the shards it evaluates on, manifest `tokenizer.files`).
-
-    Returns:
-        `Loaded` (`folder` is the HF folder, or the checkpoint path for a checkpoint).
+    `tokenizer_path`: tokenizer folder or SentencePiece file (default: the model folder's,
+    `_find_tokenizer`; for a checkpoint, a `tokenizer/` next to or inside it), else
+    `fallback_tokenizer` (`pipeline.evaluate`: the one saved with the shards it evaluates on).
 
     Raises:
-        UsageError: missing paths, unreadable checkpoint, no tokenizer, mask/EOS ids outside
-            the model's vocab, an unavailable device.
-    """
+        UsageError: missing paths, unreadable checkpoint, no tokenizer, mask/EOS ids outside the
+            model's vocab, an unavailable device."""
     path = Path(model_path)
     # the tokenizer is loaded first: a wrong one fails before the weights are read
     if not path.exists():

@@ -1,18 +1,13 @@
 """Hugging Face Qwen3 folders <-> our native tensor-parallel parameters (the state-dict adapter).
 
-Owns: reading config.json into `ModelConfig`; per-rank loading that reads only the slices a
-rank needs (safetensors `safe_open` + `get_slice`, single file or sharded with
-`model.safetensors.index.json`); merging per-rank native tensors back into full Hugging Face
-tensors; writing a Hugging Face folder (config.json, safetensors, tokenizer files through
-`pipeline.tokenizer.save_tokenizer`). Which native parameter is made of which Hugging Face
-tensors, and how each is split over the tensor-parallel group, is `pipeline.model.tp`'s table:
-this module only reads it. Must not touch: the network definition, training checkpoints (their
-layout belongs to `pipeline.checkpoint`), process groups.
-
-Vocabulary: the checkpoint's embedding rows are kept (151936 for Qwen3; 151671 for the authors'
-ReFusion release) and padded with zero rows up to a multiple of the TP size when needed
-(`padded_vocab_size`). The ReFusion tokens `<|beginoftext|>` / `<|mask|>` then take ids 151669 /
-151670, which are existing rows of a Qwen3 checkpoint.
+Owns: config.json -> `ModelConfig`, per-rank loading that reads only the slices a rank needs
+(safetensors `get_slice`, single file or sharded), merging per-rank tensors into full ones,
+writing a Hugging Face folder. Must not touch: the network, training checkpoints
+(`pipeline.checkpoint`), process groups. Which native parameter is made of which Hugging Face
+tensors, and how each is split over the TP group, is `pipeline.model.tp`'s table: this module
+only reads it. The vocabulary rule (checkpoint rows kept, zero-padded to a multiple of the TP
+size, `padded_vocab_size`): docs/METHOD.md "Qwen3 facts" (Tokens). API overview:
+ARCHITECTURE.md "HF I/O API".
 """
 from __future__ import annotations
 
@@ -40,12 +35,8 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 1024 ** 3
 
 
 def read_hf_config(src) -> dict:
-    """The parsed `config.json` of a Hugging Face folder.
-
-    Raises:
-        FileNotFoundError: `src/config.json` missing.
-        ValueError: not valid JSON (names the file).
-    """
+    """The parsed `config.json` of a Hugging Face folder. Raises FileNotFoundError (missing) or
+    ValueError (not valid JSON; names the file)."""
     path = Path(src) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path}: not found (expected a Hugging Face model folder)")
@@ -56,10 +47,9 @@ def read_hf_config(src) -> dict:
 
 
 def config_from_hf(src, tp_size: int = 1) -> ModelConfig:
-    """`ModelConfig` from a Hugging Face Qwen3 `config.json` (folder path or parsed dict).
-
-    The vocab is the checkpoint's embedding rows padded to a multiple of `tp_size`. Accepts the
-    authors' ReFusion folders (Qwen3 with extra keys such as `mask_token_id`).
+    """`ModelConfig` from a Hugging Face Qwen3 `config.json` (folder path or parsed dict),
+    vocab padded to a multiple of `tp_size`; accepts the authors' ReFusion folders (extra keys
+    such as `mask_token_id`).
 
     Raises:
         ValueError: not a Qwen3 config, or a feature we do not implement (attention bias,
@@ -107,12 +97,9 @@ def config_from_hf(src, tp_size: int = 1) -> ModelConfig:
 
 
 def hf_config_dict(cfg: ModelConfig, vocab_size: int | None = None, **extra) -> dict:
-    """A Qwen3 `config.json` dict for `cfg` (the keys `transformers.Qwen3Config` reads).
-
-    Args:
-        vocab_size: rows to declare (default `cfg.vocab_size`).
-        **extra: more keys (e.g. `bos_token_id`, `eos_token_id`, `mask_token_id`, `dtype`).
-    """
+    """A Qwen3 `config.json` dict for `cfg` (the keys `transformers.Qwen3Config` reads),
+    declaring `vocab_size` rows (default `cfg.vocab_size`), plus the `extra` keys (e.g.
+    `mask_token_id`, `dtype`)."""
     d = {
         "architectures": list(QWEN3_ARCHITECTURES),
         "model_type": "qwen3",
@@ -143,11 +130,8 @@ def hf_config_dict(cfg: ModelConfig, vocab_size: int | None = None, **extra) -> 
 
 class SafetensorsFolder:
     """Lazy read access to the tensors of a HF folder (`model.safetensors` or a sharded set with
-    `model.safetensors.index.json`); nothing is read until `get_slice(...)[...]`.
-
-    Raises:
-        FileNotFoundError: no safetensors weights in the folder (names the folder).
-    """
+    `model.safetensors.index.json`); nothing is read until `get_slice(...)[...]`. Raises
+    FileNotFoundError: no safetensors weights in the folder (names it)."""
 
     def __init__(self, src):
         self.root = Path(src)
@@ -218,12 +202,8 @@ def _read_tp_param(st: "SafetensorsFolder", src, spec: ParamSpec, tp_rank: int,
 
 def tp_param_reader(src, cfg: ModelConfig, tp_rank: int, tp_size: int):
     """`read(native_name) -> Tensor`: this TP rank's slice of one parameter, read from the HF
-    folder `src` (as `iter_tp_shard` yields it, as stored), the files reopened per call so
-    that pages read through their memory maps do not stay resident.
-
-    Raises (from `read`):
-        KeyError: an unknown parameter, or an HF tensor missing from the checkpoint.
-    """
+    folder `src` as `iter_tp_shard` yields it (as stored; files reopened per call). `read` raises
+    KeyError: an unknown parameter, or an HF tensor missing from the checkpoint."""
     specs = {s.native: s for s in param_specs(cfg)}
     st = SafetensorsFolder(src)
 
@@ -237,24 +217,15 @@ def tp_param_reader(src, cfg: ModelConfig, tp_rank: int, tp_size: int):
 
 def iter_tp_shard(src, cfg: ModelConfig, tp_rank: int, tp_size: int,
                   dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield `(native_name, tensor)` for this TP rank, reading only the needed slices.
+    """Yield `(native_name, tensor)` for TP rank `tp_rank` of `tp_size`, each exactly the shape
+    of `Qwen3(cfg)`'s parameter there (vocab padding rows zeros, cast to `dtype` when given),
+    reading only the needed slices of `src` (a Hugging Face folder or anything with
+    `SafetensorsFolder`'s read interface, e.g. a `TensorSource`). One parameter is held at a
+    time: the files are reopened per parameter, so pages read through their memory maps do not
+    stay resident (peak: about one parameter slice).
 
-    Every tensor has exactly the shape of the matching parameter of `Qwen3(cfg)` on rank
-    `tp_rank` of a TP group of `tp_size` (so the trainer can copy it into a ZeRO-3 partitioned
-    parameter under `deepspeed.zero.GatheredParameters`). Embedding/head rows beyond the
-    checkpoint's rows (vocab padding) are zeros. One parameter is held at a time: the
-    safetensors files are reopened per parameter, so that pages read through their memory
-    maps do not stay resident (peak memory: about one parameter slice).
-
-    Args:
-        src: Hugging Face folder (config.json + safetensors), or an object with the same read
-            interface as `SafetensorsFolder` (`name in src`, `src.get_slice(name)`, `close()`),
-            e.g. in-memory full tensors (`pipeline.checkpoint.reshard`).
-        cfg: the model config (e.g. `config_from_hf(src, tp_size)`).
-        dtype: cast to this dtype (default: as stored).
     Raises:
-        KeyError: a tensor the model needs is missing from the checkpoint (names it).
-    """
+        KeyError: a tensor the model needs is missing from the checkpoint (names it)."""
     st = src if hasattr(src, "get_slice") else SafetensorsFolder(src)
     try:
         for spec in param_specs(cfg):
@@ -268,12 +239,9 @@ def iter_tp_shard(src, cfg: ModelConfig, tp_rank: int, tp_size: int,
 
 
 def load_hf_into_model(model, src) -> None:
-    """Copy this rank's slices of a HF folder into a `Qwen3` model in place
-    (`pipeline.model.weights.copy_into_model`: ZeRO-3 partitioned or not).
-
-    Uses megatron-core's TP rank/size. Raises KeyError for a missing tensor and ValueError for
-    a shape mismatch (names the parameter).
-    """
+    """Copy this rank's slices (megatron-core's TP rank/size) of a HF folder into a `Qwen3`
+    model in place, ZeRO-3 partitioned or not (`pipeline.model.weights.copy_into_model`).
+    Raises KeyError for a missing tensor and ValueError for a shape mismatch (names it)."""
     from megatron.core import parallel_state
     rank = parallel_state.get_tensor_model_parallel_rank()
     size = parallel_state.get_tensor_model_parallel_world_size()
@@ -287,14 +255,9 @@ def native_state_dict(model) -> dict[str, torch.Tensor]:
 
 @dataclass(frozen=True)
 class LazyTensor:
-    """A tensor produced on demand (streaming export: one tensor in memory at a time).
-
-    Attributes:
-        shape: its shape.
-        dtype: the dtype `load(None)` returns.
-        load: `load(dtype | None) -> Tensor` of `shape`, cast to `dtype` when given (a
-            producer may cast piece by piece, holding less than a full fp32 copy).
-    """
+    """A tensor produced on demand (streaming export: one tensor in memory at a time): `shape`,
+    `dtype` (what `load(None)` returns) and `load(dtype | None) -> Tensor` of `shape`, cast when
+    `dtype` is given (a producer may cast piece by piece, holding less than a full fp32 copy)."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
@@ -310,11 +273,10 @@ RankReader = Callable[[str, int, "int | None", "int | None"], torch.Tensor]
 
 
 class TensorSource:
-    """Full Hugging Face tensors held in memory (or produced on demand as `LazyTensor`s), seen
-    through the read interface of `SafetensorsFolder` (`name in src`, `src.get_slice(name)`
+    """Full Hugging Face tensors held in memory (or `LazyTensor`s, produced on each
+    `get_slice(...)[...]`), read like a `SafetensorsFolder` (`name in src`, `get_slice(name)`
     indexed `[a:b]` / `[:, a:b]`, `get_shape()`, `close()`), so `iter_tp_shard` can cut them for
-    any TP rank (resharding, seeded initialisation, loading a consolidated checkpoint). A lazy
-    tensor is produced on each `get_slice(...)[...]` and sliced."""
+    any TP rank."""
 
     class _Slice:
         def __init__(self, value):
@@ -343,25 +305,17 @@ class TensorSource:
 def lazy_merged_state(read: RankReader, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype,
                       cfg: ModelConfig, tp_size: int, vocab_rows: int | None = None
                       ) -> dict[str, LazyTensor]:
-    """Full Hugging Face tensors as `LazyTensor`s over per-TP-rank native parameters.
+    """Full Hugging Face tensors (`{hf_name: LazyTensor}`, named as
+    `Qwen3ForCausalLM.state_dict()`, no `lm_head.weight` when tied, in `param_specs` order) over
+    per-TP-rank native parameters: `read` (a `RankReader`) gives them in `dtype`, `shapes` is
+    `{native_name: per-rank shape}`; only the first `vocab_rows` embedding/head rows are kept
+    (default `cfg.vocab_size`: the TP padding is dropped).
 
-    Each HF tensor is built when loaded: a tensor of the full shape is allocated in the
-    requested dtype and every rank's part is read (only the rows that belong to this HF tensor:
-    one of q/k/v or gate/up of a fused parameter, the kept vocab rows) and copied in (cast on
-    the copy), so at most the output plus one rank's part are held. Partitioned parameters are
-    concatenated along their partition dim (`partition_dim`); fused qkv / gate_up shards are
-    split per rank before concatenation; replicated ones come from rank 0.
-
-    Args:
-        read: the rank reader (see `RankReader`).
-        shapes: `{native_name: per-rank shape}` (the same on every rank).
-        dtype: the dtype `read` returns.
-        vocab_rows: keep only the first `vocab_rows` embedding/head rows (drop TP padding);
-            default keeps `cfg.vocab_size`.
-    Returns:
-        `{hf_name: LazyTensor}` named as `Qwen3ForCausalLM.state_dict()` (no `lm_head.weight`
-        when tied), in `param_specs` order.
-    """
+    A tensor is built when loaded: allocated at full shape, then every rank's part (only its
+    rows of this HF tensor: one of a fused q/k/v or gate/up, the kept vocab rows) is read and
+    copied in, cast on the copy, so at most the output plus one rank's part are held. Partitioned
+    parameters are concatenated along `partition_dim` (fused shards split per rank first);
+    replicated ones come from rank 0."""
     tp = tp_size
 
     def rows_of(native, offset, n_rank, keep):
@@ -432,17 +386,10 @@ def lazy_merged_state(read: RankReader, shapes: dict[str, tuple[int, ...]], dtyp
 
 def merge_tp_state_dicts(shards: list[dict[str, torch.Tensor]], cfg: ModelConfig,
                          vocab_rows: int | None = None) -> dict[str, torch.Tensor]:
-    """Merge per-TP-rank native state dicts (index = TP rank) into full HF tensors.
+    """`lazy_merged_state`'s result (same rules, same `vocab_rows`), every tensor
+    materialized, from `shards`: the native state dicts of TP ranks 0..tp-1 (names as
+    `Qwen3.named_parameters`).
 
-    The in-memory form of `lazy_merged_state` (same rules), every tensor materialized.
-
-    Args:
-        shards: native state dicts of TP ranks 0..tp-1 (names as `Qwen3.named_parameters`).
-        vocab_rows: keep only the first `vocab_rows` embedding/head rows (drop TP padding);
-            default keeps `cfg.vocab_size`.
-    Returns:
-        `{hf_name: tensor}` as `Qwen3ForCausalLM.state_dict()` names them (no `lm_head.weight`
-        when tied).
     Raises:
         KeyError: a parameter is missing from a shard.
     """
@@ -498,25 +445,20 @@ _ST_ORDER = ("BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "I16", "U16", "F16", "BF1
 
 def write_safetensors(path, entries: dict[str, LazyTensor], metadata: dict | None = None
                       ) -> None:
-    """Write one safetensors file, producing and writing one tensor at a time.
+    """Write one safetensors file at `path` from `entries` (`{name: LazyTensor}`; each
+    `load(dtype)` is called once, in data order, with the entry's dtype) and `metadata` (the
+    `__metadata__` strings), one tensor at a time (peak: that tensor plus what its producer needs).
 
     Byte for byte what `safetensors.torch.save_file` writes for the same tensors (checked by
     tests/test_hf_io.py): an 8-byte little-endian header length, the JSON header (compact;
-    `__metadata__` first, then the tensors in data order, padded with spaces to a multiple of
-    8 bytes), then the raw little-endian data ordered as safetensors orders it (by its dtype
-    order, descending, then by name). Only the tensor being written is held in memory (peak: its size, plus what its
-    producer needs to build it).
+    `__metadata__` first, then the tensors in data order, padded with spaces to a multiple of 8
+    bytes), then the raw little-endian data ordered by safetensors' dtype order, descending, then
+    by name.
 
-    Args:
-        path: output file.
-        entries: `{name: LazyTensor}`; `load(dtype)` is called once per tensor, in data order,
-            with the entry's dtype.
-        metadata: the `__metadata__` strings (e.g. `{"format": "pt"}`).
     Raises:
         ValueError: a produced tensor's shape or dtype differs from its entry; a dtype that
             safetensors cannot store.
-        OSError: writing failed (e.g. ENOSPC: no space left on the device).
-    """
+        OSError: writing failed (e.g. ENOSPC)."""
     import struct
     for name, e in entries.items():
         if e.dtype not in _ST_DTYPES:
@@ -565,27 +507,20 @@ def save_hf_folder(state: dict, cfg: ModelConfig, out, *,
                    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
                    dtype: torch.dtype | None = None, config_extra: dict | None = None,
                    overwrite: bool = False) -> Path:
-    """Write a Hugging Face Qwen3 folder atomically (temp folder, then rename).
+    """Write a Hugging Face Qwen3 folder atomically (temp folder, then rename; on any error it is
+    removed and `out` is untouched).
 
-    Writes `config.json`, `model.safetensors` (or `model-0000k-of-0000n.safetensors` shards plus
-    `model.safetensors.index.json` when larger than `max_shard_bytes` bytes; the split is
-    huggingface_hub's `split_torch_state_dict_into_shards`), and, with `tokenizer_src` (a
-    folder or a SentencePiece file, see `save_tokenizer`), the tokenizer files (`added_tokens`
-    added to a Hugging Face tokenizer), and `mask_token_id` in config.json.
-    Tensors are produced, cast and written one at a time (`write_safetensors`), so a state of
-    `LazyTensor`s is never held in memory as a whole. On any error (ENOSPC included) the
-    temporary folder is removed and `out` is untouched.
+    Writes `config.json` (with `config_extra` keys, `torch_dtype` = `dtype`), `model.safetensors`
+    (or huggingface_hub's `split_torch_state_dict_into_shards` shards plus
+    `model.safetensors.index.json` above `max_shard_bytes` bytes) from `state` (`{hf_name: Tensor |
+    LazyTensor}`, floating tensors cast to `dtype` when given, written one at a time by
+    `write_safetensors`), and with `tokenizer_src` (`save_tokenizer`) the tokenizer files with
+    `added_tokens` and `mask_token_id` in config.json.
 
-    Args:
-        state: full HF tensors (`{hf_name: Tensor | LazyTensor}`, e.g. `lazy_merged_state`).
-        dtype: cast floating tensors to this dtype (default: as given); recorded as
-            `torch_dtype` in config.json.
-        config_extra: extra config.json keys (e.g. `mask_token_id`).
     Raises:
         FileExistsError: `out` is a non-empty folder and not `overwrite`.
         ValueError: the tokenizer is longer than the embedding rows.
-        OSError: writing failed (ENOSPC / EDQUOT when the disk or quota is full).
-    """
+        OSError: writing failed (ENOSPC / EDQUOT when the disk or quota is full)."""
     from huggingface_hub import split_torch_state_dict_into_shards
 
     lazy = {k: _as_lazy(v, dtype) for k, v in state.items()}
