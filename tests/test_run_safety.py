@@ -5,7 +5,8 @@ output.
 What is compared against what:
 - Preemption: SIGTERM at the same moment to every process of a 2-process run (trainers, their
   loader workers, wandb's service process `wandb-core`) -> exit 0, a checkpoint at the step
-  reached, and the next leg continues the same wandb run id with every step's loss equal to
+  reached, and the next leg (stopped in turn by SIGTERM to the launcher alone: exit 0, a
+  checkpoint at its last step) continues the same wandb run id with every step's loss equal to
   metrics.jsonl, read back with wandb's own reader (`wandb leet inspect --json`).
 - Folders that cannot be written: the tests run as root, where chmod does not stop a write, so
   read-only and full filesystems are real tmpfs mounts (`mount -o ro`, `remount,ro` during a
@@ -77,42 +78,65 @@ def _start(nproc: int, config: Path, run_dir: Path, *overrides: str, log_name: s
                             start_new_session=True)
 
 
-def test_preemption_with_wandb_checkpoints_and_keeps_history(data):
+@pytest.fixture(scope="module")
+def preempted(data):
+    """A 2-process run with wandb offline, stopped twice by SIGTERM: leg 1 at step 3 or later
+    to every process of the job at the same moment (as SLURM does), leg 2 (resumed with a
+    larger `train.max_steps`) at its first step or later to the launcher only, which forwards
+    it to the workers. Returns a dict: run_dir, the process tree of leg 1 (command lines), each
+    leg's exit code, last step and latest checkpoint."""
     from pipeline.checkpoint import find_latest
     base, d = data
     run_dir = base / "preempt"
     config = _write_config(base / "preempt.yaml", d, train={"max_steps": 60, "eval_interval": 0},
                            checkpoint={"interval": 0, "keep": 2}, wandb={"mode": "offline"},
                            data={"num_workers": 1})
+    out = {"run_dir": run_dir}
     proc = _start(2, config, run_dir, log_name="leg1")
     _wait_step(proc, run_dir, 3)
     # the launcher, both trainers, their loader workers and wandb's service (a child of rank 0)
     tree = [proc.pid, *_descendants(proc.pid)]
-    cores = [p for p in tree if "wandb-core" in _cmdline(p)]
-    assert cores, [_cmdline(p) for p in tree]
-    assert len(tree) >= 6, [_cmdline(p) for p in tree]
+    out["tree"] = [_cmdline(p) for p in tree]
     for p in tree:  # as SLURM does: SIGTERM to every process of the job at the same moment
         try:
             os.kill(p, signal.SIGTERM)
         except ProcessLookupError:
             pass
-    assert _finish(proc, run_dir) == 0, _log(run_dir)
+    out["code1"] = _finish(proc, run_dir)
+    assert out["code1"] == 0, _log(run_dir)
+    out["reached1"] = reached = max(s for k, s in _metrics(run_dir) if k == "train")
+    out["latest1"] = find_latest(run_dir / "checkpoints").name
+    # the next leg: same wandb run; the launcher alone gets SIGTERM once it trained a step
+    proc = _start(2, config, run_dir, f"train.max_steps={reached + 60}",
+                  "optim.override_schedule=true", log_name="leg2")
+    _wait_step(proc, run_dir, reached + 1)
+    os.kill(proc.pid, signal.SIGTERM)   # the launcher only: it forwards to the workers
+    out["code2"] = _finish(proc, run_dir)
+    out["reached2"] = max(s for k, s in _metrics(run_dir) if k == "train")
+    out["latest2"] = find_latest(run_dir / "checkpoints").name
+    return out
+
+
+def test_preemption_with_wandb_checkpoints_and_keeps_history(preempted):
+    run_dir, tree, reached = preempted["run_dir"], preempted["tree"], preempted["reached1"]
+    assert [c for c in tree if "wandb-core" in c], tree
+    assert len(tree) >= 6, tree
+    assert preempted["code1"] == 0
     text = (run_dir / "leg1.txt").read_text()
-    reached = max(s for k, s in _metrics(run_dir) if k == "train")
     assert reached < 60
-    assert find_latest(run_dir / "checkpoints").name == f"step_{reached:09d}"
+    assert preempted["latest1"] == f"step_{reached:09d}"
     assert f"checkpointing at step {reached}" in text
     assert "Traceback" not in text, text[-4000:]
-    # the next leg: same wandb run, every step of both legs in its history
-    proc = _start(2, config, run_dir, f"train.max_steps={reached + 2}",
-                  "optim.override_schedule=true", log_name="leg2")
-    assert _finish(proc, run_dir) == 0, _log(run_dir)
+    # the next leg (stopped by test_sigterm_to_the_launcher_checkpoints_and_exits_0's signal):
+    # same wandb run, every step of both legs in its history
+    last = preempted["reached2"]
+    assert preempted["code2"] == 0, _log(run_dir)
     ids, hist = _wandb_history(run_dir)
     assert len(ids) == 2 and len(set(ids)) == 1, ids
     m = _metrics(run_dir)
-    for step in range(1, reached + 3):
+    for step in range(1, last + 1):
         assert hist[step]["train/loss"] == m[("train", step)]["loss"], step
-    assert json.loads((run_dir / "wandb_state.json").read_text())["confirmed_step"] == reached + 2
+    assert json.loads((run_dir / "wandb_state.json").read_text())["confirmed_step"] == last
 
 
 # ------------------------------------------------------------------ one job per run directory
@@ -229,19 +253,13 @@ def test_rank_only_user_error_is_one_line_and_launcher_keeps_its_exit_code(data,
     assert "Traceback" not in text and "ChildFailedError" not in text, text[-4000:]
 
 
-def test_sigterm_to_the_launcher_checkpoints_and_exits_0(data):
-    from pipeline.checkpoint import find_latest
-    base, d = data
-    run_dir = base / "launcher_term"
-    config = _write_config(base / "term.yaml", d, train={"max_steps": 60, "eval_interval": 0},
-                           checkpoint={"interval": 0, "keep": 1})
-    proc = _start(2, config, run_dir, log_name="log")
-    _wait_step(proc, run_dir, 2)
-    os.kill(proc.pid, signal.SIGTERM)   # the launcher only: it forwards to the workers
-    assert _finish(proc, run_dir) == 0, _log(run_dir)
-    reached = max(s for k, s in _metrics(run_dir) if k == "train")
-    assert find_latest(run_dir / "checkpoints").name == f"step_{reached:09d}"
-    text = (run_dir / "log.txt").read_text()
+def test_sigterm_to_the_launcher_checkpoints_and_exits_0(preempted):
+    """Leg 2 of `preempted`: SIGTERM to `pipeline.launch` alone, after a step of its own."""
+    run_dir, reached = preempted["run_dir"], preempted["reached2"]
+    assert preempted["code2"] == 0, _log(run_dir)
+    assert preempted["reached1"] < reached < preempted["reached1"] + 60
+    assert preempted["latest2"] == f"step_{reached:09d}"
+    text = (run_dir / "leg2.txt").read_text()
     assert "Traceback" not in text and "SignalException" not in text, text[-4000:]
 
 
