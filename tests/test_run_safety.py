@@ -196,7 +196,13 @@ def test_run_lock_refuses_a_live_holder_and_takes_over_stale_ones(tmp_path, monk
     lock.release()
 
 
-def test_second_job_on_a_run_dir_exits_2_and_bare_runs_pick_free_ports(data):
+@pytest.fixture(scope="module")
+def lock_runs(data):
+    """While a first job (one process) trains in run directory `locked`, a second job on that
+    directory and a bare job on another (`other`: 2 steps, a validation at each) run through
+    `python -m pipeline.train`; then the first job gets SIGTERM. Returns a dict: `second` and
+    `other` (subprocess.CompletedProcess), `first_pid`, `first_alive` (still running after
+    both), `first_code`, `run_dir`."""
     base, d = data
     config = _write_config(base / "lock.yaml", d, train={"max_steps": 400, "eval_interval": 0},
                            checkpoint={"interval": 0, "keep": 1})
@@ -205,27 +211,40 @@ def test_second_job_on_a_run_dir_exits_2_and_bare_runs_pick_free_ports(data):
     # in each step (debug.slow_rank) instead of taking a core from them
     first = _start(1, config, run_dir, "debug.slow_rank=0", "debug.slow_rank_s=0.5",
                    log_name="first")
+    out = {"run_dir": run_dir, "first_pid": first.pid}
     try:
         _wait_step(first, run_dir, 1)
-        # same run directory: refused at start-up, one line naming the holder, exit 2
-        second = subprocess.run([sys.executable, "-m", "pipeline.train", "--config", str(config),
-                                 f"run_dir={run_dir}"], cwd=ROOT, env=_env(),
-                                capture_output=True, text=True, timeout=300)
-        assert second.returncode == 2, second.stderr[-3000:]
-        err = [l for l in second.stderr.splitlines() if l.startswith("pipeline.")]
-        assert len(err) == 1 and "Traceback" not in second.stderr, second.stderr[-3000:]
-        assert err[0].startswith("pipeline.train: error: ")
-        assert f"is in use by another job (host " in err[0] and f"pid {first.pid}" in err[0]
-        # another run directory, another bare process on this host: its own free port
-        other = subprocess.run([sys.executable, "-m", "pipeline.train", "--config", str(config),
-                                f"run_dir={base / 'other'}", "train.max_steps=2"], cwd=ROOT,
-                               env=_env(), capture_output=True, text=True, timeout=300)
-        assert other.returncode == 0, other.stderr[-3000:]
-        assert first.poll() is None  # the first job was not disturbed
+        out["second"] = subprocess.run(
+            [sys.executable, "-m", "pipeline.train", "--config", str(config),
+             f"run_dir={run_dir}"], cwd=ROOT, env=_env(), capture_output=True, text=True,
+            timeout=300)
+        # another run directory, another bare process on this host; it also shows the console
+        # (test_console_output_has_no_import_noise_and_short_floats)
+        out["other"] = subprocess.run(
+            [sys.executable, "-m", "pipeline.train", "--config", str(config),
+             f"run_dir={base / 'other'}", "train.max_steps=2", "train.eval_interval=1",
+             "train.eval_batches=1"], cwd=ROOT, env=_env(), capture_output=True, text=True,
+            timeout=300)
+        out["first_alive"] = first.poll() is None
     finally:
         if first.poll() is None:
             os.killpg(first.pid, signal.SIGTERM)
-        assert _finish(first, run_dir) == 0, _log(run_dir)
+        out["first_code"] = _finish(first, run_dir)
+    return out
+
+
+def test_second_job_on_a_run_dir_exits_2_and_bare_runs_pick_free_ports(lock_runs):
+    run_dir, second, other = lock_runs["run_dir"], lock_runs["second"], lock_runs["other"]
+    # same run directory: refused at start-up, one line naming the holder, exit 2
+    assert second.returncode == 2, second.stderr[-3000:]
+    err = [l for l in second.stderr.splitlines() if l.startswith("pipeline.")]
+    assert len(err) == 1 and "Traceback" not in second.stderr, second.stderr[-3000:]
+    assert err[0].startswith("pipeline.train: error: ")
+    assert f"is in use by another job (host " in err[0] and f"pid {lock_runs['first_pid']}" in err[0]
+    # another run directory, another bare process on this host: its own free port
+    assert other.returncode == 0, other.stderr[-3000:]
+    assert lock_runs["first_alive"]  # the first job was not disturbed
+    assert lock_runs["first_code"] == 0, _log(run_dir)
     assert not (run_dir / "run.lock").exists()  # released at exit
 
 
@@ -661,17 +680,11 @@ def test_lost_peer_is_told_from_other_errors():
 
 # ------------------------------------------------------------------ console output
 
-def test_console_output_has_no_import_noise_and_short_floats(data, tmp_path):
-    """A tiny run with validation: no third-party import notice, every printed number short
-    (losses to 4 decimals), no float printed with 15 or more digits."""
+def test_console_output_has_no_import_noise_and_short_floats(lock_runs):
+    """A tiny run with validation (`lock_runs`' other job): no third-party import notice, every
+    printed number short (losses to 4 decimals), no float printed with 15 or more digits."""
     import re
-    base, d = data
-    config = _write_config(tmp_path / "clean.yaml", d, train={"max_steps": 2, "eval_interval": 1,
-                                                              "eval_batches": 1},
-                           checkpoint={"interval": 0, "keep": 1})
-    r = subprocess.run([sys.executable, "-m", "pipeline.train", "--config", str(config),
-                        f"run_dir={tmp_path / 'run'}"], cwd=ROOT, env=_env(), capture_output=True,
-                       text=True, timeout=300)
+    r = lock_runs["other"]
     assert r.returncode == 0, r.stderr[-3000:]
     out = r.stdout + r.stderr
     assert "Transformer Engine and Apex" not in out
