@@ -188,10 +188,12 @@ def test_run_lock_refuses_a_live_holder_and_takes_over_stale_ones(tmp_path, monk
     lock = RunLock(str(tmp_path / "d")).acquire()
     assert lock.took_over["reason"] == "same SLURM job (requeued)"
     lock.release()
-    # the heartbeat moves the mtime
+    # the heartbeat moves the mtime (polled until it does, at most 60 s)
     lock = RunLock(str(tmp_path / "e"), heartbeat_s=0.05).acquire()
     t0 = os.stat(lock.path).st_mtime
-    time.sleep(0.3)
+    deadline = time.monotonic() + 60
+    while os.stat(lock.path).st_mtime <= t0 and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert os.stat(lock.path).st_mtime > t0
     lock.release()
 
