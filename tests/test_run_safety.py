@@ -16,6 +16,11 @@ What is compared against what:
   cause, remedy); mid-run, exit 4 with the read-only cause and no advice to free space.
 - A rank killed by SIGKILL mid-run: the survivor's line and the launcher's line, exactly two,
   no traceback, the launcher's exit code 137.
+
+Launches are the cost: tests that only read a job's outputs share it (module fixtures
+`preempted`, `lock_runs`), and where a check is of the trainer rather than of its command line
+(each behaviour keeps a command-line run) it runs `pipeline.train.main` in processes forked
+from the preloaded forkserver (`distributed.run_train_main`).
 """
 from __future__ import annotations
 
@@ -29,6 +34,7 @@ from pathlib import Path
 
 import pytest
 
+from distributed import run_train_main
 from shard_fixtures import write_train_val
 from test_train import (ROOT, _env, _finish, _log, _metrics, _wait_step,
                         _wandb_history, _write_config)
@@ -346,10 +352,11 @@ def test_checkpoint_on_a_full_disk_exits_4_on_every_rank_and_resumes(data, tiny_
     # make room (keep the latest only) and resume from it: it loads and trains on
     for step, folder in list_complete(ck)[:-1]:
         subprocess.run(["rm", "-rf", str(folder)], check=True)
-    proc = _start(2, config, run_dir, f"train.max_steps={n + 1}", "checkpoint.interval=0",
-                  "optim.override_schedule=true", log_name="resume")
-    assert _finish(proc, run_dir) == 0, _log(run_dir)
-    assert f"resumed from {latest}" in (run_dir / "resume.txt").read_text()
+    # (the trainer's `main` on 2 forked ranks: the launch above went through the command line)
+    r0, r1 = run_train_main(config, run_dir, f"train.max_steps={n + 1}", "checkpoint.interval=0",
+                          "optim.override_schedule=true", nproc=2)
+    assert (r0.returncode, r1.returncode) == (0, 0), r0.stderr[-3000:] + r1.stderr[-3000:]
+    assert f"resumed from {latest}" in r0.stdout + r0.stderr
     assert find_latest(ck).name == f"step_{n + 1:09d}"
 
 
@@ -473,11 +480,10 @@ def test_read_only_folders_stop_every_rank_at_start_up_in_one_line(data, tmp_pat
                      f"writable filesystem, or have this one remounted read-write (checked at "
                      f"start-up, nothing was trained)"], text[-4000:]
     assert "Traceback" not in text and "step 1/" not in text and not _metrics(run_dir)
-    # a read-only run folder: the same, before the run lock is taken
+    # a read-only run folder: the same, before the run lock is taken (the trainer's `main` in
+    # one forked process: the 2-rank job above went through the command line)
     ro_run = mounts(tmp_path / "ro_run", "ro")
-    r = subprocess.run([sys.executable, "-m", "pipeline.train", "--config", str(config),
-                        f"run_dir={ro_run}"], cwd=ROOT, env=_env(), capture_output=True, text=True,
-                       timeout=300)
+    r, = run_train_main(config, ro_run)
     assert r.returncode == 2, r.stderr[-3000:]
     lines = [l for l in r.stderr.splitlines() if l.startswith("pipeline.")]
     assert lines == [f"pipeline.train: error: run_dir {ro_run} is not writable on rank 0: read-only "
