@@ -215,9 +215,10 @@ def lock_runs(data):
     config = _write_config(base / "lock.yaml", d, train={"max_steps": 400, "eval_interval": 0},
                            checkpoint={"interval": 0, "keep": 1})
     run_dir = base / "locked"
-    # the first job only has to hold the run directory while the others start: it sleeps 0.5 s
-    # in each step (debug.slow_rank) instead of taking a core from them
-    first = _start(1, config, run_dir, "debug.slow_rank=0", "debug.slow_rank_s=0.5",
+    # the first job only has to hold the run directory while the others start: it sleeps 2 s
+    # in each step (debug.slow_rank) instead of taking a core from them (its steps cost CPU for
+    # as long as the others take)
+    first = _start(1, config, run_dir, "debug.slow_rank=0", "debug.slow_rank_s=2",
                    log_name="first")
     out = {"run_dir": run_dir, "first_pid": first.pid}
     try:
