@@ -15,13 +15,19 @@ The ranks are forked from a multiprocessing forkserver that imported torch, Deep
 megatron-core and the pipeline once (per test process): a spawned rank spent most of its CPU
 time on those imports. Each rank still starts from the test process's environment, working
 folder and stdout/stderr at the time of the call, as a spawned one did.
+
+`run_train_main(config, run_dir, *overrides, nproc=1)` runs the trainer's entry point
+(`pipeline.train.main`) the same way, as `python -m pipeline.train` would.
 """
 from __future__ import annotations
 
 import io
 import os
 import queue as queue_module
+import sys
 import traceback
+from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.multiprocessing as mp
@@ -145,3 +151,79 @@ def _run_once(fn, world_size: int, args: tuple, timeout_s: float) -> list:
     if errors:
         raise RuntimeError("\n".join(errors))
     return [results[r] for r in range(world_size)]
+
+
+def _rank_main(rank, world_size, port, argv, out, parent):
+    """One rank of `run_train_main`: what `python -m pipeline.train argv` runs, in a process
+    forked from the forkserver: the test process's environment and folder, fd 1 and 2 to
+    `<out>/rank<rank>/{stdout,stderr}.txt`, main's return value as the exit code."""
+    import signal
+    _adopt_parent(*parent)
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+              "MASTER_PORT", "WANDB_MODE"):
+        os.environ.pop(k, None)
+    os.environ.update(PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false",
+                      DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    if world_size > 1:   # the ranks meet as under srun: rank variables and an address
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                          WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                          LOCAL_WORLD_SIZE=str(world_size))
+    folder = Path(out) / f"rank{rank}"
+    folder.mkdir(parents=True, exist_ok=True)
+    for fd, stream, name in ((1, sys.stdout, "stdout.txt"), (2, sys.stderr, "stderr.txt")):
+        stream.flush()
+        with open(folder / name, "wb") as f:
+            os.dup2(f.fileno(), fd)
+    torch.set_num_threads(1)
+    from pipeline.train import main
+    code = main([str(a) for a in argv])
+    for s in (signal.SIGTERM, signal.SIGUSR1):   # as pipeline/train.py's __main__ does
+        signal.signal(s, signal.SIG_IGN)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    sys.exit(code)
+
+
+def run_train_main(config: Path, run_dir: Path, *overrides: str, nproc: int = 1,
+                   timeout_s: float = 600.0) -> list[SimpleNamespace]:
+    """`python -m pipeline.train --config config run_dir=run_dir *overrides` as its `main` in
+    `nproc` processes forked from the forkserver: torch, DeepSpeed, megatron-core and the
+    pipeline are imported once per test process, not once per run. One process runs bare (it
+    binds its own free port), more meet as under srun (rank variables, MASTER_ADDR/PORT). For
+    checks of the trainer; a check of the command line itself (import noise, the launcher)
+    needs the real process.
+
+    Returns:
+        Per rank, `returncode` (main's return value; 1 and a traceback on stderr for an
+        exception, as the command gives), `stdout`, `stderr` (str); they are also kept in
+        `<run_dir>.main-<n>/rank<r>/` beside the run folder.
+
+    Raises:
+        AssertionError: a rank still ran after `timeout_s` seconds (all are killed; the
+            message holds their output).
+    """
+    n = len(list(run_dir.parent.glob(f"{run_dir.name}.main-*")))
+    out = run_dir.parent / f"{run_dir.name}.main-{n}"
+    argv = ["--config", config, f"run_dir={run_dir}", *overrides]
+    ctx, port = _context(), free_port()
+    parent = (os.getpid(), dict(os.environ), os.getcwd())
+    procs = [ctx.Process(target=_rank_main, args=(r, nproc, port, argv, str(out), parent))
+             for r in range(nproc)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout_s)
+    late = [r for r, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+    def text(r: int, name: str) -> str:
+        f = out / f"rank{r}" / name
+        return f.read_text(errors="replace") if f.exists() else ""
+    res = [SimpleNamespace(returncode=p.exitcode, stdout=text(r, "stdout.txt"),
+                           stderr=text(r, "stderr.txt")) for r, p in enumerate(procs)]
+    assert not late, (f"ranks {late} still running after {timeout_s} s:\n"
+                      + "\n".join(x.stdout[-3000:] + x.stderr[-3000:] for x in res))
+    return res

@@ -5,11 +5,14 @@ What is compared against what:
   cosine is checked against torch's schedulers in tests/test_config.py.
 - `schedule_change` on records: a cosine run extended, another lr, a wsd run extended before and
   inside its decay.
-- Through `python -m pipeline.train` (one process): a 4-step cosine run relaunched with
-  `train.max_steps=8` is refused in one line naming only that key (nothing trained); with
+- Through the trainer (one process): a 4-step cosine run relaunched with `train.max_steps=8`
+  is refused in one line naming only that key (nothing trained); with
   `optim.override_schedule=true` steps 5-8 get the new schedule's lr; a wsd run resumed from a
   step before its decay with a larger `train.max_steps` goes on without a word and steps 4-10
   get the extended schedule's lr, while extending it again after its decay began is refused.
+  The refusal runs `python -m pipeline.train` itself (exit code, stderr); the other legs run
+  its `main` in a process forked from the preloaded forkserver (`distributed.run_train_main`),
+  which spares each leg the trainer's imports.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import numpy as np
 import pytest
 
 from pipeline.training.schedule import lr_at, schedule_change, schedule_record
+from distributed import run_train_main
 from shard_fixtures import random_samples, write_shards
 from test_train import _metrics, _write_config
 from test_train_data_change import _train
@@ -86,7 +90,7 @@ def test_resume_refuses_a_silent_lr_change_and_extends_wsd(tmp_path):
     config = _write_config(tmp_path / "cos.yaml", data, train={"max_steps": 4, "eval_interval": 0},
                            checkpoint={"interval": 2, "keep": 5})
     run = tmp_path / "cos"
-    r = _train(config, run)
+    r, = run_train_main(config, run)
     assert r.returncode == 0, r.stderr[-3000:]
     before = {s: m["lr"] for (k, s), m in _metrics(run).items() if k == "train"}
     assert before == {s: lr_at(s - 1, 1e-3, 0.0, 2, 4) for s in range(1, 5)}
@@ -102,7 +106,7 @@ def test_resume_refuses_a_silent_lr_change_and_extends_wsd(tmp_path):
         "the new schedule from step 5, or resume with the saved settings")
     assert max(s for k, s in _metrics(run) if k == "train") == 4
 
-    r = _train(config, run, "train.max_steps=8", "optim.override_schedule=true")
+    r, = run_train_main(config, run, "train.max_steps=8", "optim.override_schedule=true")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "learning-rate schedule changed from step 5" in r.stdout + r.stderr
     after = {s: m["lr"] for (k, s), m in _metrics(run).items() if k == "train"}
@@ -114,12 +118,12 @@ def test_resume_refuses_a_silent_lr_change_and_extends_wsd(tmp_path):
                            train={"max_steps": 6, "eval_interval": 0},
                            checkpoint={"interval": 3, "keep": 5})
     run = tmp_path / "wsd"
-    r = _train(config, run)
+    r, = run_train_main(config, run)
     assert r.returncode == 0, r.stderr[-3000:]
     ckpts = run / "checkpoints"
     shutil.rmtree(ckpts / "step_000000006")                # as if it stopped at step 3
     (ckpts / "latest").write_text("step_000000003")
-    r = _train(config, run, "train.max_steps=10")
+    r, = run_train_main(config, run, "train.max_steps=10")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "learning-rate schedule" not in r.stdout + r.stderr
     lrs = {s: m["lr"] for (k, s), m in _metrics(run).items() if k == "train"}
@@ -127,5 +131,5 @@ def test_resume_refuses_a_silent_lr_change_and_extends_wsd(tmp_path):
     assert lrs[4] == lrs[9] == 1e-3 > lrs[10]   # held through step 9 (the decay starts at q = 0)
 
     # after its decay began, an extension would raise the lr again: refused
-    r = _train(config, run, "train.max_steps=12")
+    r, = run_train_main(config, run, "train.max_steps=12")
     assert r.returncode == 2 and "train.max_steps 10 -> 12" in r.stderr, r.stderr[-3000:]

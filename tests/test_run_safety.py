@@ -5,7 +5,8 @@ output.
 What is compared against what:
 - Preemption: SIGTERM at the same moment to every process of a 2-process run (trainers, their
   loader workers, wandb's service process `wandb-core`) -> exit 0, a checkpoint at the step
-  reached, and the next leg continues the same wandb run id with every step's loss equal to
+  reached, and the next leg (stopped in turn by SIGTERM to the launcher alone: exit 0, a
+  checkpoint at its last step) continues the same wandb run id with every step's loss equal to
   metrics.jsonl, read back with wandb's own reader (`wandb leet inspect --json`).
 - Folders that cannot be written: the tests run as root, where chmod does not stop a write, so
   read-only and full filesystems are real tmpfs mounts (`mount -o ro`, `remount,ro` during a
@@ -15,6 +16,11 @@ What is compared against what:
   cause, remedy); mid-run, exit 4 with the read-only cause and no advice to free space.
 - A rank killed by SIGKILL mid-run: the survivor's line and the launcher's line, exactly two,
   no traceback, the launcher's exit code 137.
+
+Launches are the cost: tests that only read a job's outputs share it (module fixtures
+`preempted`, `lock_runs`), and where a check is of the trainer rather than of its command line
+(each behaviour keeps a command-line run) it runs `pipeline.train.main` in processes forked
+from the preloaded forkserver (`distributed.run_train_main`).
 """
 from __future__ import annotations
 
@@ -28,6 +34,7 @@ from pathlib import Path
 
 import pytest
 
+from distributed import run_train_main
 from shard_fixtures import write_train_val
 from test_train import (ROOT, _env, _finish, _log, _metrics, _wait_step,
                         _wandb_history, _write_config)
@@ -77,42 +84,65 @@ def _start(nproc: int, config: Path, run_dir: Path, *overrides: str, log_name: s
                             start_new_session=True)
 
 
-def test_preemption_with_wandb_checkpoints_and_keeps_history(data):
+@pytest.fixture(scope="module")
+def preempted(data):
+    """A 2-process run with wandb offline, stopped twice by SIGTERM: leg 1 at step 3 or later
+    to every process of the job at the same moment (as SLURM does), leg 2 (resumed with a
+    larger `train.max_steps`) at its first step or later to the launcher only, which forwards
+    it to the workers. Returns a dict: run_dir, the process tree of leg 1 (command lines), each
+    leg's exit code, last step and latest checkpoint."""
     from pipeline.checkpoint import find_latest
     base, d = data
     run_dir = base / "preempt"
     config = _write_config(base / "preempt.yaml", d, train={"max_steps": 60, "eval_interval": 0},
                            checkpoint={"interval": 0, "keep": 2}, wandb={"mode": "offline"},
                            data={"num_workers": 1})
+    out = {"run_dir": run_dir}
     proc = _start(2, config, run_dir, log_name="leg1")
     _wait_step(proc, run_dir, 3)
     # the launcher, both trainers, their loader workers and wandb's service (a child of rank 0)
     tree = [proc.pid, *_descendants(proc.pid)]
-    cores = [p for p in tree if "wandb-core" in _cmdline(p)]
-    assert cores, [_cmdline(p) for p in tree]
-    assert len(tree) >= 6, [_cmdline(p) for p in tree]
+    out["tree"] = [_cmdline(p) for p in tree]
     for p in tree:  # as SLURM does: SIGTERM to every process of the job at the same moment
         try:
             os.kill(p, signal.SIGTERM)
         except ProcessLookupError:
             pass
-    assert _finish(proc, run_dir) == 0, _log(run_dir)
+    out["code1"] = _finish(proc, run_dir)
+    assert out["code1"] == 0, _log(run_dir)
+    out["reached1"] = reached = max(s for k, s in _metrics(run_dir) if k == "train")
+    out["latest1"] = find_latest(run_dir / "checkpoints").name
+    # the next leg: same wandb run; the launcher alone gets SIGTERM once it trained a step
+    proc = _start(2, config, run_dir, f"train.max_steps={reached + 60}",
+                  "optim.override_schedule=true", log_name="leg2")
+    _wait_step(proc, run_dir, reached + 1)
+    os.kill(proc.pid, signal.SIGTERM)   # the launcher only: it forwards to the workers
+    out["code2"] = _finish(proc, run_dir)
+    out["reached2"] = max(s for k, s in _metrics(run_dir) if k == "train")
+    out["latest2"] = find_latest(run_dir / "checkpoints").name
+    return out
+
+
+def test_preemption_with_wandb_checkpoints_and_keeps_history(preempted):
+    run_dir, tree, reached = preempted["run_dir"], preempted["tree"], preempted["reached1"]
+    assert [c for c in tree if "wandb-core" in c], tree
+    assert len(tree) >= 6, tree
+    assert preempted["code1"] == 0
     text = (run_dir / "leg1.txt").read_text()
-    reached = max(s for k, s in _metrics(run_dir) if k == "train")
     assert reached < 60
-    assert find_latest(run_dir / "checkpoints").name == f"step_{reached:09d}"
+    assert preempted["latest1"] == f"step_{reached:09d}"
     assert f"checkpointing at step {reached}" in text
     assert "Traceback" not in text, text[-4000:]
-    # the next leg: same wandb run, every step of both legs in its history
-    proc = _start(2, config, run_dir, f"train.max_steps={reached + 2}",
-                  "optim.override_schedule=true", log_name="leg2")
-    assert _finish(proc, run_dir) == 0, _log(run_dir)
+    # the next leg (stopped by test_sigterm_to_the_launcher_checkpoints_and_exits_0's signal):
+    # same wandb run, every step of both legs in its history
+    last = preempted["reached2"]
+    assert preempted["code2"] == 0, _log(run_dir)
     ids, hist = _wandb_history(run_dir)
     assert len(ids) == 2 and len(set(ids)) == 1, ids
     m = _metrics(run_dir)
-    for step in range(1, reached + 3):
+    for step in range(1, last + 1):
         assert hist[step]["train/loss"] == m[("train", step)]["loss"], step
-    assert json.loads((run_dir / "wandb_state.json").read_text())["confirmed_step"] == reached + 2
+    assert json.loads((run_dir / "wandb_state.json").read_text())["confirmed_step"] == last
 
 
 # ------------------------------------------------------------------ one job per run directory
@@ -164,44 +194,66 @@ def test_run_lock_refuses_a_live_holder_and_takes_over_stale_ones(tmp_path, monk
     lock = RunLock(str(tmp_path / "d")).acquire()
     assert lock.took_over["reason"] == "same SLURM job (requeued)"
     lock.release()
-    # the heartbeat moves the mtime
+    # the heartbeat moves the mtime (polled until it does, at most 60 s)
     lock = RunLock(str(tmp_path / "e"), heartbeat_s=0.05).acquire()
     t0 = os.stat(lock.path).st_mtime
-    time.sleep(0.3)
+    deadline = time.monotonic() + 60
+    while os.stat(lock.path).st_mtime <= t0 and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert os.stat(lock.path).st_mtime > t0
     lock.release()
 
 
-def test_second_job_on_a_run_dir_exits_2_and_bare_runs_pick_free_ports(data):
+@pytest.fixture(scope="module")
+def lock_runs(data):
+    """While a first job (one process) trains in run directory `locked`, a second job on that
+    directory and a bare job on another (`other`: 2 steps, a validation at each) run through
+    `python -m pipeline.train`; then the first job gets SIGTERM. Returns a dict: `second` and
+    `other` (subprocess.CompletedProcess), `first_pid`, `first_alive` (still running after
+    both), `first_code`, `run_dir`."""
     base, d = data
     config = _write_config(base / "lock.yaml", d, train={"max_steps": 400, "eval_interval": 0},
                            checkpoint={"interval": 0, "keep": 1})
     run_dir = base / "locked"
-    # the first job only has to hold the run directory while the others start: it sleeps 0.5 s
-    # in each step (debug.slow_rank) instead of taking a core from them
-    first = _start(1, config, run_dir, "debug.slow_rank=0", "debug.slow_rank_s=0.5",
+    # the first job only has to hold the run directory while the others start: it sleeps 2 s
+    # in each step (debug.slow_rank) instead of taking a core from them (its steps cost CPU for
+    # as long as the others take)
+    first = _start(1, config, run_dir, "debug.slow_rank=0", "debug.slow_rank_s=2",
                    log_name="first")
+    out = {"run_dir": run_dir, "first_pid": first.pid}
     try:
         _wait_step(first, run_dir, 1)
-        # same run directory: refused at start-up, one line naming the holder, exit 2
-        second = subprocess.run([sys.executable, "-m", "pipeline.train", "--config", str(config),
-                                 f"run_dir={run_dir}"], cwd=ROOT, env=_env(),
-                                capture_output=True, text=True, timeout=300)
-        assert second.returncode == 2, second.stderr[-3000:]
-        err = [l for l in second.stderr.splitlines() if l.startswith("pipeline.")]
-        assert len(err) == 1 and "Traceback" not in second.stderr, second.stderr[-3000:]
-        assert err[0].startswith("pipeline.train: error: ")
-        assert f"is in use by another job (host " in err[0] and f"pid {first.pid}" in err[0]
-        # another run directory, another bare process on this host: its own free port
-        other = subprocess.run([sys.executable, "-m", "pipeline.train", "--config", str(config),
-                                f"run_dir={base / 'other'}", "train.max_steps=2"], cwd=ROOT,
-                               env=_env(), capture_output=True, text=True, timeout=300)
-        assert other.returncode == 0, other.stderr[-3000:]
-        assert first.poll() is None  # the first job was not disturbed
+        out["second"] = subprocess.run(
+            [sys.executable, "-m", "pipeline.train", "--config", str(config),
+             f"run_dir={run_dir}"], cwd=ROOT, env=_env(), capture_output=True, text=True,
+            timeout=300)
+        # another run directory, another bare process on this host; it also shows the console
+        # (test_console_output_has_no_import_noise_and_short_floats)
+        out["other"] = subprocess.run(
+            [sys.executable, "-m", "pipeline.train", "--config", str(config),
+             f"run_dir={base / 'other'}", "train.max_steps=2", "train.eval_interval=1",
+             "train.eval_batches=1"], cwd=ROOT, env=_env(), capture_output=True, text=True,
+            timeout=300)
+        out["first_alive"] = first.poll() is None
     finally:
         if first.poll() is None:
             os.killpg(first.pid, signal.SIGTERM)
-        assert _finish(first, run_dir) == 0, _log(run_dir)
+        out["first_code"] = _finish(first, run_dir)
+    return out
+
+
+def test_second_job_on_a_run_dir_exits_2_and_bare_runs_pick_free_ports(lock_runs):
+    run_dir, second, other = lock_runs["run_dir"], lock_runs["second"], lock_runs["other"]
+    # same run directory: refused at start-up, one line naming the holder, exit 2
+    assert second.returncode == 2, second.stderr[-3000:]
+    err = [l for l in second.stderr.splitlines() if l.startswith("pipeline.")]
+    assert len(err) == 1 and "Traceback" not in second.stderr, second.stderr[-3000:]
+    assert err[0].startswith("pipeline.train: error: ")
+    assert f"is in use by another job (host " in err[0] and f"pid {lock_runs['first_pid']}" in err[0]
+    # another run directory, another bare process on this host: its own free port
+    assert other.returncode == 0, other.stderr[-3000:]
+    assert lock_runs["first_alive"]  # the first job was not disturbed
+    assert lock_runs["first_code"] == 0, _log(run_dir)
     assert not (run_dir / "run.lock").exists()  # released at exit
 
 
@@ -229,19 +281,13 @@ def test_rank_only_user_error_is_one_line_and_launcher_keeps_its_exit_code(data,
     assert "Traceback" not in text and "ChildFailedError" not in text, text[-4000:]
 
 
-def test_sigterm_to_the_launcher_checkpoints_and_exits_0(data):
-    from pipeline.checkpoint import find_latest
-    base, d = data
-    run_dir = base / "launcher_term"
-    config = _write_config(base / "term.yaml", d, train={"max_steps": 60, "eval_interval": 0},
-                           checkpoint={"interval": 0, "keep": 1})
-    proc = _start(2, config, run_dir, log_name="log")
-    _wait_step(proc, run_dir, 2)
-    os.kill(proc.pid, signal.SIGTERM)   # the launcher only: it forwards to the workers
-    assert _finish(proc, run_dir) == 0, _log(run_dir)
-    reached = max(s for k, s in _metrics(run_dir) if k == "train")
-    assert find_latest(run_dir / "checkpoints").name == f"step_{reached:09d}"
-    text = (run_dir / "log.txt").read_text()
+def test_sigterm_to_the_launcher_checkpoints_and_exits_0(preempted):
+    """Leg 2 of `preempted`: SIGTERM to `pipeline.launch` alone, after a step of its own."""
+    run_dir, reached = preempted["run_dir"], preempted["reached2"]
+    assert preempted["code2"] == 0, _log(run_dir)
+    assert preempted["reached1"] < reached < preempted["reached1"] + 60
+    assert preempted["latest2"] == f"step_{reached:09d}"
+    text = (run_dir / "leg2.txt").read_text()
     assert "Traceback" not in text and "SignalException" not in text, text[-4000:]
 
 
@@ -307,10 +353,11 @@ def test_checkpoint_on_a_full_disk_exits_4_on_every_rank_and_resumes(data, tiny_
     # make room (keep the latest only) and resume from it: it loads and trains on
     for step, folder in list_complete(ck)[:-1]:
         subprocess.run(["rm", "-rf", str(folder)], check=True)
-    proc = _start(2, config, run_dir, f"train.max_steps={n + 1}", "checkpoint.interval=0",
-                  "optim.override_schedule=true", log_name="resume")
-    assert _finish(proc, run_dir) == 0, _log(run_dir)
-    assert f"resumed from {latest}" in (run_dir / "resume.txt").read_text()
+    # (the trainer's `main` on 2 forked ranks: the launch above went through the command line)
+    r0, r1 = run_train_main(config, run_dir, f"train.max_steps={n + 1}", "checkpoint.interval=0",
+                          "optim.override_schedule=true", nproc=2)
+    assert (r0.returncode, r1.returncode) == (0, 0), r0.stderr[-3000:] + r1.stderr[-3000:]
+    assert f"resumed from {latest}" in r0.stdout + r0.stderr
     assert find_latest(ck).name == f"step_{n + 1:09d}"
 
 
@@ -434,11 +481,10 @@ def test_read_only_folders_stop_every_rank_at_start_up_in_one_line(data, tmp_pat
                      f"writable filesystem, or have this one remounted read-write (checked at "
                      f"start-up, nothing was trained)"], text[-4000:]
     assert "Traceback" not in text and "step 1/" not in text and not _metrics(run_dir)
-    # a read-only run folder: the same, before the run lock is taken
+    # a read-only run folder: the same, before the run lock is taken (the trainer's `main` in
+    # one forked process: the 2-rank job above went through the command line)
     ro_run = mounts(tmp_path / "ro_run", "ro")
-    r = subprocess.run([sys.executable, "-m", "pipeline.train", "--config", str(config),
-                        f"run_dir={ro_run}"], cwd=ROOT, env=_env(), capture_output=True, text=True,
-                       timeout=300)
+    r, = run_train_main(config, ro_run)
     assert r.returncode == 2, r.stderr[-3000:]
     lines = [l for l in r.stderr.splitlines() if l.startswith("pipeline.")]
     assert lines == [f"pipeline.train: error: run_dir {ro_run} is not writable on rank 0: read-only "
@@ -643,17 +689,11 @@ def test_lost_peer_is_told_from_other_errors():
 
 # ------------------------------------------------------------------ console output
 
-def test_console_output_has_no_import_noise_and_short_floats(data, tmp_path):
-    """A tiny run with validation: no third-party import notice, every printed number short
-    (losses to 4 decimals), no float printed with 15 or more digits."""
+def test_console_output_has_no_import_noise_and_short_floats(lock_runs):
+    """A tiny run with validation (`lock_runs`' other job): no third-party import notice, every
+    printed number short (losses to 4 decimals), no float printed with 15 or more digits."""
     import re
-    base, d = data
-    config = _write_config(tmp_path / "clean.yaml", d, train={"max_steps": 2, "eval_interval": 1,
-                                                              "eval_batches": 1},
-                           checkpoint={"interval": 0, "keep": 1})
-    r = subprocess.run([sys.executable, "-m", "pipeline.train", "--config", str(config),
-                        f"run_dir={tmp_path / 'run'}"], cwd=ROOT, env=_env(), capture_output=True,
-                       text=True, timeout=300)
+    r = lock_runs["other"]
     assert r.returncode == 0, r.stderr[-3000:]
     out = r.stdout + r.stderr
     assert "Transformer Engine and Apex" not in out
