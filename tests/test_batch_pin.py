@@ -1,9 +1,10 @@
 """Pinned batches: the first micro-batches the loader and the objective build from fixed shards,
 as sha256 digests, for the paper's objective (one folder, best-fit packing), the dual objective
 (the demo's recipe) and a two-source mixture. A deterministic job whose numbers move without a
-known reason hides a bug (issue 45: the demo's losses once changed and the cause was never
-found): any change of the sample order, packing, masking draws or batch layout fails here, and
-whoever makes it on purpose updates the digest in the same commit and says why.
+known reason hides a bug (issue 45: the demo's losses once changed; the cause was the CPU, see
+tests/test_numerics_pin.py, which pins what the model makes of a split): any change of the
+sample order, packing, masking draws or batch layout fails here, and whoever makes it on
+purpose updates the digest in the same commit and says why.
 Pinned on 6 December 2026, after the data mixtures landed; the one-folder batches (both
 objectives, packed and not, 31 micro-batches over several epochs) were checked equal,
 tensor for tensor, to those of the code before mixtures (commit 40612b1)."""
