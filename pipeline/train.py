@@ -37,8 +37,8 @@ import time
 
 from pipeline.common.cli import (EXIT_DISK_FULL, EXIT_INTERRUPTED, EXIT_NONFINITE,
                                  EXIT_PEER_LOST, EXIT_USAGE)
-from pipeline.training.job import (agent_store, launcher_env, log_restart, lost_peer,
-                                   report_error, reported_error_code)
+from pipeline.training.job import (agent_store, launcher_env, log_restart, lost_peer, report_error,
+                                   reported_error_code, software_line)
 from pipeline.training.schedule import schedule_record
 from pipeline.training.startup import (check_source_epochs, check_write_access, memory_check,
                                        resumed_schedule, seed_everything, setup_logging)
@@ -133,6 +133,8 @@ class Trainer:
                                    auto_mpi_discovery=False)
         self.is_rank0 = info.rank == 0
         setup_logging(self.is_rank0)
+        if self.is_rank0:
+            log.info(software_line())
         self.device = info.device
         seed_everything(cfg.train.seed)
         self.objective_cfg = ObjectiveConfig(**OmegaConf.to_container(cfg.objective, resolve=True))

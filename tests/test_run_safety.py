@@ -697,6 +697,9 @@ def test_console_output_has_no_import_noise_and_short_floats(lock_runs):
     assert r.returncode == 0, r.stderr[-3000:]
     out = r.stdout + r.stderr
     assert "Transformer Engine and Apex" not in out
+    import torch   # what changes the numbers besides the config is named at start-up, once
+    assert out.count(f"software: torch {torch.__version__} (CPU kernels "
+                     f"{torch.backends.cpu.get_cpu_capability()}), deepspeed ") == 1, out
     assert re.search(r"validation at step 1: loss \d+\.\d{4} \| ar \d+\.\d{4} \| mdm \d+\.\d{4} ",
                      out), out
     assert re.search(r"step 2/2 \| loss \d+\.\d{4} \|", out), out

@@ -53,6 +53,27 @@ def log_restart(run_dir) -> None:
                 os.environ.get("TORCHELASTIC_MAX_RESTARTS", "?"), cause)
 
 
+def software_line() -> str:
+    """The start-up line naming what changes a run's numbers besides its config and data: the
+    torch, DeepSpeed and megatron-core versions, torch's CPU kernel level
+    (`torch.backends.cpu.get_cpu_capability()`, which `ATEN_CPU_CAPABILITY` overrides: AVX2 and
+    AVX-512 kernels differ in the last bits) and the CUDA device, if any. A seed and config
+    repeat a run bit for bit only where this line is the same."""
+    import importlib.metadata as md
+
+    import torch
+    versions = []
+    for name in ("deepspeed", "megatron-core"):
+        try:
+            versions.append(f"{name} {md.version(name)}")
+        except md.PackageNotFoundError:
+            versions.append(f"{name} not installed")
+    device = (f"CUDA {torch.version.cuda} on {torch.cuda.get_device_name()}"
+              if torch.cuda.is_available() else "no CUDA device")
+    return (f"software: torch {torch.__version__} (CPU kernels "
+            f"{torch.backends.cpu.get_cpu_capability()}), {', '.join(versions)}; {device}")
+
+
 _ERROR_KEY = "pipeline_train_error"
 
 
