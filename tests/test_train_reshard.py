@@ -69,6 +69,8 @@ def test_dp2_to_dp1_continues_the_run(config):
     assert refused.returncode == 2
     err = [l for l in refused.stderr.splitlines() if "error" in l.lower()]
     assert len(err) == 1 and "checkpoint.reshard=true" in err[0], refused.stderr[-2000:]
+    assert err[0].startswith("pipeline.train: error: ") and "saved by world size 2" in err[0]
+    assert "Traceback" not in refused.stderr
 
     r = _run(1, cfg, run, "checkpoint.reshard=true")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
