@@ -54,20 +54,34 @@ def test_refusals_before_any_step(mix, tmp_path):
                     f"more than its max_epochs 2; lower its weight or train.max_steps, or raise "
                     f"max_epochs")
     assert not _metrics(tmp_path / "a") if (tmp_path / "a" / "metrics.jsonl").exists() else True
+    line = _one_line_error(_train(config, tmp_path / "c", f"data.dir={base / 'web'}"))
+    assert line.endswith("data: set exactly one of data.dir (one shard folder) and data.sources "
+                         "(a mixture); both are set")
+
+
+def test_config_refusals_through_main(mix, tmp_path, capsys):
+    """Refusals of config validation (before any process group, as the `data.dir` + `data.sources`
+    one above through the entry point): `pipeline.train.main` in this process."""
+    from pipeline.train import main
+    base, config = mix
+
+    def one_line_error(run_dir, *overrides) -> str:
+        capsys.readouterr()
+        assert main(["--config", str(config), f"run_dir={run_dir}", *overrides]) == 2
+        out = capsys.readouterr()
+        assert out.out == "" and out.err.count("\n") == 1, out
+        return out.err.strip()
     # another tokenizer in the second source: refused at validation, naming both sources
     write_shards(str(tmp_path / "other"), {"train": random_samples(np.random.default_rng(0), 5,
                                                                    max_length=24)},
                  tokenizer=dict(DEFAULT_TOKENIZER, hash="other-1"))
-    line = _one_line_error(_train(config, tmp_path / "b", f"data.sources.1.dir={tmp_path / 'other'}",
-                                  "train.eval_interval=0"))
+    line = one_line_error(tmp_path / "b", f"data.sources.1.dir={tmp_path / 'other'}",
+                          "train.eval_interval=0")
     assert "data.sources[1] (math)" in line and "'web'" in line and "'math'" in line
     assert "tokenizer.hash 'fixture-0' vs 'other-1'" in line
-    line = _one_line_error(_train(config, tmp_path / "d", "data.max_length=16"))
+    line = one_line_error(tmp_path / "d", "data.max_length=16")
     assert line.endswith(f"data.max_length=16 is shorter than the shards' max_length 24 "
                          f"(data.sources[0] 'web', {base / 'web'})")
-    line = _one_line_error(_train(config, tmp_path / "c", f"data.dir={base / 'web'}"))
-    assert line.endswith("data: set exactly one of data.dir (one shard folder) and data.sources "
-                         "(a mixture); both are set")
 
 
 def test_a_new_mix_needs_a_new_phase_which_is_recorded(mix):
