@@ -14,7 +14,7 @@ import pytest
 
 from pipeline.checkpoint.safe_load import load_checkpoint_file
 from shard_fixtures import DEFAULT_TOKENIZER, random_samples, write_shards, write_train_val
-from test_train import ROOT, _env, _metrics, _write_config
+from test_train import ROOT, _env, _log, _metrics, _train_forked, _write_config
 
 
 def _train(config, run_dir, *overrides):
@@ -87,7 +87,7 @@ def test_config_refusals_through_main(mix, tmp_path, capsys):
 def test_a_new_mix_needs_a_new_phase_which_is_recorded(mix):
     base, config = mix
     run = base / "run"
-    assert _train(config, run).returncode == 0
+    assert _train_forked(1, config, run) == [0], _log(run)   # makes the phase-0 checkpoint
     line = _one_line_error(_train(config, run, "train.max_steps=5", "data.sources.0.weight=3"))
     assert "the data changed since the checkpoint (weight of 'web' 0.5 -> 0.75; weight of 'math' " \
            "0.5 -> 0.25); set data.phase above 0" in line
