@@ -1,5 +1,6 @@
 """The training job end to end, through its real entry point (`torchrun -m pipeline.train`), on a
-two-source data mixture (`mixture_data`).
+two-source data mixture (`mixture_data`). The uninterrupted reference run is `main` on ranks
+forked with the imports done (`_train_forked`); the runs compared with it are real launches.
 
 What is compared against what:
 - TP=2 x DP=2 ZeRO-3 (4 processes) against a single process on the same global batches: per-step
@@ -224,11 +225,12 @@ def setup(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(setup):
-    """The uninterrupted TP=2 x DP=2 ZeRO-3 run (wandb offline)."""
+    """The uninterrupted TP=2 x DP=2 ZeRO-3 run (wandb offline): `main` on 4 forked ranks (the
+    runs compared with it go through the entry point)."""
     base, config = setup
     run_dir = base / "ref4"
-    proc = _launch(4, config, run_dir, "train.tensor_parallel_size=2", "wandb.mode=offline")
-    assert _finish(proc, run_dir) == 0, _log(run_dir)
+    codes = _train_forked(4, config, run_dir, "train.tensor_parallel_size=2", "wandb.mode=offline")
+    assert codes == [0] * 4, _log(run_dir)
     return run_dir
 
 
