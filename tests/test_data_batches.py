@@ -71,14 +71,20 @@ def test_the_steps_a_run_fed_across_a_phase_change(mix):
     assert names <= {"web", "math"} and "web" in names
 
 
-def test_refusals_are_one_line(mix, tmp_path):
+def test_refusals_are_one_line(mix, tmp_path, capsys):
+    from pipeline.data.batches import main
     base, config = mix
+    # through the entry point once (exit code, no traceback) ...
     r = _batches(tmp_path / "nothing", "1:2")
     assert r.returncode == 2 and "no complete checkpoint" in r.stderr and "Traceback" not in r.stderr
-    r = _batches(base / "run", "5:2")
-    assert r.returncode == 2 and "need 1 <= A <= B" in r.stderr
-    r = _batches(base / "run", "x")
-    assert r.returncode == 2 and "expected A:B" in r.stderr
+    # ... and the other refusals through its main(), in this process
+    capsys.readouterr()
+    assert main([str(base / "run"), "--steps", "5:2", "--json"]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and out.err == "error: --steps 5:2: need 1 <= A <= B\n"
+    assert main([str(base / "run"), "--steps", "x", "--json"]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and out.err == "error: --steps 'x': expected A:B, two step numbers\n"
 
 
 def test_plan_equals_the_batches_the_loader_yields_on_two_ranks(mix):
