@@ -1,7 +1,7 @@
 """`python -m pipeline.data.batches`: the samples a step fed, rebuilt from the run's checkpoints,
 against what the trainer itself reports feeding (its batch keys on a non-finite loss,
-`debug.nan_at_steps` + `train.nan_policy=stop`), across a data phase change of a mixture, and
-against the loader's own batches on two data-parallel ranks."""
+`debug.nan_at_steps` with `train.nan_policy` skip, then stop), across a data phase change of a
+mixture, and against the loader's own batches on two data-parallel ranks."""
 from __future__ import annotations
 
 import json
@@ -12,13 +12,7 @@ import sys
 import pytest
 
 from shard_fixtures import write_train_val
-from test_train import ROOT, _env, _write_config
-
-
-def _train(config, run_dir, *overrides):
-    return subprocess.run([sys.executable, "-m", "pipeline.train", "--config", str(config),
-                           f"run_dir={run_dir}", *overrides], cwd=ROOT, env=_env(),
-                          capture_output=True, text=True, timeout=600)
+from test_train import ROOT, _env, _log, _train_forked, _write_config
 
 
 def _batches(run_dir, steps, *extra):
@@ -50,15 +44,19 @@ def mix(tmp_path_factory):
 def test_the_steps_a_run_fed_across_a_phase_change(mix):
     base, config = mix
     run = base / "run"
-    assert _train(config, run).returncode == 0
-    # phase 1 (other weights) from step 4: checkpoint at 5, stopped by a NaN at step 6
-    r = _train(config, run, "train.max_steps=8", "data.phase=1", "data.sources.1.weight=3",
-               "checkpoint.interval=1", "debug.nan_at_steps=[6]", "train.nan_policy=stop")
-    assert r.returncode == 3, r.stderr[-2000:]
-    fed6 = _fed_keys(r.stderr, 6)
-    # the same run from its start, stopped at step 3: steps of phase 0
-    r0 = _train(config, base / "run0", "debug.nan_at_steps=[3]", "train.nan_policy=stop")
-    fed3 = _fed_keys(r0.stderr, 3)
+    # The trainer runs make the checkpoints and the keys this CLI is compared with: `main` on a
+    # forked rank (test_train._train_forked). Phase 0, steps 1-4: a NaN at step 3 under
+    # nan_policy=skip makes the trainer name the keys it fed there and go on (a skipped update
+    # changes no data order).
+    assert _train_forked(1, config, run, "debug.nan_at_steps=[3]", "train.nan_policy=skip",
+                         log_name="log0") == [0], _log(run)
+    fed3 = _fed_keys((run / "log0.txt").read_text(), 3)
+    # phase 1 (other weights) from step 5: checkpoint at 5, stopped by a NaN at step 6
+    assert _train_forked(1, config, run, "train.max_steps=8", "data.phase=1",
+                         "data.sources.1.weight=3", "checkpoint.interval=1",
+                         "debug.nan_at_steps=[6]", "train.nan_policy=stop",
+                         log_name="log1") == [3], _log(run)
+    fed6 = _fed_keys((run / "log1.txt").read_text(), 6)
 
     got = _batches(run, "3:6")
     assert got.returncode == 0, got.stderr
@@ -71,14 +69,20 @@ def test_the_steps_a_run_fed_across_a_phase_change(mix):
     assert names <= {"web", "math"} and "web" in names
 
 
-def test_refusals_are_one_line(mix, tmp_path):
+def test_refusals_are_one_line(mix, tmp_path, capsys):
+    from pipeline.data.batches import main
     base, config = mix
+    # through the entry point once (exit code, no traceback) ...
     r = _batches(tmp_path / "nothing", "1:2")
     assert r.returncode == 2 and "no complete checkpoint" in r.stderr and "Traceback" not in r.stderr
-    r = _batches(base / "run", "5:2")
-    assert r.returncode == 2 and "need 1 <= A <= B" in r.stderr
-    r = _batches(base / "run", "x")
-    assert r.returncode == 2 and "expected A:B" in r.stderr
+    # ... and the other refusals through its main(), in this process
+    capsys.readouterr()
+    assert main([str(base / "run"), "--steps", "5:2", "--json"]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and out.err == "error: --steps 5:2: need 1 <= A <= B\n"
+    assert main([str(base / "run"), "--steps", "x", "--json"]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and out.err == "error: --steps 'x': expected A:B, two step numbers\n"
 
 
 def test_plan_equals_the_batches_the_loader_yields_on_two_ranks(mix):

@@ -14,7 +14,7 @@ import pytest
 
 from pipeline.checkpoint.safe_load import load_checkpoint_file
 from shard_fixtures import DEFAULT_TOKENIZER, random_samples, write_shards, write_train_val
-from test_train import ROOT, _env, _metrics, _write_config
+from test_train import ROOT, _env, _log, _metrics, _train_forked, _write_config
 
 
 def _train(config, run_dir, *overrides):
@@ -54,26 +54,40 @@ def test_refusals_before_any_step(mix, tmp_path):
                     f"more than its max_epochs 2; lower its weight or train.max_steps, or raise "
                     f"max_epochs")
     assert not _metrics(tmp_path / "a") if (tmp_path / "a" / "metrics.jsonl").exists() else True
-    # another tokenizer in the second source: refused at validation, naming both sources
-    write_shards(str(tmp_path / "other"), {"train": random_samples(np.random.default_rng(0), 5,
-                                                                   max_length=24)},
-                 tokenizer=dict(DEFAULT_TOKENIZER, hash="other-1"))
-    line = _one_line_error(_train(config, tmp_path / "b", f"data.sources.1.dir={tmp_path / 'other'}",
-                                  "train.eval_interval=0"))
-    assert "data.sources[1] (math)" in line and "'web'" in line and "'math'" in line
-    assert "tokenizer.hash 'fixture-0' vs 'other-1'" in line
-    line = _one_line_error(_train(config, tmp_path / "d", "data.max_length=16"))
-    assert line.endswith(f"data.max_length=16 is shorter than the shards' max_length 24 "
-                         f"(data.sources[0] 'web', {base / 'web'})")
     line = _one_line_error(_train(config, tmp_path / "c", f"data.dir={base / 'web'}"))
     assert line.endswith("data: set exactly one of data.dir (one shard folder) and data.sources "
                          "(a mixture); both are set")
 
 
+def test_config_refusals_through_main(mix, tmp_path, capsys):
+    """Refusals of config validation (before any process group, as the `data.dir` + `data.sources`
+    one above through the entry point): `pipeline.train.main` in this process."""
+    from pipeline.train import main
+    base, config = mix
+
+    def one_line_error(run_dir, *overrides) -> str:
+        capsys.readouterr()
+        assert main(["--config", str(config), f"run_dir={run_dir}", *overrides]) == 2
+        out = capsys.readouterr()
+        assert out.out == "" and out.err.count("\n") == 1, out
+        return out.err.strip()
+    # another tokenizer in the second source: refused at validation, naming both sources
+    write_shards(str(tmp_path / "other"), {"train": random_samples(np.random.default_rng(0), 5,
+                                                                   max_length=24)},
+                 tokenizer=dict(DEFAULT_TOKENIZER, hash="other-1"))
+    line = one_line_error(tmp_path / "b", f"data.sources.1.dir={tmp_path / 'other'}",
+                          "train.eval_interval=0")
+    assert "data.sources[1] (math)" in line and "'web'" in line and "'math'" in line
+    assert "tokenizer.hash 'fixture-0' vs 'other-1'" in line
+    line = one_line_error(tmp_path / "d", "data.max_length=16")
+    assert line.endswith(f"data.max_length=16 is shorter than the shards' max_length 24 "
+                         f"(data.sources[0] 'web', {base / 'web'})")
+
+
 def test_a_new_mix_needs_a_new_phase_which_is_recorded(mix):
     base, config = mix
     run = base / "run"
-    assert _train(config, run).returncode == 0
+    assert _train_forked(1, config, run) == [0], _log(run)   # makes the phase-0 checkpoint
     line = _one_line_error(_train(config, run, "train.max_steps=5", "data.sources.0.weight=3"))
     assert "the data changed since the checkpoint (weight of 'web' 0.5 -> 0.75; weight of 'math' " \
            "0.5 -> 0.25); set data.phase above 0" in line
