@@ -354,25 +354,36 @@ def test_hang_policy_derives_allowances_from_measured_steps():
     assert not w.HangPolicy(hang_timeout_s=0.0, warmup_s=60.0).enabled
 
 
-@pytest.mark.parametrize("override,message", [
+@pytest.mark.parametrize("override,message,cli", [
     ("train.hang_timeout_s=-1", "train.hang_timeout_s must be >= 0 seconds (0 = off) or null "
-                                "(derived), got -1.0"),
+                                "(derived), got -1.0", True),
     ("train.collective_timeout_s=300", "train.collective_timeout_s=300 must exceed "
                                        "train.hang_timeout_s and train.hang_warmup_s (=900 s): the "
                                        "collective timeout is the backstop behind the hang "
-                                       "watchdog"),
-    ("train.straggler_factor=1", "train.straggler_factor must be > 1, got 1.0"),
+                                       "watchdog", False),
+    ("train.straggler_factor=1", "train.straggler_factor must be > 1, got 1.0", False),
     ("debug.slow_rank=5", "debug.slow_rank must be -1 (none) or a rank below the world size 1, "
-                          "got 5"),
+                          "got 5", False),
 ])
-def test_bad_watchdog_settings_are_one_line_before_any_process_group(data, override, message):
+def test_bad_watchdog_settings_are_one_line_before_any_process_group(data, override, message,
+                                                                      cli, capsys, monkeypatch):
+    """The first case end to end (`python -m pipeline.train`); the others through the same
+    `pipeline.train.main` in this process, with the environment the subprocess gets."""
     base, d = data
     config = _write_config(base / "bad.yaml", d)
-    r = subprocess.run([sys.executable, "-m", "pipeline.train", "--config", str(config),
-                        f"run_dir={base / 'bad'}", override], cwd=ROOT, env=_env(),
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 2, r.stderr[-2000:]
-    assert r.stderr.strip().splitlines() == [f"pipeline.train: config error: {message}"], r.stderr
+    argv = ["--config", str(config), f"run_dir={base / 'bad'}", override]
+    if cli:
+        r = subprocess.run([sys.executable, "-m", "pipeline.train", *argv], cwd=ROOT, env=_env(),
+                           capture_output=True, text=True, timeout=300)
+        code, stderr = r.returncode, r.stderr
+    else:
+        from pipeline.train import main
+        for k in set(os.environ) - set(_env()):
+            monkeypatch.delenv(k)
+        code = main(argv)
+        stderr = capsys.readouterr().err
+    assert code == 2, stderr[-2000:]
+    assert stderr.strip().splitlines() == [f"pipeline.train: config error: {message}"], stderr
 
 
 def test_straggler_tracker_warns_once_after_n_intervals(caplog):
