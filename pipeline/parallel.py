@@ -23,6 +23,7 @@ import math
 import os
 import re
 import socket
+import sys
 import time
 from dataclasses import dataclass
 
@@ -281,8 +282,6 @@ def init_distributed(tensor_parallel_size: int = 1, backend: str | None = None,
     Returns ParallelInfo. Raises ValueError (world size not a multiple of
     `tensor_parallel_size`) or RendezvousError (the ranks could not meet).
     """
-    from megatron.core import parallel_state
-
     rank = _env_int("RANK", "SLURM_PROCID", default=0)
     world_size = _env_int("WORLD_SIZE", "SLURM_NTASKS", default=1)
     local_rank = _env_int("LOCAL_RANK", "SLURM_LOCALID", default=0)
@@ -310,7 +309,10 @@ def init_distributed(tensor_parallel_size: int = 1, backend: str | None = None,
             store = attempt_store(timeout_s)
         dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
+    # megatron-core is imported only now (seconds of CPU): a rank that cannot meet the others
+    # says so without paying for it
     init_megatron_groups(tensor_parallel_size, dist.get_backend(), timeout_s)
+    from megatron.core import parallel_state
     return ParallelInfo(
         rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank,
         tp_rank=parallel_state.get_tensor_model_parallel_rank(),
@@ -322,9 +324,9 @@ def init_distributed(tensor_parallel_size: int = 1, backend: str | None = None,
 
 def destroy_distributed() -> None:
     """Tear down megatron-core groups and the default process group (safe to call twice)."""
-    from megatron.core import parallel_state
-
-    if parallel_state.model_parallel_is_initialized():
+    # not imported yet: no megatron groups to tear down (and no seconds spent importing it)
+    parallel_state = sys.modules.get("megatron.core.parallel_state")
+    if parallel_state is not None and parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -106,14 +106,25 @@ class Trainer:
     def setup(self) -> None:
         """Process groups, seeds, write check, run lock, engine + initial weights, loaders,
         resume (with `data.on_shard_change`), wandb."""
-        import deepspeed
         import torch
+
+        from pipeline.parallel import init_distributed, run_on_rank0
+
+        cfg = self.cfg
+        self._install_signals()
+        if torch.cuda.is_available():  # NCCL's watchdog + flight recorder (parallel.nccl_defaults)
+            from pipeline.parallel import nccl_defaults
+            nccl_defaults(str(cfg.run_dir))
+        # The ranks meet before DeepSpeed and megatron-core are imported (seconds of CPU per
+        # process): a rank that cannot meet the others (RendezvousError) stops without them.
+        self.info = info = init_distributed(self.plan.tp_size,
+                                            timeout_s=float(cfg.train.collective_timeout_s))
+        import deepspeed
         from omegaconf import OmegaConf
 
         from pipeline import checkpoint as ckpt
         from pipeline.model import ModelConfig
         from pipeline.objective import ObjectiveConfig
-        from pipeline.parallel import init_distributed, run_on_rank0
         from pipeline.training.engine import build_engine, initial_weights
         from pipeline.training.faults import Faults
         from pipeline.training.metrics import (ConsoleLog, StragglerTracker, gather_hosts,
@@ -121,13 +132,6 @@ class Trainer:
         from pipeline.training.state import plan_for_resume
         from pipeline.training.watchdog import rank_checkpoint_bytes, start_watchdog
 
-        cfg = self.cfg
-        self._install_signals()
-        if torch.cuda.is_available():  # NCCL's watchdog + flight recorder (parallel.nccl_defaults)
-            from pipeline.parallel import nccl_defaults
-            nccl_defaults(str(cfg.run_dir))
-        self.info = info = init_distributed(self.plan.tp_size,
-                                            timeout_s=float(cfg.train.collective_timeout_s))
         # deepspeed.comm wraps the existing default group (zero.Init reads ranks through it).
         deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo",
                                    auto_mpi_discovery=False)

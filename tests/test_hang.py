@@ -8,16 +8,18 @@ What is compared against what:
   allowance) and rank 1 slowed in every step (a straggler). It must finish (exit 0, no hang
   line), and rank 1 must be named as the straggler in metrics.jsonl and in one warning line.
 - A hung rank is a stopped process (SIGSTOP: alive, silent, holding its peer in the next
-  collective, as a hung GPU process does). Mid-run: the job ends with exit 6 within the hang
+  collective, as a hung GPU process does). Both cases below are one run (`stopped_twice`,
+  `--max-restarts 1`): the save case first, then the mid-run case in the restarted workers.
+- During a checkpoint save (the `.partial` folder with DeepSpeed's files exists): detected by
+  its lost heartbeat, not after the longer save allowance; with `--max-restarts 1` the
+  launcher restarts the workers, which
+  resume from the previous complete checkpoint (the partial one is never loaded); the run
+  finishes with the reference's losses.
+- Mid-run (no restart left): the job ends with exit 6 within the hang
   timeout (in a step) or the lost-heartbeat allowance (in a longer phase) plus a few seconds
   (the detection time is measured from the SIGSTOP to the launcher's exit), one line names
   rank 1, no traceback; the same command then resumes and every step's losses equal the
   reference's.
-- During a checkpoint save (the `.partial` folder with DeepSpeed's files exists): detected by
-  its lost heartbeat, not after the longer save allowance; with `--max-restarts 1` the
-  launcher restarts the workers, which
-  resume from the previous complete checkpoint (the partial one is never loaded) and finish
-  with the reference's losses.
 - The decision itself (`find_stuck`, `HangPolicy`): pure functions over progress records.
 Timeouts in these runs: `train.hang_timeout_s=4`, `train.hang_warmup_s=60`.
 """
@@ -32,12 +34,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from shard_fixtures import write_train_val
 from test_run_safety import _start, _trainer_pid
-from test_train import ROOT, _env, _finish, _log, _metrics, _wait_step, _write_config
+from test_train import ROOT, _env, _finish, _kill_tree, _log, _metrics, _write_config
 
 from pipeline.training.watchdog import HEARTBEAT_LOST_S
 
@@ -140,54 +143,6 @@ def _wait_for(what, cond, timeout_s: float, proc):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def test_sigstop_mid_run_exits_6_naming_the_rank_and_resumes_exactly(data, healthy):
-    base, d = data
-    run_dir = base / "stop_mid"
-    config = _write_config(base / "stop_mid.yaml", d, train=TRAIN,
-                           checkpoint={"interval": 3, "keep": 2})
-    proc = _start(2, config, run_dir, log_name="leg1")
-    victim = _wait_for("rank 1's process", lambda: _try_pid(proc.pid, 1), 300, proc)
-    _wait_step(proc, run_dir, 7)       # past the first validation (its allowance is 60 s)
-    os.kill(victim, signal.SIGSTOP)
-    t_stop = time.time()
-    try:
-        code = proc.wait(timeout=HANG_S + 90)
-    finally:
-        try:
-            os.kill(victim, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    took = time.time() - t_stop
-    text = (run_dir / "leg1.txt").read_text()
-    assert code == 6, text[-4000:]
-    report = json.loads((run_dir / "hang.json").read_text())
-    assert report["ranks"] == [1] and report["frozen"] == [1]
-    rec = report["records"]["1"]
-    assert rec["pid"] == victim and rec["host"] == socket.gethostname()
-    # in a step's phase its 4 s allowance comes first; validation (3 x 4 s) and a save (at least
-    # 3 x 4 s) last longer than the lost-heartbeat allowance, which ends the job then
-    if rec["phase"] in ("validation", "checkpoint"):
-        assert (report["cause"], report["allowance_s"]) == ("heartbeat", HEARTBEAT_LOST_S), rec
-    else:
-        assert (report["cause"], report["allowance_s"]) == ("progress", HANG_S), rec
-    # measured: ends within the allowance + the 0.5 s check periods + the exit (generous)
-    assert report["allowance_s"] <= took <= report["allowance_s"] + 10, took
-    lines = _lines(text)
-    assert len(lines) == 1, text[-4000:]
-    assert lines[0].startswith(f"pipeline.train: rank 0: hang: rank 1 (host {rec['host']}, pid "
-                               f"{victim}) after step {rec['step']} in phase {rec['phase']}; its "
-                               f"process is not running: no heartbeat for ")
-    assert f"stopping with exit 6 (report: {run_dir / 'hang.json'})" in lines[0]
-    assert "Traceback" not in text, text[-4000:]
-    print(f"\nSIGSTOP mid-run: exit after {took:.1f} s (allowance {report['allowance_s']} s, "
-          f"phase {rec['phase']})")
-    # the same command resumes and finishes with the reference's losses
-    proc = _start(2, config, run_dir, log_name="leg2")
-    assert _finish(proc, run_dir, timeout=600) == 0, _log(run_dir)
-    assert "resumed from" in (run_dir / "leg2.txt").read_text()
-    _same_losses(healthy[0], run_dir)
-
-
 def _try_pid(root: int, rank: int):
     try:
         return _trainer_pid(root, rank)
@@ -213,34 +168,142 @@ def _rank_1_stopped_in_save(proc, run_dir: Path, step: int):
             pass
 
 
-def test_sigstop_during_a_save_restarts_from_the_previous_checkpoint(data, healthy):
-    """SIGSTOP of rank 1 while it is inside the save of step 6 (its DeepSpeed files are in
-    step_000000006.partial, `debug.slow_save_s` holds it there): detected by its lost heartbeat
-    (the save allowance, at least 3 x 8 s, is longer); `pipeline.launch --max-restarts 1` starts the workers again, they resume from
-    step 3 (the partial folder is not a checkpoint) and finish equal to the reference."""
-    from pipeline.checkpoint import find_latest
-    base, d = data
-    run_dir = base / "stop_save"
-    config = _write_config(base / "stop_save.yaml", d, train=TRAIN,
-                           checkpoint={"interval": 3, "keep": 5},
-                           debug={"slow_save_s": 2 * HANG_S})
-    run_dir.mkdir(parents=True)
+def _read_record(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _launch_restartable(config: Path, run_dir: Path, log_name: str) -> subprocess.Popen:
+    """`pipeline.launch --max-restarts=1` of a 2-rank run in its own session."""
+    run_dir.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "pipeline.launch", "--standalone", "--nproc_per_node=2",
            "--max-restarts=1", "-m", "pipeline.train", "--config", str(config),
            f"run_dir={run_dir}"]
-    out = open(run_dir / "log.txt", "ab")
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=out, stderr=subprocess.STDOUT,
+    out = open(run_dir / f"{log_name}.txt", "ab")
+    return subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=out, stderr=subprocess.STDOUT,
                             start_new_session=True)
-    with _rank_1_stopped_in_save(proc, run_dir, 6) as (victim, t_stop):
-        _wait_for("the hang report", lambda: (run_dir / "hang.json").exists(), 60, proc)
-        took = time.time() - t_stop
-        report = json.loads((run_dir / "hang.json").read_text())
-        assert find_latest(run_dir / "checkpoints").name == "step_000000003"
-        code = _finish(proc, run_dir, timeout=600)
-    text = (run_dir / "log.txt").read_text()
-    assert code == 0, text[-6000:]
+
+
+@pytest.fixture(scope="module")
+def stopped_twice(data):
+    """One run folder, one command (`pipeline.launch --max-restarts 1`, a save every 4 steps,
+    each held 8 s by `debug.slow_save_s`), rank 1 stopped twice:
+    leg 1, first workers: SIGSTOP inside the save of step 8 (its DeepSpeed files are in
+    step_000000008.partial): hang report, the launcher's one restart, the new workers resume
+    from step 4 (the partial folder is not a checkpoint);
+    leg 1, restarted workers: SIGSTOP mid-run in steps 9-12, once rank 1's record shows it
+    left the save of step 8 (past its first validation, whose allowance is 60 s, and the three
+    steps from the save of step 12): no restart left, the launcher exits;
+    leg 2: the same command resumes and finishes.
+    Returns what the two tests below read (codes, both reports, pids, times, the logs)."""
+    from pipeline.checkpoint import find_latest
+    base, d = data
+    run_dir = base / "stopped"
+    config = _write_config(base / "stopped.yaml", d, train=TRAIN,
+                           checkpoint={"interval": 4, "keep": 5},
+                           debug={"slow_save_s": 2 * HANG_S})
+    out = SimpleNamespace(run_dir=run_dir)
+    proc = _launch_restartable(config, run_dir, "leg1")
+    try:
+        with _rank_1_stopped_in_save(proc, run_dir, 8) as (victim, t_stop):
+            _wait_for("the hang report", lambda: (run_dir / "hang.json").exists(), 60, proc)
+            out.save_took = time.time() - t_stop
+            out.save_report = json.loads((run_dir / "hang.json").read_text())
+            out.latest_at_save_report = find_latest(run_dir / "checkpoints").name
+            out.save_victim = victim
+            # the launcher restarts the workers: a new rank 1
+            def restarted():
+                pid = _try_pid(proc.pid, 1)
+                return pid if pid not in (None, victim) else None
+            out.mid_victim = _wait_for("the restarted rank 1", restarted, 300, proc)
+        # rank 1 published that it left the (8 s) save of step 8: its record, rewritten every
+        # 0.5 s, still says "checkpoint" for up to a beat after the save (then a SIGSTOP is
+        # judged by the save's allowance from the save's start)
+        record = run_dir / "progress" / "rank_00001.json"
+        _wait_for("rank 1's record after the save of step 8", lambda: (
+            (r := _read_record(record)) and r["pid"] == out.mid_victim and r["step"] >= 8
+            and r["phase"] != "checkpoint"), 300, proc)
+        os.kill(out.mid_victim, signal.SIGSTOP)
+        t_stop = time.time()
+        try:
+            out.leg1_code = proc.wait(timeout=HANG_S + 90)
+        finally:
+            try:
+                os.kill(out.mid_victim, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        out.mid_took = time.time() - t_stop
+    finally:
+        if proc.poll() is None:
+            _kill_tree(proc)
+    out.mid_report = json.loads((run_dir / "hang.json").read_text())
+    out.leg1 = (run_dir / "leg1.txt").read_text()
+    proc = _launch_restartable(config, run_dir, "leg2")
+    out.leg2_code = _finish(proc, run_dir, timeout=600)
+    out.leg2 = (run_dir / "leg2.txt").read_text()
+    return out
+
+
+def _attempts(text: str) -> tuple[list[str], list[str]]:
+    """The lines of a leg's log before and after the restarted workers' restart line."""
+    lines = text.splitlines()
+    at = [i for i, ln in enumerate(lines)
+          if "restart 1 of at most 1 by the launcher (--max-restarts)" in ln]
+    assert len(at) == 1, text[-6000:]
+    return lines[:at[0]], lines[at[0] + 1:]
+
+
+def test_sigstop_mid_run_exits_6_naming_the_rank_and_resumes_exactly(stopped_twice, healthy):
+    """SIGSTOP of rank 1 mid-run (the restarted workers of `stopped_twice`, no restart left):
+    exit 6 within the allowance, one line naming rank 1; the same command resumes and every
+    step's losses equal the reference's."""
+    run = stopped_twice
+    run_dir, victim, took = run.run_dir, run.mid_victim, run.mid_took
+    text = run.leg1
+    assert run.leg1_code == 6, text[-4000:]
+    report = run.mid_report
+    assert report["ranks"] == [1] and report["frozen"] == [1]
+    rec = report["records"]["1"]
+    assert rec["pid"] == victim and rec["host"] == socket.gethostname()
+    # in a step's phase its 4 s allowance comes first; validation (3 x 4 s) and a save (at least
+    # 3 x 4 s) last longer than the lost-heartbeat allowance, which ends the job then
+    if rec["phase"] in ("validation", "checkpoint"):
+        assert (report["cause"], report["allowance_s"]) == ("heartbeat", HEARTBEAT_LOST_S), rec
+    else:
+        assert (report["cause"], report["allowance_s"]) == ("progress", HANG_S), rec
+    # measured: ends within the allowance + the 0.5 s check periods + the exit (generous)
+    assert report["allowance_s"] <= took <= report["allowance_s"] + 10, took
+    lines = _lines("\n".join(_attempts(text)[1]))   # the restarted workers' output
+    assert len(lines) == 1, text[-4000:]
+    assert lines[0].startswith(f"pipeline.train: rank 0: hang: rank 1 (host {rec['host']}, pid "
+                               f"{victim}) after step {rec['step']} in phase {rec['phase']}; its "
+                               f"process is not running: no heartbeat for ")
+    assert f"stopping with exit 6 (report: {run_dir / 'hang.json'})" in lines[0]
+    assert "Traceback" not in text, text[-4000:]
+    print(f"\nSIGSTOP mid-run: exit after {took:.1f} s (allowance {report['allowance_s']} s, "
+          f"phase {rec['phase']})")
+    # the same command resumes and finishes with the reference's losses
+    assert run.leg2_code == 0, _log(run_dir)
+    assert "resumed from" in run.leg2
+    _same_losses(healthy[0], run_dir)
+
+
+def test_sigstop_during_a_save_restarts_from_the_previous_checkpoint(stopped_twice, healthy):
+    """SIGSTOP of rank 1 while it is inside the save of step 8 (the first workers of
+    `stopped_twice`; `debug.slow_save_s` holds it there): detected by its lost heartbeat (the
+    save allowance, at least 3 x 8 s, is longer); `pipeline.launch --max-restarts 1` starts the
+    workers again, they resume from step 4 (the partial folder is not a checkpoint) and the run
+    finishes equal to the reference."""
+    from pipeline.checkpoint import find_latest
+    run = stopped_twice
+    run_dir, report, took = run.run_dir, run.save_report, run.save_took
+    text = run.leg1
+    assert run.latest_at_save_report == "step_000000004"
     assert report["ranks"] == [1] and report["records"]["1"]["phase"] == "checkpoint"
-    # its save allowance, max(3 x the step-3 save (8 s asleep + the write), min(60, 3 x 4 s) +
+    assert report["records"]["1"]["pid"] == run.save_victim
+    # its save allowance, max(3 x the step-4 save (8 s asleep + the write), min(60, 3 x 4 s) +
     # tiny bytes) = 24 s or more, was not waited for
     assert (report["cause"], report["allowance_s"]) == ("heartbeat", HEARTBEAT_LOST_S), report
     assert took <= report["allowance_s"] + 10, took
@@ -248,10 +311,12 @@ def test_sigstop_during_a_save_restarts_from_the_previous_checkpoint(data, healt
           f"{report['allowance_s']:.1f} s)")
     assert "restart 1 of at most 1 by the launcher (--max-restarts)" in text, text[-4000:]
     assert "the last hang report" in text
-    assert f"resumed from {run_dir / 'checkpoints' / 'step_000000003'} at step 3" in text
-    hang_lines = [ln for ln in text.splitlines() if ": hang: " in ln]
+    assert f"resumed from {run_dir / 'checkpoints' / 'step_000000004'} at step 4" in text
+    first, _ = _attempts(text)   # the first workers' output
+    hang_lines = [ln for ln in first if ": hang: " in ln]
     assert len(hang_lines) == 1 and hang_lines[0].startswith("pipeline.train: rank 0: hang: rank 1")
     assert "Traceback" not in text, text[-4000:]
+    assert run.leg2_code == 0, run.leg2[-6000:]
     assert find_latest(run_dir / "checkpoints").name == f"step_{STEPS:09d}"
     assert not list((run_dir / "checkpoints").glob("*.partial"))
     _same_losses(healthy[0], run_dir)
@@ -354,25 +419,36 @@ def test_hang_policy_derives_allowances_from_measured_steps():
     assert not w.HangPolicy(hang_timeout_s=0.0, warmup_s=60.0).enabled
 
 
-@pytest.mark.parametrize("override,message", [
+@pytest.mark.parametrize("override,message,cli", [
     ("train.hang_timeout_s=-1", "train.hang_timeout_s must be >= 0 seconds (0 = off) or null "
-                                "(derived), got -1.0"),
+                                "(derived), got -1.0", True),
     ("train.collective_timeout_s=300", "train.collective_timeout_s=300 must exceed "
                                        "train.hang_timeout_s and train.hang_warmup_s (=900 s): the "
                                        "collective timeout is the backstop behind the hang "
-                                       "watchdog"),
-    ("train.straggler_factor=1", "train.straggler_factor must be > 1, got 1.0"),
+                                       "watchdog", False),
+    ("train.straggler_factor=1", "train.straggler_factor must be > 1, got 1.0", False),
     ("debug.slow_rank=5", "debug.slow_rank must be -1 (none) or a rank below the world size 1, "
-                          "got 5"),
+                          "got 5", False),
 ])
-def test_bad_watchdog_settings_are_one_line_before_any_process_group(data, override, message):
+def test_bad_watchdog_settings_are_one_line_before_any_process_group(data, override, message,
+                                                                      cli, capsys, monkeypatch):
+    """The first case end to end (`python -m pipeline.train`); the others through the same
+    `pipeline.train.main` in this process, with the environment the subprocess gets."""
     base, d = data
     config = _write_config(base / "bad.yaml", d)
-    r = subprocess.run([sys.executable, "-m", "pipeline.train", "--config", str(config),
-                        f"run_dir={base / 'bad'}", override], cwd=ROOT, env=_env(),
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 2, r.stderr[-2000:]
-    assert r.stderr.strip().splitlines() == [f"pipeline.train: config error: {message}"], r.stderr
+    argv = ["--config", str(config), f"run_dir={base / 'bad'}", override]
+    if cli:
+        r = subprocess.run([sys.executable, "-m", "pipeline.train", *argv], cwd=ROOT, env=_env(),
+                           capture_output=True, text=True, timeout=300)
+        code, stderr = r.returncode, r.stderr
+    else:
+        from pipeline.train import main
+        for k in set(os.environ) - set(_env()):
+            monkeypatch.delenv(k)
+        code = main(argv)
+        stderr = capsys.readouterr().err
+    assert code == 2, stderr[-2000:]
+    assert stderr.strip().splitlines() == [f"pipeline.train: config error: {message}"], stderr
 
 
 def test_straggler_tracker_warns_once_after_n_intervals(caplog):
