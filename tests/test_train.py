@@ -90,37 +90,19 @@ def _launch(nproc: int, config: Path, run_dir: Path, *overrides: str, log_name: 
                             start_new_session=new_session)
 
 
-def _main_rank(rank: int, world_size: int, argv: list[str], log_path: str) -> int:
-    """One rank of `pipeline.train.main(argv)` (a `run_distributed` rank: forked with the heavy
-    imports done, RANK / WORLD_SIZE / MASTER_* set as torchrun sets them) in the environment of
-    `_env()`, its stdout and stderr appended to `log_path`. Returns its exit code."""
-    for k, v in _env().items():
-        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-            os.environ[k] = v
-    os.environ.pop("WANDB_MODE", None)
-    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-    for target in (1, 2):
-        os.dup2(fd, target)
-    os.close(fd)
-    from pipeline.train import main
-    try:
-        return main(argv)
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-
-
 def _train_forked(nproc: int, config: Path, run_dir: Path, *overrides: str,
                   log_name: str = "log") -> list[int]:
     """`pipeline.train`'s `main` on `nproc` ranks forked from the test's preloaded forkserver
-    (tests/distributed.py), not a `torchrun` / `python -m` launch: for runs that only make the
-    checkpoints or metrics another run is compared with (the entry point's own behaviour is
-    tested through `_launch`). Returns each rank's exit code; the output is in
-    `run_dir/<log_name>.txt`."""
-    from distributed import run_distributed
+    (`distributed.run_train_main`), not a `torchrun` / `python -m` launch: for runs that only
+    make the checkpoints or metrics another run is compared with (the entry point's own
+    behaviour is tested through `_launch`). Returns each rank's exit code; the ranks' output is
+    appended to `run_dir/<log_name>.txt`."""
+    from distributed import run_train_main
     run_dir.mkdir(parents=True, exist_ok=True)
-    argv = ["--config", str(config), f"run_dir={run_dir}", *overrides]
-    return run_distributed(_main_rank, nproc, (argv, str(run_dir / f"{log_name}.txt")))
+    res = run_train_main(config, run_dir, *overrides, nproc=nproc)
+    with open(run_dir / f"{log_name}.txt", "a") as f:
+        f.write("".join(r.stdout + r.stderr for r in res))
+    return [r.returncode for r in res]
 
 
 def _children(pid: int) -> list[int]:
