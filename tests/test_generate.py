@@ -114,7 +114,9 @@ def test_hf_tokenizer_folder_uses_the_chat_template(tp1, tmp_path, capsys):
     wrapped with the chat template, the mask/EOS ids are <|mask|> / <|im_end|>, and ar mode
     decodes what transformers' greedy generate decodes from the same ids."""
     from transformers import AutoTokenizer, Qwen3ForCausalLM
-    folder = make_tiny_qwen3(tmp_path / "qwen", seed=3, with_tokenizer=True)
+    folder = make_tiny_qwen3(tmp_path / "qwen", seed=3, with_tokenizer=True, hidden_size=16,
+                             head_dim=8, intermediate_size=32, num_attention_heads=2,
+                             num_key_value_heads=1)
     rc, out, _ = _run(capsys, ["--model", str(folder), "--prompt", "Write a function.",
                                "--mode", "ar", "--gen-length", "4", "--json"])
     assert rc == 0
