@@ -41,7 +41,10 @@ def _tensor_bytes() -> int:
 
 
 def _measure(rank, world_size, config, run_dir, modes):
-    """Per recompute mode: the trainer's plan and the measured model states and step peak."""
+    """Per recompute mode: the trainer's plan and the measured model states and step peak.
+    The modes' trainers share this launch's process groups (the first trainer's
+    `init_distributed` creates them, the later ones find them; the rank tears them down when
+    it ends): a process group is not re-created on the same port."""
     from pipeline.config import load_config, validate
     from pipeline.train import Trainer
     from pipeline.training.memory_plan import plan_for_run
@@ -68,8 +71,6 @@ def _measure(rank, world_size, config, run_dir, modes):
                 it.close()
             if trainer.run_lock is not None:
                 trainer.run_lock.release()
-            from pipeline.parallel import destroy_distributed
-            destroy_distributed()
         mp = plan_for_run(cfg, tp=plan.tp_size, dp=plan.dp_size, model_fields=plan.model_fields,
                           row_length=plan.row_length, device="cpu")
         out[mode] = {"states": before, "step_peak": tracker.peak,
@@ -117,14 +118,7 @@ def _check(rec, tol=0.10):
 def _run(tmp_path, world_size, tp, modes, precision="fp32"):
     from distributed import run_distributed
     config = _config(tmp_path, tp=tp, precision=precision)
-    if world_size == 1:
-        res = run_distributed(_measure, 1, (config, str(tmp_path), modes))
-    else:  # one mode per launch: a process group is not re-created on the same port
-        res = [{} for _ in range(world_size)]
-        for mode in modes:
-            for rank, rec in enumerate(run_distributed(_measure, world_size,
-                                                       (config, str(tmp_path), (mode,)))):
-                res[rank].update(rec)
+    res = run_distributed(_measure, world_size, (config, str(tmp_path), modes))
     for rank, per_mode in enumerate(res):
         for mode, rec in per_mode.items():
             print(f"world {world_size} tp {tp} rank {rank} {mode}: states planned "
