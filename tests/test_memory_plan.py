@@ -146,14 +146,28 @@ def test_plan_matches_measured_tp2_every_recompute_mode(tmp_path):
 
 
 def _cli(*args):
+    """`python -m pipeline.plan_memory ARGS` in a fresh process (the command line users run)."""
     return subprocess.run([sys.executable, "-m", "pipeline.plan_memory", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
 
 
-def test_cli_qwen3_8b_model_states_and_fit():
+def _cli_here(monkeypatch, capsys, *args):
+    """`pipeline.plan_memory.main(ARGS)` in this process, from the repository root, without a
+    fresh process's imports: a CompletedProcess-like (returncode, stdout, stderr)."""
+    from types import SimpleNamespace
+    from pipeline.plan_memory import main
+    monkeypatch.chdir(ROOT)
+    capsys.readouterr()
+    rc = main(list(args))
+    out = capsys.readouterr()
+    return SimpleNamespace(returncode=rc, stdout=out.out, stderr=out.err)
+
+
+def test_cli_qwen3_8b_model_states_and_fit(monkeypatch, capsys):
     """configs/qwen3_8b.yaml on 4 nodes x 8 GPUs (TP 2, DP 16): the model states are ZeRO-3's
     (2 + 4 + 8 + 4) bytes per parameter of a TP rank over 16 ranks (the persistent norms whole),
-    and a micro-batch that does not fit 80 GiB without recompute exits 1."""
+    and a micro-batch that does not fit 80 GiB without recompute exits 1. The first plan from
+    the command line, the others from `main` in this process."""
     from pipeline.model import ModelConfig
     from pipeline.model.flops import num_parameters
     r = _cli("--config", "configs/qwen3_8b.yaml", "--nodes", "4", "--gpu-memory", "80")
@@ -177,35 +191,34 @@ def test_cli_qwen3_8b_model_states_and_fit():
     assert lines["CUDA context + NCCL buffers (3 communicators; allowance)"] == pytest.approx(
         (CUDA_CONTEXT_BYTES + 3 * NCCL_BYTES_PER_COMMUNICATOR) / 2 ** 30, abs=0.01)
     assert 0.5 < NCCL_BYTES_PER_COMMUNICATOR / 2 ** 30 < 0.6
-    r = _cli("--config", "configs/qwen3_8b.yaml", "--nodes", "4", "--gpu-memory", "80",
-             "train.activation_checkpointing=none", "train.micro_batch_size=8")
+    r = _cli_here(monkeypatch, capsys, "--config", "configs/qwen3_8b.yaml", "--nodes", "4",
+                  "--gpu-memory", "80", "train.activation_checkpointing=none",
+                  "train.micro_batch_size=8")
     assert r.returncode == 1 and "does NOT fit" in r.stdout
     # the dual-stream recipe at the same shape: 2 rows of 8192 tokens, the dense SDPA mask
-    r = _cli("--config", "configs/qwen3_8b_dual.yaml", "--nodes", "4", "--gpus-per-node", "8",
-             "--gpu-memory", "80")
+    r = _cli_here(monkeypatch, capsys, "--config", "configs/qwen3_8b_dual.yaml", "--nodes", "4",
+                  "--gpus-per-node", "8", "--gpu-memory", "80")
     assert r.returncode == 0 and "fits in 80.0 GiB" in r.stdout, r.stdout + r.stderr
     assert "TP 2 x DP 16" in r.stdout and "micro-batch 2 x 8192 tokens" in r.stdout
     assert "attention mask (dense SDPA)" in r.stdout
 
 
-def test_cli_bad_input_is_one_line_exit_2():
+def test_cli_bad_input_is_one_line_exit_2(monkeypatch, capsys):
+    """The first refusal from the command line, the others from `main` in this process."""
     r = _cli("--config", "configs/qwen3_8b.yaml", "train.no_such_key=1")
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
     assert "train.no_such_key" in r.stderr
-    r = _cli("--config", "configs/qwen3_8b.yaml", "--world-size", "3")
+    r = _cli_here(monkeypatch, capsys, "--config", "configs/qwen3_8b.yaml", "--world-size", "3")
     assert r.returncode == 2 and "tensor_parallel_size=2" in r.stderr
     # no world size at all on a TP config: the flags are named, not "world size 1"
-    import os
-    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "SLURM_NTASKS")}
-    r = subprocess.run([sys.executable, "-m", "pipeline.plan_memory", "--config",
-                        "configs/qwen3_8b.yaml"], cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=300)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("SLURM_NTASKS", raising=False)
+    r = _cli_here(monkeypatch, capsys, "--config", "configs/qwen3_8b.yaml")
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert "--nodes" in r.stderr and "--gpus-per-node" in r.stderr
     assert "world size 1" not in r.stderr
-    r = subprocess.run([sys.executable, "-m", "pipeline.plan_memory", "--config",
-                        "configs/qwen3_8b.yaml", "--device", "cpu", "--nodes", "1"], cwd=ROOT,
-                       env=env, capture_output=True, text=True, timeout=300)
+    r = _cli_here(monkeypatch, capsys, "--config", "configs/qwen3_8b.yaml", "--device", "cpu",
+                  "--nodes", "1")
     assert r.returncode == 0 and "CUDA context" not in r.stdout, r.stderr   # CUDA only
 
 
