@@ -247,9 +247,26 @@ def test_trainer_prints_the_plan_and_refuses_before_building(tmp_path, monkeypat
     assert capsys.readouterr().err == ""
 
 
+def _train_main(rank, world_size, argv, err_path):
+    """`pipeline.train.main(ARGV)` in this forked rank (its imports done by the forkserver),
+    its stderr (fd 2) written to ERR_PATH: the exit code."""
+    import os
+    from pipeline.train import main
+    sys.stderr.flush()
+    fd = os.open(err_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(fd, 2)
+    os.close(fd)
+    try:
+        return main(argv)
+    finally:
+        sys.stderr.flush()
+
+
 def test_trainer_prints_the_plan_only_once_it_holds_the_run_lock(tmp_path):
     """A second job on a live run directory prints its one-line refusal and not the memory
-    plan (the plan is printed after the run lock is taken); a job that gets the lock prints it."""
+    plan (the plan is printed after the run lock is taken); a job that gets the lock prints it.
+    The refused job is `main` in a forked rank (the command line's refusal is
+    tests/test_run_safety.py's), the job that trains one step is the command line."""
     import os
     import socket
     config = _config(tmp_path)
@@ -265,7 +282,13 @@ def test_trainer_prints_the_plan_only_once_it_holds_the_run_lock(tmp_path):
         return subprocess.run([sys.executable, "-m", "pipeline.train", "--config", config,
                                f"run_dir={run}", "train.max_steps=1"], cwd=ROOT, env=env,
                               capture_output=True, text=True, timeout=600)
-    r = train(run_dir)
+    from types import SimpleNamespace
+
+    from distributed import run_distributed
+    err = tmp_path / "refused.err"
+    (code,) = run_distributed(_train_main, 1, (["--config", config, f"run_dir={run_dir}",
+                                                "train.max_steps=1"], str(err)))
+    r = SimpleNamespace(returncode=code, stderr=err.read_text())
     assert r.returncode == 2, r.stderr[-3000:]
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("pipeline.train: error: "), r.stderr[-3000:]
