@@ -114,7 +114,9 @@ def test_hf_tokenizer_folder_uses_the_chat_template(tp1, tmp_path, capsys):
     wrapped with the chat template, the mask/EOS ids are <|mask|> / <|im_end|>, and ar mode
     decodes what transformers' greedy generate decodes from the same ids."""
     from transformers import AutoTokenizer, Qwen3ForCausalLM
-    folder = make_tiny_qwen3(tmp_path / "qwen", seed=3, with_tokenizer=True)
+    folder = make_tiny_qwen3(tmp_path / "qwen", seed=3, with_tokenizer=True, hidden_size=16,
+                             head_dim=8, intermediate_size=32, num_attention_heads=2,
+                             num_key_value_heads=1)
     rc, out, _ = _run(capsys, ["--model", str(folder), "--prompt", "Write a function.",
                                "--mode", "ar", "--gen-length", "4", "--json"])
     assert rc == 0
@@ -155,6 +157,7 @@ def test_json_out_folder_and_empty_tokenizer_folder_exit_2_before_decoding(tp1, 
 
 
 def _bench(script, *argv):
+    """`python bench/SCRIPT ARGV` in a fresh process (the command line users run)."""
     import subprocess
     import sys
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -164,12 +167,37 @@ def _bench(script, *argv):
                           capture_output=True, text=True, timeout=300, cwd=root, env=env)
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--model", "/nonexistent/model"], "error: --model /nonexistent/model: no such file"),
-    (["--gen-length", "4", "--num-blocks", "2"], "error: --num-blocks 2 must divide the 1 slots"),
+def _bench_here(monkeypatch, capsys, script, *argv):
+    """bench/SCRIPT's `main()` with ARGV in this process (its process group: tp1's), without
+    the 5-10 s of imports a fresh process costs: a CompletedProcess-like (returncode, stdout,
+    stderr). The command line itself is run by `_bench` in the tests that say so."""
+    import importlib.util
+    import sys
+    from types import SimpleNamespace
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.path.join(root, "bench", script)
+    spec = importlib.util.spec_from_file_location(f"_bench_{script[:-3]}", path)
+    mod = importlib.util.module_from_spec(spec)
+    monkeypatch.setattr(sys, "path", list(sys.path))   # the script prepends to it
+    spec.loader.exec_module(mod)
+    monkeypatch.setattr(sys, "argv", [path, *argv])
+    monkeypatch.chdir(root)
+    capsys.readouterr()
+    rc = mod.main()
+    out = capsys.readouterr()
+    return SimpleNamespace(returncode=rc, stdout=out.out, stderr=out.err)
+
+
+@pytest.mark.parametrize("argv, message, launch", [
+    (["--model", "/nonexistent/model"], "error: --model /nonexistent/model: no such file", False),
+    (["--gen-length", "4", "--num-blocks", "2"], "error: --num-blocks 2 must divide the 1 slots",
+     True),
 ])
-def test_bench_decoding_user_errors_exit_2_with_one_line(argv, message):
-    r = _bench("bench_decoding.py", *argv)
+def test_bench_decoding_user_errors_exit_2_with_one_line(tp1, monkeypatch, capsys, argv, message,
+                                                         launch):
+    """One refusal from the command line (`launch`), the other from `main()` in this process."""
+    r = _bench("bench_decoding.py", *argv) if launch else _bench_here(
+        monkeypatch, capsys, "bench_decoding.py", *argv)
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr.strip().splitlines() == [r.stderr.strip()] and message in r.stderr
 
@@ -284,9 +312,11 @@ def test_help_shows_defaults_and_json_records_settings(tp1, folder, capsys):
                  "device": "cpu", "dtype": "float32", "tokenizer": None}  # fp32: the CPU default
 
 
-def test_bench_decoding_reports_the_median_of_repeats(folder, tmp_path):
-    r = _bench("bench_decoding.py", "--model", str(folder), "--data", str(tmp_path / "none"),
-               "--prompts", "2", "--gen-length", "4", "--num-blocks", "1", "--repeats", "2")
+def test_bench_decoding_reports_the_median_of_repeats(tp1, folder, tmp_path, monkeypatch,
+                                                     capsys):
+    r = _bench_here(monkeypatch, capsys, "bench_decoding.py", "--model", str(folder), "--data",
+                    str(tmp_path / "none"), "--prompts", "2", "--gen-length", "4",
+                    "--num-blocks", "1", "--repeats", "2")
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     assert "tokens/s: median of 2 timed decodes per setting" in lines[0]
@@ -297,7 +327,8 @@ def test_bench_decoding_reports_the_median_of_repeats(folder, tmp_path):
     assert all(x[9] == "-" for x in rows)     # one mode: no ratio column
 
 
-def test_bench_decoding_baseline_gives_a_before_line_and_a_ratio(folder, tmp_path):
+def test_bench_decoding_baseline_gives_a_before_line_and_a_ratio(tp1, folder, tmp_path,
+                                                                monkeypatch, capsys):
     """`--baseline FILE` (here: this tree's decoding.py, a copy): each setting is decoded with
     both, a "before/..." line then ours with its tokens/s ratio; the same tokens (the same
     algorithm); a missing file is one line, exit 2."""
@@ -305,27 +336,29 @@ def test_bench_decoding_baseline_gives_a_before_line_and_a_ratio(folder, tmp_pat
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     base = tmp_path / "decoding_before.py"
     shutil.copy(os.path.join(root, "pipeline", "inference", "decoding.py"), base)
-    r = _bench("bench_decoding.py", "--model", str(folder), "--data", str(tmp_path / "none"),
-               "--prompts", "2", "--gen-length", "4", "--repeats", "1", "--verify",
-               "draft_ahead", "--baseline", str(base))
+    r = _bench_here(monkeypatch, capsys, "bench_decoding.py", "--model", str(folder), "--data",
+                    str(tmp_path / "none"), "--prompts", "2", "--gen-length", "4", "--repeats",
+                    "1", "--verify", "draft_ahead", "--baseline", str(base))
     assert r.returncode == 0, r.stderr
     rows = [ln.split() for ln in r.stdout.splitlines()[2:]]
     assert [x[0] for x in rows] == ["before/ar", "ar"] + ["before/draft_ahead",
                                                            "refusion/draft_ahead"] * 5
     for before, ours in zip(rows[::2], rows[1::2]):
         assert before[3:6] == ours[3:6] and before[9] == "-" and float(ours[9]) > 0
-    r = _bench("bench_decoding.py", "--model", str(folder), "--baseline", str(tmp_path / "no"))
+    r = _bench_here(monkeypatch, capsys, "bench_decoding.py", "--model", str(folder),
+                    "--baseline", str(tmp_path / "no"))
     assert r.returncode == 2
     assert r.stderr.strip() == f"error: --baseline {tmp_path / 'no'}: no such file"
 
 
-def test_bench_decoding_compares_verify_modes_side_by_side(folder, tmp_path):
+def test_bench_decoding_compares_verify_modes_side_by_side(tp1, folder, tmp_path, monkeypatch,
+                                                          capsys):
     """`--verify draft_ahead draft_every`: per token threshold of the grid (the slot threshold
     is unused by both), one line per mode, the same tokens (both equal AR decoding at
     threshold >= 0.5), and each mode's tokens/s over the first one's (1.00 for the first)."""
-    r = _bench("bench_decoding.py", "--model", str(folder), "--data", str(tmp_path / "none"),
-               "--prompts", "2", "--gen-length", "8", "--repeats", "1", "--verify",
-               "draft_ahead", "draft_every")
+    r = _bench_here(monkeypatch, capsys, "bench_decoding.py", "--model", str(folder), "--data",
+                    str(tmp_path / "none"), "--prompts", "2", "--gen-length", "8", "--repeats",
+                    "1", "--verify", "draft_ahead", "draft_every")
     assert r.returncode == 0, r.stderr
     rows = [ln.split() for ln in r.stdout.splitlines()[2:]]
     assert [x[0] for x in rows] == ["ar"] + ["refusion/draft_ahead", "refusion/draft_every"] * 5
@@ -340,7 +373,8 @@ def test_bench_decoding_compares_verify_modes_side_by_side(folder, tmp_path):
 def test_bench_decoding_mask_attention_applies_to_the_drafting_modes(folder, tmp_path):
     """`--mask-attention bidirectional` with `--verify authors draft_every`: the authors' mode
     stays causal (it does not take the option), draft_every decodes with bidirectional mask
-    blocks and still equals AR decoding at token thresholds >= 0.5."""
+    blocks and still equals AR decoding at token thresholds >= 0.5. Run as users run the
+    script (a fresh process)."""
     r = _bench("bench_decoding.py", "--model", str(folder), "--data", str(tmp_path / "none"),
                "--prompts", "2", "--gen-length", "8", "--num-blocks", "1", "--repeats", "1",
                "--verify", "authors", "draft_every", "--mask-attention", "bidirectional")

@@ -24,6 +24,7 @@ MC = [{"question": "def load(fp):", "choices": ["return", "pass", "x = 1"], "lab
       {"question": "import", "choices": ["sys", "os"], "label": 1}]
 DECODE = ["--gen-length", "16", "--slot-size", "4", "--num-blocks", "2",
           "--slot-threshold", "0.1", "--token-threshold", "0.1"]
+CHAT = {"hf": ["Write a function.", "What is 2 + 2?"], "spm": QUESTIONS[:2]}  # chat test
 
 
 def _lm_eval(capsys, argv):
@@ -63,7 +64,9 @@ def _cut(text, until):
 def setup(tmp_path_factory, tp1):
     """The SPM tiny model, the AR generations of `pipeline.generate --raw` for QUESTIONS,
     and a task folder: `tiny_gen` (stops chosen inside the first AR generation, the first
-    doc's target = its AR answer) and `tiny_mc` (multiple choice)."""
+    doc's target = its AR answer), `tiny_mc` (multiple choice) and `tiny_chat_hf` /
+    `tiny_chat_spm` (the CHAT questions). One folder: the harness indexes its built-in tasks
+    anew for every --include_path (`pipeline.lm_eval.task_manager` keeps one index per path)."""
     root = tmp_path_factory.mktemp("lm_eval")
     folder = make_spm_model_folder(root / "model")
     prompts = root / "prompts.jsonl"
@@ -87,6 +90,9 @@ def setup(tmp_path_factory, tp1):
         "doc_to_text": "Q: {{question}}\nA:", "doc_to_choice": "{{choices}}",
         "doc_to_target": "{{label}}",
         "metric_list": [{"metric": "acc", "aggregation": "mean", "higher_is_better": True}]}))
+    for kind, qs in CHAT.items():
+        _write_jsonl(root / f"chat_{kind}.jsonl", [{"question": q, "answer": "a"} for q in qs])
+        _gen_task(tasks, f"tiny_chat_{kind}", root / f"chat_{kind}.jsonl", ["\n\n\n\n"])
     return SimpleNamespace(root=root, folder=folder, prompts=prompts, tasks=tasks, until=until,
                            answers=answers, ar=ar)
 
@@ -240,23 +246,19 @@ def test_chat_template_as_pipeline_generate(setup, capsys, tmp_path, kind):
                                  head_dim=8, intermediate_size=32, num_attention_heads=2,
                                  num_key_value_heads=1)
         rendered = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
-        qs = ["Write a function.", "What is 2 + 2?"]
     else:
-        folder, rendered, qs = setup.folder, "<|user|>{}<|assistant|>", QUESTIONS[:2]
+        folder, rendered = setup.folder, "<|user|>{}<|assistant|>"
+    qs, task = CHAT[kind], f"tiny_chat_{kind}"
     _write_jsonl(tmp_path / "p.jsonl", [{"prompt": q} for q in qs])
     expected = [r["text"] for r in _generate([
         "--model", str(folder), "--prompts", str(tmp_path / "p.jsonl"), "--mode", "ar",
         "--gen-length", "6"])]
-    tasks = tmp_path / "tasks"
-    tasks.mkdir()
-    _write_jsonl(tmp_path / "g.jsonl", [{"question": q, "answer": "a"} for q in qs])
-    _gen_task(tasks, "tiny_chat", tmp_path / "g.jsonl", ["\n\n\n\n"])
     rc, _, err = _lm_eval(capsys, ["--model", str(folder), "--mode", "ar", "--gen-length", "6",
-                                   "--tasks", "tiny_chat", "--include_path", str(tasks),
+                                   "--tasks", task, "--include_path", str(setup.tasks),
                                    "--apply_chat_template", "--output_path",
                                    str(tmp_path / "out"), "--log_samples"])
     assert rc == 0, err
-    doc, samples = _read_output(tmp_path / "out", "tiny_chat")
+    doc, samples = _read_output(tmp_path / "out", task)
     assert [s["arguments"]["gen_args_0"]["arg_0"] for s in samples] == [
         rendered.format(q) for q in qs]
     assert [s["resps"][0][0] for s in samples] == [_cut(t, ["\n\n\n\n"]) for t in expected]

@@ -41,7 +41,10 @@ def _tensor_bytes() -> int:
 
 
 def _measure(rank, world_size, config, run_dir, modes):
-    """Per recompute mode: the trainer's plan and the measured model states and step peak."""
+    """Per recompute mode: the trainer's plan and the measured model states and step peak.
+    The modes' trainers share this launch's process groups (the first trainer's
+    `init_distributed` creates them, the later ones find them; the rank tears them down when
+    it ends): a process group is not re-created on the same port."""
     from pipeline.config import load_config, validate
     from pipeline.train import Trainer
     from pipeline.training.memory_plan import plan_for_run
@@ -68,8 +71,6 @@ def _measure(rank, world_size, config, run_dir, modes):
                 it.close()
             if trainer.run_lock is not None:
                 trainer.run_lock.release()
-            from pipeline.parallel import destroy_distributed
-            destroy_distributed()
         mp = plan_for_run(cfg, tp=plan.tp_size, dp=plan.dp_size, model_fields=plan.model_fields,
                           row_length=plan.row_length, device="cpu")
         out[mode] = {"states": before, "step_peak": tracker.peak,
@@ -117,14 +118,7 @@ def _check(rec, tol=0.10):
 def _run(tmp_path, world_size, tp, modes, precision="fp32"):
     from distributed import run_distributed
     config = _config(tmp_path, tp=tp, precision=precision)
-    if world_size == 1:
-        res = run_distributed(_measure, 1, (config, str(tmp_path), modes))
-    else:  # one mode per launch: a process group is not re-created on the same port
-        res = [{} for _ in range(world_size)]
-        for mode in modes:
-            for rank, rec in enumerate(run_distributed(_measure, world_size,
-                                                       (config, str(tmp_path), (mode,)))):
-                res[rank].update(rec)
+    res = run_distributed(_measure, world_size, (config, str(tmp_path), modes))
     for rank, per_mode in enumerate(res):
         for mode, rec in per_mode.items():
             print(f"world {world_size} tp {tp} rank {rank} {mode}: states planned "
@@ -152,14 +146,28 @@ def test_plan_matches_measured_tp2_every_recompute_mode(tmp_path):
 
 
 def _cli(*args):
+    """`python -m pipeline.plan_memory ARGS` in a fresh process (the command line users run)."""
     return subprocess.run([sys.executable, "-m", "pipeline.plan_memory", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
 
 
-def test_cli_qwen3_8b_model_states_and_fit():
+def _cli_here(monkeypatch, capsys, *args):
+    """`pipeline.plan_memory.main(ARGS)` in this process, from the repository root, without a
+    fresh process's imports: a CompletedProcess-like (returncode, stdout, stderr)."""
+    from types import SimpleNamespace
+    from pipeline.plan_memory import main
+    monkeypatch.chdir(ROOT)
+    capsys.readouterr()
+    rc = main(list(args))
+    out = capsys.readouterr()
+    return SimpleNamespace(returncode=rc, stdout=out.out, stderr=out.err)
+
+
+def test_cli_qwen3_8b_model_states_and_fit(monkeypatch, capsys):
     """configs/qwen3_8b.yaml on 4 nodes x 8 GPUs (TP 2, DP 16): the model states are ZeRO-3's
     (2 + 4 + 8 + 4) bytes per parameter of a TP rank over 16 ranks (the persistent norms whole),
-    and a micro-batch that does not fit 80 GiB without recompute exits 1."""
+    and a micro-batch that does not fit 80 GiB without recompute exits 1. The first plan from
+    the command line, the others from `main` in this process."""
     from pipeline.model import ModelConfig
     from pipeline.model.flops import num_parameters
     r = _cli("--config", "configs/qwen3_8b.yaml", "--nodes", "4", "--gpu-memory", "80")
@@ -183,35 +191,34 @@ def test_cli_qwen3_8b_model_states_and_fit():
     assert lines["CUDA context + NCCL buffers (3 communicators; allowance)"] == pytest.approx(
         (CUDA_CONTEXT_BYTES + 3 * NCCL_BYTES_PER_COMMUNICATOR) / 2 ** 30, abs=0.01)
     assert 0.5 < NCCL_BYTES_PER_COMMUNICATOR / 2 ** 30 < 0.6
-    r = _cli("--config", "configs/qwen3_8b.yaml", "--nodes", "4", "--gpu-memory", "80",
-             "train.activation_checkpointing=none", "train.micro_batch_size=8")
+    r = _cli_here(monkeypatch, capsys, "--config", "configs/qwen3_8b.yaml", "--nodes", "4",
+                  "--gpu-memory", "80", "train.activation_checkpointing=none",
+                  "train.micro_batch_size=8")
     assert r.returncode == 1 and "does NOT fit" in r.stdout
     # the dual-stream recipe at the same shape: 2 rows of 8192 tokens, the dense SDPA mask
-    r = _cli("--config", "configs/qwen3_8b_dual.yaml", "--nodes", "4", "--gpus-per-node", "8",
-             "--gpu-memory", "80")
+    r = _cli_here(monkeypatch, capsys, "--config", "configs/qwen3_8b_dual.yaml", "--nodes", "4",
+                  "--gpus-per-node", "8", "--gpu-memory", "80")
     assert r.returncode == 0 and "fits in 80.0 GiB" in r.stdout, r.stdout + r.stderr
     assert "TP 2 x DP 16" in r.stdout and "micro-batch 2 x 8192 tokens" in r.stdout
     assert "attention mask (dense SDPA)" in r.stdout
 
 
-def test_cli_bad_input_is_one_line_exit_2():
+def test_cli_bad_input_is_one_line_exit_2(monkeypatch, capsys):
+    """The first refusal from the command line, the others from `main` in this process."""
     r = _cli("--config", "configs/qwen3_8b.yaml", "train.no_such_key=1")
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
     assert "train.no_such_key" in r.stderr
-    r = _cli("--config", "configs/qwen3_8b.yaml", "--world-size", "3")
+    r = _cli_here(monkeypatch, capsys, "--config", "configs/qwen3_8b.yaml", "--world-size", "3")
     assert r.returncode == 2 and "tensor_parallel_size=2" in r.stderr
     # no world size at all on a TP config: the flags are named, not "world size 1"
-    import os
-    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "SLURM_NTASKS")}
-    r = subprocess.run([sys.executable, "-m", "pipeline.plan_memory", "--config",
-                        "configs/qwen3_8b.yaml"], cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=300)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("SLURM_NTASKS", raising=False)
+    r = _cli_here(monkeypatch, capsys, "--config", "configs/qwen3_8b.yaml")
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert "--nodes" in r.stderr and "--gpus-per-node" in r.stderr
     assert "world size 1" not in r.stderr
-    r = subprocess.run([sys.executable, "-m", "pipeline.plan_memory", "--config",
-                        "configs/qwen3_8b.yaml", "--device", "cpu", "--nodes", "1"], cwd=ROOT,
-                       env=env, capture_output=True, text=True, timeout=300)
+    r = _cli_here(monkeypatch, capsys, "--config", "configs/qwen3_8b.yaml", "--device", "cpu",
+                  "--nodes", "1")
     assert r.returncode == 0 and "CUDA context" not in r.stdout, r.stderr   # CUDA only
 
 
@@ -240,9 +247,26 @@ def test_trainer_prints_the_plan_and_refuses_before_building(tmp_path, monkeypat
     assert capsys.readouterr().err == ""
 
 
+def _train_main(rank, world_size, argv, err_path):
+    """`pipeline.train.main(ARGV)` in this forked rank (its imports done by the forkserver),
+    its stderr (fd 2) written to ERR_PATH: the exit code."""
+    import os
+    from pipeline.train import main
+    sys.stderr.flush()
+    fd = os.open(err_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(fd, 2)
+    os.close(fd)
+    try:
+        return main(argv)
+    finally:
+        sys.stderr.flush()
+
+
 def test_trainer_prints_the_plan_only_once_it_holds_the_run_lock(tmp_path):
     """A second job on a live run directory prints its one-line refusal and not the memory
-    plan (the plan is printed after the run lock is taken); a job that gets the lock prints it."""
+    plan (the plan is printed after the run lock is taken); a job that gets the lock prints it.
+    The refused job is `main` in a forked rank (the command line's refusal is
+    tests/test_run_safety.py's), the job that trains one step is the command line."""
     import os
     import socket
     config = _config(tmp_path)
@@ -258,7 +282,13 @@ def test_trainer_prints_the_plan_only_once_it_holds_the_run_lock(tmp_path):
         return subprocess.run([sys.executable, "-m", "pipeline.train", "--config", config,
                                f"run_dir={run}", "train.max_steps=1"], cwd=ROOT, env=env,
                               capture_output=True, text=True, timeout=600)
-    r = train(run_dir)
+    from types import SimpleNamespace
+
+    from distributed import run_distributed
+    err = tmp_path / "refused.err"
+    (code,) = run_distributed(_train_main, 1, (["--config", config, f"run_dir={run_dir}",
+                                                "train.max_steps=1"], str(err)))
+    r = SimpleNamespace(returncode=code, stderr=err.read_text())
     assert r.returncode == 2, r.stderr[-3000:]
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("pipeline.train: error: "), r.stderr[-3000:]
