@@ -85,14 +85,15 @@ def slurm_cluster():
 
 
 def _wait_for(what: str, cond, timeout_s: float, log: Path):
-    """Poll `cond()` each second; fail early when the job's tasks exited abnormally."""
+    """Poll `cond()` each second; fail early when the job's tasks exited abnormally or
+    pretrain.sh refused to start them."""
     t0 = time.time()
     while time.time() - t0 < timeout_s:
         value = cond()
         if value:
             return value
         text = log.read_text() if log.exists() else ""
-        bad = re.search(r"training tasks exited with status [1-9]", text)
+        bad = re.search(r"training tasks exited with status [1-9]|slurm/pretrain.sh: error: .*", text)
         if bad:
             raise AssertionError(f"waiting for {what}: {bad.group(0)}; log:\n{text[-6000:]}")
         time.sleep(1.0)
@@ -145,7 +146,8 @@ def test_sbatch_signal_checkpoint_requeue_resume(tmp_path, slurm_cluster):
 
     r = subprocess.run(["sbatch", "--parsable", "--time=00:10:00", "--job-name=refusion-test",
                         f"--output={logs}/%x-%j.out", str(SCRIPT), str(cfg), "train.log_interval=1"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+                       cwd=ROOT, capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "PYTHON": sys.executable})  # no .venv in a worktree
     assert r.returncode == 0, r.stderr
     job = r.stdout.strip().split(";")[0]
     log = logs / f"refusion-test-{job}.out"
@@ -311,6 +313,7 @@ def test_sbatch_wandb_offline_scontrol_requeue_keeps_checkpoint_and_history(tmp_
     cfg.write_text(config.format(run=run, data=data, max_steps=100000))
     metrics, ckdir = run / "metrics.jsonl", run / "checkpoints"
     env = {k: v for k, v in os.environ.items() if k != "WANDB_MODE"}
+    env["PYTHON"] = sys.executable
     r = subprocess.run(["sbatch", "--parsable", "--time=00:10:00", "--job-name=refusion-wandb",
                         f"--output={logs}/%x-%j.out", str(SCRIPT), str(cfg), "train.log_interval=1"],
                        cwd=ROOT, capture_output=True, text=True, timeout=60, env=env)
