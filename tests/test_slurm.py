@@ -46,6 +46,9 @@ checkpoint: {{interval: 0, keep: 2}}
 wandb: {{mode: disabled}}
 """
 GLOBAL_BATCH = 4  # micro-batch 2 x DP 2
+# seconds between two checks of a job's log, metrics.jsonl, squeue or /proc: a leg's steps take
+# ~0.2 s each, so a check each second let a leg run several steps past the awaited event
+POLL_S = 0.2
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +88,7 @@ def slurm_cluster():
 
 
 def _wait_for(what: str, cond, timeout_s: float, log: Path):
-    """Poll `cond()` each second; fail early when the job's tasks exited abnormally or
+    """Poll `cond()` every `POLL_S`; fail early when the job's tasks exited abnormally or
     pretrain.sh refused to start them."""
     t0 = time.time()
     while time.time() - t0 < timeout_s:
@@ -96,7 +99,7 @@ def _wait_for(what: str, cond, timeout_s: float, log: Path):
         bad = re.search(r"training tasks exited with status [1-9]|slurm/pretrain.sh: error: .*", text)
         if bad:
             raise AssertionError(f"waiting for {what}: {bad.group(0)}; log:\n{text[-6000:]}")
-        time.sleep(1.0)
+        time.sleep(POLL_S)
     text = log.read_text() if log.exists() else "(no log)"
     raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}; log:\n{text[-6000:]}")
 
@@ -405,7 +408,7 @@ def _wait_log(log_glob, tmp_path: Path, pattern: str, timeout_s: float = 180) ->
         text = logs[-1].read_text() if logs else ""
         if re.search(pattern, text):
             return text
-        time.sleep(1.0)
+        time.sleep(POLL_S)
     raise AssertionError(f"timed out waiting for {pattern!r} in {log_glob}: {text[-3000:]}")
 
 
@@ -525,13 +528,13 @@ def _hang_job(tmp_path: Path, name: str, max_steps: int, max_requeues: int, stop
 
 
 def _poll(what: str, cond, timeout_s: float, log: Path):
-    """Poll `cond()` each second (a failed leg is expected here, unlike `_wait_for`)."""
+    """Poll `cond()` every `POLL_S` (a failed leg is expected here, unlike `_wait_for`)."""
     t0 = time.time()
     while time.time() - t0 < timeout_s:
         value = cond()
         if value:
             return value
-        time.sleep(1.0)
+        time.sleep(POLL_S)
     text = log.read_text() if log.exists() else "(no log)"
     raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}; log:\n"
                          f"{text[-6000:]}")
