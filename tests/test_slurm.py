@@ -505,13 +505,20 @@ def _hang_job(tmp_path: Path, name: str, max_steps: int, max_requeues: int, sigs
     log = logs / f"{name}-{job}.out"
     try:
         for leg, sig in enumerate(sigs):
-            # this leg trained past a checkpoint (step 3 + 3 legs' worth)
+            # this leg trained past a checkpoint (step 3 + 3 legs' worth), and two steps more:
+            # rank 1 is then back in a step's phases (4 s allowance: hang_timeout_s), not in the
+            # save's longer one, which a stop found by the 10 s heartbeat rule instead
             def this_leg() -> str:
                 text = log.read_text() if log.exists() else ""
                 marker = f"(restart {leg})"
                 return text.split(marker, 1)[1] if marker in text else ""
-            _poll(f"leg {leg + 1} past a checkpoint", lambda: "checkpoint step " in this_leg()
-                      and "training tasks exited" not in this_leg(), 300, log)
+
+            def past_a_checkpoint() -> bool:
+                text = this_leg()
+                i = text.rfind("checkpoint step ")
+                return (i >= 0 and text[i:].count(" INFO step ") >= 2
+                        and "training tasks exited" not in text)
+            _poll(f"leg {leg + 1} past a checkpoint", past_a_checkpoint, 300, log)
             pid = _poll("rank 1's task", lambda: _task_pid(job, 1, cfg), 60, log)
             os.kill(pid, sig)
             _poll(f"leg {leg + 1} to end", lambda: "training tasks exited with status"
