@@ -480,10 +480,11 @@ HANG_CONFIG = CONFIG.replace("eval_interval: 1, eval_batches: 1}", "eval_interva
     "checkpoint: {{interval: 0, keep: 2}}", "checkpoint: {{interval: 3, keep: 3}}")
 
 
-def _hang_job(tmp_path: Path, name: str, max_steps: int, max_requeues: int, sigs: list[int]):
-    """Submit pretrain.sh with `REFUSION_MAX_REQUEUES=max_requeues`, send rank 1 `sigs[k]`
-    (SIGSTOP: a hung rank; SIGKILL: a dead one) in leg k (after a checkpoint of that leg), wait
-    for the job to leave the queue. Returns (job id, log text, metrics.jsonl path, checkpoint
+def _hang_job(tmp_path: Path, name: str, max_steps: int, max_requeues: int, stops: int,
+              sig: int = signal.SIGSTOP):
+    """Submit pretrain.sh with `REFUSION_MAX_REQUEUES=max_requeues`, send rank 1 `sig` (SIGSTOP:
+    a hung rank; SIGKILL: a dead one) `stops` times (once per leg, after a checkpoint), wait for
+    the job to leave the queue. Returns (job id, log text, metrics.jsonl path, checkpoint
     folder)."""
     rng = np.random.default_rng(2)
     data, run, logs = tmp_path / "data", tmp_path / "run", tmp_path / "logs"
@@ -504,7 +505,7 @@ def _hang_job(tmp_path: Path, name: str, max_steps: int, max_requeues: int, sigs
     job = r.stdout.strip().split(";")[0]
     log = logs / f"{name}-{job}.out"
     try:
-        for leg, sig in enumerate(sigs):
+        for leg in range(stops):
             # this leg trained past a checkpoint (step 3 + 3 legs' worth), and two steps more:
             # rank 1 is then back in a step's phases (4 s allowance: hang_timeout_s), not in the
             # save's longer one, which a stop found by the 10 s heartbeat rule instead
@@ -525,7 +526,7 @@ def _hang_job(tmp_path: Path, name: str, max_steps: int, max_requeues: int, sigs
                       in this_leg(), 180, log)
         # every leg's end is logged: the faulted legs, plus the leg after the last requeue
         # (squeue can miss a job between a leg's end and its requeue, so the state alone races)
-        legs = min(len(sigs), max_requeues) + 1
+        legs = min(stops, max_requeues) + 1
         _poll("the job to leave the queue", lambda: _job_state(job) == "" and
                   log.read_text().count("training tasks exited with status") >= legs, 400, log)
     finally:
@@ -550,34 +551,20 @@ def _hang_lines(text: str) -> list[str]:
     return [ln for ln in text.splitlines() if ": hang: " in ln]
 
 
-def _leg(text: str, leg: int) -> str:
-    """The part of a job's log written by its leg `leg` (0 = the first start)."""
-    parts = re.split(r"^.*\(restart \d+\).*$", text, flags=re.M)
-    assert len(parts) > leg + 1, text[-6000:]
-    return parts[leg + 1]
-
-
-def _assert_requeued_once(job_text: str, leg: int, fault_rc: int, nth: int, cause: str) -> None:
-    """Leg `leg` (only it) ended with `fault_rc` and logged the job's `nth` fault requeue (of
-    REFUSION_MAX_REQUEUES=3), naming `cause`; the next leg resumed from a checkpoint."""
-    text, this = job_text, _leg(job_text, leg)
-    assert text.count(f"training tasks exited with status {fault_rc}") == 1, text[-6000:]
-    assert f"training tasks exited with status {fault_rc}" in this, this[-6000:]
-    requeues = [ln for ln in text.splitlines() if f"requeue {nth}/3 of job" in ln]
-    assert len(requeues) == 1 and cause in requeues[0] and requeues[0] in this, text[-6000:]
-    assert re.search(r"resumed from \S+step_(\d{9}) at step \d+", _leg(text, leg + 1)), \
-        text[-3000:]
-
-
-def _assert_finished_every_step_once(job_text: str, metrics: Path, ckdir: Path,
-                                     steps: int) -> None:
-    """The last leg ended with 0; the last record of every step is there once, and a step
-    trained in two legs has the same loss in both."""
+def _assert_requeued_once_and_finished(job_text: str, fault_rc: int, cause: str, metrics: Path,
+                                       ckdir: Path, steps: int) -> None:
+    """One leg ended with `fault_rc`, one requeue line naming `cause`, the requeued job resumed
+    from a checkpoint and ended with 0; the last record of every step is there once, and a step
+    trained in both legs has the same loss in both."""
     text = job_text
+    assert text.count(f"training tasks exited with status {fault_rc}") == 1, text[-6000:]
     assert text.count("training tasks exited with status 0") == 1, text[-6000:]
+    requeues = [ln for ln in text.splitlines() if "requeue 1/3 of job" in ln]
+    assert len(requeues) == 1 and cause in requeues[0], text[-6000:]
+    assert re.search(r"resumed from \S+step_(\d{9}) at step \d+", text), text[-3000:]
     lines = _train_lines(metrics)
     first = {}
-    for m in lines:                         # steps re-run after a resume: same loss
+    for m in lines:                         # steps re-run after the resume: same loss
         if m["step"] in first:
             assert m["loss"] == first[m["step"]], m["step"]
         first.setdefault(m["step"], m["loss"])
@@ -588,44 +575,29 @@ def _assert_finished_every_step_once(job_text: str, metrics: Path, ckdir: Path,
         GLOBAL_BATCH * s for s in range(1, steps + 1)]
 
 
-FAULT_STEPS = 14
-
-
-@pytest.fixture(scope="module")
-def faulted_job(tmp_path_factory, slurm_cluster):
-    """One pretrain.sh job of `FAULT_STEPS` steps (REFUSION_MAX_REQUEUES=3) with a fault in each
-    of its first two legs: rank 1 stopped (SIGSTOP: a hung rank) in leg 0, killed (SIGKILL: a
-    dead rank) in leg 1; leg 2 finishes. The hung- and killed-rank tests read its outputs (one
-    job instead of two: one leg fewer, and the two fault requeues share one count)."""
-    return _hang_job(tmp_path_factory.mktemp("faulted"), "refusion-faults", FAULT_STEPS, 3,
-                     [signal.SIGSTOP, signal.SIGKILL])
-
-
-def test_sbatch_hung_rank_requeues_and_finishes_every_step(faulted_job):
+def test_sbatch_hung_rank_requeues_and_finishes_every_step(tmp_path, slurm_cluster):
     """A stopped rank (SIGSTOP) in the first leg: exit 6, one requeue line with the cause; the
-    requeued job resumes from the latest checkpoint and (after the killed-rank leg) finishes
-    every step exactly once."""
-    job, text, metrics, ckdir = faulted_job
-    _assert_requeued_once(text, 0, 6, 1, "a rank hung (exit 6")
-    _assert_finished_every_step_once(text, metrics, ckdir, FAULT_STEPS)
-    hang = _hang_lines(_leg(text, 0))
+    requeued job resumes from the latest checkpoint and finishes every step exactly once."""
+    steps = 14
+    job, text, metrics, ckdir = _hang_job(tmp_path, "refusion-hang", steps, 3, stops=1)
+    _assert_requeued_once_and_finished(text, 6, "a rank hung (exit 6", metrics, ckdir, steps)
+    hang = _hang_lines(text)
     assert hang and all(": hang: rank 1 (host " in ln for ln in hang), hang
 
 
-def test_sbatch_killed_rank_requeues_and_finishes_every_step(faulted_job):
-    """A dead rank (SIGKILL of rank 1) in the second leg: srun reports the killed task's status
-    137 (not the survivor's code), pretrain.sh requeues once with that cause (the job's second
-    fault requeue: the hang's was the first), the requeued job resumes and finishes every step
-    exactly once. The survivor, rank 0, says at most one line in that leg: it exits 5 when gloo
-    reports the lost peer first, 6 when its watchdog finds rank 1's heartbeat gone first (srun's
-    teardown may also kill it before either)."""
-    job, text, metrics, ckdir = faulted_job
-    _assert_requeued_once(text, 1, 137, 2, "a rank's process was killed by signal 9 "
-                          "(status 137")
-    _assert_finished_every_step_once(text, metrics, ckdir, FAULT_STEPS)
-    killed = _leg(text, 1)
-    assert "task 1: Killed" in killed, killed[-6000:]
-    said = [ln for ln in killed.splitlines() if ln.startswith("pipeline.train: rank 0: ")]
+def test_sbatch_killed_rank_requeues_and_finishes_every_step(tmp_path, slurm_cluster):
+    """A dead rank (SIGKILL of rank 1) in the first leg: srun reports the killed task's status
+    137 (not the survivor's code), pretrain.sh requeues once with that cause, the requeued job
+    resumes and finishes every step exactly once. The survivor, rank 0, says at most one line:
+    it exits 5 when gloo reports the lost peer first, 6 when its watchdog finds rank 1's
+    heartbeat gone first (srun's teardown may also kill it before either)."""
+    steps = 14
+    job, text, metrics, ckdir = _hang_job(tmp_path, "refusion-kill", steps, 3, stops=1,
+                                          sig=signal.SIGKILL)
+    _assert_requeued_once_and_finished(text, 137, "a rank's process was killed by signal 9 "
+                                       "(status 137", metrics, ckdir, steps)
+    assert "task 1: Killed" in text, text[-6000:]
+    said = [ln for ln in text.splitlines() if ln.startswith("pipeline.train: rank 0: ")]
     assert len(said) <= 1 and all(
         "stopped because another process of this job is gone" in ln
         or ": hang: rank 1 (host " in ln for ln in said), said
@@ -634,8 +606,7 @@ def test_sbatch_killed_rank_requeues_and_finishes_every_step(faulted_job):
 
 def test_sbatch_stops_after_max_requeues_with_one_line(tmp_path, slurm_cluster):
     """REFUSION_MAX_REQUEUES=1: the first hang requeues, the second ends the job with one line."""
-    job, text, metrics, ckdir = _hang_job(tmp_path, "refusion-hang-max", 10 ** 5, 1,
-                                          [signal.SIGSTOP, signal.SIGSTOP])
+    job, text, metrics, ckdir = _hang_job(tmp_path, "refusion-hang-max", 10 ** 5, 1, stops=2)
     assert text.count("training tasks exited with status 6") == 2, text[-6000:]
     assert len([ln for ln in text.splitlines() if "requeue 1/1 of job" in ln]) == 1
     stop = [ln for ln in text.splitlines() if "not requeueing job" in ln]
