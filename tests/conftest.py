@@ -11,6 +11,10 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One torch intra-op thread per test process: `make test`'s 3 workers share the 2 cores, and
+# each worker's default of one OpenMP thread per core oversubscribed them (the test processes'
+# own trainers and forked ranks already run with 1).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 import pytest  # noqa: E402
