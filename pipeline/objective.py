@@ -22,8 +22,8 @@ changes every batch):
   5. only with `natural_order_fraction > 0`: `n = rng.random(S)`; natural order iff
      `n < natural_order_fraction` (draws 2-4 are made and unused).
 Mode "ar" draws nothing. Mode "dual" makes draw 1 and, with `dual_masking="refusion"`, draws 2
-and 3 (slot copied iff `u < p`); with "all" p = 1. A copy token's weight is 1 / (p * n_r), as a
-masked token's in mode "refusion". Data_prep ends responses with EOS, so EOS is an AR target.
+and 3 (slot copied iff `u < c * p`, c = `dual_copy_scale`, 1 by default); with "all" p = 1 and
+c = 1. A copy token's weight is 1 / (c * p * n_r), as a masked token's in mode "refusion" (c = 1). Data_prep ends responses with EOS, so EOS is an AR target.
 """
 from __future__ import annotations
 
@@ -58,6 +58,9 @@ class ObjectiveConfig:
         boundary_labels: AR labels across slot boundaries (False = the paper's labels).
         natural_order_fraction: share in [0, 1] of segments fed all clean, in natural order.
         dual_masking: mode "dual" only: "all" or "refusion" (which slots get a masked copy).
+        dual_copy_scale: mode "dual" with `dual_masking="refusion"` only: c in (0, 1], a slot
+            is copied with probability c * p (weight 1 / (c * p * n_r), so the MDM term's
+            expectation is unchanged); 1 = the paper's draw.
     The meaning of each: docs/METHOD.md "Training objective". Raises ValueError (naming the
     `objective.` field) on a bad value or combination.
     """
@@ -70,6 +73,7 @@ class ObjectiveConfig:
     boundary_labels: bool = False
     natural_order_fraction: float = 0.0
     dual_masking: str = "all"
+    dual_copy_scale: float = 1.0
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -96,6 +100,13 @@ class ObjectiveConfig:
         if self.mode == "dual" and self.boundary_labels:
             raise ValueError("objective.boundary_labels: mode dual already labels every clean "
                              "token (natural order); leave it false")
+        if not 0.0 < float(self.dual_copy_scale) <= 1.0:
+            raise ValueError(f"objective.dual_copy_scale must be in (0, 1], got "
+                             f"{self.dual_copy_scale}")
+        self.dual_copy_scale = float(self.dual_copy_scale)
+        if self.dual_copy_scale != 1.0 and (self.mode != "dual" or self.dual_masking != "refusion"):
+            raise ValueError("objective.dual_copy_scale: only mode dual with dual_masking refusion "
+                             "draws its copies; leave it 1")
         if self.mode == "dual" and self.natural_order_fraction > 0:
             raise ValueError("objective.natural_order_fraction: mode dual feeds every segment in "
                              "natural order already; leave it 0")
@@ -189,7 +200,7 @@ def dual_fed_length(num_tokens: int, key_hash: int, slot_size: np.ndarray,
     if cfg.dual_masking == "refusion":
         t = rng.random(n_seg)
         p = (1.0 - cfg.eps) * t + cfg.eps
-        copy = np.where(rng.random(size.shape[0]) < p[seg], size, 0)
+        copy = np.where(rng.random(size.shape[0]) < cfg.dual_copy_scale * p[seg], size, 0)
     else:
         copy = size
     if max_length is not None:
@@ -373,7 +384,7 @@ def _dual_sample(x: np.ndarray, key: str, rng: np.random.Generator, cfg: Objecti
     if cfg.dual_masking == "refusion":
         t = rng.random(n_seg)
         p = (1.0 - cfg.eps) * t + cfg.eps
-        copied = rng.random(n_slot) < p[slot_seg]
+        copied = rng.random(n_slot) < cfg.dual_copy_scale * p[slot_seg]
     else:
         p = np.ones(n_seg, dtype=np.float64)
         copied = np.ones(n_slot, dtype=bool)
@@ -410,7 +421,8 @@ def _dual_sample(x: np.ndarray, key: str, rng: np.random.Generator, cfg: Objecti
     perm = np.lexsort((all_pos, slot_key, is_copy, all_seg))
     input_ids = np.concatenate([x, np.full(cpos.shape[0], mask_id, dtype=np.int64)])
     labels = np.concatenate([np.where(ar_lab, nxt, IGNORE_INDEX), x[cpos]])
-    weight = np.concatenate([ar_lab.astype(np.float64), 1.0 / (p[cseg] * n_r[cseg])])
+    weight = np.concatenate([ar_lab.astype(np.float64),
+                             1.0 / (cfg.dual_copy_scale * p[cseg] * n_r[cseg])])
     position_ids = all_pos - seg_start[all_seg]
     # copy number c >= 1 per copied slot in fed order (segment, then slot: the slot order)
     copy_no = np.zeros(n_slot, dtype=np.int64)

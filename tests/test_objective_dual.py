@@ -56,10 +56,19 @@ def draws(seed: int, key: str, epoch: int) -> np.random.Generator:
     return np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, epoch, h])))
 
 
+def dual_cfg(masking: str) -> ObjectiveConfig:
+    """`masking` "all", "refusion" or "refusion@c" (`dual_copy_scale` c) as a mode-dual config."""
+    name, _, scale = masking.partition("@")
+    return ObjectiveConfig(mode="dual", dual_masking=name, dual_copy_scale=float(scale or 1))
+
+
 def reference_sample(x, segments, key, seed, epoch, masking, max_length):
     """Fed tokens of one sample in mode dual, as a list of dicts, and (p per segment, dropped
     copies). Each token: id, pos (position id), label, masked, weight, seg (index in the
-    sample), orig (index into x), copy (None for a clean token, else (seg, slot start, slot end))."""
+    sample), orig (index into x), copy (None for a clean token, else (seg, slot start, slot end)).
+    `masking` "refusion@c": a slot copied iff u < c p, its tokens weighted 1 / (c p n_r)."""
+    masking, _, scale = masking.partition("@")
+    c = float(scale or 1)
     rng = draws(seed, key, epoch)
     slots = []                                   # (segment, start, end), natural order
     for si, s in enumerate(segments):
@@ -70,7 +79,7 @@ def reference_sample(x, segments, key, seed, epoch, masking, max_length):
         t = rng.random(len(segments))
         p = [(1 - EPS) * ti + EPS for ti in t]
         u = rng.random(len(slots))
-        copies = [sl for i, sl in enumerate(slots) if u[i] < p[sl[0]]]
+        copies = [sl for i, sl in enumerate(slots) if u[i] < c * p[sl[0]]]
     else:
         p = [1.0] * len(segments)
         copies = list(slots)
@@ -99,7 +108,8 @@ def reference_sample(x, segments, key, seed, epoch, masking, max_length):
                 continue
             for j in range(ca, cb):
                 fed.append(dict(id=MASK_ID, pos=j - a, label=int(x[j]), masked=True,
-                                weight=1.0 / (p[si] * n_r), seg=si, orig=j, copy=(cs, ca, cb)))
+                                weight=1.0 / (c * p[si] * n_r), seg=si, orig=j,
+                                copy=(cs, ca, cb)))
     return fed, p, dropped
 
 
@@ -175,12 +185,13 @@ def shards(tmp_path_factory):
     ("all", 0, True, "best_fit"), ("all", 1, True, "best_fit"), ("all", 2, True, "next_fit"),
     ("refusion", 0, True, "best_fit"), ("refusion", 3, True, "best_fit"),
     ("refusion", 4, True, "next_fit"), ("all", 5, False, "best_fit"),
-    ("refusion", 6, False, "best_fit")])
+    ("refusion", 6, False, "best_fit"), ("refusion@0.5", 7, True, "best_fit"),
+    ("refusion@0.25", 8, False, "next_fit")])
 def test_every_fed_position_matches_the_reference(shards, masking, seed, pack, packing):
     from pipeline.data import build_loader
     data_dir, by_key = shards
     T, B = 48, 3
-    cfg = ObjectiveConfig(mode="dual", dual_masking=masking)
+    cfg = dual_cfg(masking)
     loader = build_loader(str(data_dir), "train", B, T, seed=seed, num_workers=0, objective_cfg=cfg,
                           pack=pack, packing=packing, shuffle_buffer=20, infinite=False)
     seen, dropped_all, copy_all, multi = [], 0, 0, 0
@@ -239,14 +250,14 @@ def tiny(tp1):
     return model.eval()
 
 
-@pytest.mark.parametrize("masking", ["all", "refusion"])
+@pytest.mark.parametrize("masking", ["all", "refusion", "refusion@0.5"])
 def test_loss_equals_separate_forwards_per_segment_and_copy(tiny, masking):
-    rng = np.random.default_rng(17 if masking == "all" else 18)
+    rng = np.random.default_rng({"all": 17, "refusion": 18}.get(masking, 19))
     samples = random_samples(rng, 6, vocab_size=V, max_length=20, min_length=4,
                              slot_sizes=(2, 3, 4), max_prompt=6)
     keys = [f"s{i}" for i in range(len(samples))]
     T, seed, epoch = 64, 9, 1
-    cfg = ObjectiveConfig(mode="dual", dual_masking=masking)
+    cfg = dual_cfg(masking)
     reorg = [reorganize_sample(x, s, k, seed=seed, epoch=epoch, mask_id=MASK_ID, cfg=cfg,
                                max_length=T) for (x, s), k in zip(samples, keys)]
     rows_of, row, used = [], [], 0            # next-fit by fed length
@@ -307,8 +318,9 @@ def test_loss_equals_separate_forwards_per_segment_and_copy(tiny, masking):
                     checked += 1
                     if t["label"] != IGNORE_INDEX:
                         ce = F.cross_entropy(want[None].double(), torch.tensor([t["label"]]))
-                        if t["masked"]:
-                            mdm_sum += float(ce) / (p[si] * (e - a - s["prompt_length"]))
+                        if t["masked"]:   # the token's weight: 1 / (c p n_r), as documented
+                            c = float(masking.partition("@")[2] or 1)
+                            mdm_sum += float(ce) / (c * p[si] * (e - a - s["prompt_length"]))
                         else:
                             ar_sum += float(ce)
                             ar_n += 1
@@ -498,7 +510,15 @@ def test_bad_options_are_one_line_naming_the_key(tmp_path):
              "objective: objective.boundary_labels: mode dual already labels every clean token"),
             (["objective.mode=dual", "objective.natural_order_fraction=0.5"],
              "objective: objective.natural_order_fraction: mode dual feeds every segment in "
-             "natural order already")]:
+             "natural order already"),
+            (["objective.mode=dual", "objective.dual_masking=refusion",
+              "objective.dual_copy_scale=0"],
+             "objective: objective.dual_copy_scale must be in (0, 1], got 0"),
+            (["objective.mode=dual", "objective.dual_copy_scale=0.5"],
+             "objective: objective.dual_copy_scale: only mode dual with dual_masking refusion "
+             "draws its copies"),
+            (["objective.dual_copy_scale=0.5"],
+             "objective: objective.dual_copy_scale: only mode dual with dual_masking refusion")]:
         with pytest.raises(ConfigError) as e:
             validate(load_config(str(cfg), overrides))
         assert "\n" not in str(e.value) and str(e.value).startswith(expected), str(e.value)
@@ -569,9 +589,46 @@ def test_stop_and_resume_equals_the_uninterrupted_run(tmp_path):
         assert got[("val", s)]["val_loss"] == want[("val", s)]["val_loss"]
 
 
+# -- the copy share (`dual_copy_scale`) ------------------------------------------------------
+
+def test_copy_scale_keeps_a_subset_of_the_copies_at_twice_the_weight():
+    """`dual_copy_scale=0.5` makes the same draws as 1: every sample's copied slots are a subset
+    of those at scale 1 (u < p/2 implies u < p), each copy token weighs twice as much
+    (1 / (0.5 p n_r)), the clean stream is the same, and about half the copy tokens remain."""
+    rng = np.random.default_rng(23)
+    samples = random_samples(rng, 300, vocab_size=V, max_length=40, min_length=4,
+                             slot_sizes=(1, 2, 3, 4), max_prompt=6)
+    full, half = dual_cfg("refusion"), dual_cfg("refusion@0.5")
+    tokens = {1.0: 0, 0.5: 0}
+    for i, (x, seg) in enumerate(samples):
+        key = f"s{i}"
+        a = reorganize_sample(x, seg, key, seed=5, epoch=2, mask_id=MASK_ID, cfg=full)
+        b = reorganize_sample(x, seg, key, seed=5, epoch=2, mask_id=MASK_ID, cfg=half)
+        tokens[1.0] += a.copy_tokens
+        tokens[0.5] += b.copy_tokens
+        np.testing.assert_array_equal(a.p, b.p)
+        clean_a, clean_b = a.copy_id == 0, b.copy_id == 0
+        for name in ("input_ids", "position_ids", "labels", "loss_weight"):
+            np.testing.assert_array_equal(getattr(a, name)[clean_a], getattr(b, name)[clean_b])
+
+        def copies(r):   # (segment, first position id) -> (labels, weights) of each copy
+            out = {}
+            for c in range(1, int(r.copy_id.max(initial=0)) + 1):
+                at = r.copy_id == c
+                out[(int(r.segment[at][0]), int(r.position_ids[at][0]))] = (
+                    r.labels[at].tolist(), r.loss_weight[at].astype(np.float64))
+            return out
+        ca, cb = copies(a), copies(b)
+        assert set(cb) <= set(ca), key
+        for k, (labels, w) in cb.items():
+            assert labels == ca[k][0]
+            np.testing.assert_allclose(w, 2 * ca[k][1], rtol=1e-6)
+    assert 0.4 < tokens[0.5] / tokens[1.0] < 0.6, tokens
+
+
 # -- the fed length from a slot layout (what the loader packs by) ------------------------------
 
-@pytest.mark.parametrize("masking", ["all", "refusion"])
+@pytest.mark.parametrize("masking", ["all", "refusion", "refusion@0.5"])
 @pytest.mark.parametrize("slot_sizes", [None, [1, 3, 8]])
 def test_fed_length_from_the_slot_layout_equals_reorganize_sample(masking, slot_sizes):
     """`dual_fed_length` from a sample's layout as a version-3 sample index stores it (key hash,
@@ -593,7 +650,8 @@ def test_fed_length_from_the_slot_layout_equals_reorganize_sample(masking, slot_
     layout = sample_index.SlotLayout.of_samples(
         [(sample_index.key_hash(k), sample_index.slot_runs(seg)) for k, (_, seg) in zip(keys, samples)])
     assert len(layout.runs[layout.run_first[-2]:layout.run_first[-1]]) == 4  # 65535 + 1 slots, 2
-    cfg = ObjectiveConfig(mode="dual", dual_masking=masking, slot_sizes=slot_sizes)
+    cfg = dual_cfg(masking)
+    cfg.slot_sizes = slot_sizes
     checked = dropped = 0
     for i, ((x, seg), key) in enumerate(zip(samples, keys)):
         h, size, slot_seg = layout.sample(i)
