@@ -398,3 +398,32 @@ def test_dual_arms_are_fed_the_same_tokens_per_step_in_longer_rows(tmp_path):
     odd = Experiment("math", str(tmp_path / "odd"), micro_batch_size=3)
     with pytest.raises(UsageError, match="--micro-batch-size 3: dual_all"):
         odd.train_overrides("dual_all", 10, [])
+
+
+def test_the_lever_arms_train_the_recipe_with_half_the_copies_or_four_thirds_the_steps(tmp_path):
+    """Issue 44's math levers: `dual_refusion_ar16_copy50` is the recipe's options plus
+    `objective.dual_copy_scale=0.5` (same steps); `dual_refusion_ar16_long` the recipe's options
+    at round(4/3 x finetune_steps) steps, in its inputs key too; both fed 512-token rows."""
+    e = Experiment("math", str(tmp_path / "out"), pretrain_steps=20, finetune_steps=1500,
+                   threads=1, arms=["dual_refusion_ar16", "dual_refusion_ar16_copy50",
+                                    "dual_refusion_ar16_long"], seeds=[1234, 1235])
+    _manifest(e.shards)
+    recipe = e.finetune_overrides("dual_refusion_ar16")
+    assert e.finetune_overrides("dual_refusion_ar16_copy50") == (
+        recipe[:5] + ["objective.dual_copy_scale=0.5"] + recipe[5:])
+    assert e.finetune_overrides("dual_refusion_ar16_long") == recipe
+    steps = {name: s for name, s, _ in e.training_plan()}
+    assert steps == {"pretrain_ar": 20, "dual_refusion_ar16": 1500,
+                     "dual_refusion_ar16_copy50": 1500, "dual_refusion_ar16_long": 2000,
+                     "ar_continued": 1500, "dual_refusion_ar16_seed1235": 1500,
+                     "dual_refusion_ar16_copy50_seed1235": 1500,
+                     "dual_refusion_ar16_long_seed1235": 2000, "ar_continued_seed1235": 1500}
+    for name in ("dual_refusion_ar16_long", "dual_refusion_ar16_long_seed1235"):
+        o = dict(x.split("=", 1) for x in e.train_overrides(name, steps[name], []))
+        assert o["data.max_length"] == "512" and o["train.max_steps"] == "2000"
+    assert e.run_inputs("dual_refusion_ar16_long", 2000, recipe)["steps"] == 2000
+    # the key of a model outside the plan is computed at its own steps
+    f = Experiment("math", str(tmp_path / "out"), pretrain_steps=20, finetune_steps=1500,
+                   threads=1, arms=["dual_refusion_ar16"])
+    assert f.key("dual_refusion_ar16_long") == e.key("dual_refusion_ar16_long")
+    assert e.key("dual_refusion_ar16_long") != e.key("dual_refusion_ar16")

@@ -111,7 +111,21 @@ ARM_OBJECTIVES = {
                       "objective.ar_weight=64"),
     "dual_refusion_ar16": ("objective.mode=dual", "objective.dual_masking=refusion",
                            "objective.ar_weight=16"),
+    # issue 44's levers on the math task's last 3%, fixed before their results (docs/
+    # EXPERIMENTS.md "Run 6"): the recipe with half its copies (`dual_copy_scale`: a slot copied
+    # with probability p / 2, weight doubled, so the MDM term's expectation is the same), and
+    # the recipe trained to as many clean tokens as `ar_continued` (`ARM_STEP_SCALE`)
+    "dual_refusion_ar16_copy50": ("objective.mode=dual", "objective.dual_masking=refusion",
+                                  "objective.ar_weight=16", "objective.dual_copy_scale=0.5"),
+    "dual_refusion_ar16_long": ("objective.mode=dual", "objective.dual_masking=refusion",
+                                "objective.ar_weight=16"),
 }
+
+# Arms trained longer than `finetune_steps` (by this factor, rounded): run 5 fed
+# `dual_refusion` 2.21M clean tokens in 1500 steps against `ar_continued`'s 2.93M (the trainer's
+# `clean_tokens`, summed), so 4/3 as many steps (2000) feed the dual arm about as many clean
+# tokens as the AR arm: is the last 3% the objective or the clean-token budget?
+ARM_STEP_SCALE = {"dual_refusion_ar16_long": 4 / 3}
 
 
 # Each run's label in the report's tables and figures (`report.ReportStage.run_label`).
@@ -123,7 +137,10 @@ ARM_LABELS = {"pretrain_ar": "1. AR pretraining (from scratch)",
               "dual_all_ar4": "2f. dual objective, dual_masking=all, ar_weight=4",
               "dual_all_ar16": "2g. dual objective, dual_masking=all, ar_weight=16",
               "dual_all_ar64": "2h. dual objective, dual_masking=all, ar_weight=64",
-              "dual_refusion_ar16": "2i. dual objective, dual_masking=refusion, ar_weight=16"}
+              "dual_refusion_ar16": "2i. dual objective, dual_masking=refusion, ar_weight=16",
+              "dual_refusion_ar16_copy50": "2j. 2i with half the copies (dual_copy_scale=0.5)",
+              "dual_refusion_ar16_long": "2k. 2i trained to ar_continued's clean tokens "
+                                         "(4/3 the steps)"}
 
 
 def arm_text(arm: str) -> str:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from pipeline.experiment import reuse
 from pipeline.experiment.stage import _log, _run_many, boundary_run, split_seed
-from pipeline.experiment.tasks import ARM_OBJECTIVES, ARM_ROW_TOKENS, ROW_TOKENS
+from pipeline.experiment.tasks import ARM_OBJECTIVES, ARM_ROW_TOKENS, ARM_STEP_SCALE, ROW_TOKENS
 
 
 class TrainingStage:
@@ -67,8 +67,13 @@ class TrainingStage:
         """Every training run of this invocation as (run name, steps, overrides): stage 1,
         then stage 2 (`stage2_runs`)."""
         return ([("pretrain_ar", self.pretrain_steps, self.pretrain_overrides())]
-                + [(r, self.finetune_steps, self.finetune_overrides(r))
+                + [(r, self.stage2_steps(r), self.finetune_overrides(r))
                    for r in self.stage2_runs()])
+
+    def stage2_steps(self, run: str) -> int:
+        """Optimizer steps of a stage-2 run: `finetune_steps`, times `tasks.ARM_STEP_SCALE` of
+        its arm (rounded) where the arm has one."""
+        return round(self.finetune_steps * ARM_STEP_SCALE.get(split_seed(run)[0], 1))
 
     def run_inputs(self, name: str, steps: int, overrides: list[str]) -> dict:
         """The inputs record of a run (`pipeline.experiment.reuse.run_inputs`); a stage-2 run's
@@ -83,7 +88,7 @@ class TrainingStage:
         if name not in self._keys:
             plan = {n: (st, ov) for n, st, ov in self.training_plan()}
             if name not in plan:    # a model of another invocation's arms or seeds
-                plan[name] = (self.finetune_steps, self.finetune_overrides(name))
+                plan[name] = (self.stage2_steps(name), self.finetune_overrides(name))
             self._keys[name] = reuse.inputs_key(self.run_inputs(name, *plan[name]))
         return self._keys[name]
 

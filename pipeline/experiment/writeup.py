@@ -341,8 +341,10 @@ def report_markdown(exp, got: dict, runs: dict, tok=None, target: dict | None = 
           f"- 1. AR pretraining from scratch: {exp.pretrain_steps} steps of "
           f"{exp.micro_batch_size} packed 256-token rows",
           "- stage 2 from the export, " + ", ".join(
-              arm_text(a) for a in exp.arms) + f": {exp.finetune_steps} steps each, "
-          "same batch, data order and lr schedule; seeds (`train.seed`): "
+              arm_text(a) for a in exp.arms) + f": {exp.finetune_steps} steps each"
+          + "".join(f" ({a}: {exp.stage2_steps(a)})" for a in exp.arms
+                    if exp.stage2_steps(a) != exp.finetune_steps)
+          + ", same batch, data order and lr schedule; seeds (`train.seed`): "
           + ", ".join(map(str, exp.seeds)) + f"; decoding grid `{exp.grid}`"]
     L += task.settings_text()
     L += ["- the held-out sets, metric, generation length and grid were fixed before any "
