@@ -394,3 +394,35 @@ def test_decode_table_puts_the_body_match_beside_pass_at_1():
     text = "\n".join(wu.decode_table([ar, _row("refusion", "ar", None, 1.0, 0.5, 0.8)]))
     assert "| 0.420 (body 0.310) |" in text
     assert "| 0.500 |" in text                   # other metrics: the cell as before
+
+
+def test_mbpp_decodes_unseen_with_refusion_settings_and_reports_their_ratio(tmp_path):
+    """mbpp decodes `unseen` with the paper's setting and draft_ahead k 4, 8 on every ReFusion
+    arm (a dual arm with bidirectional mask attention) beside AR of every arm, and the report
+    gives their pass@1 over `ar_continued`'s AR pass@1 on `unseen` with a paired interval; the
+    math task's `unseen` jobs stay AR only plus its recorded extras."""
+    t = TASKS["mbpp"]
+    jobs = t.jobs(arms=["refusion", "dual_refusion_ar16", "ar_continued"], grid="default")
+    unseen = {(m, s.name()) for m, n, s in jobs if n == "unseen"}
+    assert unseen == {(m, "ar") for m in ("refusion", "dual_refusion_ar16", "ar_continued")} | {
+        ("refusion", "refusion_k4_b4_s0.9_t0.4_authors"),
+        ("refusion", "refusion_k4_b1slot_s0.9_t0.9_draft_ahead"),
+        ("refusion", "refusion_k8_b1slot_s0.9_t0.9_draft_ahead"),
+        ("dual_refusion_ar16", "refusion_k4_b4_s0.9_t0.4_authors"),
+        ("dual_refusion_ar16", "refusion_k4_b1slot_s0.9_t0.9_draft_ahead_bidir"),
+        ("dual_refusion_ar16", "refusion_k8_b1slot_s0.9_t0.9_draft_ahead_bidir")}
+    assert all(s.mode == "ar" for m, n, s in TASKS["math"].jobs(grid="default") if n == "unseen")
+    e = Experiment("mbpp", str(tmp_path), arms=["refusion"], grid="default")
+    rows = [_row("ar_continued", "ar", None, 1.0, 0.8, 0.9, set_name="test"),
+            _row("refusion", "ar", None, 1.0, 0.8, 0.9, set_name="test"),
+            _row("ar_continued", "ar", None, 1.0, 0.5, 0.9, set_name="unseen"),
+            _row("refusion", "refusion", t.paper_setting, 4.5, 0.4, 0.8, set_name="unseen")]
+    rows[2]["correct"] = [True] * 5 + [False] * 5
+    rows[3]["correct"] = [True] * 4 + [False] * 6
+    for r in rows:
+        _write(e.eval_path(r["model"], r["set"], Setting.from_dict(r["setting"])), r)
+    _metrics(tmp_path)
+    md = e.stage_report().read_text()
+    assert "Relative to AR on `unseen`" in md
+    lines = [ln for ln in md.splitlines() if ln.startswith("| refusion | k=4, 4 blocks")]
+    assert len(lines) == 1 and "| 4.50 | 0.400 | 0.500 | 0.800 | [" in lines[0], lines

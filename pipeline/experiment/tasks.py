@@ -216,6 +216,7 @@ class Task(abc.ABC):
     latency_examples = 0               # batch-1 decodes: the first N of main_set (0: all)
     diagnose_examples = 0              # the diagnosis: the first N of main_set (0: all)
     unseen_set = ""                    # a held-out set of unseen templates: AR of every model
+    unseen_settings: tuple = ()        # ReFusion settings decoded on unseen_set too, every arm
 
     @property
     def refusion_arms(self) -> list[str]:
@@ -233,8 +234,8 @@ class Task(abc.ABC):
     def jobs(self, arms=None, grid: str = "full") -> list[tuple[str, str, Setting]]:
         """Every decode of the evaluation stage as (model, set, setting), AR baselines first:
         `arm_settings(grid)` for every ReFusion arm, then (full grid) `extra`, AR decoding of
-        every arm on `unseen_set`, and at batch 1 AR decoding of `ar_continued` and
-        `latency_settings` of every ReFusion arm. Jobs of arms not in `arms` are left out.
+        every arm and `unseen_settings` of every ReFusion arm on `unseen_set`, and at batch 1
+        AR decoding of `ar_continued` and `latency_settings` of every ReFusion arm. Jobs of arms not in `arms` are left out.
         Each setting is the one its arm decodes with (`arm_setting`).
 
         Args:
@@ -247,6 +248,8 @@ class Task(abc.ABC):
         more = list(self.extra) if grid == "full" else []
         if self.unseen_set:
             more += [(m, self.unseen_set, AR) for m in arms]
+            more += [(m, self.unseen_set, s) for m in refusion_arms(arms)
+                     for s in self.unseen_settings]
         if self.latency_settings:
             more += [("ar_continued", self.main_set, Setting(batch_size=1))]
             more += [(m, self.main_set, Setting(**{**s.to_dict(), "batch_size": 1}))
@@ -517,6 +520,10 @@ class MbppTask(_GeneratedTask):
     grid = (paper_setting, Setting("refusion", 8, 4, 0.9, 0.4, "authors"),
             Setting("refusion", 4, 0, 0.9, 0.9, "correct"),
             Setting("refusion", 8, 0, 0.9, 0.9, "correct"))
+    # the ratio to AR on `unseen` of the lossless settings and of the paper's (issue 44 asks
+    # for it; added after seed 1234's `test` results, before any ReFusion decode of `unseen`)
+    unseen_settings = (paper_setting,) + tuple(d for d in draft_settings
+                                               if d.verify == "draft_ahead")
     full_grid = draft_settings
     diagnose_slot_sizes = (4, 8)
     diagnose_block_size = 16           # gen_length / 4 blocks

@@ -427,6 +427,11 @@ def report_markdown(exp, got: dict, runs: dict, tok=None, target: dict | None = 
         part = [r for r in others if r["set"] == set_name]
         L += [f"## Decoding `{set_name}` ({part[0]['examples']} examples)", ""]
         L += decode_table(part) + [""]
+        part_ratios = ratio_rows(part)
+        if part_ratios:
+            L += [f"Relative to AR on `{set_name}`: each ReFusion decode over the AR decoding "
+                  "of `ar_continued` at the same seed, paired bootstrap 95% interval as above.",
+                  ""] + ratio_table(part_ratios) + [""]
     examples = None
     if tok is not None:   # the examples need the task's tokenizer too
         try:
