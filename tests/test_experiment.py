@@ -426,3 +426,15 @@ def test_mbpp_decodes_unseen_with_refusion_settings_and_reports_their_ratio(tmp_
     assert "Relative to AR on `unseen`" in md
     lines = [ln for ln in md.splitlines() if ln.startswith("| refusion | k=4, 4 blocks")]
     assert len(lines) == 1 and "| 4.50 | 0.400 | 0.500 | 0.800 | [" in lines[0], lines
+
+
+def test_mbpp_times_the_lossless_settings_at_batch_1():
+    """mbpp, as math: at batch 1 on the first 100 `test` problems, AR of `ar_continued` and
+    draft_ahead / draft_every at k 4, 8 of every ReFusion arm."""
+    t = TASKS["mbpp"]
+    ones = [(m, s.name()) for m, n, s in t.jobs(arms=["dual_refusion_ar16", "ar_continued"],
+                                                 grid="default") if s.batch_size == 1]
+    assert ones == [("ar_continued", "ar_bs1")] + [
+        ("dual_refusion_ar16", f"refusion_k{k}_b1slot_s0.9_t0.9_{v}_bidir_bs1")
+        for v in ("draft_ahead", "draft_every") for k in (4, 8)]
+    assert t.latency_examples == 100
