@@ -415,17 +415,20 @@ def test_mbpp_decodes_unseen_with_refusion_settings_and_reports_their_ratio(tmp_
     e = Experiment("mbpp", str(tmp_path), arms=["refusion"], grid="default")
     rows = [_row("ar_continued", "ar", None, 1.0, 0.8, 0.9, set_name="test"),
             _row("refusion", "ar", None, 1.0, 0.8, 0.9, set_name="test"),
+            _row("refusion", "refusion", t.paper_setting, 4.5, 0.7, 0.8, set_name="test"),
             _row("ar_continued", "ar", None, 1.0, 0.5, 0.9, set_name="unseen"),
             _row("refusion", "refusion", t.paper_setting, 4.5, 0.4, 0.8, set_name="unseen")]
-    rows[2]["correct"] = [True] * 5 + [False] * 5
-    rows[3]["correct"] = [True] * 4 + [False] * 6
+    rows[3]["correct"] = [True] * 5 + [False] * 5
+    rows[4]["correct"] = [True] * 4 + [False] * 6
     for r in rows:
         _write(e.eval_path(r["model"], r["set"], Setting.from_dict(r["setting"])), r)
     _metrics(tmp_path)
     md = e.stage_report().read_text()
     assert "Relative to AR on `unseen`" in md
+    assert "## Pass@1 relative to AR" in md and "## Exact match relative to AR" not in md
     lines = [ln for ln in md.splitlines() if ln.startswith("| refusion | k=4, 4 blocks")]
-    assert len(lines) == 1 and "| 4.50 | 0.400 | 0.500 | 0.800 | [" in lines[0], lines
+    assert len(lines) == 2 and "| 4.50 | 0.700 | 0.800 | 0.875 | - |" in lines[0], lines
+    assert "| 4.50 | 0.400 | 0.500 | 0.800 | [" in lines[1], lines
 
 
 def test_mbpp_times_the_lossless_settings_at_batch_1():

@@ -409,8 +409,9 @@ def report_markdown(exp, got: dict, runs: dict, tok=None, target: dict | None = 
         L.append("")
     ratios = ratio_rows(main)
     if ratios:
-        L += ["## Exact match relative to AR", "",
-              f"Each ReFusion decode's exact match over the AR decoding of `ar_continued` at the "
+        score = "pass@1" if task.metric == "pass_at_1" else "exact match"
+        L += [f"## {score[0].upper() + score[1:]} relative to AR", "",
+              f"Each ReFusion decode's {score} over the AR decoding of `ar_continued` at the "
               f"same seed, on the same {n_main} problems; the 95% interval is a paired "
               "bootstrap over problems (10,000 resamples of the problem indices, the ratio of "
               "means per resample, percentile interval; seed 0). Batch-1 speedup: wall seconds "
