@@ -162,12 +162,13 @@ def check_target(ratios: list[dict], target: dict) -> dict:
     return out
 
 
-def ratio_table(ratios: list[dict]) -> list[str]:
+def ratio_table(ratios: list[dict], score: str = "exact match") -> list[str]:
     """Markdown: each ReFusion decode's ratio to AR with its interval, per seed, then (with
-    several seeds) the mean over seeds per arm and setting."""
+    several seeds) the mean over seeds per arm and setting; `score` names the metric in the
+    column heads ("exact match", "pass@1")."""
     if not ratios:
         return []
-    L = ["| model | decoding | TPF | exact match | AR exact match (ar_continued, same seed) | "
+    L = [f"| model | decoding | TPF | {score} | AR {score} (ar_continued, same seed) | "
          "ratio | 95% interval (paired bootstrap) | batch-1 speedup |",
          "|---|---|---|---|---|---|---|---|"]
     for r in sorted(ratios, key=lambda r: (r["arm"], r["setting"].name(), r["seed"] or 0)):

@@ -408,8 +408,8 @@ def report_markdown(exp, got: dict, runs: dict, tok=None, target: dict | None = 
                      f"{r['exact_match']:.3f}, token accuracy {_f(r.get('token_accuracy'))}")
         L.append("")
     ratios = ratio_rows(main)
+    score = "pass@1" if task.metric == "pass_at_1" else "exact match"
     if ratios:
-        score = "pass@1" if task.metric == "pass_at_1" else "exact match"
         L += [f"## {score[0].upper() + score[1:]} relative to AR", "",
               f"Each ReFusion decode's {score} over the AR decoding of `ar_continued` at the "
               f"same seed, on the same {n_main} problems; the 95% interval is a paired "
@@ -417,7 +417,7 @@ def report_markdown(exp, got: dict, runs: dict, tok=None, target: dict | None = 
               "means per resample, percentile interval; seed 0). Batch-1 speedup: wall seconds "
               "of `ar_continued`'s AR decoding at batch 1 over this setting's at batch 1, on the "
               f"same first {min(task.latency_examples or n_main, n_main)} problems.", ""]
-        L += ratio_table(ratios) + [""]
+        L += ratio_table(ratios, score) + [""]
     if target is not None and ratios:
         L += ["## Target"] + target_lines(ratios, target, "Target (issue 34)")
         if goal is not None:
@@ -432,7 +432,7 @@ def report_markdown(exp, got: dict, runs: dict, tok=None, target: dict | None = 
         if part_ratios:
             L += [f"Relative to AR on `{set_name}`: each ReFusion decode over the AR decoding "
                   "of `ar_continued` at the same seed, paired bootstrap 95% interval as above.",
-                  ""] + ratio_table(part_ratios) + [""]
+                  ""] + ratio_table(part_ratios, score) + [""]
     examples = None
     if tok is not None:   # the examples need the task's tokenizer too
         try:
