@@ -442,3 +442,4 @@ def test_mbpp_times_the_lossless_settings_at_batch_1():
         ("dual_refusion_ar16", f"refusion_k{k}_b1slot_s0.9_t0.9_{v}_bidir_bs1")
         for v in ("draft_ahead", "draft_every") for k in (4, 8)]
     assert t.latency_examples == 100
+    assert t.arms == ("refusion", "ar_continued", "dual_refusion_ar16")

@@ -506,6 +506,7 @@ class MbppTask(_GeneratedTask):
 
     name = "mbpp"
     title = "MBPP-form code problems judged by execution (data_prep/code_problems.py)"
+    arms = ("refusion", "ar_continued", "dual_refusion_ar16")    # leg 2's, fixed before results
     config = "configs/experiment_mbpp.yaml"
     pretrain_steps, finetune_steps, micro_batch_size = 2400, 1500, 8
     metric = "pass_at_1"
