@@ -23,7 +23,8 @@ changes every batch):
      `n < natural_order_fraction` (draws 2-4 are made and unused).
 Mode "ar" draws nothing. Mode "dual" makes draw 1 and, with `dual_masking="refusion"`, draws 2
 and 3 (slot copied iff `u < c * p`, c = `dual_copy_scale`, 1 by default); with "all" p = 1 and
-c = 1. A copy token's weight is 1 / (c * p * n_r), as a masked token's in mode "refusion" (c = 1). Data_prep ends responses with EOS, so EOS is an AR target.
+c = 1. A copy token's weight is 1 / (c * p * n_r), as a masked token's in mode "refusion"
+(c = 1). Data_prep ends responses with EOS, so EOS is an AR target.
 """
 from __future__ import annotations
 

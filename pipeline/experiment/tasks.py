@@ -235,7 +235,8 @@ class Task(abc.ABC):
         """Every decode of the evaluation stage as (model, set, setting), AR baselines first:
         `arm_settings(grid)` for every ReFusion arm, then (full grid) `extra`, AR decoding of
         every arm and `unseen_settings` of every ReFusion arm on `unseen_set`, and at batch 1
-        AR decoding of `ar_continued` and `latency_settings` of every ReFusion arm. Jobs of arms not in `arms` are left out.
+        AR decoding of `ar_continued` and `latency_settings` of every ReFusion arm. Jobs of
+        arms not in `arms` are left out.
         Each setting is the one its arm decodes with (`arm_setting`).
 
         Args:
