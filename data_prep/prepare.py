@@ -395,6 +395,24 @@ def _batches(stream, resume_from: dict | None, max_records: int = 256, max_chars
         yield batch
 
 
+def _pool_born_ignoring_ctrl_c(ctx, workers: int, init, initargs):
+    """`ctx.Pool(workers, init, initargs)` whose workers ignore SIGINT from the fork on: the
+    parent ignores it while the pool starts its workers, then restores its handler. A Ctrl-C
+    (SIGINT to the whole process group) that reached a worker between fork and `init` raised
+    KeyboardInterrupt inside the child's at-fork hooks and could leave shard.py hung after its
+    "interrupted" line. A Ctrl-C during the start-up itself is lost (press it again). Only the
+    main thread may set handlers; from another thread the pool starts as before."""
+    import threading
+    if threading.current_thread() is not threading.main_thread():
+        return ctx.Pool(workers, initializer=init, initargs=initargs)
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        return ctx.Pool(workers, initializer=init, initargs=initargs)
+    finally:
+        if previous is not None:      # None: a handler not set from Python, left as it is
+            signal.signal(signal.SIGINT, previous)
+
+
 def _ordered_results(batches, args, tok: Tokenizer):
     """Yield (batch, results) in input order; a bounded window of batches in flight."""
     if args.workers <= 1:
@@ -410,7 +428,7 @@ def _ordered_results(batches, args, tok: Tokenizer):
         _WORKER["tok"] = tok
     else:
         ctx, init, initargs = mp.get_context("spawn"), _init_worker, (args.tokenizer,)
-    with ctx.Pool(args.workers, initializer=init, initargs=initargs) as pool:
+    with _pool_born_ignoring_ctrl_c(ctx, args.workers, init, initargs) as pool:
         window = collections.deque()
         for b in batches:
             window.append((b, pool.apply_async(_tokenize_batch,

@@ -560,6 +560,33 @@ def test_utf8_bom_is_dropped(tmp_path, spm_model, capsys):
     assert got == ["r1", "r2", "r3", "plain text\n"]
 
 
+_BORN_WITH: list = []
+
+
+def _record_sigint_at_init():
+    import signal
+    _BORN_WITH.append(signal.getsignal(signal.SIGINT))
+
+
+def _born_with(_):
+    return list(_BORN_WITH)
+
+
+def test_pool_workers_ignore_ctrl_c_from_their_fork():
+    """shard.py's worker pool: each worker holds SIG_IGN for SIGINT before its initializer runs
+    (a Ctrl-C between fork and initializer used to raise inside the child's at-fork hooks and
+    could hang the run after its "interrupted" line), and the parent's handler is back after."""
+    import multiprocessing as mp
+    import signal
+    from data_prep.prepare import _pool_born_ignoring_ctrl_c
+    before = signal.getsignal(signal.SIGINT)
+    assert before is signal.default_int_handler
+    with _pool_born_ignoring_ctrl_c(mp.get_context("fork"), 2, _record_sigint_at_init, ()) as pool:
+        assert signal.getsignal(signal.SIGINT) is before
+        seen = [h for w in pool.map(_born_with, range(8)) for h in w]
+    assert seen and all(h == signal.SIG_IGN for h in seen), seen
+
+
 def test_ctrl_c_with_workers_one_line_exit_130(tmp_path, spm_model):
     import signal
     import time
