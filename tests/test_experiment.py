@@ -427,6 +427,7 @@ def test_mbpp_decodes_unseen_with_refusion_settings_and_reports_their_ratio(tmp_
     assert "Relative to AR on `unseen`" in md
     assert "## Pass@1 relative to AR" in md and "## Exact match relative to AR" not in md
     assert "| model | decoding | TPF | pass@1 | AR pass@1 (ar_continued, same seed) |" in md
+    assert "TPF >= 2.5 with pass@1 >= 95% of the AR decoding" in md
     lines = [ln for ln in md.splitlines() if ln.startswith("| refusion | k=4, 4 blocks")]
     assert len(lines) == 2 and "| 4.50 | 0.700 | 0.800 | 0.875 | - |" in lines[0], lines
     assert "| 4.50 | 0.400 | 0.500 | 0.800 | [" in lines[1], lines

@@ -419,9 +419,9 @@ def report_markdown(exp, got: dict, runs: dict, tok=None, target: dict | None = 
               f"same first {min(task.latency_examples or n_main, n_main)} problems.", ""]
         L += ratio_table(ratios, score) + [""]
     if target is not None and ratios:
-        L += ["## Target"] + target_lines(ratios, target, "Target (issue 34)")
+        L += ["## Target"] + target_lines(ratios, target, "Target (issue 34)", score)
         if goal is not None:
-            L += target_lines(ratios, goal, "Goal beyond it")
+            L += target_lines(ratios, goal, "Goal beyond it", score)
         L.append("")
     others = [r for r in rows if r.get("set") != task.main_set]
     for set_name in dict.fromkeys(r["set"] for r in others):
