@@ -29,7 +29,9 @@ the trainer itself resumes from its latest checkpoint):
    `refusion_boundary` (`objective.boundary_labels=true`, `objective.natural_order_fraction=F`;
    its run folder is `runs/refusion_boundary_f<F>`), `dual_all`, `dual_refusion`,
    `dual_all_ar4`, `dual_all_ar16`, `dual_all_ar64` (`dual_all` with `objective.ar_weight`
-   4 / 16 / 64), `dual_refusion_ar16` (`dual_refusion` with weight 16); each once per
+   4 / 16 / 64), `dual_refusion_ar16` (`dual_refusion` with weight 16), the levers
+   `dual_refusion_ar16_copy50` (`objective.dual_copy_scale=0.5`) and `dual_refusion_ar16_long`
+   (4/3 the steps, `tasks.ARM_STEP_SCALE`: not equal compute); each once per
    seed of `--seeds` (`runs/<arm>_seed<N>` for a seed other than the config's); export each.
    With `--sweep`, one `refusion_boundary` run per share of `task.sweep_fractions`.
 2b. only with `--sweep`: AR decoding and `task.sweep_setting` of every swept share (and AR
