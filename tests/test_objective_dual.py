@@ -56,10 +56,12 @@ def draws(seed: int, key: str, epoch: int) -> np.random.Generator:
     return np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, epoch, h])))
 
 
-def dual_cfg(masking: str) -> ObjectiveConfig:
-    """`masking` "all", "refusion" or "refusion@c" (`dual_copy_scale` c) as a mode-dual config."""
+def dual_cfg(masking: str, **options) -> ObjectiveConfig:
+    """`masking` "all", "refusion" or "refusion@c" (`dual_copy_scale` c) as a mode-dual config,
+    with further `ObjectiveConfig` options."""
     name, _, scale = masking.partition("@")
-    return ObjectiveConfig(mode="dual", dual_masking=name, dual_copy_scale=float(scale or 1))
+    return ObjectiveConfig(mode="dual", dual_masking=name, dual_copy_scale=float(scale or 1),
+                           **options)
 
 
 def reference_sample(x, segments, key, seed, epoch, masking, max_length):
@@ -650,8 +652,7 @@ def test_fed_length_from_the_slot_layout_equals_reorganize_sample(masking, slot_
     layout = sample_index.SlotLayout.of_samples(
         [(sample_index.key_hash(k), sample_index.slot_runs(seg)) for k, (_, seg) in zip(keys, samples)])
     assert len(layout.runs[layout.run_first[-2]:layout.run_first[-1]]) == 4  # 65535 + 1 slots, 2
-    cfg = dual_cfg(masking)
-    cfg.slot_sizes = slot_sizes
+    cfg = dual_cfg(masking, slot_sizes=slot_sizes)
     checked = dropped = 0
     for i, ((x, seg), key) in enumerate(zip(samples, keys)):
         h, size, slot_seg = layout.sample(i)

@@ -108,8 +108,7 @@ class EvaluationStage:
                "processes": self.eval_workers() if self.worker else 1, **r[s.mode],
                "correct": correct}
         write_json(self.eval_path(model, set_name, s), doc, indent=None)
-        what = "pass@1" if self.task.metric == "pass_at_1" else "exact match"
-        _log(f"{model} {set_name} {s.name()}: {what} {doc['exact_match']:.3f} "
+        _log(f"{model} {set_name} {s.name()}: {self.task.score_name} {doc['exact_match']:.3f} "
              f"token accuracy {doc['token_accuracy']:.3f} TPF {doc['tpf']:.2f} "
              f"tokens/s {doc['tps']:.0f}")
         return doc

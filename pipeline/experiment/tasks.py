@@ -219,6 +219,12 @@ class Task(abc.ABC):
     unseen_settings: tuple = ()        # ReFusion settings decoded on unseen_set too, every arm
 
     @property
+    def score_name(self) -> str:
+        """The metric's name in logs and reports: "pass@1" (metric pass_at_1), else "exact
+        match" (`exact_match` in every result file holds either)."""
+        return "pass@1" if self.metric == "pass_at_1" else "exact match"
+
+    @property
     def refusion_arms(self) -> list[str]:
         """The task's default stage-2 models trained with a ReFusion objective."""
         return refusion_arms(self.arms)

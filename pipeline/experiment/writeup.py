@@ -408,7 +408,7 @@ def report_markdown(exp, got: dict, runs: dict, tok=None, target: dict | None = 
                      f"{r['exact_match']:.3f}, token accuracy {_f(r.get('token_accuracy'))}")
         L.append("")
     ratios = ratio_rows(main)
-    score = "pass@1" if task.metric == "pass_at_1" else "exact match"
+    score = task.score_name
     if ratios:
         L += [f"## {score[0].upper() + score[1:]} relative to AR", "",
               f"Each ReFusion decode's {score} over the AR decoding of `ar_continued` at the "
