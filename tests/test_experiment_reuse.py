@@ -217,6 +217,15 @@ def test_arms_seeds_and_grid_options_and_their_jobs(tmp_path, capsys):
     assert ("ar_continued_seed1235", "test", Setting(batch_size=1)) in jobs
     assert not any(mm.startswith("ar_continued") and s.mode == "refusion" for mm, _, s in jobs)
     assert len(jobs) == len(set(jobs)) == 2 * (3 + 2 * 5 + 3 + 1 + 2 * 4)
+    # the lossless grid: the default grid without the authors' decoder, every other job kept
+    lossless = _experiment(tmp_path / "l", arms=["dual_all", "dual_refusion"],
+                           seeds=[1234, 1235], grid="lossless").jobs()
+    dropped = [j for j in jobs if j not in lossless]
+    assert not [j for j in lossless if j not in jobs]
+    assert len(dropped) == 4 and {s for _, _, s in dropped} == {t.paper_setting}
+    with pytest.raises(SystemExit) as exit_:
+        main(["--grid", "nope", "--output", str(tmp_path)])
+    assert exit_.value.code == 2 and "lossless" in capsys.readouterr().err
     full = _experiment(tmp_path / "f", grid="full").jobs()
     assert set(TASKS["math"].jobs(grid="full")) == set(full)
     assert set(t.grid) | set(t.arm_grid) | set(t.default_grid) <= {s for _, _, s in full}

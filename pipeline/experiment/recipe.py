@@ -1,7 +1,7 @@
 """The scaled-down ReFusion recipe, ReFusion vs AR, end to end: `make experiment`.
 
     python -m pipeline.experiment [--task math|code|mbpp] [--output outputs/experiment/<task>]
-        [--arms A,B,...] [--seeds N,M,...] [--grid default|full] [--examples N]
+        [--arms A,B,...] [--seeds N,M,...] [--grid default|full|lossless] [--examples N]
         [--pretrain-steps N] [--finetune-steps N] [--micro-batch-size B] [--threads T]
         [--nproc P] [--parallel [N]] [--sweep] [--natural-order-fraction F] [--only-report]
 
@@ -135,7 +135,8 @@ class Experiment(DataStage, TrainingStage, ExportStage, EvaluationStage, ReportS
         seeds: stage-2 seeds (`train.seed`); default: the run config's. The run of the
             config's seed is `runs/<arm>`, another's `runs/<arm>_seed<N>`; all start from the
             one AR pretraining.
-        grid: "default" (the task's `default_grid`) or "full" (`Task.jobs`).
+        grid: "default" (the task's `default_grid`), "full" (`Task.jobs`) or "lossless" (the
+            default grid's draft_ahead / draft_every settings: `Task.arm_settings`).
         limit_examples: evaluate on the first N examples of each held-out set only (0: all);
             results under `eval_first<N>/`, `diagnose_first<N>/`.
     """
@@ -338,7 +339,8 @@ def main(argv=None) -> int:
                         "(results in eval_firstN/, diagnose_firstN/; default: all)")
     p.add_argument("--grid", choices=GRIDS, default="default",
                    help="ReFusion decodes of each ReFusion arm: default (the paper's setting, "
-                        "draft_ahead and draft_every) or full (the task's whole grid too)")
+                        "draft_ahead and draft_every), full (the task's whole grid too) or "
+                        "lossless (draft_ahead and draft_every only)")
     args = p.parse_args(argv)
     from pipeline.common.cli import UsageError
     try:

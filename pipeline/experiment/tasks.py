@@ -87,7 +87,10 @@ class Setting:
 AR = Setting()
 # verify modes that decode one slot at a time, left to right, whatever `num_blocks` says
 LEFT_TO_RIGHT = ("draft_ahead", "draft_every")
-GRIDS = ("default", "full")
+# `--grid`: "default" (`Task.default_grid`), "full" (every grid of the task) or "lossless" (the
+# default grid's left-to-right settings only: the decodes whose answers equal the model's AR
+# answer at greedy, without the authors' decoder)
+GRIDS = ("default", "full", "lossless")
 # The stage-2 arms `--arms` may name, with the objective options each trains with (besides the
 # options every stage-2 run shares, `training.TrainingStage.finetune_overrides`);
 # `refusion_boundary` adds its natural-order share.
@@ -232,7 +235,9 @@ class Task(abc.ABC):
     def arm_settings(self, grid: str = "full") -> tuple:
         """The ReFusion settings decoded on main_set for every ReFusion arm: `grid="full"`:
         `arm_grid`, `grid` and `full_grid`; `"default"`: `default_grid` (when the task has
-        one)."""
+        one); `"lossless"`: the left-to-right settings (`LEFT_TO_RIGHT`) of that."""
+        if grid == "lossless":
+            return tuple(s for s in self.arm_settings("default") if s.verify in LEFT_TO_RIGHT)
         if grid == "default" and self.default_grid is not None:
             return tuple(self.default_grid)
         return tuple(dict.fromkeys(self.arm_grid + self.grid + self.full_grid))
@@ -246,7 +251,7 @@ class Task(abc.ABC):
         Each setting is the one its arm decodes with (`arm_setting`).
 
         Args:
-            arms: the stage-2 arms (default: the task's); grid: "default" or "full".
+            arms: the stage-2 arms (default: the task's); grid: one of `GRIDS`.
         """
         arms = tuple(arms or self.arms)
         out = [(m, self.main_set, AR) for m in arms]
