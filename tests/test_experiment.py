@@ -138,8 +138,36 @@ def test_code_report_tables_frontier_and_target(tmp_path):
     assert "- not met." in md and "TPF 2.10 < 2.5; lower end - < 0.9; batch-1 speedup -" in md
     assert "| refusion | 5.0000 | 2.0000 | 3.0000 |" in md
     # The AR run's logged MDM term (0) is not reported as an MDM loss; steps are the run's own.
-    assert "| 1. AR pretraining (from scratch) | 2 | 200 | 3.000 (3.000 / -) |" in md
-    assert "| 2a. ReFusion fine-tuning | 2 | 200 | 4.500 (3.000 / 1.500) |" in md
+    assert "| 1. AR pretraining (from scratch) | 2 | 200 | 200 | 3.000 (3.000 / -) |" in md
+    assert "| 2a. ReFusion fine-tuning | 2 | 200 | - | 4.500 (3.000 / 1.500) |" in md
+
+
+def test_report_gives_each_runs_clean_tokens_fed(tmp_path):
+    """Clean tokens (fed unmasked with next-token targets): a dual run's per-step
+    `clean_tokens` summed, copies left out; an AR run's real tokens; none for the paper's
+    objective. Every step's record counts once (a resumed run's re-logged step: its last)."""
+    e = Experiment("math", str(tmp_path), arms=["dual_refusion_ar16", "refusion"],
+                   seeds=[1234, 1235], pretrain_steps=4, finetune_steps=3, threads=1)
+    for name, steps in (("pretrain_ar", 4), ("ar_continued", 3), ("refusion", 3),
+                        ("dual_refusion_ar16_seed1235", 3)):
+        d = e.run_dir(name)
+        d.mkdir(parents=True)
+        recs = [{"kind": "train", "step": s, "loss": 1.0, "ar_loss": 1.0, "mdm_loss": 0.5,
+                 "consumed_tokens": 100 * s} for s in range(1, steps + 1)]
+        if name.startswith("dual"):     # step s: 60 + s clean tokens, 40 - s copies
+            recs = [{**r, "clean_tokens": 60 + r["step"], "copy_tokens": 40 - r["step"]}
+                    for r in recs]
+            # step 2 logged, lost to a crash, re-logged after the resume: the last counts
+            recs.insert(1, {**recs[1], "clean_tokens": 999})
+        d.joinpath("metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    runs = e.training_runs()
+    got = e.clean_tokens_fed(runs)
+    dual = e.run_label("dual_refusion_ar16_seed1235")
+    assert got == {e.run_label("pretrain_ar"): 400, e.run_label("ar_continued"): 300,
+                   dual: 61 + 62 + 63}
+    md = e.stage_report().read_text()
+    assert f"| {dual} | 3 | 300 | 186 | " in md
+    assert f"| {e.run_label('refusion')} | 3 | 300 | - | " in md
 
 
 def test_target_check_says_when_the_baseline_exact_match_is_zero(tmp_path):

@@ -98,6 +98,25 @@ class ReportStage:
                                for r in v] for k, v in m.items()}
         return runs
 
+    def clean_tokens_fed(self, runs: dict) -> dict[str, int]:
+        """{run label: clean tokens fed over the run}: the tokens fed unmasked with next-token
+        targets. A dual-objective run: the sum of its per-step `clean_tokens` (copies left
+        out; `pipeline.training.metrics`); an AR run (`pretrain_ar`, `ar_continued`): every
+        real token, its last `consumed_tokens`. Runs of other objectives are left out.
+
+        Args:
+            runs: `training_runs()`'s result (every step's train record, one per step).
+        """
+        out = {}
+        for name in ["pretrain_ar"] + self.models():
+            label = self.run_label(name)
+            train = runs.get(label, {}).get("train", [])
+            if any("clean_tokens" in r for r in train):
+                out[label] = sum(r.get("clean_tokens", 0) for r in train)
+            elif train and split_seed(name)[0] in ("pretrain_ar", "ar_continued"):
+                out[label] = train[-1].get("consumed_tokens")
+        return out
+
     def stage_report(self) -> Path:
         """Write `loss.png`, `frontier.png` and `report.md` (atomically) under `out`; returns
         the path of `report.md`."""

@@ -352,8 +352,9 @@ def report_markdown(exp, got: dict, runs: dict, tok=None, target: dict | None = 
     if exp.timings:
         L += ["Stages of the last invocation (`timings.json`; `reused`: its result was there, "
               "made from the same inputs; `skipped`: the options did not ask for it):", ""] + timing_lines(exp.timings) + [""]
-    L += ["## Training", "", "| run | steps | tokens | last train loss (AR / MDM) | "
-          "last validation loss (AR / MDM) |", "|---|---|---|---|---|"]
+    clean = exp.clean_tokens_fed(runs)
+    L += ["## Training", "", "| run | steps | tokens | clean tokens | last train loss (AR / MDM) "
+          "| last validation loss (AR / MDM) |", "|---|---|---|---|---|---|"]
     for label, m in runs.items():
         tr, va = m.get("train", []), m.get("val", [])
         if not tr:
@@ -366,11 +367,14 @@ def report_markdown(exp, got: dict, runs: dict, tok=None, target: dict | None = 
             return sum(vals) / len(vals) if vals else None
         v = va[-1] if va else {}
         L.append(f"| {label} | {t['run_step']} | {t.get('consumed_tokens', '-')} | "
+                 f"{clean.get(label, '-')} | "
                  f"{_f(mean('loss'))} ({_f(mean('ar_loss'))} / {_f(mean('mdm_loss'))}) | "
                  f"{_f(v.get('val_loss'))} ({_f(v.get('val_ar_loss'))} / "
                  f"{_f(v.get('val_mdm_loss'))}) |")
-    L += ["", "(train loss: mean of the last logged steps; each run's validation uses its "
-          "own objective; steps of 2a/2b are counted after stage 1 in loss.png)", ""]
+    L += ["", "(tokens: real tokens fed, padding left out; clean tokens: those fed unmasked "
+          "with next-token targets, copies left out, for the AR and dual-objective runs; train "
+          "loss: mean of the last logged steps; each run's validation uses its own objective; "
+          "steps of 2a/2b are counted after stage 1 in loss.png)", ""]
     if got["losses"]:
         L += ["Validation loss of each stage-2 model under the paper's ReFusion objective "
               "(`pipeline.training.validation.validation_loss`, first 160 validation samples):", "",
