@@ -136,6 +136,7 @@ def test_code_report_tables_frontier_and_target(tmp_path):
     assert ("| refusion | k=4, 2 blocks, slot thr 0.5, token thr 0.1, verify authors | 2.10 | "
             "0.190 | 0.200 | 0.950 | - | - |") in md
     assert "- not met." in md and "TPF 2.10 < 2.5; lower end - < 0.9; batch-1 speedup -" in md
+    assert "at every seed evaluated (at least 2), TPF >= 2.5 with exact match >= 95%" in md
     assert "| refusion | 5.0000 | 2.0000 | 3.0000 |" in md
     # The AR run's logged MDM term (0) is not reported as an MDM loss; steps are the run's own.
     assert "| 1. AR pretraining (from scratch) | 2 | 200 | 200 | 3.000 (3.000 / -) |" in md

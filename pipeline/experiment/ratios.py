@@ -201,8 +201,8 @@ def target_lines(ratios: list[dict], target: dict, what: str,
     """Markdown: the target (or goal) and, per arm and setting, met or what failed; `score`
     names the metric ("exact match", "pass@1")."""
     t = target
-    L = ["", f"{what}: at one setting of one ReFusion arm, at each of {t.get('seeds', 1)} "
-         f"seed(s), TPF >= {t['tpf']} "
+    L = ["", f"{what}: at one setting of one ReFusion arm, at every seed evaluated (at least "
+         f"{t.get('seeds', 1)}), TPF >= {t['tpf']} "
          f"with {score} >= {t['em_ratio']:.0%} of the AR decoding of `ar_continued` (same "
          f"seed), the 95% interval's lower end >= {t['lower']:.0%}, and a batch-1 wall-clock "
          f"speedup >= {t['speedup']}x over `ar_continued`'s AR decoding at batch 1.", ""]
